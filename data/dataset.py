@@ -1,0 +1,113 @@
+"""JSONL datasets: one row, one sequence.
+
+Rows are `{"text": ...}` (loss on every next token) or `{"prompt": ..., "response": ...}` (loss on
+the response tokens only). Text and prompts are tokenized the way the tokenizer does by default
+(its own BOS/EOS handling); a response is tokenized without special tokens and followed by EOS
+(`data.add_eos_to_response`) so the model learns where an answer ends. Sequences are truncated
+to `seq_length`. No row is ever dropped: a row with no target token left after truncation still
+counts as a sample and contributes nothing to the loss, so every rank agrees on the row count.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch.utils.data import Dataset
+
+from training.config import DataConfig
+
+
+class DataError(ValueError):
+    """Bad data file: the message names the file (and line)."""
+
+
+def count_rows(path: str) -> int:
+    """Number of non-blank lines: the sample count, without parsing or tokenizing."""
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    except OSError as e:
+        raise DataError(f"{path}: cannot read data file ({e.strerror})") from None
+
+
+def read_jsonl(path: str) -> list[tuple[int, dict]]:
+    """[(line number, row)] for every non-blank line."""
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+                rows.append((lineno, row))
+    except OSError as e:
+        raise DataError(f"{path}: cannot read data file ({e.strerror})") from None
+    if not rows:
+        raise DataError(f"{path}: empty dataset (no rows)")
+    return rows
+
+
+def encode_row(row: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[bool]]:
+    """Token ids and, per token, whether it is a target (predicted from the tokens before it)."""
+    if cfg.prompt_key in row or cfg.response_key in row:
+        prompt, response = row.get(cfg.prompt_key), row.get(cfg.response_key)
+        if not isinstance(prompt, str) or not isinstance(response, str):
+            raise KeyError(f"rows with '{cfg.prompt_key}' need string '{cfg.prompt_key}' and '{cfg.response_key}'")
+        p = tokenizer(prompt)["input_ids"]
+        r = tokenizer(response, add_special_tokens=False)["input_ids"]
+        if cfg.add_eos_to_response and tokenizer.eos_token_id is not None:
+            r = r + [tokenizer.eos_token_id]
+        return p + r, [False] * len(p) + [True] * len(r)
+    text = row.get(cfg.text_key)
+    if not isinstance(text, str):
+        raise KeyError(f"row has neither a string '{cfg.text_key}' nor '{cfg.prompt_key}'/'{cfg.response_key}'")
+    ids = tokenizer(text)["input_ids"]
+    return ids, [True] * len(ids)
+
+
+class TokenizedDataset(Dataset):
+    """A JSONL file tokenized in memory. Index -1 is a padding sample (no tokens, no targets)."""
+
+    def __init__(self, path: str, tokenizer, seq_length: int, cfg: DataConfig):
+        self.path = path
+        self.samples: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.truncated = 0
+        for lineno, row in read_jsonl(path):
+            try:
+                ids, targets = encode_row(row, tokenizer, cfg)
+            except KeyError as e:
+                raise DataError(f"{path}:{lineno}: {e.args[0]}") from None
+            self.truncated += len(ids) > seq_length
+            self.samples.append(
+                (torch.tensor(ids[:seq_length], dtype=torch.long), torch.tensor(targets[:seq_length], dtype=torch.bool))
+            )
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index == -1:
+            return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.bool)
+        return self.samples[index]
+
+    def target_tokens(self) -> int:
+        return sum(int(t[1:].sum()) for _, t in self.samples)
+
+
+class PlaceholderDataset(Dataset):
+    """What middle pipeline stages get: the row count and nothing else. They never read data."""
+
+    def __init__(self, num_rows: int):
+        self.num_rows = num_rows
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def __getitem__(self, index: int):
+        raise RuntimeError("a middle pipeline stage never reads data")

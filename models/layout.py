@@ -1,0 +1,139 @@
+"""The one table: pipeline layer index <-> Hugging Face key names <-> layer file names.
+
+Every converter, loader and test goes through this module; nothing else knows key names or
+index offsets. For a model with L decoder layers the pipeline layers are:
+
+    index 0          embedding         model.embed_tokens.weight
+    index 1 .. L     decoder block b   model.layers.{b}.*           (index = b + 1)
+    index L + 1      final RMSNorm     model.norm.weight
+    index L + 2      LM head           lm_head.weight
+
+With tied input/output embeddings the LM head is a second use of layer 0's module (DeepSpeed
+`TiedLayerSpec`): it has no file of its own and `lm_head.weight` maps to layer 0's `weight`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+EMBED, DECODER, NORM, LM_HEAD = "embed", "decoder", "norm", "lm_head"
+
+# kind -> {key inside our layer module: HF key template}. "{}" stands for the decoder block number.
+KEY_TABLE: dict[str, dict[str, str]] = {
+    EMBED: {"weight": "model.embed_tokens.weight"},
+    DECODER: {
+        "input_layernorm.weight": "model.layers.{}.input_layernorm.weight",
+        "self_attn.q_proj.weight": "model.layers.{}.self_attn.q_proj.weight",
+        "self_attn.k_proj.weight": "model.layers.{}.self_attn.k_proj.weight",
+        "self_attn.v_proj.weight": "model.layers.{}.self_attn.v_proj.weight",
+        "self_attn.o_proj.weight": "model.layers.{}.self_attn.o_proj.weight",
+        "post_attention_layernorm.weight": "model.layers.{}.post_attention_layernorm.weight",
+        "mlp.gate_proj.weight": "model.layers.{}.mlp.gate_proj.weight",
+        "mlp.up_proj.weight": "model.layers.{}.mlp.up_proj.weight",
+        "mlp.down_proj.weight": "model.layers.{}.mlp.down_proj.weight",
+        # Present only when config.attention_bias / config.mlp_bias is set.
+        "self_attn.q_proj.bias": "model.layers.{}.self_attn.q_proj.bias",
+        "self_attn.k_proj.bias": "model.layers.{}.self_attn.k_proj.bias",
+        "self_attn.v_proj.bias": "model.layers.{}.self_attn.v_proj.bias",
+        "self_attn.o_proj.bias": "model.layers.{}.self_attn.o_proj.bias",
+        "mlp.gate_proj.bias": "model.layers.{}.mlp.gate_proj.bias",
+        "mlp.up_proj.bias": "model.layers.{}.mlp.up_proj.bias",
+        "mlp.down_proj.bias": "model.layers.{}.mlp.down_proj.bias",
+    },
+    NORM: {"weight": "model.norm.weight"},
+    LM_HEAD: {"weight": "lm_head.weight"},
+}
+
+# HF keys that hold no weights (old checkpoints saved RoPE buffers): dropped on import.
+DROPPED_HF_KEYS: tuple[str, ...] = ("model.layers.{}.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq")
+
+_ATTN_BIAS = {k for k in KEY_TABLE[DECODER] if k.startswith("self_attn.") and k.endswith(".bias")}
+_MLP_BIAS = {k for k in KEY_TABLE[DECODER] if k.startswith("mlp.") and k.endswith(".bias")}
+
+
+def _template_regex(template: str) -> re.Pattern:
+    return re.compile("^" + re.escape(template).replace(r"\{\}", r"(\d+)") + "$")
+
+
+_HF_PATTERNS = [(kind, ours, _template_regex(tpl)) for kind, keys in KEY_TABLE.items() for ours, tpl in keys.items()]
+_DROP_PATTERNS = [_template_regex(tpl) for tpl in DROPPED_HF_KEYS]
+
+
+@dataclass(frozen=True)
+class PipeLayer:
+    """One entry of the pipeline layer list.
+
+    Args:
+        index: position in the `LayerSpec` list; also the number in the layer file name.
+        kind: one of EMBED, DECODER, NORM, LM_HEAD.
+        block: decoder block number (HF `model.layers.{block}`), None for other kinds.
+        has_file: False for the tied LM head, whose weight lives in layer 0's file.
+    """
+
+    index: int
+    kind: str
+    block: int | None = None
+    has_file: bool = True
+
+
+def pipe_layers(num_layers: int, tie_word_embeddings: bool) -> list[PipeLayer]:
+    """The pipeline layer list for a model with `num_layers` decoder blocks."""
+    layers = [PipeLayer(0, EMBED)]
+    layers += [PipeLayer(b + 1, DECODER, block=b) for b in range(num_layers)]
+    layers.append(PipeLayer(num_layers + 1, NORM))
+    layers.append(PipeLayer(num_layers + 2, LM_HEAD, has_file=not tie_word_embeddings))
+    return layers
+
+
+def layer_file_name(index: int, tp_rank: int = 0) -> str:
+    """DeepSpeed's per-layer file name; zero-padded because DeepSpeed globs `layer_XX-*`."""
+    return f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt"
+
+
+def layer_keys(layer: PipeLayer, config) -> dict[str, str]:
+    """{our key: HF key} for one layer file, given a `LlamaConfig`-like object."""
+    if not layer.has_file:
+        return {}
+    keys = KEY_TABLE[layer.kind]
+    if layer.kind == DECODER:
+        keys = {
+            ours: tpl.format(layer.block)
+            for ours, tpl in keys.items()
+            if (ours not in _ATTN_BIAS or getattr(config, "attention_bias", False))
+            and (ours not in _MLP_BIAS or getattr(config, "mlp_bias", False))
+        }
+    return dict(keys)
+
+
+def hf_key_to_layer(hf_key: str, num_layers: int, tie_word_embeddings: bool) -> tuple[int, str] | None:
+    """Map an HF key to (pipeline layer index, our key), or None for keys to drop.
+
+    Raises:
+        KeyError: the key is not part of the LLaMA layout (another architecture, or a block
+            number beyond `num_layers`).
+    """
+    if any(p.match(hf_key) for p in _DROP_PATTERNS):
+        return None
+    for kind, ours, pattern in _HF_PATTERNS:
+        m = pattern.match(hf_key)
+        if not m:
+            continue
+        if kind == EMBED:
+            return 0, ours
+        if kind == DECODER:
+            block = int(m.group(1))
+            if block >= num_layers:
+                raise KeyError(f"{hf_key}: block {block} >= num_hidden_layers={num_layers}")
+            return block + 1, ours
+        if kind == NORM:
+            return num_layers + 1, ours
+        # LM head: with tied embeddings it is the embedding's weight, stored once in layer 0.
+        return None if tie_word_embeddings else (num_layers + 2, ours)
+    raise KeyError(f"{hf_key}: not a key of the LLaMA layout")
+
+
+def all_layer_keys(config) -> dict[int, dict[str, str]]:
+    """{layer index: {our key: HF key}} for every layer that has a file."""
+    layers = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings)
+    return {layer.index: layer_keys(layer, config) for layer in layers if layer.has_file}

@@ -1,0 +1,43 @@
+"""Fine-tune a LLaMA-family model with DeepSpeed pipeline parallelism (PP x DP).
+
+    deepspeed --num_gpus N trainer.py model_name_or_path=CKPT num_stages=2 train_file=... [overrides]
+    torchrun --nproc_per_node N trainer.py ...        # works as well
+    python trainer.py ...                             # one rank
+
+Configuration: conf/config.yaml and its groups (model/, data/, deepspeed/, experiment/), checked
+against the dataclasses in training/config.py. `python trainer.py --help` lists them.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+# NOTE: the deepspeed launcher appends --local_rank=N (LOCAL_RANK is also in the environment) and
+# hydra rejects it: strip it before hydra parses sys.argv.
+sys.argv = [a for i, a in enumerate(sys.argv) if i == 0 or not re.fullmatch(r"--local[_-]rank(=\d+)?", a)]
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from training.config import TrainConfig, register_configs  # noqa: E402
+
+register_configs()
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(dict_cfg: DictConfig) -> None:
+    from data.dataset import DataError
+    from checkpoint.hf_reader import CheckpointError
+    from training.loop import RunError, Trainer
+
+    cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
+    try:
+        Trainer(cfg).run()
+    except (RunError, DataError, CheckpointError, FileNotFoundError) as e:
+        print(f"trainer: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

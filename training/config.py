@@ -1,0 +1,145 @@
+"""Typed run configuration, registered in hydra's ConfigStore so a misspelt key fails at start-up.
+
+Precedence: dataclass defaults < `conf/*.yaml` (groups model/, data/, deepspeed/, experiment/) <
+command-line overrides. The config is passed explicitly; nothing reads a global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+SCHEDULERS = ("cosine", "linear", "constant")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture preset and how the pipeline is built.
+
+    The architecture fields (hidden_size ...) are None when the model comes from
+    `model_name_or_path`; a preset that sets them is checked against the checkpoint's config.json
+    and used to build a model from scratch when no checkpoint is given.
+    """
+
+    name: str = "from_checkpoint"
+    source: str | None = None  # where the preset's numbers come from
+    vocab_size: int | None = None
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    max_position_embeddings: int | None = None
+    rms_norm_eps: float | None = None
+    rope_theta: float | None = None
+    tie_word_embeddings: bool | None = None
+    attn_implementation: str = "sdpa"
+    partition: Any = "parameters"  # "parameters", "uniform" or decoder blocks per stage, e.g. [2, 3, 3, 2]
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    text_key: str = "text"
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    add_eos_to_response: bool = True  # so the model learns where an answer ends
+    num_workers: int = 0
+
+
+@dataclass
+class DeepSpeedConfig:
+    """What goes into the DeepSpeed engine config (see `training.engine.deepspeed_config`)."""
+
+    precision: str = "auto"  # auto: bf16 on a bf16-capable GPU, fp32 on CPU
+    zero_stage: int | None = None  # None: 1 on GPU, 0 on CPU; the pipeline engine allows <= 1
+    offload_optimizer: bool = False  # CPU offload; DeepSpeed supports it under PP with fp16 only
+    grad_accum_dtype: str | None = None  # None: fp32 when precision is bf16
+    initial_scale_power: int = 16  # fp16 dynamic loss scale start, 2**N
+    steps_per_print: int = 1_000_000  # DeepSpeed's own console line; we log every step ourselves
+    wall_clock_breakdown: bool = False
+
+
+@dataclass
+class OptimConfig:
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    lr_scheduler: str = "cosine"
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0  # used when warmup_steps == 0
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class TrainConfig:
+    model_name_or_path: str | None = None  # a converted pipeline checkpoint (convert2ckpt.py)
+    tokenizer_name_or_path: str | None = None  # default: model_name_or_path
+    output_dir: str = "outputs/run"
+    num_stages: int = 1
+    train_file: str | None = None
+    eval_file: str | None = None
+    do_train: bool = True
+    do_eval: bool = True
+    max_steps: int = -1  # > 0 overrides num_train_epochs
+    num_train_epochs: int = 1
+    seq_length: int = 512
+    micro_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    eval_micro_batch_size: int | None = None  # default: micro_batch_size
+    learning_rate: float = 2e-5
+    seed: int = 42
+    save_steps: int = 0  # 0: save only at the end
+    eval_steps: int = 0  # 0: evaluate only at the end
+    resume: bool = False  # true: continue from the latest checkpoint in output_dir
+    logging_steps: int = 1
+    dist_timeout_minutes: int = 30
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="data", name="data_schema", node=DataConfig)
+    cs.store(group="deepspeed", name="deepspeed_schema", node=DeepSpeedConfig)
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Checks that need more than types. Raises ValueError naming the key."""
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ValueError(msg)
+
+    need(cfg.num_stages >= 1, f"num_stages={cfg.num_stages} must be >= 1")
+    need(
+        world_size % cfg.num_stages == 0,
+        f"num_stages={cfg.num_stages} does not divide the world size {world_size} (PP x DP = world size)",
+    )
+    need(cfg.seq_length >= 2, f"seq_length={cfg.seq_length} must be >= 2")
+    need(cfg.micro_batch_size >= 1, f"micro_batch_size={cfg.micro_batch_size} must be >= 1")
+    need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
+    need(cfg.learning_rate >= 0, f"learning_rate={cfg.learning_rate} must be >= 0")
+    need(
+        cfg.model.attn_implementation in ATTN_IMPLEMENTATIONS,
+        f"model.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}",
+    )
+    need(cfg.deepspeed.precision in PRECISIONS, f"deepspeed.precision must be one of {PRECISIONS}")
+    need(cfg.optim.lr_scheduler in SCHEDULERS, f"optim.lr_scheduler must be one of {SCHEDULERS}")
+    need(cfg.deepspeed.zero_stage in (None, 0, 1), "deepspeed.zero_stage must be 0 or 1 with pipeline parallelism")
+    need(not cfg.do_train or cfg.train_file is not None, "do_train=true needs train_file")
+    need(not cfg.do_eval or cfg.eval_file is not None, "do_eval=true needs eval_file")
+    need(
+        cfg.model_name_or_path is not None or cfg.model.hidden_size is not None,
+        "model_name_or_path is not set (a checkpoint written by convert2ckpt.py) and model= names no preset to build",
+    )

@@ -1,0 +1,193 @@
+"""Distributed start-up and the DeepSpeed pipeline engine: topology, precision, optimizer, schedule."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from datetime import timedelta
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from deepspeed.runtime.utils import clip_grad_norm_
+
+from models.layers import init_weights
+from models.pipeline import build_pipeline_module
+from training.config import TrainConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
+    """Join the process group started by `deepspeed`/`torchrun`, or make a one-rank group for `python`.
+
+    Returns:
+        (global rank, world size).
+    """
+    if "RANK" not in os.environ:  # plain `python trainer.py`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it
+    if not dist.is_initialized():
+        deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes), verbose=False)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def resolve_precision(precision: str) -> str:
+    if precision != "auto":
+        return precision
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp32"
+
+
+def deepspeed_config(cfg: TrainConfig, dp_size: int) -> dict:
+    """The engine config. Batch sizes and clipping come from the top-level run config."""
+    ds = cfg.deepspeed
+    precision = resolve_precision(ds.precision)
+    zero_stage = ds.zero_stage if ds.zero_stage is not None else (1 if torch.cuda.is_available() else 0)
+    if ds.offload_optimizer and precision == "bf16":
+        raise ValueError(
+            "deepspeed.offload_optimizer=true with bf16 is not supported by DeepSpeed's pipeline engine "
+            "(DeepSpeed issue 3866); use deepspeed=fp16_offload"
+        )
+    if ds.offload_optimizer and zero_stage < 1:
+        raise ValueError("deepspeed.offload_optimizer=true needs deepspeed.zero_stage=1")
+    conf = {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "train_batch_size": cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp_size,
+        # NOTE: clipping always on (inf = compute the norm, never clip) so grad_norm is always reported.
+        "gradient_clipping": cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"),
+        "steps_per_print": ds.steps_per_print,
+        "wall_clock_breakdown": ds.wall_clock_breakdown,
+        "pipeline": {"use_reentrant": False},  # non-reentrant activation checkpointing
+        "zero_optimization": {"stage": zero_stage},
+        "zero_allow_untested_optimizer": True,
+    }
+    if precision == "bf16":
+        conf["bf16"] = {"enabled": True}
+        conf["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype or "fp32"}
+    elif precision == "fp16":
+        conf["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": ds.initial_scale_power}
+    elif ds.grad_accum_dtype:
+        conf["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype}
+    if ds.offload_optimizer:
+        conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return conf
+
+
+def param_groups(named_params, weight_decay: float) -> list[dict]:
+    """Decay matrices; never norms or biases (ndim < 2). Name-free, so HF references group alike."""
+    params = [p for _, p in named_params if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+class WarmupDecay:
+    """LR multiplier: linear warmup, then cosine/linear decay to `min_ratio`, or constant.
+
+    A class (not a closure) so `LambdaLR.state_dict()` records it and resumes restore it.
+    """
+
+    def __init__(self, total_steps: int, warmup_steps: int, kind: str, min_ratio: float):
+        self.total_steps, self.warmup_steps, self.kind, self.min_ratio = total_steps, warmup_steps, kind, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / (self.warmup_steps + 1)
+        if self.kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.kind == "cosine" else 1.0 - progress
+        return self.min_ratio + (1.0 - self.min_ratio) * decay
+
+
+def make_optimizer(cfg: TrainConfig, named_params, total_steps: int):
+    """AdamW and its LR schedule; the single-process reference in the tests uses these too."""
+    o = cfg.optim
+    kwargs = {"lr": cfg.learning_rate, "betas": (o.beta1, o.beta2), "eps": o.eps}
+    if torch.cuda.is_available():
+        kwargs["fused"] = True
+    optimizer = torch.optim.AdamW(param_groups(named_params, o.weight_decay), **kwargs)
+    warmup = o.warmup_steps or int(o.warmup_ratio * total_steps)
+    schedule = WarmupDecay(total_steps, warmup, o.lr_scheduler, o.min_lr_ratio)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def build_module(cfg: TrainConfig, llama_config, loss_fn, skip_init: bool = True):
+    """Build this rank's pipeline stage (and nothing else).
+
+    Args:
+        cfg: run config.
+        llama_config: `LlamaConfig` of the model, attention implementation set.
+        loss_fn: `CausalLMLoss`.
+        skip_init: leave weights uninitialised because a checkpoint will overwrite them.
+    """
+    dp = dist.get_world_size() // cfg.num_stages
+    topology = PipeModelDataParallelTopology(num_pp=cfg.num_stages, num_mp=1, num_dp=dp)
+    module = build_pipeline_module(
+        llama_config,
+        topology,
+        partition=cfg.model.partition,
+        activation_checkpointing=cfg.model.activation_checkpointing,
+        loss_fn=loss_fn,
+        skip_init=skip_init,
+    )
+    if not skip_init:
+        init_weights(module, llama_config.initializer_range)
+        module._synchronize_tied_weights()
+    # NOTE: DeepSpeed's fp32 gradient clipping sums norms over the model-parallel group, which in a
+    # pipeline is every stage, but only counts parameters flagged `model_parallel` on ranks other than
+    # its rank 0: without the flag, stages > 0 drop out of the norm. Tied copies stay unflagged
+    # (`ds_pipe_replicated`) so they count once. The bf16/ZeRO paths key on the tensor-parallel rank.
+    for p in module.parameters():
+        p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
+    return module
+
+
+def load_layer_files(module, step_dir: str) -> list[str]:
+    """Load this stage's layer files from `step_dir` (strict). Returns the files read.
+
+    Only the files of this rank's own layers are opened; tied weights are then broadcast from the
+    first stage that holds them.
+    """
+    files = []
+    for i, layer in enumerate(module.forward_funcs):
+        if not hasattr(layer, "load_state_dict"):  # the tied LM head: a function of layer 0's module
+            continue
+        found = module.ckpt_layer_path_list(step_dir, i)
+        if not found:
+            raise FileNotFoundError(f"{step_dir}: no file for pipeline layer {i + module._local_start}")
+        files += found
+    module.load_state_dir(step_dir, checkpoint_engine=TorchCheckpointEngine(), strict=True)
+    return files
+
+
+def initialize_engine(cfg: TrainConfig, module, total_steps: int):
+    """Wrap a built stage in DeepSpeed's PipelineEngine with AdamW and the LR schedule."""
+    dp = dist.get_world_size() // cfg.num_stages
+    optimizer, scheduler = make_optimizer(cfg, module.named_parameters(), total_steps)
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, dp)
+    )
+
+    # NOTE: DeepSpeed's fp32 path clips but does not record the norm; keep it for the metrics.
+    def clip_and_record():
+        norm = clip_grad_norm_(engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+        engine._global_grad_norm = float(norm)
+
+    engine.clip_fp32_gradients = clip_and_record
+    return engine

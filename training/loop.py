@@ -1,0 +1,396 @@
+"""The run: model config and tokenizer, data per stage, the engine, train/eval loops, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from data.collator import CausalLMCollator
+from data.dataset import PlaceholderDataset, TokenizedDataset, count_rows
+from data.sampling import TrainPlan, eval_batches, eval_indices, eval_num_batches, train_batches
+from models.pipeline import IGNORE_INDEX, CausalLMLoss
+from training.config import TrainConfig, validate
+from training.engine import build_module, init_distributed, initialize_engine, load_layer_files
+
+log = logging.getLogger("trainer")
+
+# Architecture keys a model preset may pin; checked against the checkpoint's config.json.
+ARCH_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "tie_word_embeddings",
+)
+
+
+class RunError(Exception):
+    """A user-facing problem with the run's inputs: one line naming the key or file."""
+
+
+@dataclass(frozen=True)
+class Coords:
+    """Where this rank sits: PP x DP with pipe as the outer axis (rank = stage * dp + dp_rank)."""
+
+    rank: int
+    world: int
+    num_stages: int
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.num_stages
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank % self.dp
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def has_data(self) -> bool:
+        return self.is_first or self.is_last
+
+    @property
+    def reporting(self) -> bool:
+        """The one rank that writes metrics and results: last stage, DP rank 0 (it has the loss)."""
+        return self.is_last and self.dp_rank == 0
+
+
+def load_model_config(cfg: TrainConfig):
+    """`LlamaConfig` from the checkpoint's config.json (checked against a preset) or from the preset."""
+    from transformers import AutoConfig, LlamaConfig
+
+    preset = {k: getattr(cfg.model, k) for k in ARCH_KEYS if getattr(cfg.model, k) is not None}
+    if cfg.model_name_or_path:
+        path = os.path.join(cfg.model_name_or_path, "config.json")
+        if not os.path.exists(path):
+            raise RunError(f"model_name_or_path: {path} is missing (convert the model with convert2ckpt.py)")
+        config = AutoConfig.from_pretrained(cfg.model_name_or_path)
+        if config.model_type != "llama":
+            raise RunError(f"{path}: model_type={config.model_type!r} is not a LLaMA model")
+        for key, want in preset.items():
+            have = config.rope_parameters.get("rope_theta") if key == "rope_theta" else getattr(config, key)
+            if have != want:
+                raise RunError(f"model.{key}={want} (preset {cfg.model.name}) but {path} has {key}={have}")
+    else:
+        config = LlamaConfig(**{k: v for k, v in preset.items() if k != "rope_theta"})
+        if "rope_theta" in preset:
+            config.rope_parameters["rope_theta"] = preset["rope_theta"]
+    impl = cfg.model.attn_implementation
+    if impl == "flash_attention_2":
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            raise RunError("model.attn_implementation=flash_attention_2 needs flash-attn (requirements-gpu.txt)") from None
+    config._attn_implementation = impl
+    if cfg.seq_length > config.max_position_embeddings and not getattr(config, "rope_scaling", None):
+        raise RunError(
+            f"seq_length={cfg.seq_length} exceeds max_position_embeddings={config.max_position_embeddings} "
+            "and the model configures no RoPE scaling"
+        )
+    return config
+
+
+def load_tokenizer(cfg: TrainConfig, vocab_size: int):
+    from transformers import AutoTokenizer
+
+    path = cfg.tokenizer_name_or_path or cfg.model_name_or_path
+    if path is None:
+        raise RunError("tokenizer_name_or_path is not set")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if len(tokenizer) > vocab_size:
+        raise RunError(f"tokenizer {path} has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}")
+    return tokenizer
+
+
+class LossScaledBatches:
+    """Last stage: attach to every micro-batch of a step the scale that makes the loss a global token mean.
+
+    Reads a step's micro-batches ahead, counts their target tokens, sums the count over the DP
+    group and yields ((input_ids, position_ids), (labels, scale)) with
+    scale = micro_batches * dp / global_target_tokens (see `CausalLMLoss`).
+    """
+
+    def __init__(self, batches, micro_batches: int, dp_group, dp_size: int):
+        self.batches, self.micro_batches, self.dp_group, self.dp_size = batches, micro_batches, dp_group, dp_size
+        self.pending: list = []
+        self.step_tokens = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.pending:
+            step = [next(self.batches) for _ in range(self.micro_batches)]
+            tokens = torch.tensor([sum(int((labels != IGNORE_INDEX).sum()) for _, labels in step)], dtype=torch.long)
+            if self.dp_size > 1:
+                dist.all_reduce(tokens, group=self.dp_group)
+            self.step_tokens = int(tokens)
+            scale = torch.tensor(self.micro_batches * self.dp_size / max(self.step_tokens, 1))
+            self.pending = [(inputs, (labels, scale)) for inputs, labels in step]
+        return self.pending.pop(0)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def configure_logging(coords: Coords) -> None:
+    level = logging.INFO if coords.rank == 0 or coords.reporting else logging.WARNING
+    logging.basicConfig(level=level, format=f"[rank{coords.rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S")
+    log.setLevel(level)
+
+
+def broadcast_row_counts(cfg: TrainConfig) -> tuple[int, int]:
+    """Rank 0 counts rows (a line count, no parsing); every rank gets the same numbers."""
+    counts = [0, 0]
+    if dist.get_rank() == 0:
+        counts = [
+            count_rows(cfg.train_file) if cfg.do_train else 0,
+            count_rows(cfg.eval_file) if cfg.do_eval else 0,
+        ]
+    dist.broadcast_object_list(counts, src=0)
+    return counts[0], counts[1]
+
+
+def checkpoint_tag(path: str) -> str:
+    latest = os.path.join(path, "latest")
+    if not os.path.exists(latest):
+        raise RunError(f"{path}: no 'latest' file, so no checkpoint to load")
+    with open(latest) as f:
+        return f.read().strip()
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        rank, world = init_distributed(cfg.dist_timeout_minutes)
+        self.coords = Coords(rank, world, cfg.num_stages)
+        configure_logging(self.coords)
+        try:
+            validate(cfg, world)
+        except ValueError as e:
+            raise RunError(str(e)) from None
+        seed_everything(cfg.seed)
+        self.model_config = load_model_config(cfg)
+        self.tokenizer = load_tokenizer(cfg, self.model_config.vocab_size) if self.coords.has_data else None
+        self.num_train_rows, self.num_eval_rows = broadcast_row_counts(cfg)
+        self.plan = TrainPlan(self.num_train_rows, self.coords.dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
+        if cfg.do_train and self.plan.steps_per_epoch == 0:
+            raise RunError(
+                f"train_file {cfg.train_file}: {self.num_train_rows} rows give no full step of "
+                f"{self.plan.rows_per_step} rows per DP rank x {self.coords.dp} DP ranks"
+            )
+        self.total_steps = self.plan.total_steps(cfg.max_steps, cfg.num_train_epochs) if cfg.do_train else 0
+        self.loss_fn = CausalLMLoss()
+        self.resuming = cfg.resume
+        if cfg.resume:
+            checkpoint_tag(cfg.output_dir)  # fail now, before building anything, if there is none
+        module = build_module(cfg, self.model_config, self.loss_fn, skip_init=cfg.model_name_or_path is not None)
+        if cfg.model_name_or_path and not cfg.resume:
+            tag = checkpoint_tag(cfg.model_name_or_path)
+            self.loaded_files = load_layer_files(module, os.path.join(cfg.model_name_or_path, tag))
+            log.info("loaded %s (%s): rank %d read %d layer files", cfg.model_name_or_path, tag, rank, len(self.loaded_files))
+        self.engine = initialize_engine(cfg, module, max(self.total_steps, 1))
+        self.step = 0
+        if cfg.resume:
+            self._resume()
+        self.collate = CausalLMCollator(cfg.seq_length, self._pad_id())
+        self.train_set = self.eval_set = None
+        if self.coords.has_data:
+            if cfg.do_train:
+                self.train_set = TokenizedDataset(cfg.train_file, self.tokenizer, cfg.seq_length, cfg.data)
+            if cfg.do_eval:
+                self.eval_set = TokenizedDataset(cfg.eval_file, self.tokenizer, cfg.seq_length, cfg.data)
+        else:  # middle stages: the row counts and nothing else
+            self.train_set = PlaceholderDataset(self.num_train_rows)
+            self.eval_set = PlaceholderDataset(self.num_eval_rows)
+        if rank == 0:
+            self._write_run_files()
+
+    # ---------------------------------------------------------------- set-up helpers
+
+    def _pad_id(self) -> int:
+        tok = self.tokenizer
+        if tok is None:
+            return 0
+        for candidate in (tok.pad_token_id, tok.eos_token_id, 0):
+            if candidate is not None:
+                return candidate
+        return 0
+
+    def _write_run_files(self) -> None:
+        """Resolved config, model config and tokenizer, so output_dir is itself a loadable model dir."""
+        os.makedirs(self.cfg.output_dir, exist_ok=True)
+        with open(os.path.join(self.cfg.output_dir, "train_config.yaml"), "w") as f:
+            f.write(OmegaConf.to_yaml(OmegaConf.structured(self.cfg)))
+        self.model_config.save_pretrained(self.cfg.output_dir)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(self.cfg.output_dir)
+
+    def _resume(self) -> None:
+        cfg = self.cfg
+        tag = checkpoint_tag(cfg.output_dir)
+        path, client = self.engine.load_checkpoint(cfg.output_dir, tag=tag)
+        if path is None:
+            raise RunError(f"{cfg.output_dir}/{tag}: checkpoint could not be loaded")
+        saved = client.get("data", {})
+        now = self._data_state()
+        for key in ("num_train_rows", "dp_size", "micro_batch_size", "gradient_accumulation_steps", "seed"):
+            if key in saved and saved[key] != now[key]:
+                raise RunError(f"resume: {key}={now[key]} but the checkpoint {tag} was saved with {saved[key]}")
+        self.step = self.engine.global_steps
+        log.info("resumed from %s at step %d", os.path.join(cfg.output_dir, tag), self.step)
+
+    def _data_state(self) -> dict:
+        return {
+            "step": self.step,
+            "num_train_rows": self.num_train_rows,
+            "dp_size": self.coords.dp,
+            "micro_batch_size": self.cfg.micro_batch_size,
+            "gradient_accumulation_steps": self.cfg.gradient_accumulation_steps,
+            "seed": self.cfg.seed,
+        }
+
+    def _dp_group(self):
+        return self.engine.grid.get_data_parallel_group()
+
+    # ---------------------------------------------------------------- train / eval
+
+    def save(self) -> None:
+        tag = f"global_step{self.step}"
+        self.engine.save_checkpoint(self.cfg.output_dir, tag=tag, client_state={"data": self._data_state()})
+        log.info("saved checkpoint %s", os.path.join(self.cfg.output_dir, tag))
+
+    def train(self) -> None:
+        cfg, c = self.cfg, self.coords
+        data_iter = None
+        if c.has_data:
+            data_iter = train_batches(
+                self.train_set, self.plan, c.dp_rank, cfg.seed, self.step, self.collate, cfg.data.num_workers
+            )
+            if c.is_last:
+                data_iter = LossScaledBatches(data_iter, cfg.gradient_accumulation_steps, self._dp_group(), c.dp)
+        metrics = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a") if c.reporting else None
+        tokens_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * c.dp * cfg.seq_length
+        log.info(
+            "training steps %d..%d of %d (%d per epoch), PP=%d x DP=%d",
+            self.step + 1, self.total_steps, self.total_steps, self.plan.steps_per_epoch, cfg.num_stages, c.dp,
+        )
+        while self.step < self.total_steps:
+            lr = self.engine.get_lr()[0]
+            start = time.perf_counter()
+            loss = float(self.engine.train_batch(data_iter=data_iter))
+            seconds = time.perf_counter() - start
+            self.step += 1
+            if metrics is not None:
+                record = {
+                    "step": self.step,
+                    "epoch": self.plan.position(self.step - 1)[0],
+                    "loss": loss,
+                    "lr": lr,
+                    "grad_norm": self.engine.get_global_grad_norm(),
+                    "tokens_per_second": tokens_per_step / seconds,
+                    "target_tokens": data_iter.step_tokens,
+                    "step_seconds": seconds,
+                }
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+                if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
+                    log.info(
+                        "step %d/%d loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f",
+                        self.step, self.total_steps, loss, lr, record["grad_norm"] or 0.0, record["tokens_per_second"],
+                    )
+            if not math.isfinite(loss):
+                raise RunError(f"loss is {loss} at step {self.step}; stopping without saving")
+            if (cfg.save_steps and self.step % cfg.save_steps == 0) or self.step == self.total_steps:
+                self.save()
+            if cfg.do_eval and cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < self.total_steps:
+                self.evaluate()
+        if metrics is not None:
+            metrics.close()
+
+    def evaluate(self) -> dict | None:
+        """Token-weighted loss over every target token of eval_file; written by the reporting rank."""
+        cfg, c = self.cfg, self.coords
+        mbs = cfg.eval_micro_batch_size or cfg.micro_batch_size
+        micro_batches = cfg.gradient_accumulation_steps
+        n_batches = eval_num_batches(self.num_eval_rows, c.dp, mbs, micro_batches)
+        data_iter = None
+        if c.has_data:
+            indices = eval_indices(self.num_eval_rows, c.dp, c.dp_rank, mbs, micro_batches)
+            data_iter = eval_batches(self.eval_set, indices, mbs, self.collate)
+            if c.is_last:
+                data_iter = LossScaledBatches(data_iter, micro_batches, self._dp_group(), c.dp)
+        if mbs != cfg.micro_batch_size:
+            self.engine.reset_activation_shape()
+        self.loss_fn.reset()
+        for _ in range(n_batches):
+            self.engine.eval_batch(data_iter, num_micro_batches=micro_batches)
+        if mbs != cfg.micro_batch_size:
+            self.engine.reset_activation_shape()
+        results = None
+        if c.is_last:
+            totals = torch.tensor(self.loss_fn.totals(), dtype=torch.float64)
+            if c.dp > 1:
+                dist.all_reduce(totals, group=self._dp_group())
+            loss_sum, tokens = float(totals[0]), int(totals[1])
+            if tokens == 0:
+                raise RunError(f"eval_file {cfg.eval_file}: no target tokens to score")
+            results = {
+                "step": self.step,
+                "eval_loss": loss_sum / tokens,
+                "eval_tokens": tokens,
+                "eval_rows": self.num_eval_rows,
+                "perplexity": math.exp(min(loss_sum / tokens, 700.0)),
+            }
+            if c.reporting:
+                with open(os.path.join(cfg.output_dir, "eval_results.json"), "w") as f:
+                    json.dump(results, f, indent=2)
+                log.info("eval at step %d: loss %.4f over %d tokens, perplexity %.3f",
+                         self.step, results["eval_loss"], tokens, results["perplexity"])
+        self.loss_fn.reset()
+        return results
+
+    def run(self) -> None:
+        if self.cfg.do_train:
+            self.train()
+        if self.cfg.do_eval:
+            self.evaluate()
+        if self.coords.reporting:
+            out = os.path.abspath(self.cfg.output_dir)
+            lines = [f"output_dir: {out}"]
+            if os.path.exists(os.path.join(out, "latest")):
+                lines.append(f"  checkpoint: {os.path.join(out, checkpoint_tag(out))} (latest)")
+            for name in ("metrics.jsonl", "eval_results.json", "train_config.yaml"):
+                if os.path.exists(os.path.join(out, name)):
+                    lines.append(f"  {name}: {os.path.join(out, name)}")
+            print("\n".join(lines), flush=True)
+        dist.barrier()
