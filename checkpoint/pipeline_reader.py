@@ -1,0 +1,47 @@
+"""Read a pipeline checkpoint back into Hugging Face key names, one layer file at a time."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import torch
+
+from checkpoint.hf_reader import CheckpointError
+from models.layout import EMBED, KEY_TABLE, LM_HEAD, all_layer_keys, layer_file_name
+
+
+def read_tag(ckpt_dir: str, tag: str | None = None) -> str:
+    if tag:
+        return tag
+    path = os.path.join(ckpt_dir, "latest")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{ckpt_dir}: no 'latest' file; pass a tag")
+    with open(path) as f:
+        return f.read().strip()
+
+
+def iter_hf_tensors(ckpt_dir: str, config, tag: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF key, tensor) for every weight of the checkpoint, reading one layer file at a time.
+
+    With tied embeddings `lm_head.weight` is not yielded (HF re-ties it on load).
+    """
+    step_dir = os.path.join(ckpt_dir, read_tag(ckpt_dir, tag))
+    for index, keys in all_layer_keys(config).items():
+        path = os.path.join(step_dir, layer_file_name(index))
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path}: layer file missing")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        extra = set(state) - set(keys)
+        if extra or set(keys) - set(state):
+            raise CheckpointError(f"{path}: keys {sorted(extra or set(keys) - set(state))} do not match the layout")
+        for ours, hf in keys.items():
+            yield hf, state.pop(ours)
+
+
+def load_hf_state_dict(ckpt_dir: str, config, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The whole model in HF key names (for small models and tests)."""
+    state = dict(iter_hf_tensors(ckpt_dir, config, tag))
+    if config.tie_word_embeddings:
+        state.setdefault(KEY_TABLE[LM_HEAD]["weight"], state[KEY_TABLE[EMBED]["weight"]])
+    return state

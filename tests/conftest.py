@@ -1,0 +1,107 @@
+"""Shared fixtures: tiny HF LLaMA checkpoints and tokenizers built on the fly, and launchers."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from demo.arithmetic import addition_rows, write_jsonl  # noqa: E402
+from demo.tiny_llama import make_hf_model, make_tokenizer, tiny_config  # noqa: E402
+
+# name -> LlamaConfig overrides. vocab 64 >= every test tokenizer.
+MODEL_VARIANTS = {
+    "mha": dict(num_attention_heads=4, num_key_value_heads=4),
+    "gqa": dict(num_attention_heads=4, num_key_value_heads=2),
+    "tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def run_cmd(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+def torchrun(script: str, nprocs: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}", f"--master_port={free_port()}"]
+    return run_cmd(cmd + [script, *args], timeout)
+
+
+def deepspeed_launch(nprocs: int, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """The real user path: `deepspeed --num_gpus N trainer.py overrides...`."""
+    launcher = str(Path(sys.executable).parent / "deepspeed")
+    cmd = [launcher, "--num_gpus", str(nprocs), "--master_port", str(free_port()), "trainer.py", *overrides]
+    return run_cmd(cmd, timeout)
+
+
+def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def read_jsonl(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("work")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(workdir) -> str:
+    texts = [r["prompt"] + r["response"] for r in addition_rows()[:2000]]
+    texts += ["the quick brown fox jumps over the lazy dog", "pipeline parallel training of language models"] * 20
+    return make_tokenizer(str(workdir / "tokenizer"), texts, vocab_size=60)
+
+
+@pytest.fixture(scope="session")
+def hf_models(workdir, tokenizer_dir) -> dict[str, str]:
+    """{variant: HF directory} saved with save_pretrained as sharded safetensors."""
+    out = {}
+    for i, (name, overrides) in enumerate(MODEL_VARIANTS.items()):
+        out[name] = make_hf_model(str(workdir / f"hf_{name}"), tiny_config(**overrides), seed=i, tokenizer_dir=tokenizer_dir)
+    return out
+
+
+@pytest.fixture(scope="session")
+def converted(workdir, hf_models) -> dict[str, str]:
+    """{variant: pipeline checkpoint} written by convert2ckpt.py."""
+    out = {}
+    for name, hf_dir in hf_models.items():
+        ckpt = str(workdir / f"ckpt_{name}")
+        check(run_cmd([sys.executable, "convert2ckpt.py", "--input", hf_dir, "--output", ckpt]))
+        out[name] = ckpt
+    return out
+
+
+@pytest.fixture(scope="session")
+def sft_data(workdir) -> tuple[str, str]:
+    """prompt/response train and eval files (addition), small enough for quick runs."""
+    rows = addition_rows(seed=1)
+    train = write_jsonl(str(workdir / "data" / "train.jsonl"), rows[:400])
+    evals = write_jsonl(str(workdir / "data" / "eval.jsonl"), rows[400:437])  # 37 rows: not a multiple of anything
+    return train, evals

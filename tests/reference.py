@@ -1,0 +1,61 @@
+"""Single-process reference: train transformers.LlamaForCausalLM on the same global batches.
+
+Independent of the pipeline code: HF computes the loss (its own label shift, mean over every
+target token of the global batch) and torch clips and steps. Only the choice of rows per step
+(`TrainPlan`) and the optimizer recipe (`make_optimizer`) are shared with the trainer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from data.dataset import TokenizedDataset
+from data.sampling import TrainPlan
+from models.pipeline import IGNORE_INDEX
+from training.config import TrainConfig
+from training.engine import make_optimizer
+
+
+def global_batch(dataset, plan: TrainPlan, step: int, seed: int, seq_length: int, pad_id: int):
+    """Rows of optimizer step `step` over all DP ranks, as HF inputs (unshifted labels)."""
+    epoch, skip = plan.position(step)
+    rows = []
+    for r in range(plan.dp_size):
+        rows += plan.epoch_indices(epoch, r, seed, skip)[: plan.rows_per_step]
+    ids = torch.full((len(rows), seq_length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), seq_length), dtype=torch.long)
+    labels = torch.full((len(rows), seq_length), IGNORE_INDEX, dtype=torch.long)
+    for i, row in enumerate(rows):
+        tokens, targets = dataset[row]
+        n = len(tokens)
+        ids[i, :n], mask[i, :n] = tokens, 1
+        labels[i, :n] = torch.where(targets, tokens, IGNORE_INDEX)
+    labels[:, 0] = IGNORE_INDEX
+    return ids, mask, labels
+
+
+def train_reference(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, steps: int):
+    """Returns (model, [loss per step], [grad norm per step])."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model.train()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    dataset = TokenizedDataset(cfg.train_file, tokenizer, cfg.seq_length, cfg.data)
+    plan = TrainPlan(len(dataset), dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
+    total = plan.total_steps(cfg.max_steps, cfg.num_train_epochs)
+    optimizer, scheduler = make_optimizer(cfg, model.named_parameters(), total)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    losses, norms = [], []
+    for step in range(steps):
+        ids, mask, labels = global_batch(dataset, plan, step, cfg.seed, cfg.seq_length, pad_id)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return model, losses, norms
