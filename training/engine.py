@@ -10,11 +10,11 @@ from datetime import timedelta
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from deepspeed.runtime.utils import clip_grad_norm_
 
 from models.layers import init_weights
+from models.layout import layer_file_name
 from models.pipeline import build_pipeline_module
 from training.config import TrainConfig
 
@@ -161,18 +161,25 @@ def build_module(cfg: TrainConfig, llama_config, loss_fn, skip_init: bool = True
 def load_layer_files(module, step_dir: str) -> list[str]:
     """Load this stage's layer files from `step_dir` (strict). Returns the files read.
 
-    Only the files of this rank's own layers are opened; tied weights are then broadcast from the
-    first stage that holds them.
+    Only this rank's own layers are opened, each once (memory-mapped); tied weights are then
+    broadcast from the first stage that holds them. NOTE: DeepSpeed's `load_state_dir` reads every
+    layer file twice (once to check its metadata), which doubles start-up I/O on large models.
     """
     files = []
     for i, layer in enumerate(module.forward_funcs):
         if not hasattr(layer, "load_state_dict"):  # the tied LM head: a function of layer 0's module
             continue
-        found = module.ckpt_layer_path_list(step_dir, i)
-        if not found:
-            raise FileNotFoundError(f"{step_dir}: no file for pipeline layer {i + module._local_start}")
-        files += found
-    module.load_state_dir(step_dir, checkpoint_engine=TorchCheckpointEngine(), strict=True)
+        path = os.path.join(step_dir, layer_file_name(module._local_start + i))
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: layer file missing")
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        try:
+            layer.load_state_dict(state, strict=True)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()
+            raise FileNotFoundError(f"{path}: does not fit this model ({' '.join(first[:2])[:300]})") from None
+        files.append(path)
+    module._synchronize_tied_weights()
     return files
 
 

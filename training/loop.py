@@ -180,6 +180,16 @@ def broadcast_row_counts(cfg: TrainConfig) -> tuple[int, int]:
     return counts[0], counts[1]
 
 
+def prepare_output_dir(path: str) -> None:
+    """Every rank makes sure output_dir exists and is writable before any rank writes to it."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"output_dir {path}: cannot create ({e.strerror})") from None
+    if not os.access(path, os.W_OK):
+        raise RunError(f"output_dir {path}: not writable")
+
+
 def checkpoint_tag(path: str) -> str:
     latest = os.path.join(path, "latest")
     if not os.path.exists(latest):
@@ -199,6 +209,7 @@ class Trainer:
         except ValueError as e:
             raise RunError(str(e)) from None
         seed_everything(cfg.seed)
+        prepare_output_dir(cfg.output_dir)
         self.model_config = load_model_config(cfg)
         self.tokenizer = load_tokenizer(cfg, self.model_config.vocab_size) if self.coords.has_data else None
         self.num_train_rows, self.num_eval_rows = broadcast_row_counts(cfg)
@@ -234,6 +245,7 @@ class Trainer:
             self.eval_set = PlaceholderDataset(self.num_eval_rows)
         if rank == 0:
             self._write_run_files()
+        dist.barrier()
 
     # ---------------------------------------------------------------- set-up helpers
 

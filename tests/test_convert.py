@@ -1,0 +1,171 @@
+"""convert2ckpt.py: every HF tensor lands once in the right file; 70B shapes; bounded memory; clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from checkpoint.convert import convert_hf_to_pipeline
+from checkpoint.hf_reader import CheckpointError
+from checkpoint.pipeline_reader import load_hf_state_dict
+from demo.tiny_llama import make_hf_model, tiny_config
+from models.layout import DECODER, EMBED, LM_HEAD, NORM, layer_file_name, layer_keys, pipe_layers
+from tests.conftest import run_cmd
+
+
+def hf_state(hf_dir: str) -> dict[str, torch.Tensor]:
+    state = {}
+    for name in os.listdir(hf_dir):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(hf_dir, name)))
+    return state
+
+
+@pytest.mark.parametrize("variant", ["mha", "gqa", "tied"])
+def test_every_tensor_lands_once_in_its_file(variant, hf_models, converted):
+    hf_dir, ckpt = hf_models[variant], converted[variant]
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    step_dir = os.path.join(ckpt, "global_step0")
+    layers = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings)
+    expected_files = {layer_file_name(layer.index) for layer in layers if layer.has_file}
+    assert set(os.listdir(step_dir)) == expected_files | {"mp_rank_00_model_states.pt"}
+    assert open(os.path.join(ckpt, "latest")).read() == "global_step0"
+    reference = hf_state(hf_dir)
+    landed: dict[str, int] = {}
+    for layer in layers:
+        if not layer.has_file:
+            continue
+        state = torch.load(os.path.join(step_dir, layer_file_name(layer.index)), weights_only=True)
+        keys = layer_keys(layer, config)
+        assert set(state) == set(keys), layer
+        for ours, hf in keys.items():
+            assert torch.equal(state[ours], reference[hf]) and state[ours].dtype == reference[hf].dtype, hf
+            landed[hf] = landed.get(hf, 0) + 1
+    tied = config.tie_word_embeddings
+    assert landed == {k: 1 for k in reference if not (tied and k == "lm_head.weight")}
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert os.path.exists(os.path.join(ckpt, name)), name
+
+
+def test_layer_modules_match_hf_at_70b_shapes():
+    """Shape-only conversion of LLaMA-2-70B on the meta device: our layer modules' keys and shapes are
+    exactly what the table maps from HF's LlamaForCausalLM, for every layer file."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from models.layers import DecoderLayerPipe, EmbeddingPipe, LMHeadPipe, NormPipe
+
+    config = LlamaConfig(
+        vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096,
+    )
+    with torch.device("meta"):
+        hf = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
+        builders = {EMBED: EmbeddingPipe, NORM: NormPipe, LM_HEAD: LMHeadPipe}
+        seen = set()
+        for layer in pipe_layers(config.num_hidden_layers, tie_word_embeddings=False):
+            module = DecoderLayerPipe(config, layer.block) if layer.kind == DECODER else builders[layer.kind](config)
+            ours = {k: v.shape for k, v in module.state_dict().items()}
+            keys = layer_keys(layer, config)
+            assert set(ours) == set(keys)
+            for k, hf_key in keys.items():
+                assert ours[k] == hf[hf_key], hf_key
+                seen.add(hf_key)
+    assert seen == set(hf)
+    assert hf["model.layers.79.self_attn.k_proj.weight"] == (1024, 8192)  # GQA: 8 KV heads x 128
+
+
+def test_bin_checkpoint_and_dtype_cast(tmp_path, hf_models, tokenizer_dir):
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    # Old-style sharded pytorch_model-*.bin with an index (transformers 5 writes only safetensors).
+    src = str(tmp_path / "bin")
+    shutil.copytree(hf_models["gqa"], src, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    model = LlamaForCausalLM.from_pretrained(hf_models["gqa"])
+    state = model.state_dict()
+    keys = list(state)
+    shards = {"pytorch_model-00001-of-00002.bin": keys[: len(keys) // 2], "pytorch_model-00002-of-00002.bin": keys[len(keys) // 2 :]}
+    for name, names in shards.items():
+        torch.save({k: state[k].clone() for k in names}, os.path.join(src, name))
+    weight_map = {k: name for name, names in shards.items() for k in names}
+    json.dump({"weight_map": weight_map}, open(os.path.join(src, "pytorch_model.bin.index.json"), "w"))
+    convert_hf_to_pipeline(src, str(tmp_path / "ckpt"), dtype="bf16", log=lambda *_: None)
+    config = AutoConfig.from_pretrained(str(tmp_path / "ckpt"))
+    got = load_hf_state_dict(str(tmp_path / "ckpt"), config)
+    for k, v in model.state_dict().items():
+        assert torch.equal(got[k], v.to(torch.bfloat16)), k
+    assert json.load(open(tmp_path / "ckpt" / "config.json"))["dtype"] == "bfloat16"
+
+
+def test_streaming_holds_about_one_layer(tmp_path):
+    """Tensors held at once stay of the order of the largest layer, far below the model size (11 layer files)."""
+    config = tiny_config(vocab_size=256, hidden_size=256, intermediate_size=1024, num_hidden_layers=8)
+    src = make_hf_model(str(tmp_path / "hf"), config, max_shard_size="1MB")
+    stats = convert_hf_to_pipeline(src, str(tmp_path / "ckpt"), log=lambda *_: None)
+    layer_bytes = max(os.path.getsize(tmp_path / "ckpt" / "global_step0" / f) for f in stats.files)
+    total = sum(os.path.getsize(tmp_path / "hf" / f) for f in os.listdir(tmp_path / "hf") if f.endswith(".safetensors"))
+    assert stats.peak_pending_bytes <= 2 * layer_bytes  # a layer may straddle two shards
+    assert stats.peak_pending_bytes < total / 5
+
+
+def _expect_error(args: list[str], fragment: str, out_dir: str | None = None):
+    proc = run_cmd([sys.executable, "convert2ckpt.py", *args])
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("convert2ckpt: error:") and fragment in last, proc.stderr
+    assert "Traceback" not in proc.stderr
+    if out_dir:
+        assert not os.path.exists(out_dir)
+        assert not [n for n in os.listdir(os.path.dirname(out_dir)) if ".tmp-" in n]
+
+
+def test_errors_missing_shard_truncated_foreign_keys(tmp_path, hf_models):
+    src = hf_models["gqa"]
+    missing = tmp_path / "missing"
+    shutil.copytree(src, missing)
+    shard = sorted(n for n in os.listdir(missing) if n.endswith(".safetensors"))[1]
+    os.remove(missing / shard)
+    _expect_error(["--input", str(missing), "--output", str(tmp_path / "o1")], shard, str(tmp_path / "o1"))
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(src, truncated)
+    path = truncated / shard
+    path.write_bytes(path.read_bytes()[:-100])
+    _expect_error(["--input", str(truncated), "--output", str(tmp_path / "o2")], "truncated", str(tmp_path / "o2"))
+
+    foreign = tmp_path / "foreign"
+    shutil.copytree(src, foreign)
+    index = json.load(open(foreign / "model.safetensors.index.json"))
+    from safetensors.torch import save_file
+
+    save_file({"transformer.h.0.attn.c_attn.weight": torch.zeros(2, 2)}, str(foreign / "extra.safetensors"))
+    index["weight_map"]["transformer.h.0.attn.c_attn.weight"] = "extra.safetensors"
+    json.dump(index, open(foreign / "model.safetensors.index.json", "w"))
+    _expect_error(["--input", str(foreign), "--output", str(tmp_path / "o3")], "transformer.h.0.attn.c_attn.weight")
+
+
+def test_errors_tokenizer_too_large_and_existing_output(tmp_path, hf_models, converted):
+    from transformers import AutoTokenizer
+
+    big = tmp_path / "bigtok"
+    shutil.copytree(hf_models["gqa"], big)
+    tok = AutoTokenizer.from_pretrained(str(big))
+    tok.add_tokens([f"<extra_{i}>" for i in range(80)])
+    tok.save_pretrained(str(big))
+    _expect_error(["--input", str(big), "--output", str(tmp_path / "o4")], "vocab_size=64", str(tmp_path / "o4"))
+
+    before = sorted(os.listdir(os.path.join(converted["gqa"], "global_step0")))
+    _expect_error(["--input", hf_models["gqa"], "--output", converted["gqa"]], "already holds a checkpoint")
+    assert sorted(os.listdir(os.path.join(converted["gqa"], "global_step0"))) == before
+    forced = tmp_path / "forced"
+    shutil.copytree(converted["gqa"], forced)
+    proc = run_cmd([sys.executable, "convert2ckpt.py", "--input", hf_models["mha"], "--output", str(forced), "--force"])
+    assert proc.returncode == 0, proc.stderr
+    assert json.load(open(forced / "config.json"))["num_key_value_heads"] == 4

@@ -1,0 +1,87 @@
+"""Worker: the real Trainer with instrumentation, configured exactly as `trainer.py OVERRIDES` would be.
+
+    torchrun --nproc_per_node N tests/workers/instrumented_run.py OUT_JSON_DIR OVERRIDES...
+
+Records per rank: which decoder layers were built (off the meta device), which checkpoint files
+were read, every open() of the data files, every row index read per data file, and the step count.
+"""
+
+import builtins
+import json
+import os
+import sys
+
+import torch
+
+from data import dataset as dataset_mod
+from models import layers as layers_mod
+
+out_dir, overrides = sys.argv[1], sys.argv[2:]
+rec = {"decoder_built": [], "files_loaded": [], "data_opens": [], "rows": {}}
+
+_init = layers_mod.DecoderLayerPipe.__init__
+
+
+def counting_init(self, config, layer_idx):
+    if torch.get_default_device().type != "meta":  # meta builds only count parameters
+        rec["decoder_built"].append(layer_idx)
+    _init(self, config, layer_idx)
+
+
+layers_mod.DecoderLayerPipe.__init__ = counting_init
+
+_load = torch.load
+
+
+def recording_load(f, *args, **kwargs):
+    if isinstance(f, (str, os.PathLike)) and str(f).endswith("model_states.pt"):
+        rec["files_loaded"].append(os.path.basename(str(f)))
+    return _load(f, *args, **kwargs)
+
+
+torch.load = recording_load
+
+_getitem = dataset_mod.TokenizedDataset.__getitem__
+
+
+def recording_getitem(self, index):
+    rec["rows"].setdefault(os.path.basename(self.path), []).append(int(index))
+    return _getitem(self, index)
+
+
+dataset_mod.TokenizedDataset.__getitem__ = recording_getitem
+
+
+def main():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from training.config import register_configs
+    from training.loop import Trainer
+
+    register_configs()
+    with initialize_config_dir(config_dir=os.path.abspath("conf"), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+    data_files = {os.path.abspath(cfg.train_file), os.path.abspath(cfg.eval_file)}
+    _open = builtins.open
+
+    def recording_open(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and os.path.abspath(str(file)) in data_files:
+            rec["data_opens"].append(os.path.basename(str(file)))
+        return _open(file, *args, **kwargs)
+
+    builtins.open = recording_open
+    trainer = Trainer(cfg)
+    trainer.run()
+    builtins.open = _open
+    rec.update(
+        rank=trainer.coords.rank, stage=trainer.coords.stage, dp_rank=trainer.coords.dp_rank,
+        steps=trainer.engine.global_steps, dataset=type(trainer.train_set).__name__,
+        local_layers=list(trainer.engine.module.local_layer_indices()),
+    )
+    with open(os.path.join(out_dir, f"rank{rec['rank']}.json"), "w") as f:
+        json.dump(rec, f)
+
+
+if __name__ == "__main__":
+    main()
