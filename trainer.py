@@ -27,8 +27,8 @@ register_configs()
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> None:
-    from data.dataset import DataError
     from checkpoint.hf_reader import CheckpointError
+    from data.dataset import DataError
     from training.loop import RunError, Trainer
 
     cfg: TrainConfig = OmegaConf.to_object(dict_cfg)

@@ -90,7 +90,8 @@ def validate(hf_dir: str) -> dict[str, str]:
             return dict(weight_map)
         missing = [k for k, shard in weight_map.items() if found.get(k) != shard]
         if missing:
-            raise CheckpointError(f"{os.path.join(hf_dir, weight_map[missing[0]])}: tensor {missing[0]} listed in the index is not in the shard")
+            shard = os.path.join(hf_dir, weight_map[missing[0]])
+            raise CheckpointError(f"{shard}: tensor {missing[0]} listed in the index is not in the shard")
     return found
 
 

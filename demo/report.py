@@ -30,9 +30,14 @@ def exact_match(run_dir: str, eval_file: str, limit: int) -> tuple[int, int, lis
     with torch.inference_mode():
         for row in rows:
             ids = torch.tensor([tokenizer(row["prompt"])["input_ids"]])
-            out = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.eos_token_id)
-            answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+            out = model.generate(
+                ids,
+                max_new_tokens=6,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+            answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
             correct += answer == row["response"]
             if len(examples) < 5:
                 examples.append(f"{row['prompt']}{answer}  (expected {row['response']})")
@@ -48,8 +53,10 @@ def main() -> None:
     metrics = [json.loads(line) for line in open(os.path.join(args.run_dir, "metrics.jsonl"))]
     first, last = metrics[0], metrics[-1]
     tail = metrics[-10:]
-    print(f"train loss: step {first['step']} {first['loss']:.3f} -> step {last['step']} "
-          f"{sum(m['loss'] for m in tail) / len(tail):.3f} (mean of the last {len(tail)} steps)")
+    print(
+        f"train loss: step {first['step']} {first['loss']:.3f} -> step {last['step']} "
+        f"{sum(m['loss'] for m in tail) / len(tail):.3f} (mean of the last {len(tail)} steps)"
+    )
     with open(os.path.join(args.run_dir, "eval_results.json")) as f:
         ev = json.load(f)
     print(f"eval: loss {ev['eval_loss']:.3f} over {ev['eval_tokens']} answer tokens, perplexity {ev['perplexity']:.3f}")

@@ -57,7 +57,9 @@ def deepspeed_launch(nprocs: int, *overrides: str, timeout: int = 600) -> subpro
 
 
 def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    )
     return proc
 
 
@@ -83,7 +85,9 @@ def hf_models(workdir, tokenizer_dir) -> dict[str, str]:
     """{variant: HF directory} saved with save_pretrained as sharded safetensors."""
     out = {}
     for i, (name, overrides) in enumerate(MODEL_VARIANTS.items()):
-        out[name] = make_hf_model(str(workdir / f"hf_{name}"), tiny_config(**overrides), seed=i, tokenizer_dir=tokenizer_dir)
+        out[name] = make_hf_model(
+            str(workdir / f"hf_{name}"), tiny_config(**overrides), seed=i, tokenizer_dir=tokenizer_dir
+        )
     return out
 
 

@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoint.convert import convert_hf_to_pipeline
-from checkpoint.hf_reader import CheckpointError
 from checkpoint.pipeline_reader import load_hf_state_dict
 from demo.tiny_llama import make_hf_model, tiny_config
 from models.layout import DECODER, EMBED, LM_HEAD, NORM, layer_file_name, layer_keys, pipe_layers
@@ -63,8 +62,13 @@ def test_layer_modules_match_hf_at_70b_shapes():
     from models.layers import DecoderLayerPipe, EmbeddingPipe, LMHeadPipe, NormPipe
 
     config = LlamaConfig(
-        vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096,
+        vocab_size=32000,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
     )
     with torch.device("meta"):
         hf = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
@@ -91,7 +95,10 @@ def test_bin_checkpoint_and_dtype_cast(tmp_path, hf_models, tokenizer_dir):
     model = LlamaForCausalLM.from_pretrained(hf_models["gqa"])
     state = model.state_dict()
     keys = list(state)
-    shards = {"pytorch_model-00001-of-00002.bin": keys[: len(keys) // 2], "pytorch_model-00002-of-00002.bin": keys[len(keys) // 2 :]}
+    shards = {
+        "pytorch_model-00001-of-00002.bin": keys[: len(keys) // 2],
+        "pytorch_model-00002-of-00002.bin": keys[len(keys) // 2 :],
+    }
     for name, names in shards.items():
         torch.save({k: state[k].clone() for k in names}, os.path.join(src, name))
     weight_map = {k: name for name, names in shards.items() for k in names}

@@ -17,9 +17,18 @@ def run(tmp_path, ckpt, data, num_stages, extra=()):
     out = tmp_path / "records"
     out.mkdir()
     overrides = [
-        f"model_name_or_path={ckpt}", f"output_dir={tmp_path / 'run'}", f"num_stages={num_stages}",
-        f"train_file={data[0]}", f"eval_file={data[1]}", "max_steps=3", "seq_length=16", "micro_batch_size=2",
-        "gradient_accumulation_steps=2", "eval_micro_batch_size=3", "deepspeed=fp32", *extra,
+        f"model_name_or_path={ckpt}",
+        f"output_dir={tmp_path / 'run'}",
+        f"num_stages={num_stages}",
+        f"train_file={data[0]}",
+        f"eval_file={data[1]}",
+        "max_steps=3",
+        "seq_length=16",
+        "micro_batch_size=2",
+        "gradient_accumulation_steps=2",
+        "eval_micro_batch_size=3",
+        "deepspeed=fp32",
+        *extra,
     ]
     check(torchrun("tests/workers/instrumented_run.py", 4, str(out), *overrides))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]

@@ -31,11 +31,23 @@ def parity_cfg(train_file: str) -> TrainConfig:
 
 def overrides(cfg: TrainConfig, ckpt: str, out: str, num_stages: int, **extra) -> list[str]:
     args = dict(
-        model_name_or_path=ckpt, output_dir=out, num_stages=num_stages, train_file=cfg.train_file,
-        do_eval="false", max_steps=cfg.max_steps, seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps, learning_rate=cfg.learning_rate, seed=cfg.seed,
-        **{"optim.weight_decay": cfg.optim.weight_decay, "optim.max_grad_norm": cfg.optim.max_grad_norm,
-           "optim.warmup_steps": cfg.optim.warmup_steps, "deepspeed": "fp32"},
+        model_name_or_path=ckpt,
+        output_dir=out,
+        num_stages=num_stages,
+        train_file=cfg.train_file,
+        do_eval="false",
+        max_steps=cfg.max_steps,
+        seq_length=cfg.seq_length,
+        micro_batch_size=cfg.micro_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        learning_rate=cfg.learning_rate,
+        seed=cfg.seed,
+        **{
+            "optim.weight_decay": cfg.optim.weight_decay,
+            "optim.max_grad_norm": cfg.optim.max_grad_norm,
+            "optim.warmup_steps": cfg.optim.warmup_steps,
+            "deepspeed": "fp32",
+        },
     )
     args.update(extra)
     return [f"{k}={v}" for k, v in args.items()]
@@ -52,8 +64,12 @@ def test_pp2_dp2_matches_single_process_reference(variant, hf_models, converted,
 
     metrics = read_jsonl(f"{out}/metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
-    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(torch.tensor([m["grad_norm"] for m in metrics]), torch.tensor(ref_norms), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor([m["loss"] for m in metrics]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6
+    )
+    torch.testing.assert_close(
+        torch.tensor([m["grad_norm"] for m in metrics]), torch.tensor(ref_norms), rtol=1e-4, atol=1e-6
+    )
     assert all(n > cfg.optim.max_grad_norm for n in ref_norms[:2]), "clipping should be active in this test"
 
     config = AutoConfig.from_pretrained(out)
@@ -70,7 +86,9 @@ def test_pp2_dp2_matches_single_process_reference(variant, hf_models, converted,
         worst = max(worst, float((ours[key] - value).abs().max()))
     moved = max(float((ours[k] - v).abs().max()) for k, v in load_hf_state_dict(converted[variant], config).items())
     assert moved > 1e-3, "weights should have changed"
-    print(f"training parity ({variant}): max |weight diff| after {STEPS} steps = {worst:.3g} (weights moved {moved:.3g})")
+    print(
+        f"training parity ({variant}): max |weight diff| after {STEPS} steps = {worst:.3g} (weights moved {moved:.3g})"
+    )
 
 
 def test_resume_matches_uninterrupted(converted, sft_data, tmp_path):

@@ -106,9 +106,12 @@ def load_model_config(cfg: TrainConfig):
         try:
             import flash_attn  # noqa: F401
         except ImportError:
-            raise RunError("model.attn_implementation=flash_attention_2 needs flash-attn (requirements-gpu.txt)") from None
+            raise RunError(
+                "model.attn_implementation=flash_attention_2 needs flash-attn (requirements-gpu.txt)"
+            ) from None
     config._attn_implementation = impl
-    if cfg.seq_length > config.max_position_embeddings and not getattr(config, "rope_scaling", None):
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if cfg.seq_length > config.max_position_embeddings and rope_type == "default":
         raise RunError(
             f"seq_length={cfg.seq_length} exceeds max_position_embeddings={config.max_position_embeddings} "
             "and the model configures no RoPE scaling"
@@ -213,7 +216,9 @@ class Trainer:
         self.model_config = load_model_config(cfg)
         self.tokenizer = load_tokenizer(cfg, self.model_config.vocab_size) if self.coords.has_data else None
         self.num_train_rows, self.num_eval_rows = broadcast_row_counts(cfg)
-        self.plan = TrainPlan(self.num_train_rows, self.coords.dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
+        self.plan = TrainPlan(
+            self.num_train_rows, self.coords.dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps
+        )
         if cfg.do_train and self.plan.steps_per_epoch == 0:
             raise RunError(
                 f"train_file {cfg.train_file}: {self.num_train_rows} rows give no full step of "
@@ -228,7 +233,9 @@ class Trainer:
         if cfg.model_name_or_path and not cfg.resume:
             tag = checkpoint_tag(cfg.model_name_or_path)
             self.loaded_files = load_layer_files(module, os.path.join(cfg.model_name_or_path, tag))
-            log.info("loaded %s (%s): rank %d read %d layer files", cfg.model_name_or_path, tag, rank, len(self.loaded_files))
+            log.info(
+                "loaded %s (%s): rank %d read %d layer files", cfg.model_name_or_path, tag, rank, len(self.loaded_files)
+            )
         self.engine = initialize_engine(cfg, module, max(self.total_steps, 1))
         self.step = 0
         if cfg.resume:
@@ -314,7 +321,12 @@ class Trainer:
         tokens_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * c.dp * cfg.seq_length
         log.info(
             "training steps %d..%d of %d (%d per epoch), PP=%d x DP=%d",
-            self.step + 1, self.total_steps, self.total_steps, self.plan.steps_per_epoch, cfg.num_stages, c.dp,
+            self.step + 1,
+            self.total_steps,
+            self.total_steps,
+            self.plan.steps_per_epoch,
+            cfg.num_stages,
+            c.dp,
         )
         while self.step < self.total_steps:
             lr = self.engine.get_lr()[0]
@@ -338,7 +350,12 @@ class Trainer:
                 if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
                     log.info(
                         "step %d/%d loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f",
-                        self.step, self.total_steps, loss, lr, record["grad_norm"] or 0.0, record["tokens_per_second"],
+                        self.step,
+                        self.total_steps,
+                        loss,
+                        lr,
+                        record["grad_norm"] or 0.0,
+                        record["tokens_per_second"],
                     )
             if not math.isfinite(loss):
                 raise RunError(f"loss is {loss} at step {self.step}; stopping without saving")
@@ -386,8 +403,13 @@ class Trainer:
             if c.reporting:
                 with open(os.path.join(cfg.output_dir, "eval_results.json"), "w") as f:
                     json.dump(results, f, indent=2)
-                log.info("eval at step %d: loss %.4f over %d tokens, perplexity %.3f",
-                         self.step, results["eval_loss"], tokens, results["perplexity"])
+                log.info(
+                    "eval at step %d: loss %.4f over %d tokens, perplexity %.3f",
+                    self.step,
+                    results["eval_loss"],
+                    tokens,
+                    results["perplexity"],
+                )
         self.loss_fn.reset()
         return results
 

@@ -48,9 +48,13 @@ def main():
             stage, dp_rank = rank // dp, rank % dp
             ids, pos, labels = batch_for(dp_rank, config.vocab_size)
             scale = torch.tensor(1.0)
-            _, logits = engine.eval_batch(iter([((ids, pos), (labels, scale))]), return_logits=True, num_micro_batches=1)
+            _, logits = engine.eval_batch(
+                iter([((ids, pos), (labels, scale))]), return_logits=True, num_micro_batches=1
+            )
             if stage == pp - 1:
-                hf = LlamaForCausalLM.from_pretrained(case["hf_dir"], attn_implementation=case["attn"], dtype=torch.float32)
+                hf = LlamaForCausalLM.from_pretrained(
+                    case["hf_dir"], attn_implementation=case["attn"], dtype=torch.float32
+                )
                 hf_labels = torch.full_like(ids, IGNORE_INDEX)
                 hf_labels[:, 1:] = labels[:, :-1]  # HF shifts labels itself
                 with torch.no_grad():
@@ -62,11 +66,17 @@ def main():
                     torch.testing.assert_close(torch.tensor(loss_sum / tokens), ref.loss, rtol=1e-6, atol=1e-6)
                 except AssertionError as e:
                     err = str(e)
-                records.append({
-                    "case": case["name"], "pp": pp, "dp_rank": dp_rank,
-                    "max_abs_logit_diff": float((logits - ref.logits).abs().max()),
-                    "loss": loss_sum / tokens, "hf_loss": float(ref.loss), "error": err,
-                })
+                records.append(
+                    {
+                        "case": case["name"],
+                        "pp": pp,
+                        "dp_rank": dp_rank,
+                        "max_abs_logit_diff": float((logits - ref.logits).abs().max()),
+                        "loss": loss_sum / tokens,
+                        "hf_loss": float(ref.loss),
+                        "error": err,
+                    }
+                )
             del engine, module
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(records, f)

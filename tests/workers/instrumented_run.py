@@ -75,8 +75,11 @@ def main():
     trainer.run()
     builtins.open = _open
     rec.update(
-        rank=trainer.coords.rank, stage=trainer.coords.stage, dp_rank=trainer.coords.dp_rank,
-        steps=trainer.engine.global_steps, dataset=type(trainer.train_set).__name__,
+        rank=trainer.coords.rank,
+        stage=trainer.coords.stage,
+        dp_rank=trainer.coords.dp_rank,
+        steps=trainer.engine.global_steps,
+        dataset=type(trainer.train_set).__name__,
         local_layers=list(trainer.engine.module.local_layer_indices()),
     )
     with open(os.path.join(out_dir, f"rank{rec['rank']}.json"), "w") as f:

@@ -1,0 +1,94 @@
+"""trainer.py command line: typed config, plain `python` runs, clear one-line errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from demo.tiny_llama import tiny_config
+from models.pipeline import stage_bounds
+from tests.conftest import check, run_cmd, torchrun
+
+
+def trainer(*overrides: str):
+    return run_cmd([sys.executable, "trainer.py", *overrides], timeout=300)
+
+
+def base(converted, sft_data, out) -> list[str]:
+    return [
+        f"model_name_or_path={converted['gqa']}",
+        f"output_dir={out}",
+        f"train_file={sft_data[0]}",
+        f"eval_file={sft_data[1]}",
+        "seq_length=16",
+        "micro_batch_size=4",
+        "max_steps=2",
+        "deepspeed=fp32",
+    ]
+
+
+def assert_clean_error(proc, fragment: str):
+    assert proc.returncode != 0
+    assert fragment in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_plain_python_single_rank_run(converted, sft_data, tmp_path):
+    out = tmp_path / "run"
+    check(trainer(*base(converted, sft_data, out), "gradient_accumulation_steps=2", "--local_rank=0"))
+    assert len([json.loads(x) for x in open(out / "metrics.jsonl")]) == 2
+    assert (out / "global_step2").is_dir() and (out / "latest").read_text() == "global_step2"
+    assert json.load(open(out / "eval_results.json"))["eval_tokens"] > 0
+    assert (out / "train_config.yaml").exists() and (out / "config.json").exists()
+    assert not (out / ".hydra").exists() and not list(tmp_path.glob("outputs"))
+
+
+def test_config_inspection_and_typed_keys(converted, sft_data, tmp_path):
+    proc = check(trainer("--cfg", "job", "model=llama2_70b", "num_stages=8"))
+    assert "num_key_value_heads: 8" in proc.stdout and "num_stages: 8" in proc.stdout
+    assert_clean_error(trainer("lerning_rate=1e-4"), "lerning_rate")
+    assert_clean_error(trainer("model.atn_implementation=eager"), "atn_implementation")
+    assert_clean_error(trainer("micro_batch_size=two"), "micro_batch_size")
+
+
+@pytest.mark.parametrize(
+    "extra,fragment",
+    [
+        (["resume=true"], "no 'latest' file"),
+        (["seq_length=4096"], "exceeds max_position_embeddings=256"),
+        (["model=llama2_7b"], "model.vocab_size=32000 (preset llama2_7b)"),
+        (["train_file=/nonexistent/train.jsonl"], "/nonexistent/train.jsonl: cannot read"),
+        (["model.attn_implementation=flash_attention_2"], "flash-attn"),
+    ],
+)
+def test_bad_inputs_give_one_line_errors(extra, fragment, converted, sft_data, tmp_path):
+    proc = trainer(*base(converted, sft_data, tmp_path / "run"), *extra)
+    assert_clean_error(proc, fragment)
+    assert proc.returncode == 2
+    assert not (tmp_path / "run" / "latest").exists()
+
+
+def test_world_size_and_partition_errors(converted, sft_data, tmp_path):
+    proc = torchrun("trainer.py", 3, *base(converted, sft_data, tmp_path / "a"), "num_stages=2")
+    assert proc.returncode != 0 and "num_stages=2 does not divide the world size 3" in proc.stderr
+    proc = torchrun(
+        "trainer.py", 2, *base(converted, sft_data, tmp_path / "b"), "num_stages=2", "model.partition=[1,2]"
+    )
+    assert proc.returncode != 0 and "partition=[1, 2]" in proc.stderr and "sum to num_hidden_layers=4" in proc.stderr
+
+
+def test_stage_bounds_rules():
+    config = tiny_config(num_hidden_layers=10, vocab_size=64)
+    assert stage_bounds(config, 4, [2, 3, 3, 2]) == [0, 3, 6, 9, 13]  # embed with stage 0, norm+head last
+    assert stage_bounds(config, 3, "uniform") == [0, 5, 8, 13]
+    bounds = stage_bounds(config, 4, "parameters")
+    assert bounds[0] == 0 and bounds[-1] == 13 and all(a < b for a, b in zip(bounds, bounds[1:]))
+    for bad, msg in [([2, 3, 3], "has 3 entries"), ([2, 3, 3, 1], "sum to"), ([0, 5, 3, 2], ">= 1")]:
+        with pytest.raises(ValueError, match=msg):
+            stage_bounds(config, 4, bad)
+    with pytest.raises(ValueError, match="larger than the model's 10 decoder layers"):
+        stage_bounds(config, 11)
+    with pytest.raises(ValueError, match="expected one of"):
+        stage_bounds(config, 2, "params")

@@ -1,0 +1,107 @@
+"""Data: tokenization rules, label shift, samplers, eval coverage, the loss on empty micro-batches."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from data.collator import CausalLMCollator
+from data.dataset import DataError, TokenizedDataset, count_rows, encode_row
+from data.sampling import TrainPlan, eval_indices
+from models.pipeline import IGNORE_INDEX, CausalLMLoss
+from training.config import DataConfig
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def test_prompt_response_targets_only_response_and_eos(tokenizer):
+    ids, targets = encode_row({"prompt": "12+30=", "response": "42"}, tokenizer, DataConfig())
+    prompt = tokenizer("12+30=")["input_ids"]
+    response = tokenizer("42", add_special_tokens=False)["input_ids"]
+    assert ids == prompt + response + [tokenizer.eos_token_id]
+    assert targets == [False] * len(prompt) + [True] * (len(response) + 1)
+    assert prompt[0] == tokenizer.bos_token_id  # the tokenizer's own BOS handling
+    text_ids, text_targets = encode_row({"text": "the lazy dog"}, tokenizer, DataConfig())
+    assert text_ids == tokenizer("the lazy dog")["input_ids"] and all(text_targets)
+
+
+def test_collator_shifts_labels_and_pads(tokenizer):
+    collate = CausalLMCollator(seq_length=8, pad_token_id=0)
+    ids = torch.tensor([1, 5, 6, 7, 8])
+    targets = torch.tensor([False, False, False, True, True])
+    empty = (torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.bool))
+    (input_ids, position_ids), labels = collate([(ids, targets), empty])
+    assert input_ids.tolist() == [[1, 5, 6, 7, 8, 0, 0, 0], [0] * 8]
+    assert position_ids.tolist() == [list(range(8))] * 2
+    x = IGNORE_INDEX
+    assert labels.tolist() == [[x, x, 7, 8, x, x, x, x], [x] * 8]  # labels[t] = target token at t + 1
+
+
+def test_truncation_and_bad_rows(tmp_path, tokenizer):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"text": "the quick brown fox jumps over the lazy dog"}) + "\n\n")
+    ds = TokenizedDataset(str(path), tokenizer, 4, DataConfig())
+    assert len(ds) == 1 and len(ds[0][0]) == 4 and ds.truncated == 1
+    assert count_rows(str(path)) == 1
+    path.write_text('{"text": "ok"}\n{"text": broken\n')
+    with pytest.raises(DataError, match=r"d.jsonl:2: not valid JSON"):
+        TokenizedDataset(str(path), tokenizer, 8, DataConfig())
+    path.write_text('{"question": "?"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:1: row has neither"):
+        TokenizedDataset(str(path), tokenizer, 8, DataConfig())
+    path.write_text("\n")
+    with pytest.raises(DataError, match="empty dataset"):
+        TokenizedDataset(str(path), tokenizer, 8, DataConfig())
+
+
+@pytest.mark.parametrize("rows,dp,mbs,gas", [(100, 1, 2, 2), (100, 2, 3, 2), (101, 3, 2, 1), (64, 4, 4, 1)])
+def test_train_plan_disjoint_cover_and_resume(rows, dp, mbs, gas):
+    plan = TrainPlan(rows, dp, mbs, gas)
+    for epoch in range(2):
+        per_rank = [plan.epoch_indices(epoch, r, seed=3) for r in range(dp)]
+        assert all(len(p) == plan.steps_per_epoch * mbs * gas for p in per_rank)
+        flat = [i for p in per_rank for i in p]
+        assert len(set(flat)) == len(flat)  # disjoint across DP ranks
+        assert rows - len(flat) < dp * mbs * gas  # together they cover all but a partial step
+        # Resuming at any step of the epoch continues with exactly the rows not yet consumed.
+        for skip in range(plan.steps_per_epoch):
+            assert plan.epoch_indices(epoch, 0, 3, skip) == per_rank[0][skip * mbs * gas :]
+    assert plan.epoch_indices(0, 0, 3) != plan.epoch_indices(1, 0, 3)  # reshuffled per epoch
+    assert plan.position(plan.steps_per_epoch + 1) == (1, 1)
+
+
+@pytest.mark.parametrize("rows,dp,mbs,mb", [(37, 2, 3, 2), (5, 4, 1, 1), (1, 2, 4, 3), (64, 4, 4, 4)])
+def test_eval_sees_every_row_exactly_once(rows, dp, mbs, mb):
+    per_rank = [eval_indices(rows, dp, r, mbs, mb) for r in range(dp)]
+    assert len({len(p) for p in per_rank}) == 1 and len(per_rank[0]) % (mbs * mb) == 0
+    assert sorted(i for p in per_rank for i in p if i != -1) == list(range(rows))
+
+
+def test_loss_ignored_micro_batch_is_zero_and_scale_gives_global_mean():
+    loss_fn = CausalLMLoss()
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    empty = torch.full((2, 5), IGNORE_INDEX)
+    out = loss_fn(logits, (empty, torch.tensor(3.0)))
+    out.backward()
+    assert out.item() == 0.0 and torch.isfinite(logits.grad).all() and logits.grad.abs().sum() == 0
+    # Two micro-batches with 1 and 7 target tokens: scaled losses averaged like DeepSpeed does
+    # (divide by micro-batches) equal the mean over all 8 tokens, not the mean of the two means.
+    labels = [torch.full((1, 4), IGNORE_INDEX), torch.randint(0, 11, (1, 7))]
+    labels[0][0, 2] = 4
+    logits = [torch.randn(1, 4, 11), torch.randn(1, 7, 11)]
+    scale = torch.tensor(2 / 8)
+    ours = sum(CausalLMLoss()(lg, (lb, scale)) for lg, lb in zip(logits, labels)) / 2
+    every = torch.cat(
+        [
+            torch.nn.functional.cross_entropy(lg[0], lb[0], reduction="none", ignore_index=IGNORE_INDEX)
+            for lg, lb in zip(logits, labels)
+        ]
+    )
+    torch.testing.assert_close(ours, every[torch.cat([lb[0] for lb in labels]) != IGNORE_INDEX].mean())
