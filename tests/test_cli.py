@@ -43,6 +43,15 @@ def test_plain_python_single_rank_run(converted, sft_data, tmp_path):
     assert json.load(open(out / "eval_results.json"))["eval_tokens"] > 0
     assert (out / "train_config.yaml").exists() and (out / "config.json").exists()
     assert not (out / ".hydra").exists() and not list(tmp_path.glob("outputs"))
+    # output_dir is itself a model directory: evaluate it alone (do_train=false) in a new run.
+    again = tmp_path / "eval_only"
+    overrides = base(converted, sft_data, again)
+    overrides[0] = f"model_name_or_path={out}"
+    check(trainer(*overrides, "do_train=false"))
+    assert not (again / "metrics.jsonl").exists() and not (again / "latest").exists()
+    first, second = json.load(open(out / "eval_results.json")), json.load(open(again / "eval_results.json"))
+    assert second["eval_loss"] == pytest.approx(first["eval_loss"], rel=1e-6)
+    assert second["eval_tokens"] == first["eval_tokens"]
 
 
 def test_config_inspection_and_typed_keys(converted, sft_data, tmp_path):

@@ -53,13 +53,16 @@ def overrides(cfg: TrainConfig, ckpt: str, out: str, num_stages: int, **extra) -
     return [f"{k}={v}" for k, v in args.items()]
 
 
-@pytest.mark.parametrize("variant", ["gqa", "tied"])
-def test_pp2_dp2_matches_single_process_reference(variant, hf_models, converted, tokenizer_dir, sft_data, tmp_path):
+@pytest.mark.parametrize("variant,recompute", [("gqa", False), ("tied", False), ("gqa", True)])
+def test_pp2_dp2_matches_single_process_reference(
+    variant, recompute, hf_models, converted, tokenizer_dir, sft_data, tmp_path
+):
     from transformers import AutoConfig
 
     cfg = parity_cfg(sft_data[0])
     out = str(tmp_path / "run")
-    check(deepspeed_launch(4, *overrides(cfg, converted[variant], out, num_stages=2)))
+    extra = {"model.activation_checkpointing": str(recompute).lower()}
+    check(deepspeed_launch(4, *overrides(cfg, converted[variant], out, num_stages=2, **extra)))
     ref_model, ref_losses, ref_norms = train_reference(hf_models[variant], tokenizer_dir, cfg, dp=2, steps=STEPS)
 
     metrics = read_jsonl(f"{out}/metrics.jsonl")
@@ -87,7 +90,8 @@ def test_pp2_dp2_matches_single_process_reference(variant, hf_models, converted,
     moved = max(float((ours[k] - v).abs().max()) for k, v in load_hf_state_dict(converted[variant], config).items())
     assert moved > 1e-3, "weights should have changed"
     print(
-        f"training parity ({variant}): max |weight diff| after {STEPS} steps = {worst:.3g} (weights moved {moved:.3g})"
+        f"training parity ({variant}, recompute={recompute}): max |weight diff| after {STEPS} steps = {worst:.3g}, "
+        f"weights moved {moved:.3g}"
     )
 
 

@@ -1,0 +1,90 @@
+"""Conversion time and peak memory on a model of a few GB, against `cp` of the same files.
+
+    python -m benchmarks.convert_memory --work /tmp/convbench [--layers 16 --hidden 2048 --dtype bf16]
+
+Builds (once) a random LLaMA checkpoint with save_pretrained (sharded safetensors), then runs
+`convert2ckpt.py` in a child process and reports its wall time and peak RSS (getrusage of the
+child), next to the RSS of a child that only imports the same libraries, and `cp -r` of the shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_peak_rss(cmd: list[str]) -> tuple[float, float]:
+    """(seconds, peak RSS in MiB) of a child process. Runs in a fresh process so peaks don't mix."""
+    probe = (
+        "import resource, subprocess, sys, time; t = time.perf_counter(); "
+        "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
+        "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe, *cmd], check=True, capture_output=True, text=True, cwd=REPO)
+    seconds, rss = out.stdout.split()
+    return float(seconds), float(rss)
+
+
+def build_model(path: str, layers: int, hidden: int, intermediate: int, vocab: int, dtype: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 128,
+        num_key_value_heads=hidden // 512,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    model = LlamaForCausalLM(config).to(torch_dtype)
+    model.save_pretrained(path, max_shard_size="500MB")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--work", required=True)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--dtype", default="bf16")
+    args = p.parse_args()
+    hf = os.path.join(args.work, "hf")
+    if not os.path.exists(os.path.join(hf, "config.json")):
+        build_model(hf, args.layers, args.hidden, args.intermediate, args.vocab, args.dtype)
+    size = sum(os.path.getsize(os.path.join(hf, f)) for f in os.listdir(hf)) / 2**20
+    largest_layer = 0
+    out = os.path.join(args.work, "ckpt")
+    copy = os.path.join(args.work, "copy")
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(copy, ignore_errors=True)
+    subprocess.run(["sync"])
+    t = time.perf_counter()
+    subprocess.run(["cp", "-r", hf, copy], check=True)
+    subprocess.run(["sync"])
+    cp_seconds = time.perf_counter() - t
+    imports = "import checkpoint.convert, torch, transformers, safetensors"
+    _, import_rss = child_peak_rss([sys.executable, "-c", imports])
+    seconds, rss = child_peak_rss([sys.executable, "convert2ckpt.py", "--input", hf, "--output", out])
+    step = os.path.join(out, "global_step0")
+    largest_layer = max(os.path.getsize(os.path.join(step, f)) for f in os.listdir(step)) / 2**20
+    print(f"model on disk: {size:.0f} MiB ({args.layers} layers, hidden {args.hidden}, {args.dtype})")
+    print(f"largest layer file: {largest_layer:.0f} MiB")
+    print(f"convert2ckpt.py: {seconds:.1f}s, peak RSS {rss:.0f} MiB (imports alone: {import_rss:.0f} MiB)")
+    print(f"cp -r of the same shards: {cp_seconds:.1f}s")
+    print(f"throughput: convert {size / seconds:.0f} MiB/s, cp {size / cp_seconds:.0f} MiB/s")
+    shutil.rmtree(copy, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
