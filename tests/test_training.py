@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -95,6 +96,20 @@ def test_pp2_dp2_matches_single_process_reference(
     )
 
 
+def interrupted_copy(full, part, at: int) -> None:
+    """What `full` held right after it saved step `at`: later checkpoints, metrics and `latest` undone."""
+    shutil.copytree(
+        full,
+        part,
+        ignore=lambda d, names: [
+            n for n in names if n.startswith("global_step") and int(n.removeprefix("global_step")) > at
+        ],
+    )
+    (part / "latest").write_text(f"global_step{at}")
+    lines = (part / "metrics.jsonl").read_text().splitlines(keepends=True)[:at]
+    (part / "metrics.jsonl").write_text("".join(lines))
+
+
 def test_resume_matches_uninterrupted(converted, sft_data, tmp_path):
     """N steps straight vs N/2, stop, resume with the same command: identical losses and weights."""
     from transformers import AutoConfig
@@ -103,13 +118,8 @@ def test_resume_matches_uninterrupted(converted, sft_data, tmp_path):
     cfg.max_steps = 6
     full = str(tmp_path / "full")
     check(deepspeed_launch(4, *overrides(cfg, converted["gqa"], full, num_stages=2, save_steps=3)))
-
-    # The interrupted run: everything the full run had written when it saved step 3.
     part = tmp_path / "part"
-    shutil.copytree(full, part, ignore=shutil.ignore_patterns("global_step6"))
-    (part / "latest").write_text("global_step3")
-    lines = (part / "metrics.jsonl").read_text().splitlines(keepends=True)[:3]
-    (part / "metrics.jsonl").write_text("".join(lines))
+    interrupted_copy(full, part, 3)
     check(deepspeed_launch(4, *overrides(cfg, converted["gqa"], str(part), num_stages=2, save_steps=3, resume="true")))
 
     full_metrics, part_metrics = read_jsonl(f"{full}/metrics.jsonl"), read_jsonl(part / "metrics.jsonl")
@@ -125,3 +135,25 @@ def test_resume_matches_uninterrupted(converted, sft_data, tmp_path):
     sb = torch.load(part / "global_step6" / "mp_rank_00_model_states.pt", weights_only=False)["optimizer"]["state"]
     for i in sa:
         assert torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"])
+
+
+def test_bf16_zero1_preset_trains_and_resumes(converted, sft_data, tmp_path):
+    """The GPU default (bf16 weights, fp32 master weights and grad accumulation, ZeRO-1) on CPU ranks:
+    first step agrees with fp32 to bf16 precision, and its ZeRO checkpoints resume exactly."""
+    cfg = parity_cfg(sft_data[0])
+    fp32, full, part = tmp_path / "fp32", tmp_path / "bf16", tmp_path / "bf16_part"
+    check(deepspeed_launch(4, *overrides(cfg, converted["tied"], str(fp32), num_stages=2)))
+    bf16 = overrides(cfg, converted["tied"], str(full), num_stages=2, save_steps=2, deepspeed="bf16_zero1")
+    check(deepspeed_launch(4, *bf16))
+    zero_files = {f"bf16_zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for d in range(2) for s in range(2)}
+    assert zero_files <= set(os.listdir(full / "global_step2"))  # ZeRO-1: optimizer state sharded over DP
+    ref, ours = read_jsonl(fp32 / "metrics.jsonl")[0], read_jsonl(full / "metrics.jsonl")[0]
+    assert ours["loss"] == pytest.approx(ref["loss"], rel=2e-3)
+    assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=2e-2)
+    interrupted_copy(full, part, 2)
+    resumed = overrides(
+        cfg, converted["tied"], str(part), num_stages=2, save_steps=2, deepspeed="bf16_zero1", resume="true"
+    )
+    check(deepspeed_launch(4, *resumed))
+    for a, b in zip(read_jsonl(full / "metrics.jsonl"), read_jsonl(part / "metrics.jsonl"), strict=True):
+        assert (a["step"], a["loss"], a["grad_norm"]) == (b["step"], b["loss"], b["grad_norm"])

@@ -159,6 +159,11 @@ class LossScaledBatches:
         return self.pending.pop(0)
 
 
+def _as_float(value) -> float | None:
+    """DeepSpeed reports the grad norm as a float (fp32 path) or a 0-d tensor (bf16/ZeRO optimizers)."""
+    return None if value is None else float(value)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -340,7 +345,7 @@ class Trainer:
                     "epoch": self.plan.position(self.step - 1)[0],
                     "loss": loss,
                     "lr": lr,
-                    "grad_norm": self.engine.get_global_grad_norm(),
+                    "grad_norm": _as_float(self.engine.get_global_grad_norm()),
                     "tokens_per_second": tokens_per_step / seconds,
                     "target_tokens": data_iter.step_tokens,
                     "step_seconds": seconds,
