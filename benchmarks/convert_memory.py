@@ -10,6 +10,7 @@ child), next to the RSS of a child that only imports the same libraries, and `cp
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -78,7 +79,10 @@ def main() -> None:
     seconds, rss = child_peak_rss([sys.executable, "convert2ckpt.py", "--input", hf, "--output", out])
     step = os.path.join(out, "global_step0")
     largest_layer = max(os.path.getsize(os.path.join(step, f)) for f in os.listdir(step)) / 2**20
-    print(f"model on disk: {size:.0f} MiB ({args.layers} layers, hidden {args.hidden}, {args.dtype})")
+    with open(os.path.join(hf, "config.json")) as f:
+        conf = json.load(f)
+    shape = f"{conf['num_hidden_layers']} layers, hidden {conf['hidden_size']}, vocab {conf['vocab_size']}"
+    print(f"model on disk: {size:.0f} MiB ({shape}, {conf.get('dtype') or conf.get('torch_dtype')})")
     print(f"largest layer file: {largest_layer:.0f} MiB")
     print(f"convert2ckpt.py: {seconds:.1f}s, peak RSS {rss:.0f} MiB (imports alone: {import_rss:.0f} MiB)")
     print(f"cp -r of the same shards: {cp_seconds:.1f}s")

@@ -14,7 +14,6 @@ import struct
 from collections.abc import Iterator
 
 import torch
-from safetensors import safe_open
 
 
 class CheckpointError(Exception):
@@ -51,8 +50,23 @@ def list_shards(hf_dir: str) -> tuple[list[str], dict[str, str] | None]:
     )
 
 
-def check_safetensors(path: str) -> list[str]:
-    """Validate a safetensors file's header against its size; return its tensor names."""
+# safetensors dtype codes -> torch dtypes (the format is little-endian, as are the machines we run on).
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def read_safetensors_header(path: str) -> tuple[int, dict]:
+    """(offset of the data section, header without __metadata__), validated against the file size."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -65,11 +79,41 @@ def check_safetensors(path: str) -> list[str]:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise CheckpointError(f"{path}: corrupt safetensors header") from None
-    names = [k for k in header if k != "__metadata__"]
-    end = max((header[k]["data_offsets"][1] for k in names), default=0)
+    header.pop("__metadata__", None)
+    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
     if 8 + header_len + end > size:
         raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, needs {8 + header_len + end})")
-    return names
+    return 8 + header_len, header
+
+
+def check_safetensors(path: str) -> list[str]:
+    """Validate a safetensors file's header against its size; return its tensor names."""
+    return list(read_safetensors_header(path)[1])
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield a shard's tensors in file order with plain reads into fresh buffers.
+
+    NOTE: not `safe_open`: it memory-maps the whole shard, and every page touched stays in the
+    process's resident set until the shard is closed (1.6 GB of a 3.5 GB model in our benchmark).
+    Plain reads keep resident memory to the tensors actually held.
+    """
+    data_start, header = read_safetensors_header(path)
+    with open(path, "rb", buffering=0) as f:
+        for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            begin, end = entry["data_offsets"]
+            dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+            if dtype is None:
+                raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {entry['dtype']}")
+            buf = torch.empty(end - begin, dtype=torch.uint8)
+            f.seek(data_start + begin)
+            view, done = memoryview(buf.numpy()), 0
+            while done < len(view):
+                n = f.readinto(view[done:])
+                if not n:
+                    raise CheckpointError(f"{path}: truncated while reading {name}")
+                done += n
+            yield name, buf.view(dtype).reshape(entry["shape"])
 
 
 def validate(hf_dir: str) -> dict[str, str]:
@@ -109,9 +153,8 @@ def iter_tensors(hf_dir: str) -> Iterator[tuple[str, torch.Tensor, str]]:
     for shard in shards:
         path = os.path.join(hf_dir, shard)
         if shard.endswith(".safetensors"):
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name), shard
+            for name, tensor in iter_safetensors(path):
+                yield name, tensor, shard
         else:
             state = _load_bin(path)
             for name in list(state):
