@@ -15,7 +15,7 @@ from checkpoint.convert import convert_hf_to_pipeline
 from checkpoint.pipeline_reader import load_hf_state_dict
 from demo.tiny_llama import make_hf_model, tiny_config
 from models.layout import DECODER, EMBED, LM_HEAD, NORM, layer_file_name, layer_keys, pipe_layers
-from tests.conftest import run_cmd
+from tests.conftest import REPO, run_cmd
 
 
 def hf_state(hf_dir: str) -> dict[str, torch.Tensor]:
@@ -57,19 +57,14 @@ def test_every_tensor_lands_once_in_its_file(variant, hf_models, converted):
 def test_layer_modules_match_hf_at_70b_shapes():
     """Shape-only conversion of LLaMA-2-70B on the meta device: our layer modules' keys and shapes are
     exactly what the table maps from HF's LlamaForCausalLM, for every layer file."""
+    from omegaconf import OmegaConf
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from models.layers import DecoderLayerPipe, EmbeddingPipe, LMHeadPipe, NormPipe
+    from training.loop import ARCH_KEYS
 
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        max_position_embeddings=4096,
-    )
+    preset = OmegaConf.load(REPO / "conf" / "model" / "llama2_70b.yaml")  # the shipped preset, source cited there
+    config = LlamaConfig(**{k: preset[k] for k in ARCH_KEYS if k != "rope_theta"})
     with torch.device("meta"):
         hf = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
         builders = {EMBED: EmbeddingPipe, NORM: NormPipe, LM_HEAD: LMHeadPipe}
@@ -176,3 +171,22 @@ def test_errors_tokenizer_too_large_and_existing_output(tmp_path, hf_models, con
     proc = run_cmd([sys.executable, "convert2ckpt.py", "--input", hf_models["mha"], "--output", str(forced), "--force"])
     assert proc.returncode == 0, proc.stderr
     assert json.load(open(forced / "config.json"))["num_key_value_heads"] == 4
+
+
+def test_old_rotary_buffers_are_dropped(tmp_path, hf_models):
+    """Old LLaMA checkpoints carry `rotary_emb.inv_freq` buffers: conversion drops them silently."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "old"
+    shutil.copytree(hf_models["gqa"], src)
+    save_file(
+        {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8) for i in range(4)},
+        str(src / "rope.safetensors"),
+    )
+    index = json.load(open(src / "model.safetensors.index.json"))
+    index["weight_map"].update(
+        {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": "rope.safetensors" for i in range(4)}
+    )
+    json.dump(index, open(src / "model.safetensors.index.json", "w"))
+    stats = convert_hf_to_pipeline(str(src), str(tmp_path / "ckpt"), log=lambda *_: None)
+    assert stats.tensors == len(hf_state(hf_models["gqa"]))

@@ -171,9 +171,20 @@ def seed_everything(seed: int) -> None:
 
 
 def configure_logging(coords: Coords) -> None:
+    """Console: INFO from rank 0 and the reporting rank, warnings from the others."""
     level = logging.INFO if coords.rank == 0 or coords.reporting else logging.WARNING
     logging.basicConfig(level=level, format=f"[rank{coords.rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S")
     log.setLevel(level)
+
+
+def log_to_file(output_dir: str, rank: int) -> str:
+    """Also append this rank's trainer log to output_dir/logs/rank{R}.log (kept across resumes)."""
+    path = os.path.join(output_dir, "logs", f"rank{rank}.log")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    return path
 
 
 def broadcast_row_counts(cfg: TrainConfig) -> tuple[int, int]:
@@ -218,6 +229,7 @@ class Trainer:
             raise RunError(str(e)) from None
         seed_everything(cfg.seed)
         prepare_output_dir(cfg.output_dir)
+        log_to_file(cfg.output_dir, rank)
         self.model_config = load_model_config(cfg)
         self.tokenizer = load_tokenizer(cfg, self.model_config.vocab_size) if self.coords.has_data else None
         self.num_train_rows, self.num_eval_rows = broadcast_row_counts(cfg)
@@ -428,7 +440,7 @@ class Trainer:
             lines = [f"output_dir: {out}"]
             if os.path.exists(os.path.join(out, "latest")):
                 lines.append(f"  checkpoint: {os.path.join(out, checkpoint_tag(out))} (latest)")
-            for name in ("metrics.jsonl", "eval_results.json", "train_config.yaml"):
+            for name in ("metrics.jsonl", "eval_results.json", "train_config.yaml", "logs"):
                 if os.path.exists(os.path.join(out, name)):
                     lines.append(f"  {name}: {os.path.join(out, name)}")
             print("\n".join(lines), flush=True)
