@@ -1,9 +1,11 @@
-"""Convert a Hugging Face LLaMA checkpoint into DeepSpeed pipeline layer files.
+"""Convert LLaMA checkpoints between Hugging Face and DeepSpeed pipeline layouts.
 
     python convert2ckpt.py --input HF_DIR --output CKPT_DIR [--dtype bf16|fp16|fp32] [--force]
+    python convert2ckpt.py --to-hf --input CKPT_DIR --output HF_DIR [--tag global_stepN] [--dtype ...]
 
-Streams: peak memory is about one layer, never the whole model. Errors are one line naming the
-file or key, with exit status 2, and leave no output behind.
+Both directions stream: peak memory is about one layer, never the whole model. Output is written
+to a temporary directory and renamed into place when complete. Errors are one line naming the file
+or key, with exit status 2, and leave no output behind.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from checkpoint.hf_reader import CheckpointError
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, help="Hugging Face model directory (config.json + weights)")
-    p.add_argument("--output", required=True, help="checkpoint directory to create")
+    p.add_argument("--input", required=True, help="HF model directory, or a pipeline checkpoint with --to-hf")
+    p.add_argument("--output", required=True, help="directory to create")
+    p.add_argument("--to-hf", action="store_true", help="export a pipeline checkpoint (converted or trained) to HF")
+    p.add_argument("--tag", default=None, help="with --to-hf: checkpoint tag to export (default: the one in 'latest')")
+    p.add_argument("--max-shard-size", default="5GB", help="with --to-hf: safetensors shard size (default 5GB)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: keep stored dtype)")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     return p.parse_args(argv)
@@ -27,7 +32,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        convert_hf_to_pipeline(args.input, args.output, dtype=args.dtype, force=args.force)
+        if args.to_hf:
+            from checkpoint.export import export_pipeline_to_hf
+
+            export_pipeline_to_hf(
+                args.input, args.output, args.tag, args.dtype, max_shard_size=args.max_shard_size, force=args.force
+            )
+        else:
+            if args.tag:
+                raise CheckpointError("--tag only applies with --to-hf")
+            convert_hf_to_pipeline(args.input, args.output, dtype=args.dtype, force=args.force)
     except CheckpointError as e:
         print(f"convert2ckpt: error: {e}", file=sys.stderr)
         return 2

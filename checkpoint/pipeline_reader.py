@@ -21,20 +21,44 @@ def read_tag(ckpt_dir: str, tag: str | None = None) -> str:
         return f.read().strip()
 
 
-def iter_hf_tensors(ckpt_dir: str, config, tag: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF key, tensor) for every weight of the checkpoint, reading one layer file at a time.
-
-    With tied embeddings `lm_head.weight` is not yielded (HF re-ties it on load).
-    """
+def _layer_files(ckpt_dir: str, config, tag: str | None):
+    """(path, {our key: HF key}) per layer file, in layer order."""
     step_dir = os.path.join(ckpt_dir, read_tag(ckpt_dir, tag))
     for index, keys in all_layer_keys(config).items():
         path = os.path.join(step_dir, layer_file_name(index))
         if not os.path.exists(path):
             raise CheckpointError(f"{path}: layer file missing")
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        extra = set(state) - set(keys)
-        if extra or set(keys) - set(state):
-            raise CheckpointError(f"{path}: keys {sorted(extra or set(keys) - set(state))} do not match the layout")
+        yield path, keys
+
+
+def _load_layer(path: str, keys: dict[str, str], mmap: bool) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:  # damaged zip/pickle: several exception types
+        raise CheckpointError(f"{path}: cannot read layer file ({type(e).__name__})") from None
+    if set(state) != set(keys):
+        diff = sorted(set(state) ^ set(keys))
+        raise CheckpointError(f"{path}: keys {diff} do not match the layout of this model")
+    return state
+
+
+def plan_hf_tensors(ckpt_dir: str, config, tag: str | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(HF key, shape, dtype) of every weight in `iter_hf_tensors` order; reads no tensor data (mmap)."""
+    plan = []
+    for path, keys in _layer_files(ckpt_dir, config, tag):
+        state = _load_layer(path, keys, mmap=True)
+        plan += [(hf, tuple(state[ours].shape), state[ours].dtype) for ours, hf in keys.items()]
+        del state
+    return plan
+
+
+def iter_hf_tensors(ckpt_dir: str, config, tag: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF key, tensor) for every weight of the checkpoint, reading one layer file at a time.
+
+    With tied embeddings `lm_head.weight` is not yielded (HF re-ties it on load).
+    """
+    for path, keys in _layer_files(ckpt_dir, config, tag):
+        state = _load_layer(path, keys, mmap=False)
         for ours, hf in keys.items():
             yield hf, state.pop(ours)
 

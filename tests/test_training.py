@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 
 import pytest
 import torch
 
 from checkpoint.pipeline_reader import load_hf_state_dict
-from tests.conftest import check, deepspeed_launch, read_jsonl
+from tests.conftest import check, deepspeed_launch, read_jsonl, run_cmd
 from tests.reference import train_reference
 from training.config import OptimConfig, TrainConfig
 
@@ -58,7 +59,7 @@ def overrides(cfg: TrainConfig, ckpt: str, out: str, num_stages: int, **extra) -
 def test_pp2_dp2_matches_single_process_reference(
     variant, recompute, hf_models, converted, tokenizer_dir, sft_data, tmp_path
 ):
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = parity_cfg(sft_data[0])
     out = str(tmp_path / "run")
@@ -88,6 +89,13 @@ def test_pp2_dp2_matches_single_process_reference(
     for key, value in ref.items():
         torch.testing.assert_close(ours[key], value, rtol=1e-5, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
         worst = max(worst, float((ours[key] - value).abs().max()))
+    # The trained checkpoint exported to Hugging Face is the same model.
+    export = tmp_path / "hf_export"
+    check(run_cmd([sys.executable, "convert2ckpt.py", "--to-hf", "--input", out, "--output", str(export)]))
+    exported = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).state_dict()
+    assert set(exported) == set(ref) and (export / "generation_config.json").exists()
+    for key in ref:
+        assert torch.equal(exported[key], ours[key]), key
     moved = max(float((ours[k] - v).abs().max()) for k, v in load_hf_state_dict(converted[variant], config).items())
     assert moved > 1e-3, "weights should have changed"
     print(

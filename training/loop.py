@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -290,6 +291,11 @@ class Trainer:
         self.model_config.save_pretrained(self.cfg.output_dir)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(self.cfg.output_dir)
+        source = self.cfg.model_name_or_path
+        target = os.path.join(self.cfg.output_dir, "generation_config.json")
+        generation = os.path.join(source, "generation_config.json") if source else ""
+        if generation and os.path.exists(generation) and not os.path.exists(target):
+            shutil.copy2(generation, target)
 
     def _resume(self) -> None:
         cfg = self.cfg

@@ -1,0 +1,83 @@
+"""convert2ckpt.py --to-hf: HF -> pipeline -> HF is bit-identical and loads with Auto* classes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from checkpoint.export import export_pipeline_to_hf
+from tests.conftest import run_cmd
+
+
+def hf_state(hf_dir) -> dict[str, torch.Tensor]:
+    state = {}
+    for name in sorted(os.listdir(hf_dir)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(hf_dir, name)))
+    return state
+
+
+@pytest.mark.parametrize("variant", ["mha", "gqa", "tied"])
+def test_round_trip_is_bit_identical(variant, hf_models, converted, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "hf"
+    proc = run_cmd([sys.executable, "convert2ckpt.py", "--to-hf", "--input", converted[variant], "--output", str(out),
+                    "--max-shard-size", "150KB"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    original, exported = hf_state(hf_models[variant]), hf_state(out)
+    assert set(original) == set(exported)
+    for key, value in original.items():
+        assert exported[key].dtype == value.dtype and torch.equal(exported[key], value), key
+    index = json.load(open(out / "model.safetensors.index.json"))
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all(os.path.getsize(out / s) < 150 * 1024 + 8192 for s in shards)
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in original.values())
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    reference = AutoModelForCausalLM.from_pretrained(hf_models[variant])
+    ids = torch.randint(3, 60, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert len(AutoTokenizer.from_pretrained(str(out))) == len(AutoTokenizer.from_pretrained(hf_models[variant]))
+
+
+def test_dtype_cast_and_tag(converted, tmp_path):
+    stats = export_pipeline_to_hf(converted["gqa"], str(tmp_path / "bf16"), tag="global_step0", dtype="bf16",
+                                  log=lambda *_: None)  # fmt: skip
+    assert all(t.dtype == torch.bfloat16 for t in hf_state(tmp_path / "bf16").values())
+    assert json.load(open(tmp_path / "bf16" / "config.json"))["dtype"] == "bfloat16"
+    assert stats.tensors == 39
+
+
+def _expect_error(args, fragment, out):
+    proc = run_cmd([sys.executable, "convert2ckpt.py", "--to-hf", *args])
+    assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not os.path.exists(out)
+
+
+def test_export_errors(converted, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(converted["gqa"], broken)
+    os.remove(broken / "global_step0" / "layer_03-model_00-model_states.pt")
+    _expect_error(
+        ["--input", str(broken), "--output", str(tmp_path / "o1")], "layer_03-model_00-model_states.pt", tmp_path / "o1"
+    )
+    _expect_error(
+        ["--input", converted["gqa"], "--output", str(tmp_path / "o2"), "--tag", "global_step9"],
+        "global_step9",
+        tmp_path / "o2",
+    )
+    (broken / "global_step0" / "layer_03-model_00-model_states.pt").write_bytes(b"not a zip")
+    _expect_error(["--input", str(broken), "--output", str(tmp_path / "o3")], "cannot read layer file", tmp_path / "o3")
+    os.makedirs(tmp_path / "taken")
+    (tmp_path / "taken" / "config.json").write_text("{}")
+    proc = run_cmd(
+        [sys.executable, "convert2ckpt.py", "--to-hf", "--input", converted["gqa"], "--output", str(tmp_path / "taken")]
+    )
+    assert proc.returncode == 2 and "not empty" in proc.stderr
