@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -165,3 +166,21 @@ def test_bf16_zero1_preset_trains_and_resumes(converted, sft_data, tmp_path):
     check(deepspeed_launch(4, *resumed))
     for a, b in zip(read_jsonl(full / "metrics.jsonl"), read_jsonl(part / "metrics.jsonl"), strict=True):
         assert (a["step"], a["loss"], a["grad_norm"]) == (b["step"], b["loss"], b["grad_norm"])
+
+
+def test_trained_checkpoint_loads_into_other_layouts(converted, sft_data, tmp_path):
+    """Weights saved by PP=2 x DP=2 load into PP=4 x DP=1 and PP=1: same eval loss as the run itself."""
+    cfg = parity_cfg(sft_data[0])
+    cfg.max_steps = 2
+    trained = tmp_path / "pp2"
+    check(
+        deepspeed_launch(4, *overrides(cfg, converted["tied"], str(trained), 2, do_eval="true", eval_file=sft_data[1]))
+    )
+    results = {"pp2": json.load(open(trained / "eval_results.json"))}
+    for name, n, stages in [("pp4", 4, 4), ("pp1", 1, 1)]:
+        args = overrides(cfg, str(trained), str(tmp_path / name), stages, do_train="false", do_eval="true")
+        check(deepspeed_launch(n, *args, f"eval_file={sft_data[1]}"))
+        results[name] = json.load(open(tmp_path / name / "eval_results.json"))
+    assert results["pp2"]["eval_tokens"] == results["pp4"]["eval_tokens"] == results["pp1"]["eval_tokens"]
+    for name in ("pp4", "pp1"):
+        assert results[name]["eval_loss"] == pytest.approx(results["pp2"]["eval_loss"], rel=1e-6), results
