@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -107,13 +108,11 @@ def test_pp2_dp2_matches_single_process_reference(
 
 def interrupted_copy(full, part, at: int) -> None:
     """What `full` held right after it saved step `at`: later checkpoints, metrics and `latest` undone."""
-    shutil.copytree(
-        full,
-        part,
-        ignore=lambda d, names: [
-            n for n in names if n.startswith("global_step") and int(n.removeprefix("global_step")) > at
-        ],
-    )
+
+    def later(_, names):
+        return [n for n in names if (m := re.fullmatch(r"global_step(\d+)", n)) and int(m.group(1)) > at]
+
+    shutil.copytree(full, part, ignore=later)
     (part / "latest").write_text(f"global_step{at}")
     lines = (part / "metrics.jsonl").read_text().splitlines(keepends=True)[:at]
     (part / "metrics.jsonl").write_text("".join(lines))
@@ -144,28 +143,59 @@ def test_resume_matches_uninterrupted(converted, sft_data, tmp_path):
     sb = torch.load(part / "global_step6" / "mp_rank_00_model_states.pt", weights_only=False)["optimizer"]["state"]
     for i in sa:
         assert torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"])
+    # ZeRO-0 optimizer state cannot move to another layout (DeepSpeed's universal tool needs ZeRO shards).
+    moved = tmp_path / "moved"
+    interrupted_copy(full, moved, 3)
+    args = overrides(cfg, converted["gqa"], str(moved), num_stages=1, resume="true", gradient_accumulation_steps=6)
+    proc = deepspeed_launch(1, *args)
+    assert proc.returncode == 2 and "ZeRO stage 0 cannot move to another layout" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_bf16_zero1_preset_trains_and_resumes(converted, sft_data, tmp_path):
-    """The GPU default (bf16 weights, fp32 master weights and grad accumulation, ZeRO-1) on CPU ranks:
-    first step agrees with fp32 to bf16 precision, and its ZeRO checkpoints resume exactly."""
+def test_bf16_zero1_trains_resumes_and_moves_between_layouts(converted, sft_data, tmp_path):
+    """The GPU default (bf16 weights, fp32 master weights and grad accumulation, ZeRO-1) on CPU ranks.
+
+    The first step agrees with fp32 to bf16 precision; a checkpoint saved at step 3 of 6 with
+    PP=2 x DP=2 resumes exactly in the same layout, and in PP=4 x DP=1 and PP=1 x DP=2 (same
+    global batch) it continues the same loss curve, optimizer state and LR schedule included.
+    """
     cfg = parity_cfg(sft_data[0])
-    fp32, full, part = tmp_path / "fp32", tmp_path / "bf16", tmp_path / "bf16_part"
-    check(deepspeed_launch(4, *overrides(cfg, converted["tied"], str(fp32), num_stages=2)))
-    bf16 = overrides(cfg, converted["tied"], str(full), num_stages=2, save_steps=2, deepspeed="bf16_zero1")
-    check(deepspeed_launch(4, *bf16))
+    cfg.max_steps = 6
+    fp32, full = tmp_path / "fp32", tmp_path / "bf16"
+    check(deepspeed_launch(4, *overrides(cfg, converted["tied"], str(fp32), num_stages=2, max_steps=1)))
+    bf16 = dict(save_steps=3, deepspeed="bf16_zero1")
+    check(deepspeed_launch(4, *overrides(cfg, converted["tied"], str(full), num_stages=2, **bf16)))
     zero_files = {f"bf16_zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for d in range(2) for s in range(2)}
-    assert zero_files <= set(os.listdir(full / "global_step2"))  # ZeRO-1: optimizer state sharded over DP
+    assert zero_files <= set(os.listdir(full / "global_step3"))  # ZeRO-1: optimizer state sharded over DP
     ref, ours = read_jsonl(fp32 / "metrics.jsonl")[0], read_jsonl(full / "metrics.jsonl")[0]
     assert ours["loss"] == pytest.approx(ref["loss"], rel=2e-3)
     assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=2e-2)
-    interrupted_copy(full, part, 2)
-    resumed = overrides(
-        cfg, converted["tied"], str(part), num_stages=2, save_steps=2, deepspeed="bf16_zero1", resume="true"
-    )
-    check(deepspeed_launch(4, *resumed))
-    for a, b in zip(read_jsonl(full / "metrics.jsonl"), read_jsonl(part / "metrics.jsonl"), strict=True):
-        assert (a["step"], a["loss"], a["grad_norm"]) == (b["step"], b["loss"], b["grad_norm"])
+    expected = read_jsonl(full / "metrics.jsonl")
+
+    # (ranks, num_stages, gradient_accumulation_steps): global batch 12 sequences in every layout.
+    for name, ranks, stages, gas in [("same", 4, 2, 3), ("pp4_dp1", 4, 4, 6), ("pp1_dp2", 2, 1, 3)]:
+        part = tmp_path / name
+        interrupted_copy(full, part, 3)
+        args = overrides(
+            cfg, converted["tied"], str(part), stages, resume="true", gradient_accumulation_steps=gas, **bf16
+        )
+        proc = check(deepspeed_launch(ranks, *args))
+        got = read_jsonl(part / "metrics.jsonl")
+        assert [m["step"] for m in got] == list(range(1, 7)) and os.path.isdir(part / "global_step6")
+        for a, b in zip(expected[3:], got[3:], strict=True):
+            assert a["lr"] == b["lr"]
+            if name == "same":
+                assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
+            else:  # other reduction order in bf16: agreement to bf16 noise
+                assert b["loss"] == pytest.approx(a["loss"], rel=2e-3) and b["grad_norm"] == pytest.approx(
+                    a["grad_norm"], rel=2e-2
+                )
+        assert (name == "same") != os.path.isdir(part / "global_step3_universal"), proc.stdout[-2000:]
+
+    # A different global batch would change the data order: refused, naming the cause.
+    part = tmp_path / "other_batch"
+    interrupted_copy(full, part, 3)
+    proc = deepspeed_launch(4, *overrides(cfg, converted["tied"], str(part), 4, resume="true", **bf16))
+    assert proc.returncode != 0 and "global batch of 12 sequences, this run has 6" in proc.stderr
 
 
 def test_trained_checkpoint_loads_into_other_layouts(converted, sft_data, tmp_path):

@@ -51,11 +51,21 @@ def resolve_precision(precision: str) -> str:
     return "fp32"
 
 
-def deepspeed_config(cfg: TrainConfig, dp_size: int) -> dict:
-    """The engine config. Batch sizes and clipping come from the top-level run config."""
+def resolve_zero_stage(zero_stage: int | None) -> int:
+    return zero_stage if zero_stage is not None else (1 if torch.cuda.is_available() else 0)
+
+
+def deepspeed_config(cfg: TrainConfig, dp_size: int, load_universal: bool = False) -> dict:
+    """The engine config. Batch sizes and clipping come from the top-level run config.
+
+    Args:
+        cfg: run config.
+        dp_size: data-parallel ranks.
+        load_universal: the checkpoint to resume is a DeepSpeed universal checkpoint (layout change).
+    """
     ds = cfg.deepspeed
     precision = resolve_precision(ds.precision)
-    zero_stage = ds.zero_stage if ds.zero_stage is not None else (1 if torch.cuda.is_available() else 0)
+    zero_stage = resolve_zero_stage(ds.zero_stage)
     if ds.offload_optimizer and precision == "bf16":
         raise ValueError(
             "deepspeed.offload_optimizer=true with bf16 is not supported by DeepSpeed's pipeline engine "
@@ -82,6 +92,8 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int) -> dict:
         conf["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": ds.initial_scale_power}
     elif ds.grad_accum_dtype:
         conf["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype}
+    if load_universal:
+        conf["checkpoint"] = {"load_universal": True}
     if ds.offload_optimizer:
         conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     return conf
@@ -183,13 +195,12 @@ def load_layer_files(module, step_dir: str) -> list[str]:
     return files
 
 
-def initialize_engine(cfg: TrainConfig, module, total_steps: int):
+def initialize_engine(cfg: TrainConfig, module, total_steps: int, load_universal: bool = False):
     """Wrap a built stage in DeepSpeed's PipelineEngine with AdamW and the LR schedule."""
     dp = dist.get_world_size() // cfg.num_stages
     optimizer, scheduler = make_optimizer(cfg, module.named_parameters(), total_steps)
-    engine, _, _, _ = deepspeed.initialize(
-        model=module, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, dp)
-    )
+    config = deepspeed_config(cfg, dp, load_universal)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config)
 
     # NOTE: DeepSpeed's fp32 path clips but does not record the norm; keep it for the metrics.
     def clip_and_record():

@@ -16,12 +16,21 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from checkpoint.hf_reader import CheckpointError
+from checkpoint.universal import check_movable, ensure_universal, layout_changed, read_layout, write_layout
 from data.collator import CausalLMCollator
 from data.dataset import PlaceholderDataset, TokenizedDataset, count_rows
 from data.sampling import TrainPlan, eval_batches, eval_indices, eval_num_batches, train_batches
-from models.pipeline import IGNORE_INDEX, CausalLMLoss
+from models.pipeline import IGNORE_INDEX, CausalLMLoss, stage_bounds
 from training.config import TrainConfig, validate
-from training.engine import build_module, init_distributed, initialize_engine, load_layer_files
+from training.engine import (
+    build_module,
+    init_distributed,
+    initialize_engine,
+    load_layer_files,
+    resolve_precision,
+    resolve_zero_stage,
+)
 
 log = logging.getLogger("trainer")
 
@@ -244,17 +253,20 @@ class Trainer:
             )
         self.total_steps = self.plan.total_steps(cfg.max_steps, cfg.num_train_epochs) if cfg.do_train else 0
         self.loss_fn = CausalLMLoss()
-        self.resuming = cfg.resume
+        self.resume_tag, self.universal_tag = None, None
         if cfg.resume:
-            checkpoint_tag(cfg.output_dir)  # fail now, before building anything, if there is none
+            self.resume_tag = checkpoint_tag(cfg.output_dir)  # fail now, before building anything
+            self.universal_tag = self._prepare_layout_change(self.resume_tag)
         module = build_module(cfg, self.model_config, self.loss_fn, skip_init=cfg.model_name_or_path is not None)
-        if cfg.model_name_or_path and not cfg.resume:
-            tag = checkpoint_tag(cfg.model_name_or_path)
-            self.loaded_files = load_layer_files(module, os.path.join(cfg.model_name_or_path, tag))
-            log.info(
-                "loaded %s (%s): rank %d read %d layer files", cfg.model_name_or_path, tag, rank, len(self.loaded_files)
-            )
-        self.engine = initialize_engine(cfg, module, max(self.total_steps, 1))
+        source = None
+        if self.universal_tag:  # weights from the layer files, optimizer state from the universal checkpoint
+            source = (cfg.output_dir, self.resume_tag)
+        elif cfg.model_name_or_path and not cfg.resume:
+            source = (cfg.model_name_or_path, checkpoint_tag(cfg.model_name_or_path))
+        if source:
+            self.loaded_files = load_layer_files(module, os.path.join(*source))
+            log.info("loaded %s (%s): rank %d read %d layer files", *source, rank, len(self.loaded_files))
+        self.engine = initialize_engine(cfg, module, max(self.total_steps, 1), load_universal=bool(self.universal_tag))
         self.step = 0
         if cfg.resume:
             self._resume()
@@ -297,27 +309,62 @@ class Trainer:
         if generation and os.path.exists(generation) and not os.path.exists(target):
             shutil.copy2(generation, target)
 
-    def _resume(self) -> None:
+    def layout(self) -> dict:
+        """What a checkpoint records about the layout that saved it (checkpoint/universal.py)."""
         cfg = self.cfg
-        tag = checkpoint_tag(cfg.output_dir)
-        path, client = self.engine.load_checkpoint(cfg.output_dir, tag=tag)
+        return {
+            "num_stages": cfg.num_stages,
+            "dp_size": self.coords.dp,
+            "stage_bounds": stage_bounds(self.model_config, cfg.num_stages, cfg.model.partition),
+            "global_batch_size": cfg.micro_batch_size * cfg.gradient_accumulation_steps * self.coords.dp,
+            "num_hidden_layers": self.model_config.num_hidden_layers,
+            "precision": resolve_precision(cfg.deepspeed.precision),
+            "zero_stage": resolve_zero_stage(cfg.deepspeed.zero_stage),
+        }
+
+    def _prepare_layout_change(self, tag: str) -> str | None:
+        """If `tag` was saved with another PP x DP layout: convert it to a universal checkpoint (rank 0)."""
+        where = os.path.join(self.cfg.output_dir, tag)
+        saved, current = read_layout(where), self.layout()
+        if not layout_changed(saved, current):
+            return None
+        try:
+            check_movable(saved, current, where)
+            universal = ensure_universal(self.cfg.output_dir, tag) if self.coords.rank == 0 else None
+        except CheckpointError as e:
+            raise RunError(str(e)) from None
+        universal = [universal]
+        dist.broadcast_object_list(universal, src=0)
+        log.info(
+            "resuming %s saved with PP=%d x DP=%d in PP=%d x DP=%d through %s",
+            where,
+            saved["num_stages"],
+            saved["dp_size"],
+            current["num_stages"],
+            current["dp_size"],
+            universal[0],
+        )
+        return universal[0]
+
+    def _resume(self) -> None:
+        cfg, tag = self.cfg, self.resume_tag
+        path, client = self.engine.load_checkpoint(cfg.output_dir, tag=self.universal_tag or tag)
         if path is None:
             raise RunError(f"{cfg.output_dir}/{tag}: checkpoint could not be loaded")
         saved = client.get("data", {})
         now = self._data_state()
-        for key in ("num_train_rows", "dp_size", "micro_batch_size", "gradient_accumulation_steps", "seed"):
+        for key in ("num_train_rows", "global_batch_size", "seed"):
             if key in saved and saved[key] != now[key]:
                 raise RunError(f"resume: {key}={now[key]} but the checkpoint {tag} was saved with {saved[key]}")
         self.step = self.engine.global_steps
         log.info("resumed from %s at step %d", os.path.join(cfg.output_dir, tag), self.step)
 
     def _data_state(self) -> dict:
+        """The data position is a function of the step, given rows, global batch and seed (data/sampling.py)."""
         return {
             "step": self.step,
             "num_train_rows": self.num_train_rows,
-            "dp_size": self.coords.dp,
-            "micro_batch_size": self.cfg.micro_batch_size,
-            "gradient_accumulation_steps": self.cfg.gradient_accumulation_steps,
+            "global_batch_size": self.cfg.micro_batch_size * self.cfg.gradient_accumulation_steps * self.coords.dp,
             "seed": self.cfg.seed,
         }
 
@@ -328,6 +375,8 @@ class Trainer:
 
     def save(self) -> None:
         tag = f"global_step{self.step}"
+        if self.coords.rank == 0:
+            write_layout(os.path.join(self.cfg.output_dir, tag), self.layout())
         self.engine.save_checkpoint(self.cfg.output_dir, tag=tag, client_state={"data": self._data_state()})
         log.info("saved checkpoint %s", os.path.join(self.cfg.output_dir, tag))
 

@@ -1,0 +1,84 @@
+"""Moving a training checkpoint to another PP x DP layout with its optimizer state.
+
+Every save records its layout (`layout.json` in the tag directory). When `resume=true` finds a
+checkpoint saved with another layout, it is converted once with DeepSpeed's own universal
+checkpoint tool (`deepspeed.checkpoint.ds_to_universal`: per-parameter fp32 weights and Adam
+moments, named by global layer index, so layout-free) and loaded with `load_universal`. Weights
+always come from the layer files, which are layout-free by construction.
+
+DeepSpeed's tool reads ZeRO optimizer shards, so the optimizer state must have been saved with
+`deepspeed.zero_stage=1` (the GPU default); a ZeRO-0 checkpoint can still move, weights only,
+by starting a new run from it with `model_name_or_path`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from checkpoint.hf_reader import CheckpointError
+
+LAYOUT_FILE = "layout.json"
+LAYOUT_KEYS = ("num_stages", "dp_size", "stage_bounds")
+
+
+def write_layout(step_dir: str, layout: dict) -> None:
+    os.makedirs(step_dir, exist_ok=True)
+    tmp = os.path.join(step_dir, f".{LAYOUT_FILE}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(layout, f, indent=2)
+    os.replace(tmp, os.path.join(step_dir, LAYOUT_FILE))
+
+
+def read_layout(step_dir: str) -> dict | None:
+    path = os.path.join(step_dir, LAYOUT_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def layout_changed(saved: dict | None, current: dict) -> bool:
+    return saved is not None and any(saved[k] != current[k] for k in LAYOUT_KEYS)
+
+
+def check_movable(saved: dict, current: dict, where: str) -> None:
+    """Raise CheckpointError naming what prevents resuming `saved` in the `current` layout."""
+    if saved["global_batch_size"] != current["global_batch_size"]:
+        raise CheckpointError(
+            f"{where}: saved with a global batch of {saved['global_batch_size']} sequences, this run has "
+            f"{current['global_batch_size']} (micro_batch_size x gradient_accumulation_steps x DP); keep it equal "
+            "so the data position and loss curve carry over"
+        )
+    if saved.get("zero_stage", 0) < 1:
+        raise CheckpointError(
+            f"{where}: optimizer state saved with ZeRO stage 0 cannot move to another layout; "
+            "train with deepspeed.zero_stage=1, or start a new run from it with model_name_or_path"
+        )
+
+
+def ensure_universal(ckpt_dir: str, tag: str) -> str:
+    """Convert `ckpt_dir/tag` to DeepSpeed's universal format once; returns the universal tag."""
+    universal = f"{tag}_universal"
+    target = os.path.join(ckpt_dir, universal)
+    if os.path.isdir(target):
+        return universal
+    tmp = tempfile.mkdtemp(prefix=f".{universal}.tmp-", dir=ckpt_dir)
+    out = os.path.join(tmp, "out")
+    cmd = [
+        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder", os.path.join(ckpt_dir, tag), "--output_folder", out,
+        "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CheckpointError(f"{os.path.join(ckpt_dir, tag)}: conversion to a universal checkpoint failed: {last}")
+    os.replace(out, target)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return universal
