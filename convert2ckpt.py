@@ -2,6 +2,7 @@
 
     python convert2ckpt.py --input HF_DIR --output CKPT_DIR [--dtype bf16|fp16|fp32] [--force]
     python convert2ckpt.py --to-hf --input CKPT_DIR --output HF_DIR [--tag global_stepN] [--dtype ...]
+    python convert2ckpt.py --inspect CKPT_DIR [--tag global_stepN] [--json]
 
 Both directions stream: peak memory is about one layer, never the whole model. Output is written
 to a temporary directory and renamed into place when complete. Errors are one line naming the file
@@ -19,20 +20,29 @@ from checkpoint.hf_reader import CheckpointError
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, help="HF model directory, or a pipeline checkpoint with --to-hf")
-    p.add_argument("--output", required=True, help="directory to create")
+    p.add_argument("--input", help="HF model directory, or a pipeline checkpoint with --to-hf")
+    p.add_argument("--output", help="directory to create")
+    p.add_argument("--inspect", metavar="CKPT_DIR", help="print a pipeline checkpoint's layout and exit")
+    p.add_argument("--json", action="store_true", help="with --inspect: machine-readable output")
     p.add_argument("--to-hf", action="store_true", help="export a pipeline checkpoint (converted or trained) to HF")
     p.add_argument("--tag", default=None, help="with --to-hf: checkpoint tag to export (default: the one in 'latest')")
     p.add_argument("--max-shard-size", default="5GB", help="with --to-hf: safetensors shard size (default 5GB)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: keep stored dtype)")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.inspect and not (args.input and args.output):
+        p.error("--input and --output are required (or --inspect CKPT_DIR)")
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        if args.to_hf:
+        if args.inspect:
+            from checkpoint.inspect import inspect_checkpoint
+
+            print(inspect_checkpoint(args.inspect, args.tag, args.json))
+        elif args.to_hf:
             from checkpoint.export import export_pipeline_to_hf
 
             export_pipeline_to_hf(
@@ -40,7 +50,7 @@ def main(argv=None) -> int:
             )
         else:
             if args.tag:
-                raise CheckpointError("--tag only applies with --to-hf")
+                raise CheckpointError("--tag only applies with --to-hf or --inspect")
             convert_hf_to_pipeline(args.input, args.output, dtype=args.dtype, force=args.force)
     except CheckpointError as e:
         print(f"convert2ckpt: error: {e}", file=sys.stderr)

@@ -81,3 +81,17 @@ def test_export_errors(converted, tmp_path):
         [sys.executable, "convert2ckpt.py", "--to-hf", "--input", converted["gqa"], "--output", str(tmp_path / "taken")]
     )
     assert proc.returncode == 2 and "not empty" in proc.stderr
+
+
+def test_inspect_reports_a_converted_checkpoint(converted):
+    proc = run_cmd([sys.executable, "convert2ckpt.py", "--inspect", converted["tied"], "--json"])
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["source"] == "converted from Hugging Face" and info["step"] == 0
+    assert (
+        info["layer_files"] == 6 and info["missing_layers"] == [] and info["tp_ranks"] == [0]
+    )  # tied: no lm_head file
+    assert info["model"]["tie_word_embeddings"] and info["dtype"] == {"float32": 19}
+    assert info["layout"]["num_stages"] is None and info["optimizer_state"] == "none"
+    text = run_cmd([sys.executable, "convert2ckpt.py", "--inspect", converted["tied"]]).stdout
+    assert "converted from Hugging Face" in text and "loadable with any number of stages" in text

@@ -190,6 +190,11 @@ def test_bf16_zero1_trains_resumes_and_moves_between_layouts(converted, sft_data
                     a["grad_norm"], rel=2e-2
                 )
         assert (name == "same") != os.path.isdir(part / "global_step3_universal"), proc.stdout[-2000:]
+        if name == "pp4_dp1":
+            inspect = run_cmd([sys.executable, "convert2ckpt.py", "--inspect", str(part), "--json"])
+            info = json.loads(inspect.stdout)
+            assert info["step"] == 6 and info["layout"]["num_stages"] == 4 and info["layout"]["dp_size"] == 1
+            assert info["optimizer_state"].startswith("ZeRO-1 shards over DP=1") and info["dtype"] == {"bfloat16": 19}
 
     # A different global batch would change the data order: refused, naming the cause.
     part = tmp_path / "other_batch"

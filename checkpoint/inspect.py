@@ -1,0 +1,117 @@
+"""`convert2ckpt.py --inspect CKPT_DIR`: what a pipeline checkpoint holds, read from metadata only.
+
+Reports the model shape, the layer files and their dtype, the tensor-parallel ranks, the layout
+(stages, partition, DP size) that saved it, the optimizer state's DP sharding, the step and the
+size on disk. Tensor data is never read: layer files are opened memory-mapped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+
+import torch
+
+from checkpoint.convert import load_llama_config
+from checkpoint.hf_reader import CheckpointError
+from checkpoint.pipeline_reader import read_tag
+from checkpoint.universal import read_layout
+from models.layout import pipe_layers
+
+LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+ZERO_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+def _load_meta(path: str) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as e:  # damaged zip/pickle: several exception types
+        raise CheckpointError(f"{path}: cannot read ({type(e).__name__})") from None
+
+
+def describe(ckpt_dir: str, tag: str | None = None) -> dict:
+    """Everything `--inspect` prints, as a dict."""
+    config = load_llama_config(ckpt_dir)
+    tag = read_tag(ckpt_dir, tag)
+    step_dir = os.path.join(ckpt_dir, tag)
+    if not os.path.isdir(step_dir):
+        raise CheckpointError(f"{step_dir}: no such checkpoint")
+    names = sorted(os.listdir(step_dir))
+    layer_files = {n: LAYER_FILE.match(n) for n in names if LAYER_FILE.match(n)}
+    zero_files = [m for n in names if (m := ZERO_FILE.match(n))]
+    expected = [
+        layer.index for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings) if layer.has_file
+    ]
+    present = sorted({int(m.group(1)) for m in layer_files.values()})
+    dtypes: Counter = Counter()
+    for name in list(layer_files)[:3]:  # dtype from a few files is enough; mmap reads no tensor data
+        dtypes.update(str(t.dtype).removeprefix("torch.") for t in _load_meta(os.path.join(step_dir, name)).values())
+    engine = {}
+    if os.path.exists(os.path.join(step_dir, "mp_rank_00_model_states.pt")):
+        engine = _load_meta(os.path.join(step_dir, "mp_rank_00_model_states.pt"))
+    layout = read_layout(step_dir)
+    sizes = {n: os.path.getsize(os.path.join(step_dir, n)) for n in names if os.path.isfile(os.path.join(step_dir, n))}
+    optimizer = "none"
+    if zero_files:
+        dp = len({m.group(2) for m in zero_files})
+        optimizer = f"ZeRO-1 shards over DP={dp} ({'bf16' if zero_files[0].group(1) else 'fp32/fp16'} optimizer)"
+    elif engine.get("optimizer"):
+        optimizer = f"whole per stage (ZeRO-0), saved with DP={engine.get('dp_world_size')}"
+    return {
+        "checkpoint": step_dir,
+        "source": "converted from Hugging Face" if engine.get("converted_from_hf") else "saved by the trainer",
+        "step": engine.get("global_steps", 0),
+        "model": {
+            "num_hidden_layers": config.num_hidden_layers,
+            "hidden_size": config.hidden_size,
+            "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_key_value_heads,
+            "vocab_size": config.vocab_size,
+            "tie_word_embeddings": config.tie_word_embeddings,
+        },
+        "layer_files": len(layer_files),
+        "missing_layers": sorted(set(expected) - set(present)),
+        "tp_ranks": sorted({int(m.group(2)) for m in layer_files.values()}),
+        "dtype": dict(dtypes),
+        "layout": layout
+        or {"num_stages": None, "note": "no layout.json: a converted checkpoint, loadable with any number of stages"},
+        "optimizer_state": optimizer,
+        "bytes": {
+            "layer_files": sum(sizes[n] for n in layer_files),
+            "optimizer_and_engine": sum(v for n, v in sizes.items() if n not in layer_files),
+            "total": sum(sizes.values()),
+        },
+    }
+
+
+def format_description(info: dict) -> str:
+    m, layout, size = info["model"], info["layout"], info["bytes"]
+    lines = [
+        f"checkpoint   {info['checkpoint']} ({info['source']}, step {info['step']})",
+        f"model        {m['num_hidden_layers']} layers, hidden {m['hidden_size']}, heads {m['num_attention_heads']} "
+        f"(KV {m['num_key_value_heads']}), vocab {m['vocab_size']}, tied embeddings {m['tie_word_embeddings']}",
+        f"layer files  {info['layer_files']} ({', '.join(info['dtype'])}); "
+        f"TP ranks {info['tp_ranks']}; missing layers {info['missing_layers'] or 'none'}",
+    ]
+    if layout.get("num_stages"):
+        bounds = layout["stage_bounds"]
+        per_stage = [f"{bounds[i]}-{bounds[i + 1] - 1}" for i in range(len(bounds) - 1)]
+        lines.append(
+            f"saved with   PP={layout['num_stages']} x DP={layout['dp_size']}, stages own pipeline layers {per_stage}, "
+            f"{layout['precision']}, ZeRO-{layout['zero_stage']}, global batch {layout['global_batch_size']}"
+        )
+    else:
+        lines.append(f"saved with   {layout['note']}")
+    lines.append(f"optimizer    {info['optimizer_state']}")
+    lines.append(
+        f"size         {size['total'] / 2**20:.1f} MiB (layers {size['layer_files'] / 2**20:.1f} MiB, "
+        f"optimizer/engine {size['optimizer_and_engine'] / 2**20:.1f} MiB)"
+    )
+    return "\n".join(lines)
+
+
+def inspect_checkpoint(ckpt_dir: str, tag: str | None = None, as_json: bool = False) -> str:
+    info = describe(ckpt_dir, tag)
+    return json.dumps(info, indent=2) if as_json else format_description(info)
