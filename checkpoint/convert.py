@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from checkpoint.hf_reader import CheckpointError, iter_tensors, validate
+from checkpoint.manifest import build_manifest, write_manifest
 from models.layout import all_layer_keys, hf_key_to_layer, layer_file_name
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -223,6 +224,7 @@ def convert_hf_to_pipeline(
         with open(os.path.join(tmp, "latest"), "w") as f:
             f.write(TAG)
         copy_side_files(hf_dir, tmp, dtype)
+        write_manifest(step_dir, build_manifest(step_dir))
         publish(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

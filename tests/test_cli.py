@@ -42,6 +42,8 @@ def test_plain_python_single_rank_run(converted, sft_data, tmp_path):
     assert (out / "global_step2").is_dir() and (out / "latest").read_text() == "global_step2"
     assert json.load(open(out / "eval_results.json"))["eval_tokens"] > 0
     assert (out / "train_config.yaml").exists() and (out / "config.json").exists()
+    verify = run_cmd([sys.executable, "convert2ckpt.py", "--verify", str(out)])  # the save wrote a manifest
+    assert verify.returncode == 0 and "every file matches manifest.json" in verify.stdout, verify.stderr
     assert not (out / ".hydra").exists() and not list(tmp_path.glob("outputs"))
     # output_dir is itself a model directory: evaluate it alone (do_train=false) in a new run.
     again = tmp_path / "eval_only"

@@ -35,7 +35,7 @@ def test_every_tensor_lands_once_in_its_file(variant, hf_models, converted):
     step_dir = os.path.join(ckpt, "global_step0")
     layers = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings)
     expected_files = {layer_file_name(layer.index) for layer in layers if layer.has_file}
-    assert set(os.listdir(step_dir)) == expected_files | {"mp_rank_00_model_states.pt"}
+    assert set(os.listdir(step_dir)) == expected_files | {"mp_rank_00_model_states.pt", "manifest.json"}
     assert open(os.path.join(ckpt, "latest")).read() == "global_step0"
     reference = hf_state(hf_dir)
     landed: dict[str, int] = {}

@@ -95,3 +95,25 @@ def test_inspect_reports_a_converted_checkpoint(converted):
     assert info["layout"]["num_stages"] is None and info["optimizer_state"] == "none"
     text = run_cmd([sys.executable, "convert2ckpt.py", "--inspect", converted["tied"]]).stdout
     assert "converted from Hugging Face" in text and "loadable with any number of stages" in text
+
+
+def test_verify_manifest_and_logits(converted, hf_models, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(converted["gqa"], ckpt)
+    ok = run_cmd([sys.executable, "convert2ckpt.py", "--verify", str(ckpt), "--against", hf_models["gqa"]])
+    assert ok.returncode == 0 and "every file matches" in ok.stdout and "max |logit difference|" in ok.stdout, ok.stderr
+    assert float(ok.stdout.strip().split()[-1]) < 1e-5
+    wrong = run_cmd([sys.executable, "convert2ckpt.py", "--verify", str(ckpt), "--against", hf_models["mha"]])
+    assert wrong.returncode == 2 and "logits differ" in wrong.stderr
+
+    layer = ckpt / "global_step0" / "layer_02-model_00-model_states.pt"
+    data = bytearray(layer.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit
+    layer.write_bytes(bytes(data))
+    os.remove(ckpt / "global_step0" / "layer_04-model_00-model_states.pt")
+    (ckpt / "global_step0" / "stray.pt").write_bytes(b"x")
+    bad = run_cmd([sys.executable, "convert2ckpt.py", "--verify", str(ckpt)])
+    assert bad.returncode == 2
+    assert "layer_02-model_00-model_states.pt: contents changed" in bad.stderr
+    assert "layer_04-model_00-model_states.pt: missing" in bad.stderr
+    assert "stray.pt: not listed in the manifest" in bad.stderr

@@ -170,6 +170,9 @@ def test_bf16_zero1_trains_resumes_and_moves_between_layouts(converted, sft_data
     assert ours["loss"] == pytest.approx(ref["loss"], rel=2e-3)
     assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=2e-2)
     expected = read_jsonl(full / "metrics.jsonl")
+    verify = run_cmd([sys.executable, "convert2ckpt.py", "--verify", str(full), "--tag", "global_step3"])
+    assert verify.returncode == 0, verify.stderr  # manifest hashed by all 4 ranks, written by rank 0
+    assert set(json.load(open(full / "global_step3" / "manifest.json"))["files"]) >= zero_files
 
     # (ranks, num_stages, gradient_accumulation_steps): global batch 12 sequences in every layout.
     for name, ranks, stages, gas in [("same", 4, 2, 3), ("pp4_dp1", 4, 4, 6), ("pp1_dp2", 2, 1, 3)]:

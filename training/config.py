@@ -96,6 +96,7 @@ class TrainConfig:
     learning_rate: float = 2e-5
     seed: int = 42
     save_steps: int = 0  # 0: save only at the end
+    save_manifest: bool = True  # sizes, sha256 and tensor shapes of every saved file (convert2ckpt.py --verify)
     eval_steps: int = 0  # 0: evaluate only at the end
     resume: bool = False  # true: continue from the latest checkpoint in output_dir
     logging_steps: int = 1

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from checkpoint.hf_reader import CheckpointError
+from checkpoint.manifest import build_manifest, checkpoint_files, write_manifest
 from checkpoint.universal import check_movable, ensure_universal, layout_changed, read_layout, write_layout
 from data.collator import CausalLMCollator
 from data.dataset import PlaceholderDataset, TokenizedDataset, count_rows
@@ -378,7 +379,19 @@ class Trainer:
         if self.coords.rank == 0:
             write_layout(os.path.join(self.cfg.output_dir, tag), self.layout())
         self.engine.save_checkpoint(self.cfg.output_dir, tag=tag, client_state={"data": self._data_state()})
+        if self.cfg.save_manifest:
+            self._write_manifest(os.path.join(self.cfg.output_dir, tag))
         log.info("saved checkpoint %s", os.path.join(self.cfg.output_dir, tag))
+
+    def _write_manifest(self, step_dir: str) -> None:
+        """Every rank hashes a share of the checkpoint's files; rank 0 writes manifest.json."""
+        names = checkpoint_files(step_dir)
+        mine = build_manifest(step_dir, names[self.coords.rank :: self.coords.world]) if names else {}
+        gathered = [None] * self.coords.world
+        dist.all_gather_object(gathered, mine)
+        if self.coords.rank == 0:
+            write_manifest(step_dir, {k: v for part in gathered for k, v in part.items()})
+        dist.barrier()
 
     def train(self) -> None:
         cfg, c = self.cfg, self.coords
