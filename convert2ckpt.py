@@ -1,6 +1,8 @@
 """Convert LLaMA checkpoints between Hugging Face and DeepSpeed pipeline layouts.
 
-    python convert2ckpt.py --input HF_DIR --output CKPT_DIR [--dtype bf16|fp16|fp32] [--force]
+    python convert2ckpt.py --input HF_DIR --output CKPT_DIR [--dtype bf16|fp16|fp32] [--workers N] [--force]
+    python convert2ckpt.py --input HF_DIR --output PIECE_DIR --layers 0-20       (or --stages 0,1 --num-stages 4)
+    python convert2ckpt.py --combine PIECE_DIR [PIECE_DIR ...] --output CKPT_DIR
     python convert2ckpt.py --to-hf --input CKPT_DIR --output HF_DIR [--tag global_stepN] [--dtype ...]
     python convert2ckpt.py --inspect CKPT_DIR [--tag global_stepN] [--json]
     python convert2ckpt.py --verify CKPT_DIR [--tag global_stepN] [--against HF_DIR]
@@ -15,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from checkpoint.convert import DTYPES, convert_hf_to_pipeline
+from checkpoint.convert import DTYPES, combine_pieces, convert_hf_to_pipeline
 from checkpoint.hf_reader import CheckpointError
 
 
@@ -32,10 +34,46 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-shard-size", default="5GB", help="with --to-hf: safetensors shard size (default 5GB)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: keep stored dtype)")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument(
+        "--workers", type=int, default=1,
+        help="HF -> pipeline with N processes on disjoint layer groups; peak memory is about N x one layer",
+    )  # fmt: skip
+    p.add_argument("--layers", help="convert only these pipeline layers (e.g. 0-20,40) into a piece directory")
+    p.add_argument("--stages", help="convert only these stages' layers (e.g. 0,1); needs --num-stages")
+    p.add_argument("--num-stages", type=int, help="with --stages: the pipeline stages to partition into")
+    p.add_argument("--partition", default="parameters", help="with --stages: parameters, uniform or e.g. 2,3,3,2")
+    p.add_argument("--combine", nargs="+", metavar="PIECE_DIR", help="join pieces into one checkpoint at --output")
     args = p.parse_args(argv)
-    if not (args.inspect or args.verify) and not (args.input and args.output):
-        p.error("--input and --output are required (or --inspect / --verify CKPT_DIR)")
+    if args.combine and not args.output:
+        p.error("--combine needs --output")
+    if not (args.inspect or args.verify or args.combine) and not (args.input and args.output):
+        p.error("--input and --output are required (or --inspect / --verify CKPT_DIR, or --combine)")
+    if args.stages and not args.num_stages:
+        p.error("--stages needs --num-stages")
     return args
+
+
+def selected_layers(args) -> list[int] | None:
+    """Pipeline layer indices from --layers or --stages (with --num-stages/--partition), else None."""
+    if not (args.layers or args.stages):
+        return None
+    from checkpoint.convert import load_llama_config, parse_layer_range
+    from models.layout import all_layer_keys
+    from models.pipeline import stage_bounds
+
+    config = load_llama_config(args.input)
+    valid = sorted(all_layer_keys(config))
+    if args.layers:
+        return parse_layer_range(args.layers, valid)
+    partition = args.partition if args.partition in ("parameters", "uniform") else args.partition.split(",")
+    try:
+        bounds = stage_bounds(config, args.num_stages, partition)
+        stages = [int(s) for s in args.stages.split(",")]
+    except ValueError as e:
+        raise CheckpointError(f"--stages {args.stages}: {e}") from None
+    if any(not 0 <= s < args.num_stages for s in stages):
+        raise CheckpointError(f"--stages {args.stages}: stages are 0..{args.num_stages - 1}")
+    return [i for s in stages for i in range(bounds[s], bounds[s + 1]) if i in valid]
 
 
 def verify(ckpt_dir: str, tag: str | None, against: str | None) -> int:
@@ -64,6 +102,9 @@ def main(argv=None) -> int:
     try:
         if args.verify:
             return verify(args.verify, args.tag, args.against)
+        if args.combine:
+            combine_pieces(args.combine, args.output, force=args.force)
+            return 0
         if args.inspect:
             from checkpoint.inspect import inspect_checkpoint
 
@@ -77,7 +118,10 @@ def main(argv=None) -> int:
         else:
             if args.tag:
                 raise CheckpointError("--tag only applies with --to-hf or --inspect")
-            convert_hf_to_pipeline(args.input, args.output, dtype=args.dtype, force=args.force)
+            layers = selected_layers(args)
+            convert_hf_to_pipeline(
+                args.input, args.output, dtype=args.dtype, force=args.force, layers=layers, workers=args.workers
+            )
     except CheckpointError as e:
         print(f"convert2ckpt: error: {e}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from checkpoint.hf_reader import CheckpointError, iter_tensors, validate
+from checkpoint.hf_reader import CheckpointError, iter_tensors, stored_dtype, validate
 from checkpoint.manifest import build_manifest, write_manifest
 from models.layout import all_layer_keys, hf_key_to_layer, layer_file_name
 
@@ -151,58 +151,23 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-@torch.inference_mode()
-def convert_hf_to_pipeline(
-    hf_dir: str, out_dir: str, dtype: str | None = None, force: bool = False, log=print
-) -> ConvertStats:
-    """Convert an HF LLaMA checkpoint into the pipeline layout. See the module docstring.
+PIECE_FILE = "piece.json"
 
-    Args:
-        hf_dir: directory with config.json, weights and (optionally) tokenizer files.
-        out_dir: checkpoint directory to create.
-        dtype: "fp32", "bf16" or "fp16" to cast floating tensors; None keeps the stored dtype.
-        force: replace an existing output directory.
-        log: where progress lines go.
 
-    Raises:
-        CheckpointError: bad input; nothing has been written to `out_dir`.
-    """
-    start = time.perf_counter()
-    if dtype is not None and dtype not in DTYPES:
-        raise CheckpointError(f"--dtype {dtype}: expected one of {sorted(DTYPES)}")
+def convert_layers(hf_dir: str, step_dir: str, todo: list[int], dtype: str | None) -> ConvertStats:
+    """Write the layer files of `todo` (pipeline layer indices), reading only the tensors they need."""
     config = load_llama_config(hf_dir)
-    check_tokenizer_fits(hf_dir, config.vocab_size)
     n_layers, tied = config.num_hidden_layers, config.tie_word_embeddings
-
-    # Plan everything before writing anything: every HF key must have a home and every home a key.
-    where = validate(hf_dir)
     expected = all_layer_keys(config)
-    for name, shard in where.items():
-        try:
-            hf_key_to_layer(name, n_layers, tied)
-        except KeyError as e:
-            raise CheckpointError(f"{os.path.join(hf_dir, shard)}: {e.args[0]}") from None
-    missing = [hf for keys in expected.values() for hf in keys.values() if hf not in where]
-    if missing:
-        raise CheckpointError(f"{hf_dir}: {len(missing)} LLaMA tensors missing from the checkpoint, e.g. {missing[0]}")
-
-    tmp = prepare_output(out_dir, force)
+    wanted = {hf for index in todo for hf in expected[index].values()}
     stats = ConvertStats()
-    try:
-        step_dir = os.path.join(tmp, TAG)
-        os.makedirs(step_dir)
-        pending: dict[int, dict[str, torch.Tensor]] = {}
-        pending_bytes = 0
-        stored_dtype = None
-        for name, tensor, _ in iter_tensors(hf_dir):
-            target = hf_key_to_layer(name, n_layers, tied)
-            if target is None:
-                continue
-            index, ours = target
-            if tensor.is_floating_point():
-                stored_dtype = stored_dtype or tensor.dtype
-                if dtype:
-                    tensor = tensor.to(DTYPES[dtype])
+    pending: dict[int, dict[str, torch.Tensor]] = {}
+    pending_bytes = 0
+    with torch.inference_mode():
+        for name, tensor, _ in iter_tensors(hf_dir, wanted):
+            index, ours = hf_key_to_layer(name, n_layers, tied)
+            if dtype and tensor.is_floating_point():
+                tensor = tensor.to(DTYPES[dtype])
             tensor = _own_storage(tensor)
             pending.setdefault(index, {})[ours] = tensor
             pending_bytes += tensor.numel() * tensor.element_size()
@@ -217,12 +182,128 @@ def convert_hf_to_pipeline(
                 stats.layers_written += 1
                 stats.files.append(os.path.basename(path))
                 del layer
-        if pending:  # duplicates across shards or a key listed twice would land here
-            raise CheckpointError(f"{hf_dir}: layers {sorted(pending)} incomplete after reading every shard")
-        out_dtype = dtype or str(stored_dtype).removeprefix("torch.")
-        torch.save(engine_metadata(out_dtype), os.path.join(step_dir, "mp_rank_00_model_states.pt"))
-        with open(os.path.join(tmp, "latest"), "w") as f:
-            f.write(TAG)
+    if pending:  # duplicates across shards or a key listed twice would land here
+        raise CheckpointError(f"{hf_dir}: layers {sorted(pending)} incomplete after reading every shard")
+    return stats
+
+
+def _split(todo: list[int], parts: int) -> list[list[int]]:
+    """Contiguous groups of layers, as even as possible (layers of a group share shards)."""
+    parts = max(1, min(parts, len(todo)))
+    size, extra = divmod(len(todo), parts)
+    groups, start = [], 0
+    for i in range(parts):
+        end = start + size + (i < extra)
+        groups.append(todo[start:end])
+        start = end
+    return groups
+
+
+def _run_workers(hf_dir: str, step_dir: str, todo: list[int], dtype: str | None, workers: int) -> ConvertStats:
+    if workers <= 1:
+        return convert_layers(hf_dir, step_dir, todo, dtype)
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    stats = ConvertStats()
+    ctx = mp.get_context("spawn")  # NOTE: no forked copies of torch/OMP state
+    groups = _split(todo, workers)
+    with ProcessPoolExecutor(max_workers=len(groups), mp_context=ctx) as pool:
+        for part in pool.map(convert_layers, *zip(*[(hf_dir, step_dir, g, dtype) for g in groups])):
+            stats.layers_written += part.layers_written
+            stats.tensors += part.tensors
+            stats.bytes_written += part.bytes_written
+            stats.peak_pending_bytes += part.peak_pending_bytes  # workers hold their layers at the same time
+            stats.files += part.files
+    return stats
+
+
+def parse_layer_range(text: str, valid: list[int]) -> list[int]:
+    """'0-7', '3', '0-3,9' -> sorted pipeline layer indices, checked against `valid`."""
+    layers: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            layers.update(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise CheckpointError(f"--layers {text}: expected ranges like 0-7,9") from None
+    bad = sorted(layers - set(valid))
+    if bad:
+        raise CheckpointError(
+            f"--layers {text}: no pipeline layer {bad[0]} in this model (layer files: {valid[0]}..{valid[-1]})"
+        )
+    return sorted(layers)
+
+
+def plan_conversion(hf_dir: str):
+    """Every check before a conversion writes anything. Returns (config, {layer index: {ours: HF key}}).
+
+    Raises:
+        CheckpointError: config, tokenizer, shards or keys do not fit the LLaMA layout.
+    """
+    config = load_llama_config(hf_dir)
+    check_tokenizer_fits(hf_dir, config.vocab_size)
+    n_layers, tied = config.num_hidden_layers, config.tie_word_embeddings
+    # Every HF key must have a home and every home a key.
+    where = validate(hf_dir)
+    expected = all_layer_keys(config)
+    for name, shard in where.items():
+        try:
+            hf_key_to_layer(name, n_layers, tied)
+        except KeyError as e:
+            raise CheckpointError(f"{os.path.join(hf_dir, shard)}: {e.args[0]}") from None
+    missing = [hf for keys in expected.values() for hf in keys.values() if hf not in where]
+    if missing:
+        raise CheckpointError(f"{hf_dir}: {len(missing)} LLaMA tensors missing from the checkpoint, e.g. {missing[0]}")
+    return config, expected
+
+
+def convert_hf_to_pipeline(
+    hf_dir: str,
+    out_dir: str,
+    dtype: str | None = None,
+    force: bool = False,
+    log=print,
+    layers: list[int] | None = None,
+    workers: int = 1,
+) -> ConvertStats:
+    """Convert an HF LLaMA checkpoint into the pipeline layout. See the module docstring.
+
+    Args:
+        hf_dir: directory with config.json, weights and (optionally) tokenizer files.
+        out_dir: checkpoint directory to create.
+        dtype: "fp32", "bf16" or "fp16" to cast floating tensors; None keeps the stored dtype.
+        force: replace an existing output directory.
+        log: where progress lines go.
+        layers: convert only these pipeline layers: the output is a *piece* (no `latest`) that
+            `combine_pieces` joins with the others into one checkpoint.
+        workers: processes converting disjoint groups of layers at once (memory: one layer each).
+
+    Raises:
+        CheckpointError: bad input; nothing has been written to `out_dir`.
+    """
+    start = time.perf_counter()
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype}: expected one of {sorted(DTYPES)}")
+    config, expected = plan_conversion(hf_dir)
+    todo = sorted(expected) if layers is None else sorted(layers)
+    if set(todo) - set(expected):
+        raise CheckpointError(f"{hf_dir}: no layer file {sorted(set(todo) - set(expected))} in this model")
+    stored = stored_dtype(hf_dir)
+
+    tmp = prepare_output(out_dir, force)
+    try:
+        step_dir = os.path.join(tmp, TAG)
+        os.makedirs(step_dir)
+        stats = _run_workers(hf_dir, step_dir, todo, dtype, workers)
+        out_dtype = dtype or str(stored).removeprefix("torch.")
+        if layers is None:
+            torch.save(engine_metadata(out_dtype), os.path.join(step_dir, "mp_rank_00_model_states.pt"))
+            with open(os.path.join(tmp, "latest"), "w") as f:
+                f.write(TAG)
+        else:  # a piece: no `latest`, so nothing mistakes it for a whole checkpoint
+            with open(os.path.join(tmp, PIECE_FILE), "w") as f:
+                json.dump({"layers": todo, "dtype": out_dtype, "source": os.path.abspath(hf_dir)}, f)
         copy_side_files(hf_dir, tmp, dtype)
         write_manifest(step_dir, build_manifest(step_dir))
         publish(tmp, out_dir)
@@ -230,9 +311,61 @@ def convert_hf_to_pipeline(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     stats.seconds = time.perf_counter() - start
+    what = "piece with" if layers is not None else "converted"
     log(
-        f"converted {hf_dir} -> {out_dir}: {stats.layers_written} layer files, {stats.tensors} tensors, "
-        f"{stats.bytes_written / 2**20:.1f} MiB in {stats.seconds:.1f}s "
+        f"{what} {hf_dir} -> {out_dir}: {stats.layers_written} layer files, {stats.tensors} tensors, "
+        f"{stats.bytes_written / 2**20:.1f} MiB in {stats.seconds:.1f}s with {workers} worker(s) "
         f"(largest set of tensors held at once {stats.peak_pending_bytes / 2**20:.1f} MiB)"
     )
     return stats
+
+
+def _arch(config) -> dict:
+    return {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+
+
+def combine_pieces(pieces: list[str], out_dir: str, force: bool = False, log=print) -> str:
+    """Join pieces written with `layers=` (possibly on several machines) into one checkpoint."""
+    config = load_llama_config(pieces[0])
+    expected = set(all_layer_keys(config))
+    owner: dict[int, str] = {}
+    dtypes = set()
+    for piece in pieces:
+        path = os.path.join(piece, PIECE_FILE)
+        if not os.path.exists(path):
+            raise CheckpointError(f"{piece}: not a piece (no {PIECE_FILE}); write pieces with --layers or --stages")
+        with open(path) as f:
+            info = json.load(f)
+        if _arch(load_llama_config(piece)) != _arch(config):
+            raise CheckpointError(f"{piece}/config.json: a different model than {pieces[0]}")
+        for index in info["layers"]:
+            if index in owner:
+                raise CheckpointError(f"{piece}: layer {index} is also in {owner[index]}")
+            owner[index] = piece
+        dtypes.add(info["dtype"])
+    missing = sorted(expected - set(owner))
+    if missing:
+        raise CheckpointError(f"pieces {pieces} lack layer files {missing}")
+    if len(dtypes) > 1:
+        raise CheckpointError(f"pieces were written with different dtypes {sorted(dtypes)}")
+    tmp = prepare_output(out_dir, force)
+    try:
+        step_dir = os.path.join(tmp, TAG)
+        os.makedirs(step_dir)
+        for index, piece in sorted(owner.items()):
+            src = os.path.join(piece, TAG, layer_file_name(index))
+            if not os.path.exists(src):
+                raise CheckpointError(f"{src}: missing from its piece")
+            shutil.copy2(src, step_dir)
+        torch.save(engine_metadata(dtypes.pop()), os.path.join(step_dir, "mp_rank_00_model_states.pt"))
+        with open(os.path.join(tmp, "latest"), "w") as f:
+            f.write(TAG)
+        copy_side_files(pieces[0], tmp, None)
+        os.remove(os.path.join(tmp, PIECE_FILE))
+        write_manifest(step_dir, build_manifest(step_dir))
+        publish(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"combined {len(pieces)} pieces -> {out_dir}: {len(owner)} layer files")
+    return out_dir

@@ -91,7 +91,7 @@ def check_safetensors(path: str) -> list[str]:
     return list(read_safetensors_header(path)[1])
 
 
-def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: str, names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield a shard's tensors in file order with plain reads into fresh buffers.
 
     NOTE: not `safe_open`: it memory-maps the whole shard, and every page touched stays in the
@@ -101,6 +101,8 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     data_start, header = read_safetensors_header(path)
     with open(path, "rb", buffering=0) as f:
         for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            if names is not None and name not in names:
+                continue
             begin, end = entry["data_offsets"]
             dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
             if dtype is None:
@@ -147,16 +149,40 @@ def _load_bin(path: str) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: cannot read PyTorch checkpoint ({type(e).__name__}: {e})") from None
 
 
-def iter_tensors(hf_dir: str) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """Yield (name, tensor, shard file) in shard order; only one shard is open at a time."""
-    shards, _ = list_shards(hf_dir)
+def iter_tensors(hf_dir: str, names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Yield (name, tensor, shard file) in shard order; only one shard is open at a time.
+
+    Args:
+        hf_dir: the HF model directory.
+        names: read only these tensors (and skip shards that hold none of them); None reads all.
+    """
+    shards, weight_map = list_shards(hf_dir)
     for shard in shards:
+        if names is not None and weight_map is not None and not any(weight_map.get(n) == shard for n in names):
+            continue
         path = os.path.join(hf_dir, shard)
         if shard.endswith(".safetensors"):
-            for name, tensor in iter_safetensors(path):
+            for name, tensor in iter_safetensors(path, names):
                 yield name, tensor, shard
         else:
             state = _load_bin(path)
             for name in list(state):
-                yield name, state.pop(name), shard
+                tensor = state.pop(name)
+                if names is None or name in names:
+                    yield name, tensor, shard
             del state
+
+
+def stored_dtype(hf_dir: str) -> torch.dtype | None:
+    """dtype of the first floating tensor, from a header or a memory-mapped load (no tensor data read)."""
+    shards, _ = list_shards(hf_dir)
+    for shard in shards:
+        path = os.path.join(hf_dir, shard)
+        if shard.endswith(".safetensors"):
+            dtypes = [SAFETENSORS_DTYPES.get(e["dtype"]) for e in read_safetensors_header(path)[1].values()]
+        else:
+            dtypes = [t.dtype for t in _load_bin(path).values()]
+        for dtype in dtypes:
+            if dtype is not None and dtype.is_floating_point:
+                return dtype
+    return None

@@ -190,3 +190,42 @@ def test_old_rotary_buffers_are_dropped(tmp_path, hf_models):
     json.dump(index, open(src / "model.safetensors.index.json", "w"))
     stats = convert_hf_to_pipeline(str(src), str(tmp_path / "ckpt"), log=lambda *_: None)
     assert stats.tensors == len(hf_state(hf_models["gqa"]))
+
+
+def test_pieces_by_layers_and_stages_combine_into_one_checkpoint(tmp_path, hf_models, converted):
+    """Convert a model in pieces (as on several machines), combine: identical to a one-shot conversion."""
+    src = hf_models["tied"]
+    a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "whole"
+    check = [sys.executable, "convert2ckpt.py", "--input", src]
+    assert run_cmd([*check, "--output", str(a), "--layers", "0-2"]).returncode == 0
+    proc = run_cmd([*check, "--output", str(b), "--stages", "1", "--num-stages", "2", "--partition", "2,2"])
+    assert proc.returncode == 0, proc.stderr
+    assert not (a / "latest").exists() and sorted(os.listdir(b / "global_step0"))[:3] == [
+        "layer_03-model_00-model_states.pt",
+        "layer_04-model_00-model_states.pt",
+        "layer_05-model_00-model_states.pt",
+    ]
+    overlap = run_cmd([sys.executable, "convert2ckpt.py", "--combine", str(a), str(a), "--output", str(out)])
+    assert overlap.returncode == 2 and "layer 0 is also in" in overlap.stderr and not out.exists()
+    short = run_cmd([sys.executable, "convert2ckpt.py", "--combine", str(a), "--output", str(out)])
+    assert short.returncode == 2 and "lack layer files [3, 4, 5]" in short.stderr
+    assert (
+        run_cmd([sys.executable, "convert2ckpt.py", "--combine", str(a), str(b), "--output", str(out)]).returncode == 0
+    )
+    whole = os.path.join(converted["tied"], "global_step0")
+    for name in os.listdir(whole):
+        if name.startswith("layer_"):
+            x = torch.load(os.path.join(whole, name), weights_only=True)
+            y = torch.load(out / "global_step0" / name, weights_only=True)
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), name
+    assert run_cmd([sys.executable, "convert2ckpt.py", "--verify", str(out)]).returncode == 0
+
+
+def test_workers_write_the_same_files(tmp_path, hf_models, converted):
+    stats = convert_hf_to_pipeline(hf_models["gqa"], str(tmp_path / "w"), workers=2, log=lambda *_: None)
+    assert stats.layers_written == 7
+    whole = os.path.join(converted["gqa"], "global_step0")
+    for name in stats.files:
+        x = torch.load(os.path.join(whole, name), weights_only=True)
+        y = torch.load(tmp_path / "w" / "global_step0" / name, weights_only=True)
+        assert all(torch.equal(x[k], y[k]) for k in x), name

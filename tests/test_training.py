@@ -222,3 +222,30 @@ def test_trained_checkpoint_loads_into_other_layouts(converted, sft_data, tmp_pa
     assert results["pp2"]["eval_tokens"] == results["pp4"]["eval_tokens"] == results["pp1"]["eval_tokens"]
     for name in ("pp4", "pp1"):
         assert results[name]["eval_loss"] == pytest.approx(results["pp2"]["eval_loss"], rel=1e-6), results
+
+
+def test_hf_directory_is_converted_on_load_and_reused(hf_models, converted, sft_data, tmp_path):
+    """model_name_or_path = an HF directory: each stage converts its layers, training equals the
+    run from convert2ckpt.py's checkpoint, and a second run reuses the conversion."""
+    cfg = parity_cfg(sft_data[0])
+    cfg.max_steps = 2
+    direct, on_load = tmp_path / "direct", tmp_path / "on_load"
+    check(deepspeed_launch(4, *overrides(cfg, converted["gqa"], str(direct), 2)))
+    first = check(deepspeed_launch(4, *overrides(cfg, hf_models["gqa"], str(on_load), 2)))
+    assert "converted " in first.stderr and (on_load / "hf_converted" / "conversion.json").exists()
+    assert run_cmd([sys.executable, "convert2ckpt.py", "--verify", str(on_load / "hf_converted")]).returncode == 0
+    timing = ("tokens_per_second", "step_seconds")
+    a, b = read_jsonl(direct / "metrics.jsonl"), read_jsonl(on_load / "metrics.jsonl")
+    assert [{k: v for k, v in m.items() if k not in timing} for m in a] == [
+        {k: v for k, v in m.items() if k not in timing} for m in b
+    ]
+    again = tmp_path / "again"
+    shutil.copytree(on_load / "hf_converted", again / "hf_converted")
+    second = check(deepspeed_launch(4, *overrides(cfg, hf_models["gqa"], str(again), 2)))
+    assert "reusing the conversion of" in second.stderr
+    broken = tmp_path / "broken_hf"
+    shutil.copytree(hf_models["gqa"], broken)
+    os.remove(broken / sorted(n for n in os.listdir(broken) if n.endswith(".safetensors"))[0])
+    bad = deepspeed_launch(4, *overrides(cfg, str(broken), str(tmp_path / "bad"), 2))
+    assert bad.returncode != 0 and "shard listed in the index is missing" in bad.stderr
+    assert not (tmp_path / "bad" / "hf_converted").exists()

@@ -32,6 +32,7 @@ from training.engine import (
     resolve_precision,
     resolve_zero_stage,
 )
+from training.hf_source import convert_on_load, is_hf_dir
 
 log = logging.getLogger("trainer")
 
@@ -223,7 +224,7 @@ def prepare_output_dir(path: str) -> None:
 def checkpoint_tag(path: str) -> str:
     latest = os.path.join(path, "latest")
     if not os.path.exists(latest):
-        raise RunError(f"{path}: no 'latest' file, so no checkpoint to load")
+        raise RunError(f"{path}: no 'latest' file, so no checkpoint to load (nor Hugging Face weights to convert)")
     with open(latest) as f:
         return f.read().strip()
 
@@ -263,7 +264,8 @@ class Trainer:
         if self.universal_tag:  # weights from the layer files, optimizer state from the universal checkpoint
             source = (cfg.output_dir, self.resume_tag)
         elif cfg.model_name_or_path and not cfg.resume:
-            source = (cfg.model_name_or_path, checkpoint_tag(cfg.model_name_or_path))
+            path = self._converted_if_hf(cfg.model_name_or_path)
+            source = (path, checkpoint_tag(path))
         if source:
             self.loaded_files = load_layer_files(module, os.path.join(*source))
             log.info("loaded %s (%s): rank %d read %d layer files", *source, rank, len(self.loaded_files))
@@ -309,6 +311,19 @@ class Trainer:
         generation = os.path.join(source, "generation_config.json") if source else ""
         if generation and os.path.exists(generation) and not os.path.exists(target):
             shutil.copy2(generation, target)
+
+    def _converted_if_hf(self, path: str) -> str:
+        """A Hugging Face directory is converted for this run (each stage its own layers); see hf_source."""
+        if not is_hf_dir(path):
+            return path
+        c = self.coords
+        bounds = stage_bounds(self.model_config, self.cfg.num_stages, self.cfg.model.partition)
+        try:
+            converted, reused = convert_on_load(path, self.cfg.output_dir, c.rank, c.stage, c.dp_rank, bounds)
+        except CheckpointError as e:
+            raise RunError(str(e)) from None
+        log.info("%s %s as %s", "reusing the conversion of" if reused else "converted", path, converted)
+        return converted
 
     def layout(self) -> dict:
         """What a checkpoint records about the layout that saved it (checkpoint/universal.py)."""

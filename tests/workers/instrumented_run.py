@@ -72,7 +72,9 @@ def main():
 
     builtins.open = recording_open
     trainer = Trainer(cfg)
+    loaded_at_start = list(rec["files_loaded"])  # later loads: the manifest of a save reads shapes
     trainer.run()
+    rec["files_loaded"] = loaded_at_start
     builtins.open = _open
     rec.update(
         rank=trainer.coords.rank,
