@@ -19,6 +19,7 @@ import sys
 
 from checkpoint.convert import DTYPES, combine_pieces, convert_hf_to_pipeline
 from checkpoint.hf_reader import CheckpointError
+from checkpoint.layer_files import FORMATS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,6 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--workers", type=int, default=1,
         help="HF -> pipeline with N processes on disjoint layer groups; peak memory is about N x one layer",
     )  # fmt: skip
+    p.add_argument("--format", choices=FORMATS, default="pt", help="layer file format (both load everywhere)")
     p.add_argument("--layers", help="convert only these pipeline layers (e.g. 0-20,40) into a piece directory")
     p.add_argument("--stages", help="convert only these stages' layers (e.g. 0,1); needs --num-stages")
     p.add_argument("--num-stages", type=int, help="with --stages: the pipeline stages to partition into")
@@ -120,7 +122,13 @@ def main(argv=None) -> int:
                 raise CheckpointError("--tag only applies with --to-hf or --inspect")
             layers = selected_layers(args)
             convert_hf_to_pipeline(
-                args.input, args.output, dtype=args.dtype, force=args.force, layers=layers, workers=args.workers
+                args.input,
+                args.output,
+                dtype=args.dtype,
+                force=args.force,
+                layers=layers,
+                workers=args.workers,
+                fmt=args.format,
             )
     except CheckpointError as e:
         print(f"convert2ckpt: error: {e}", file=sys.stderr)

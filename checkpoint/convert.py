@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 from checkpoint.hf_reader import CheckpointError, iter_tensors, stored_dtype, validate
+from checkpoint.layer_files import find_layer_file, layer_path, save_layer_state
 from checkpoint.manifest import build_manifest, write_manifest
-from models.layout import all_layer_keys, hf_key_to_layer, layer_file_name
+from models.layout import all_layer_keys, hf_key_to_layer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -154,7 +155,7 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 PIECE_FILE = "piece.json"
 
 
-def convert_layers(hf_dir: str, step_dir: str, todo: list[int], dtype: str | None) -> ConvertStats:
+def convert_layers(hf_dir: str, step_dir: str, todo: list[int], dtype: str | None, fmt: str = "pt") -> ConvertStats:
     """Write the layer files of `todo` (pipeline layer indices), reading only the tensors they need."""
     config = load_llama_config(hf_dir)
     n_layers, tied = config.num_hidden_layers, config.tie_word_embeddings
@@ -175,8 +176,8 @@ def convert_layers(hf_dir: str, step_dir: str, todo: list[int], dtype: str | Non
             stats.tensors += 1
             if len(pending[index]) == len(expected[index]):
                 layer = pending.pop(index)
-                path = os.path.join(step_dir, layer_file_name(index))
-                torch.save(layer, path)
+                path = layer_path(step_dir, index, fmt)
+                save_layer_state(layer, path)
                 pending_bytes -= sum(t.numel() * t.element_size() for t in layer.values())
                 stats.bytes_written += os.path.getsize(path)
                 stats.layers_written += 1
@@ -199,9 +200,11 @@ def _split(todo: list[int], parts: int) -> list[list[int]]:
     return groups
 
 
-def _run_workers(hf_dir: str, step_dir: str, todo: list[int], dtype: str | None, workers: int) -> ConvertStats:
+def _run_workers(
+    hf_dir: str, step_dir: str, todo: list[int], dtype: str | None, workers: int, fmt: str
+) -> ConvertStats:
     if workers <= 1:
-        return convert_layers(hf_dir, step_dir, todo, dtype)
+        return convert_layers(hf_dir, step_dir, todo, dtype, fmt)
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
@@ -209,7 +212,7 @@ def _run_workers(hf_dir: str, step_dir: str, todo: list[int], dtype: str | None,
     ctx = mp.get_context("spawn")  # NOTE: no forked copies of torch/OMP state
     groups = _split(todo, workers)
     with ProcessPoolExecutor(max_workers=len(groups), mp_context=ctx) as pool:
-        for part in pool.map(convert_layers, *zip(*[(hf_dir, step_dir, g, dtype) for g in groups])):
+        for part in pool.map(convert_layers, *zip(*[(hf_dir, step_dir, g, dtype, fmt) for g in groups])):
             stats.layers_written += part.layers_written
             stats.tensors += part.tensors
             stats.bytes_written += part.bytes_written
@@ -266,6 +269,7 @@ def convert_hf_to_pipeline(
     log=print,
     layers: list[int] | None = None,
     workers: int = 1,
+    fmt: str = "pt",
 ) -> ConvertStats:
     """Convert an HF LLaMA checkpoint into the pipeline layout. See the module docstring.
 
@@ -278,6 +282,7 @@ def convert_hf_to_pipeline(
         layers: convert only these pipeline layers: the output is a *piece* (no `latest`) that
             `combine_pieces` joins with the others into one checkpoint.
         workers: processes converting disjoint groups of layers at once (memory: one layer each).
+        fmt: layer file format, "pt" (what DeepSpeed writes) or "safetensors"; both load everywhere.
 
     Raises:
         CheckpointError: bad input; nothing has been written to `out_dir`.
@@ -295,7 +300,7 @@ def convert_hf_to_pipeline(
     try:
         step_dir = os.path.join(tmp, TAG)
         os.makedirs(step_dir)
-        stats = _run_workers(hf_dir, step_dir, todo, dtype, workers)
+        stats = _run_workers(hf_dir, step_dir, todo, dtype, workers, fmt)
         out_dtype = dtype or str(stored).removeprefix("torch.")
         if layers is None:
             torch.save(engine_metadata(out_dtype), os.path.join(step_dir, "mp_rank_00_model_states.pt"))
@@ -353,9 +358,9 @@ def combine_pieces(pieces: list[str], out_dir: str, force: bool = False, log=pri
         step_dir = os.path.join(tmp, TAG)
         os.makedirs(step_dir)
         for index, piece in sorted(owner.items()):
-            src = os.path.join(piece, TAG, layer_file_name(index))
-            if not os.path.exists(src):
-                raise CheckpointError(f"{src}: missing from its piece")
+            src = find_layer_file(os.path.join(piece, TAG), index)
+            if src is None:
+                raise CheckpointError(f"{os.path.join(piece, TAG)}: layer {index} missing from its piece")
             shutil.copy2(src, step_dir)
         torch.save(engine_metadata(dtypes.pop()), os.path.join(step_dir, "mp_rank_00_model_states.pt"))
         with open(os.path.join(tmp, "latest"), "w") as f:

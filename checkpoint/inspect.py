@@ -16,11 +16,12 @@ import torch
 
 from checkpoint.convert import load_llama_config
 from checkpoint.hf_reader import CheckpointError
+from checkpoint.layer_files import layer_tensor_specs
 from checkpoint.pipeline_reader import read_tag
 from checkpoint.universal import read_layout
 from models.layout import pipe_layers
 
-LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.(pt|safetensors)$")
 ZERO_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
@@ -46,8 +47,9 @@ def describe(ckpt_dir: str, tag: str | None = None) -> dict:
     ]
     present = sorted({int(m.group(1)) for m in layer_files.values()})
     dtypes: Counter = Counter()
-    for name in list(layer_files)[:3]:  # dtype from a few files is enough; mmap reads no tensor data
-        dtypes.update(str(t.dtype).removeprefix("torch.") for t in _load_meta(os.path.join(step_dir, name)).values())
+    for name in list(layer_files)[:3]:  # dtype from a few files is enough; no tensor data is read
+        specs = layer_tensor_specs(os.path.join(step_dir, name))
+        dtypes.update(str(dtype).removeprefix("torch.") for _, dtype in specs.values())
     engine = {}
     if os.path.exists(os.path.join(step_dir, "mp_rank_00_model_states.pt")):
         engine = _load_meta(os.path.join(step_dir, "mp_rank_00_model_states.pt"))
@@ -72,6 +74,7 @@ def describe(ckpt_dir: str, tag: str | None = None) -> dict:
             "tie_word_embeddings": config.tie_word_embeddings,
         },
         "layer_files": len(layer_files),
+        "format": sorted({m.group(3) for m in layer_files.values()}),
         "missing_layers": sorted(set(expected) - set(present)),
         "tp_ranks": sorted({int(m.group(2)) for m in layer_files.values()}),
         "dtype": dict(dtypes),
@@ -92,7 +95,7 @@ def format_description(info: dict) -> str:
         f"checkpoint   {info['checkpoint']} ({info['source']}, step {info['step']})",
         f"model        {m['num_hidden_layers']} layers, hidden {m['hidden_size']}, heads {m['num_attention_heads']} "
         f"(KV {m['num_key_value_heads']}), vocab {m['vocab_size']}, tied embeddings {m['tie_word_embeddings']}",
-        f"layer files  {info['layer_files']} ({', '.join(info['dtype'])}); "
+        f"layer files  {info['layer_files']} {'/'.join(info['format'])} ({', '.join(info['dtype'])}); "
         f"TP ranks {info['tp_ranks']}; missing layers {info['missing_layers'] or 'none'}",
     ]
     if layout.get("num_stages"):

@@ -44,6 +44,16 @@ def load_layer_state(path: str, mmap: bool = False) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
 
 
+def layer_tensor_specs(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{key: (shape, dtype)} of a layer file without reading tensor data (header / memory map)."""
+    if path.endswith(".safetensors"):
+        from checkpoint.hf_reader import SAFETENSORS_DTYPES, read_safetensors_header
+
+        header = read_safetensors_header(path)[1]
+        return {k: (tuple(e["shape"]), SAFETENSORS_DTYPES[e["dtype"]]) for k, e in header.items()}
+    return {k: (tuple(v.shape), v.dtype) for k, v in load_layer_state(path, mmap=True).items()}
+
+
 def save_layer_state(state: dict[str, torch.Tensor], path: str) -> None:
     if path.endswith(".safetensors"):
         save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"format": "pt"})

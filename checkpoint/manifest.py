@@ -20,6 +20,7 @@ import os
 import torch
 
 from checkpoint.hf_reader import CheckpointError
+from checkpoint.layer_files import find_layer_file, is_layer_file, layer_tensor_specs, load_layer_state
 
 MANIFEST = "manifest.json"
 CHUNK = 16 * 2**20
@@ -36,10 +37,10 @@ def sha256_file(path: str) -> str:
 def describe_file(path: str) -> dict:
     """size, sha256 and, for layer files, tensor names/shapes/dtypes (read memory-mapped)."""
     entry = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
-    if os.path.basename(path).startswith("layer_"):
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    if is_layer_file(os.path.basename(path)):
         entry["tensors"] = {
-            k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in state.items()
+            k: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+            for k, (shape, dtype) in layer_tensor_specs(path).items()
         }
     return entry
 
@@ -90,7 +91,7 @@ def verify_manifest(step_dir: str) -> list[str]:
 def probe_logits_streamed(ckpt_dir: str, config, tag: str, input_ids: torch.Tensor) -> torch.Tensor:
     """Logits of the checkpoint on `input_ids`, building and loading one pipeline layer at a time."""
     from models.layers import DecoderLayerPipe, EmbeddingPipe, LMHeadPipe, NormPipe, tied_lm_head_forward
-    from models.layout import DECODER, EMBED, LM_HEAD, NORM, layer_file_name, pipe_layers
+    from models.layout import DECODER, EMBED, LM_HEAD, NORM, pipe_layers
 
     config._attn_implementation = "eager"
     step_dir = os.path.join(ckpt_dir, tag)
@@ -102,7 +103,10 @@ def probe_logits_streamed(ckpt_dir: str, config, tag: str, input_ids: torch.Tens
             x = tied_lm_head_forward(embedding, x)
             continue
         module = DecoderLayerPipe(config, layer.block) if layer.kind == DECODER else build[layer.kind](config)
-        state = torch.load(os.path.join(step_dir, layer_file_name(layer.index)), map_location="cpu", weights_only=True)
+        path = find_layer_file(step_dir, layer.index)
+        if path is None:
+            raise CheckpointError(f"{step_dir}: no file for pipeline layer {layer.index}")
+        state = load_layer_state(path)
         module.load_state_dict(state, strict=True)
         module.float().eval()
         x = module(x)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 
 from checkpoint.hf_reader import CheckpointError
+from checkpoint.layer_files import find_layer_file, load_layer_state
 from models.layout import EMBED, KEY_TABLE, LM_HEAD, all_layer_keys, layer_file_name
 
 
@@ -25,15 +26,15 @@ def _layer_files(ckpt_dir: str, config, tag: str | None):
     """(path, {our key: HF key}) per layer file, in layer order."""
     step_dir = os.path.join(ckpt_dir, read_tag(ckpt_dir, tag))
     for index, keys in all_layer_keys(config).items():
-        path = os.path.join(step_dir, layer_file_name(index))
-        if not os.path.exists(path):
-            raise CheckpointError(f"{path}: layer file missing")
+        path = find_layer_file(step_dir, index)
+        if path is None:
+            raise CheckpointError(f"{os.path.join(step_dir, layer_file_name(index))}: layer file missing")
         yield path, keys
 
 
 def _load_layer(path: str, keys: dict[str, str], mmap: bool) -> dict[str, torch.Tensor]:
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        state = load_layer_state(path, mmap=mmap)
     except Exception as e:  # damaged zip/pickle: several exception types
         raise CheckpointError(f"{path}: cannot read layer file ({type(e).__name__})") from None
     if set(state) != set(keys):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
+import torch
 
 from demo.tiny_llama import tiny_config
 from models.pipeline import stage_bounds
@@ -103,3 +105,37 @@ def test_stage_bounds_rules():
         stage_bounds(config, 11)
     with pytest.raises(ValueError, match="expected one of"):
         stage_bounds(config, 2, "params")
+
+
+def test_safetensors_layer_files_train_export_and_verify(hf_models, converted, sft_data, tmp_path):
+    """--format safetensors: the trainer loads it (same eval as .pt), export is bit-identical, verify passes."""
+    ckpt = tmp_path / "st"
+    proc = run_cmd([sys.executable, "convert2ckpt.py", "--input", hf_models["gqa"], "--output", str(ckpt),
+                    "--format", "safetensors"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert all(n.endswith(".safetensors") for n in os.listdir(ckpt / "global_step0") if n.startswith("layer_"))
+    results = []
+    for name, path in [("pt", converted["gqa"]), ("st", str(ckpt))]:
+        overrides = base(converted, sft_data, tmp_path / f"eval_{name}")
+        overrides[0] = f"model_name_or_path={path}"
+        check(trainer(*overrides, "do_train=false"))
+        results.append(json.load(open(tmp_path / f"eval_{name}" / "eval_results.json")))
+    assert results[0] == results[1]
+    export = tmp_path / "hf"
+    assert (
+        run_cmd(
+            [sys.executable, "convert2ckpt.py", "--to-hf", "--input", str(ckpt), "--output", str(export)]
+        ).returncode
+        == 0
+    )
+    from safetensors.torch import load_file
+
+    a = {
+        k: v
+        for f in os.listdir(hf_models["gqa"])
+        if f.endswith(".safetensors")
+        for k, v in load_file(os.path.join(hf_models["gqa"], f)).items()
+    }
+    b = {k: v for f in os.listdir(export) if f.endswith(".safetensors") for k, v in load_file(export / f).items()}
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert run_cmd([sys.executable, "convert2ckpt.py", "--verify", str(ckpt)]).returncode == 0

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from deepspeed.runtime.utils import clip_grad_norm_
 
+from checkpoint.layer_files import find_layer_file, load_layer_state
 from models.layers import init_weights
 from models.layout import layer_file_name
 from models.pipeline import build_pipeline_module
@@ -181,10 +182,11 @@ def load_layer_files(module, step_dir: str) -> list[str]:
     for i, layer in enumerate(module.forward_funcs):
         if not hasattr(layer, "load_state_dict"):  # the tied LM head: a function of layer 0's module
             continue
-        path = os.path.join(step_dir, layer_file_name(module._local_start + i))
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{path}: layer file missing")
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        index = module._local_start + i
+        path = find_layer_file(step_dir, index)
+        if path is None:
+            raise FileNotFoundError(f"{os.path.join(step_dir, layer_file_name(index))}: layer file missing")
+        state = load_layer_state(path, mmap=True)
         try:
             layer.load_state_dict(state, strict=True)
         except RuntimeError as e:
