@@ -59,12 +59,12 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=5632)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--dtype", default="bf16")
+    p.add_argument("--workers", default="1", help="comma-separated worker counts to time, e.g. 1,2,4")
     args = p.parse_args()
     hf = os.path.join(args.work, "hf")
     if not os.path.exists(os.path.join(hf, "config.json")):
         build_model(hf, args.layers, args.hidden, args.intermediate, args.vocab, args.dtype)
     size = sum(os.path.getsize(os.path.join(hf, f)) for f in os.listdir(hf)) / 2**20
-    largest_layer = 0
     out = os.path.join(args.work, "ckpt")
     copy = os.path.join(args.work, "copy")
     shutil.rmtree(out, ignore_errors=True)
@@ -76,17 +76,26 @@ def main() -> None:
     cp_seconds = time.perf_counter() - t
     imports = "import checkpoint.convert, torch, transformers, safetensors"
     _, import_rss = child_peak_rss([sys.executable, "-c", imports])
-    seconds, rss = child_peak_rss([sys.executable, "convert2ckpt.py", "--input", hf, "--output", out])
+    runs = {}
+    for workers in [int(w) for w in args.workers.split(",")]:
+        shutil.rmtree(out, ignore_errors=True)
+        subprocess.run(["sync"])
+        cmd = [sys.executable, "convert2ckpt.py", "--input", hf, "--output", out, "--workers", str(workers)]
+        runs[workers] = child_peak_rss(cmd)
     step = os.path.join(out, "global_step0")
     largest_layer = max(os.path.getsize(os.path.join(step, f)) for f in os.listdir(step)) / 2**20
     with open(os.path.join(hf, "config.json")) as f:
         conf = json.load(f)
     shape = f"{conf['num_hidden_layers']} layers, hidden {conf['hidden_size']}, vocab {conf['vocab_size']}"
     print(f"model on disk: {size:.0f} MiB ({shape}, {conf.get('dtype') or conf.get('torch_dtype')})")
-    print(f"largest layer file: {largest_layer:.0f} MiB")
-    print(f"convert2ckpt.py: {seconds:.1f}s, peak RSS {rss:.0f} MiB (imports alone: {import_rss:.0f} MiB)")
-    print(f"cp -r of the same shards: {cp_seconds:.1f}s")
-    print(f"throughput: convert {size / seconds:.0f} MiB/s, cp {size / cp_seconds:.0f} MiB/s")
+    print(f"largest layer file: {largest_layer:.0f} MiB; imports alone: peak RSS {import_rss:.0f} MiB")
+    for workers, (seconds, rss) in runs.items():
+        speedup = runs[min(runs)][0] / seconds
+        print(
+            f"convert2ckpt.py --workers {workers}: {seconds:.1f}s ({size / seconds:.0f} MiB/s, x{speedup:.2f}), "
+            f"peak RSS {rss:.0f} MiB (largest process)"
+        )
+    print(f"cp -r of the same shards: {cp_seconds:.1f}s ({size / cp_seconds:.0f} MiB/s)")
     shutil.rmtree(copy, ignore_errors=True)
 
 
