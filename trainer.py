@@ -29,7 +29,8 @@ register_configs()
 def main(dict_cfg: DictConfig) -> None:
     from checkpoint.hf_reader import CheckpointError
     from data.dataset import DataError
-    from training.loop import RunError, Trainer
+    from training.loop import Trainer
+    from training.setup import RunError
 
     cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
     try:

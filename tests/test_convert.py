@@ -61,7 +61,7 @@ def test_layer_modules_match_hf_at_70b_shapes():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from models.layers import DecoderLayerPipe, EmbeddingPipe, LMHeadPipe, NormPipe
-    from training.loop import ARCH_KEYS
+    from training.setup import ARCH_KEYS
 
     preset = OmegaConf.load(REPO / "conf" / "model" / "llama2_70b.yaml")  # the shipped preset, source cited there
     config = LlamaConfig(**{k: preset[k] for k in ARCH_KEYS if k != "rope_theta"})
