@@ -32,6 +32,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--against", metavar="HF_DIR", help="with --verify: also compare logits with this HF model")
     p.add_argument("--to-hf", action="store_true", help="export a pipeline checkpoint (converted or trained) to HF")
     p.add_argument("--tag", default=None, help="with --to-hf: checkpoint tag to export (default: the one in 'latest')")
+    p.add_argument(
+        "--merge-lora", nargs="?", const=True, metavar="ADAPTER_DIR",
+        help="with --to-hf: merge the LoRA adapter trained in --input, or this PEFT adapter directory",
+    )  # fmt: skip
     p.add_argument("--max-shard-size", default="5GB", help="with --to-hf: safetensors shard size (default 5GB)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: keep stored dtype)")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
@@ -53,6 +57,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.stages and not args.num_stages:
         p.error("--stages needs --num-stages")
     return args
+
+
+def export_to_hf(args) -> None:
+    """--to-hf; a Hugging Face --input (only with --merge-lora ADAPTER_DIR) is converted to a temp checkpoint first."""
+    import os
+    import shutil
+    import tempfile
+
+    from checkpoint.export import export_pipeline_to_hf
+    from training.hf_source import is_hf_dir
+
+    source, tmp = args.input, None
+    if is_hf_dir(args.input):
+        if not isinstance(args.merge_lora, str):
+            raise CheckpointError(f"{args.input}: a Hugging Face directory; --to-hf takes a pipeline checkpoint")
+        parent = os.path.dirname(os.path.abspath(args.output))
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".merge-base-", dir=parent)
+        source = os.path.join(tmp, "ckpt")
+        convert_hf_to_pipeline(args.input, source, log=lambda *_: None)
+    try:
+        export_pipeline_to_hf(
+            source, args.output, args.tag, args.dtype, args.max_shard_size, args.force, merge_lora=args.merge_lora
+        )
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def selected_layers(args) -> list[int] | None:
@@ -112,11 +143,7 @@ def main(argv=None) -> int:
 
             print(inspect_checkpoint(args.inspect, args.tag, args.json))
         elif args.to_hf:
-            from checkpoint.export import export_pipeline_to_hf
-
-            export_pipeline_to_hf(
-                args.input, args.output, args.tag, args.dtype, max_shard_size=args.max_shard_size, force=args.force
-            )
+            export_to_hf(args)
         else:
             if args.tag:
                 raise CheckpointError("--tag only applies with --to-hf or --inspect")

@@ -24,6 +24,7 @@ import torch
 
 from checkpoint.convert import DTYPES, ConvertStats, load_llama_config, prepare_output, publish
 from checkpoint.hf_reader import CheckpointError
+from checkpoint.lora_merge import adapters_from_checkpoint, adapters_from_peft
 from checkpoint.pipeline_reader import iter_hf_tensors, plan_hf_tensors, read_tag
 from checkpoint.safetensors_writer import StreamingSafetensorsWriter
 
@@ -73,8 +74,12 @@ def export_pipeline_to_hf(
     max_shard_size: str = "5GB",
     force: bool = False,
     log=print,
+    merge_lora: bool | str | None = None,
 ) -> ConvertStats:
     """Export `ckpt_dir/<tag>` (default: the tag in `latest`) as a Hugging Face model directory.
+
+    `merge_lora=True` merges the adapters a LoRA run trained (its base comes from `lora.json`);
+    a directory path merges that PEFT adapter; either way W + (alpha / r) * B @ A.
 
     Raises:
         CheckpointError: bad input; nothing is left in `out_dir`.
@@ -86,11 +91,17 @@ def export_pipeline_to_hf(
     tag = read_tag(ckpt_dir, tag)
     if not os.path.isdir(os.path.join(ckpt_dir, tag)):
         raise CheckpointError(f"{os.path.join(ckpt_dir, tag)}: no such checkpoint")
+    weights_dir, weights_tag, adapters, scale = ckpt_dir, tag, None, 1.0
+    if merge_lora is True:
+        weights_dir, adapters, scale = adapters_from_checkpoint(ckpt_dir, tag, config)
+        weights_tag = read_tag(weights_dir)
+    elif merge_lora:
+        adapters, scale = adapters_from_peft(merge_lora, config)
     limit = parse_size(max_shard_size)
     # Plan every shard before reading any data: names, shapes and dtypes from memory-mapped layer files.
     plan = [
         (key, shape, DTYPES[dtype] if dtype and stored.is_floating_point else stored)
-        for key, shape, stored in plan_hf_tensors(ckpt_dir, config, tag)
+        for key, shape, stored in plan_hf_tensors(weights_dir, config, weights_tag)
     ]
     shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
     shard_bytes = 0
@@ -108,7 +119,7 @@ def export_pipeline_to_hf(
     tmp = prepare_output(out_dir, force)
     stats = ConvertStats()
     try:
-        tensors = iter_hf_tensors(ckpt_dir, config, tag)
+        tensors = iter_hf_tensors(weights_dir, config, weights_tag, adapters, scale)
         for name, shard in zip(names, shards):
             with StreamingSafetensorsWriter(os.path.join(tmp, name), shard, metadata={"format": "pt"}) as writer:
                 for _, _, want in shard:

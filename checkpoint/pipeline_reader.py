@@ -53,13 +53,31 @@ def plan_hf_tensors(ckpt_dir: str, config, tag: str | None = None) -> list[tuple
     return plan
 
 
-def iter_hf_tensors(ckpt_dir: str, config, tag: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_layer_states(ckpt_dir: str, config, tag: str | None = None):
+    """Yield (layer index, {our key: HF key}, {our key: tensor}) one layer file at a time."""
+    for index, (path, keys) in zip(all_layer_keys(config), _layer_files(ckpt_dir, config, tag)):
+        yield index, keys, _load_layer(path, keys, mmap=False)
+
+
+def iter_hf_tensors(
+    ckpt_dir: str, config, tag: str | None = None, adapters: dict | None = None, scale: float = 1.0
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF key, tensor) for every weight of the checkpoint, reading one layer file at a time.
 
     With tied embeddings `lm_head.weight` is not yielded (HF re-ties it on load).
+
+    Args:
+        ckpt_dir: pipeline checkpoint.
+        config: its LlamaConfig.
+        tag: default: the one in `latest`.
+        adapters: {layer index: LoRA adapter state} merged into the weights on the way (scale = alpha / r).
+        scale: LoRA alpha / r.
     """
-    for path, keys in _layer_files(ckpt_dir, config, tag):
-        state = _load_layer(path, keys, mmap=False)
+    from models.lora import merge_adapter
+
+    for index, keys, state in iter_layer_states(ckpt_dir, config, tag):
+        if adapters and index in adapters:
+            state = merge_adapter(state, adapters[index], scale)
         for ours, hf in keys.items():
             yield hf, state.pop(ours)
 

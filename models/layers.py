@@ -47,7 +47,11 @@ class EmbeddingPipe(nn.Embedding):
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids, position_ids = inputs  # [B, S], [B, S]
-        return super().forward(input_ids), position_ids  # [B, S, H]
+        hidden = super().forward(input_ids)  # [B, S, H]
+        if torch.is_grad_enabled() and not self.weight.requires_grad:
+            # NOTE: a frozen embedding (LoRA) still has to hand the next stage a tensor that takes a gradient.
+            hidden.requires_grad_()
+        return hidden, position_ids
 
 
 def causal_additive_mask(seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

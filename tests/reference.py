@@ -11,6 +11,7 @@ import torch
 
 from data.dataset import TokenizedDataset
 from data.sampling import TrainPlan
+from models.lora import add_lora
 from models.pipeline import IGNORE_INDEX
 from training.config import TrainConfig
 from training.engine import make_optimizer
@@ -41,6 +42,9 @@ def train_reference(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, 
     torch.manual_seed(0)
     model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
     model.train()
+    if cfg.lora.enabled:  # the same per-layer seeded adapters as the pipeline (models/lora.py)
+        lo = cfg.lora
+        add_lora(model, lo.r, lo.alpha, lo.dropout, lo.target_modules, cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     dataset = TokenizedDataset(cfg.train_file, tokenizer, cfg.seq_length, cfg.data)
     plan = TrainPlan(len(dataset), dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps)

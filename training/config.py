@@ -78,6 +78,17 @@ class OptimConfig:
 
 
 @dataclass
+class LoraSettings:
+    """LoRA adapters on the decoder layers (peft); base weights frozen, only adapters saved."""
+
+    enabled: bool = False
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
 class TrainConfig:
     model_name_or_path: str | None = None  # a converted pipeline checkpoint (convert2ckpt.py)
     tokenizer_name_or_path: str | None = None  # default: model_name_or_path
@@ -105,6 +116,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
 
 def register_configs() -> None:
@@ -140,6 +152,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(cfg.deepspeed.zero_stage in (None, 0, 1), "deepspeed.zero_stage must be 0 or 1 with pipeline parallelism")
     need(not cfg.do_train or cfg.train_file is not None, "do_train=true needs train_file")
     need(not cfg.do_eval or cfg.eval_file is not None, "do_eval=true needs eval_file")
+    need(not cfg.lora.enabled or cfg.lora.r >= 1, f"lora.r={cfg.lora.r} must be >= 1")
+    need(not cfg.lora.enabled or cfg.model_name_or_path is not None, "lora.enabled=true needs model_name_or_path")
     need(
         cfg.model_name_or_path is not None or cfg.model.hidden_size is not None,
         "model_name_or_path is not set (a checkpoint written by convert2ckpt.py) and model= names no preset to build",

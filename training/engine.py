@@ -103,10 +103,12 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, load_universal: bool = Fals
 def param_groups(named_params, weight_decay: float) -> list[dict]:
     """Decay matrices; never norms or biases (ndim < 2). Name-free, so HF references group alike."""
     params = [p for _, p in named_params if p.requires_grad]
-    return [
+    groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
+    # NOTE: DeepSpeed drops empty groups (LoRA has no 1-D trainables); the LR scheduler must see the same list.
+    return [g for g in groups if g["params"]]
 
 
 class WarmupDecay:
@@ -162,12 +164,6 @@ def build_module(cfg: TrainConfig, llama_config, loss_fn, skip_init: bool = True
     if not skip_init:
         init_weights(module, llama_config.initializer_range)
         module._synchronize_tied_weights()
-    # NOTE: DeepSpeed's fp32 gradient clipping sums norms over the model-parallel group, which in a
-    # pipeline is every stage, but only counts parameters flagged `model_parallel` on ranks other than
-    # its rank 0: without the flag, stages > 0 drop out of the norm. Tied copies stay unflagged
-    # (`ds_pipe_replicated`) so they count once. The bf16/ZeRO paths key on the tensor-parallel rank.
-    for p in module.parameters():
-        p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
     return module
 
 
@@ -200,6 +196,13 @@ def load_layer_files(module, step_dir: str) -> list[str]:
 def initialize_engine(cfg: TrainConfig, module, total_steps: int, load_universal: bool = False):
     """Wrap a built stage in DeepSpeed's PipelineEngine with AdamW and the LR schedule."""
     dp = dist.get_world_size() // cfg.num_stages
+    # NOTE: DeepSpeed's fp32 gradient clipping sums norms over the model-parallel group, which in a
+    # pipeline is every stage, but only counts parameters flagged `model_parallel` on ranks other than
+    # its rank 0: without the flag, stages > 0 drop out of the norm. Tied copies stay unflagged
+    # (`ds_pipe_replicated`) so they count once. The bf16/ZeRO paths key on the tensor-parallel rank.
+    # Flagged here, after any LoRA injection, so adapter parameters count too.
+    for p in module.parameters():
+        p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
     optimizer, scheduler = make_optimizer(cfg, module.named_parameters(), total_steps)
     config = deepspeed_config(cfg, dp, load_universal)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config)

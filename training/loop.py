@@ -19,6 +19,7 @@ from checkpoint.universal import check_movable, ensure_universal, layout_changed
 from data.collator import CausalLMCollator
 from data.dataset import PlaceholderDataset, TokenizedDataset
 from data.sampling import TrainPlan, eval_batches, eval_indices, eval_num_batches, train_batches
+from models.lora import add_lora
 from models.pipeline import CausalLMLoss, stage_bounds
 from training.config import TrainConfig, validate
 from training.engine import (
@@ -46,6 +47,7 @@ from training.setup import (
 )
 
 log = logging.getLogger("trainer")
+LORA_FILE = "lora.json"
 
 # Architecture keys a model preset may pin; checked against the checkpoint's config.json.
 
@@ -84,12 +86,18 @@ class Trainer:
         source = None
         if self.universal_tag:  # weights from the layer files, optimizer state from the universal checkpoint
             source = (cfg.output_dir, self.resume_tag)
-        elif cfg.model_name_or_path and not cfg.resume:
+        elif cfg.model_name_or_path and (not cfg.resume or cfg.lora.enabled):  # LoRA resumes: base, then adapter
             path = self._converted_if_hf(cfg.model_name_or_path)
             source = (path, checkpoint_tag(path))
         if source:
             self.loaded_files = load_layer_files(module, os.path.join(*source))
             log.info("loaded %s (%s): rank %d read %d layer files", *source, rank, len(self.loaded_files))
+        if cfg.lora.enabled:
+            lo = cfg.lora
+            trainable = add_lora(module, lo.r, lo.alpha, lo.dropout, lo.target_modules, cfg.seed)
+            log.info("LoRA r=%d alpha=%g on %s: %d trainable parameters on rank %d", lo.r, lo.alpha,
+                     lo.target_modules, trainable, rank)  # fmt: skip
+            self.lora_base = source[0]
         self.engine = initialize_engine(cfg, module, max(self.total_steps, 1), load_universal=bool(self.universal_tag))
         self.step = 0
         if cfg.resume:
@@ -122,6 +130,11 @@ class Trainer:
     def _write_run_files(self) -> None:
         """Resolved config, model config and tokenizer, so output_dir is itself a loadable model dir."""
         os.makedirs(self.cfg.output_dir, exist_ok=True)
+        if self.cfg.lora.enabled:  # what `convert2ckpt.py --to-hf --merge-lora` needs
+            lo = self.cfg.lora
+            info = {"r": lo.r, "alpha": lo.alpha, "target_modules": list(lo.target_modules), "base": self.lora_base}
+            with open(os.path.join(self.cfg.output_dir, LORA_FILE), "w") as f:
+                json.dump(info, f, indent=2)
         with open(os.path.join(self.cfg.output_dir, "train_config.yaml"), "w") as f:
             f.write(OmegaConf.to_yaml(OmegaConf.structured(self.cfg)))
         self.model_config.save_pretrained(self.cfg.output_dir)
@@ -165,6 +178,8 @@ class Trainer:
         saved, current = read_layout(where), self.layout()
         if not layout_changed(saved, current):
             return None
+        if self.cfg.lora.enabled:
+            raise RunError(f"{where}: moving a LoRA run to another layout is not supported yet; resume it as saved")
         try:
             check_movable(saved, current, where)
             universal = ensure_universal(self.cfg.output_dir, tag) if self.coords.rank == 0 else None
@@ -185,7 +200,9 @@ class Trainer:
 
     def _resume(self) -> None:
         cfg, tag = self.cfg, self.resume_tag
-        path, client = self.engine.load_checkpoint(cfg.output_dir, tag=self.universal_tag or tag)
+        path, client = self.engine.load_checkpoint(
+            cfg.output_dir, tag=self.universal_tag or tag, load_module_strict=not cfg.lora.enabled
+        )
         if path is None:
             raise RunError(f"{cfg.output_dir}/{tag}: checkpoint could not be loaded")
         saved = client.get("data", {})
@@ -214,7 +231,12 @@ class Trainer:
         tag = f"global_step{self.step}"
         if self.coords.rank == 0:
             write_layout(os.path.join(self.cfg.output_dir, tag), self.layout())
-        self.engine.save_checkpoint(self.cfg.output_dir, tag=tag, client_state={"data": self._data_state()})
+        self.engine.save_checkpoint(
+            self.cfg.output_dir,
+            tag=tag,
+            client_state={"data": self._data_state()},
+            exclude_frozen_parameters=self.cfg.lora.enabled,  # LoRA: layer files hold the adapter only
+        )
         if self.cfg.save_manifest:
             self._write_manifest(os.path.join(self.cfg.output_dir, tag))
         log.info("saved checkpoint %s", os.path.join(self.cfg.output_dir, tag))

@@ -1,0 +1,119 @@
+"""LoRA: pipeline training matches a single-process PEFT reference; adapters merge to PEFT's logits."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from checkpoint.layer_files import find_layer_file, load_layer_state
+from tests.conftest import check, deepspeed_launch, read_jsonl, run_cmd
+from tests.reference import train_reference
+from tests.test_training import interrupted_copy, overrides, parity_cfg
+from training.config import LoraSettings
+
+LORA = LoraSettings(enabled=True, r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+def lora_overrides() -> list[str]:
+    targets = "[" + ",".join(LORA.target_modules) + "]"
+    return ["lora.enabled=true", f"lora.r={LORA.r}", f"lora.alpha={LORA.alpha}", f"lora.target_modules={targets}"]
+
+
+def adapter_state(run_dir, config) -> dict[str, torch.Tensor]:
+    """Our adapter weights under PEFT's key names."""
+    out = {}
+    for block in range(config.num_hidden_layers):
+        path = find_layer_file(os.path.join(run_dir, (run_dir / "latest").read_text()), block + 1)
+        for key, value in load_layer_state(path).items():
+            out[f"base_model.model.model.layers.{block}.{key}"] = value
+    return out
+
+
+def peft_model(hf_dir: str, adapters: dict[str, torch.Tensor] | None = None):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, target_modules=LORA.target_modules))
+    if adapters is not None:
+        missing = model.load_state_dict(adapters, strict=False)
+        assert not missing.unexpected_keys
+    return model.eval()
+
+
+def test_lora_pipeline_training_matches_peft_reference_and_merges(
+    hf_models, converted, tokenizer_dir, sft_data, tmp_path
+):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = parity_cfg(sft_data[0])
+    cfg.lora = LORA
+    run = tmp_path / "run"
+    args = overrides(cfg, converted["gqa"], str(run), 2, save_steps=2)
+    check(deepspeed_launch(4, *args, *lora_overrides()))
+    ref_model, ref_losses, ref_norms = train_reference(hf_models["gqa"], tokenizer_dir, cfg, dp=2, steps=4)
+
+    metrics = read_jsonl(run / "metrics.jsonl")
+    losses = torch.tensor([m["loss"] for m in metrics])
+    torch.testing.assert_close(losses, torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    norms = torch.tensor([m["grad_norm"] for m in metrics])
+    torch.testing.assert_close(norms, torch.tensor(ref_norms), rtol=1e-4, atol=1e-6)  # adapters of every stage
+    config = AutoConfig.from_pretrained(run)
+    ours = adapter_state(run, config)
+    ref = {k: v for k, v in ref_model.state_dict().items() if ".lora_" in k}
+    ref = {f"base_model.model.{k}": v for k, v in ref.items()}
+    assert set(ours) == set(ref) and len(ours) == 4 * 3 * 2  # layers x targets x (A, B)
+    for key in ref:
+        torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=0.01 * cfg.learning_rate)
+    # Only the adapter is saved: other layer files are empty, base weights are never written.
+    step = run / "global_step4"
+    assert load_layer_state(find_layer_file(str(step), 0)) == {}
+    assert all(".lora_" in k for k in load_layer_state(find_layer_file(str(step), 1)))
+
+    # Merged export == PEFT's unmerged adapter model.
+    merged_dir = tmp_path / "merged"
+    proc = run_cmd([sys.executable, "convert2ckpt.py", "--to-hf", "--input", str(run), "--output", str(merged_dir),
+                    "--merge-lora"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
+    unmerged = peft_model(hf_models["gqa"], ours)
+    ids = torch.randint(3, 60, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, unmerged(ids).logits, rtol=1e-5, atol=1e-5)
+
+    # Resume (same layout) loads the base, then the adapter and its optimizer state.
+    part = tmp_path / "part"
+    interrupted_copy(run, part, 2)
+    check(
+        deepspeed_launch(
+            4, *overrides(cfg, converted["gqa"], str(part), 2, save_steps=2, resume="true"), *lora_overrides()
+        )
+    )
+    assert [m["loss"] for m in read_jsonl(part / "metrics.jsonl")] == [m["loss"] for m in metrics]
+
+
+def test_merge_peft_adapter_directory_into_checkpoint_or_hf(hf_models, converted, tmp_path):
+    adapter_dir = tmp_path / "adapter"
+    model = peft_model(hf_models["gqa"])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)  # PEFT initialises B to zero; make the adapter do something
+    model.save_pretrained(str(adapter_dir))
+    ids = torch.randint(3, 60, (2, 12))
+    with torch.no_grad():
+        expected = model(ids).logits
+    from transformers import AutoModelForCausalLM
+
+    for name, source in [("from_ckpt", converted["gqa"]), ("from_hf", hf_models["gqa"])]:
+        out = tmp_path / name
+        proc = run_cmd([sys.executable, "convert2ckpt.py", "--to-hf", "--input", source, "--output", str(out),
+                        "--merge-lora", str(adapter_dir)])  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        merged = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".merge-base-")]
