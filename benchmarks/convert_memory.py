@@ -1,4 +1,4 @@
-"""Conversion time and peak memory on a model of a few GB, against `cp` of the same files.
+"""Conversion and export time and peak memory on a model of a few GB, against `cp` of the same files.
 
     python -m benchmarks.convert_memory --work /tmp/convbench [--layers 16 --hidden 2048 --dtype bf16]
 
@@ -95,7 +95,14 @@ def main() -> None:
             f"convert2ckpt.py --workers {workers}: {seconds:.1f}s ({size / seconds:.0f} MiB/s, x{speedup:.2f}), "
             f"peak RSS {rss:.0f} MiB (largest process)"
         )
+    exported = os.path.join(args.work, "exported")
+    shutil.rmtree(exported, ignore_errors=True)
+    subprocess.run(["sync"])
+    cmd = [sys.executable, "convert2ckpt.py", "--to-hf", "--input", out, "--output", exported]
+    seconds, rss = child_peak_rss(cmd)
+    print(f"convert2ckpt.py --to-hf (export back): {seconds:.1f}s ({size / seconds:.0f} MiB/s), peak RSS {rss:.0f} MiB")
     print(f"cp -r of the same shards: {cp_seconds:.1f}s ({size / cp_seconds:.0f} MiB/s)")
+    shutil.rmtree(exported, ignore_errors=True)
     shutil.rmtree(copy, ignore_errors=True)
 
 
