@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import math
 import os
 import socket
@@ -39,9 +41,25 @@ def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
     os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it
     if not dist.is_initialized():
         deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes), verbose=False)
+        release_shm_buffers()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return dist.get_rank(), dist.get_world_size()
+
+
+def release_shm_buffers() -> None:
+    """Unlink this rank's DeepSpeed CPU all-reduce buffer from /dev/shm once every rank has mapped it.
+
+    NOTE: DeepSpeed's CPU `deepspeed_shm_comm` op creates a 66 MB /dev/shm segment per rank
+    (`deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`) and never unlinks it, so every run
+    leaves world_size x 66 MB of RAM behind (22 GB after one afternoon of test runs). The mappings
+    stay valid after unlinking and the memory is freed when the processes exit.
+    """
+    dist.barrier()  # every rank has opened every other rank's segment inside init_distributed
+    port, rank = os.environ.get("MASTER_PORT", ""), dist.get_rank()
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_{rank}"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def resolve_precision(precision: str) -> str:
