@@ -14,6 +14,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from checkpoint.hf_reader import CheckpointError
+from checkpoint.lora_merge import LORA_FILE
 from checkpoint.manifest import build_manifest, checkpoint_files, write_manifest
 from checkpoint.universal import check_movable, ensure_universal, layout_changed, read_layout, write_layout
 from data.collator import CausalLMCollator
@@ -47,7 +48,6 @@ from training.setup import (
 )
 
 log = logging.getLogger("trainer")
-LORA_FILE = "lora.json"
 
 # Architecture keys a model preset may pin; checked against the checkpoint's config.json.
 
@@ -97,7 +97,7 @@ class Trainer:
             trainable = add_lora(module, lo.r, lo.alpha, lo.dropout, lo.target_modules, cfg.seed)
             log.info("LoRA r=%d alpha=%g on %s: %d trainable parameters on rank %d", lo.r, lo.alpha,
                      lo.target_modules, trainable, rank)  # fmt: skip
-            self.lora_base = source[0]
+            self.lora_base = os.path.abspath(source[0])
         self.engine = initialize_engine(cfg, module, max(self.total_steps, 1), load_universal=bool(self.universal_tag))
         self.step = 0
         if cfg.resume:
