@@ -116,12 +116,17 @@ def copy_side_files(src_dir: str, dst_dir: str, dtype: str | None) -> None:
         if os.path.isfile(src) and not name.endswith(WEIGHT_SUFFIXES) and not name.startswith("."):
             shutil.copy2(src, os.path.join(dst_dir, name))
     if dtype:
-        path = os.path.join(dst_dir, "config.json")
-        with open(path) as f:
-            conf = json.load(f)
-        conf["torch_dtype"] = conf["dtype"] = str(DTYPES[dtype]).removeprefix("torch.")
-        with open(path, "w") as f:
-            json.dump(conf, f, indent=2)
+        record_dtype(os.path.join(dst_dir, "config.json"), dtype)
+
+
+def record_dtype(config_path: str, dtype: str) -> None:
+    """Write a cast dtype into config.json (`dtype`, the transformers 5 key; the old `torch_dtype` dropped)."""
+    with open(config_path) as f:
+        conf = json.load(f)
+    conf["dtype"] = str(DTYPES[dtype]).removeprefix("torch.")
+    conf.pop("torch_dtype", None)
+    with open(config_path, "w") as f:
+        json.dump(conf, f, indent=2)
 
 
 def engine_metadata(dtype: str) -> dict:

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from checkpoint.convert import DTYPES, ConvertStats, load_llama_config, prepare_output, publish
+from checkpoint.convert import DTYPES, ConvertStats, load_llama_config, prepare_output, publish, record_dtype
 from checkpoint.hf_reader import CheckpointError
 from checkpoint.lora_merge import adapters_from_checkpoint, adapters_from_peft
 from checkpoint.pipeline_reader import iter_hf_tensors, plan_hf_tensors, read_tag
@@ -56,13 +56,7 @@ def _write_side_files(ckpt_dir: str, out_dir: str, dtype: str | None) -> None:
         if os.path.isfile(src):
             shutil.copy2(src, os.path.join(out_dir, name))
     if dtype:
-        path = os.path.join(out_dir, "config.json")
-        with open(path) as f:
-            conf = json.load(f)
-        conf["dtype"] = str(DTYPES[dtype]).removeprefix("torch.")
-        conf.pop("torch_dtype", None)
-        with open(path, "w") as f:
-            json.dump(conf, f, indent=2)
+        record_dtype(os.path.join(out_dir, "config.json"), dtype)
 
 
 @torch.inference_mode()

@@ -24,10 +24,12 @@ from checkpoint.convert import (
     convert_layers,
     copy_side_files,
     engine_metadata,
+    load_llama_config,
     plan_conversion,
 )
 from checkpoint.hf_reader import CheckpointError, list_shards, stored_dtype
 from checkpoint.manifest import build_manifest, write_manifest
+from models.layout import all_layer_keys
 
 CONVERTED = "hf_converted"
 RECORD = "conversion.json"
@@ -85,7 +87,7 @@ def convert_on_load(
         except CheckpointError as e:
             error = str(e)
     _agree(error)
-    config, expected = plan_conversion(hf_dir) if dp_rank == 0 else (None, {})
+    expected = all_layer_keys(load_llama_config(hf_dir))  # rank 0 has validated everything already
     mine = [i for i in range(bounds[stage], bounds[stage + 1]) if i in expected]
     error = None
     if dp_rank == 0 and mine:
