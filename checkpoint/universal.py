@@ -6,9 +6,8 @@ checkpoint tool (`deepspeed.checkpoint.ds_to_universal`: per-parameter fp32 weig
 moments, named by global layer index, so layout-free) and loaded with `load_universal`. Weights
 always come from the layer files, which are layout-free by construction.
 
-DeepSpeed's tool reads ZeRO optimizer shards, so the optimizer state must have been saved with
-`deepspeed.zero_stage=1` (the GPU default); a ZeRO-0 checkpoint can still move, weights only,
-by starting a new run from it with `model_name_or_path`.
+DeepSpeed's tool reads ZeRO optimizer shards only; ZeRO-0 state (the fp32 preset) is reshaped by
+parameter name instead (checkpoint/optimizer_reshape.py).
 """
 
 from __future__ import annotations
@@ -54,11 +53,14 @@ def check_movable(saved: dict, current: dict, where: str) -> None:
             f"{current['global_batch_size']} (micro_batch_size x gradient_accumulation_steps x DP); keep it equal "
             "so the data position and loss curve carry over"
         )
-    if saved.get("zero_stage", 0) < 1:
+    moved_by_name = (saved["precision"], current["precision"], current["zero_stage"]) == ("fp32", "fp32", 0)
+    if saved.get("zero_stage", 0) == 0 and not moved_by_name:
         raise CheckpointError(
-            f"{where}: optimizer state saved with ZeRO stage 0 cannot move to another layout; "
-            "train with deepspeed.zero_stage=1, or start a new run from it with model_name_or_path"
+            f"{where}: ZeRO-0 optimizer state moves between fp32 ZeRO-0 runs only (saved {saved['precision']}, "
+            f"this run {current['precision']} ZeRO-{current['zero_stage']}); resume with deepspeed=fp32"
         )
+    if saved.get("zero_stage", 0) >= 1 and current["zero_stage"] < 1:
+        raise CheckpointError(f"{where}: ZeRO-1 optimizer state moves into ZeRO-1 runs only (deepspeed.zero_stage=1)")
 
 
 def ensure_universal(ckpt_dir: str, tag: str) -> str:

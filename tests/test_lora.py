@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 
 from checkpoint.layer_files import find_layer_file, load_layer_state
@@ -92,6 +93,15 @@ def test_lora_pipeline_training_matches_peft_reference_and_merges(
         )
     )
     assert [m["loss"] for m in read_jsonl(part / "metrics.jsonl")] == [m["loss"] for m in metrics]
+    # ... and in another layout (PP=1 x DP=2): adapter and its Adam moments reshaped by name.
+    moved = tmp_path / "moved"
+    interrupted_copy(run, moved, 2)
+    args = overrides(cfg, converted["gqa"], str(moved), 1, save_steps=2, resume="true")
+    check(deepspeed_launch(2, *args, *lora_overrides()))
+    got = read_jsonl(moved / "metrics.jsonl")
+    assert [m["step"] for m in got] == [m["step"] for m in metrics]
+    for a, b in zip(metrics[2:], got[2:], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and a["lr"] == b["lr"], (a, b)
 
 
 def test_merge_peft_adapter_directory_into_checkpoint_or_hf(hf_models, converted, tmp_path):

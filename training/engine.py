@@ -185,8 +185,11 @@ def build_module(cfg: TrainConfig, llama_config, loss_fn, skip_init: bool = True
     return module
 
 
-def load_layer_files(module, step_dir: str) -> list[str]:
-    """Load this stage's layer files from `step_dir` (strict). Returns the files read.
+def load_layer_files(module, step_dir: str, trainable_only: bool = False) -> list[str]:
+    """Load this stage's layer files from `step_dir`. Returns the files read.
+
+    Every parameter must be in the files, or with `trainable_only` (a LoRA checkpoint, which holds
+    the adapter only) every trainable one; a key the model lacks is an error either way.
 
     Only this rank's own layers are opened, each once (memory-mapped); tied weights are then
     broadcast from the first stage that holds them. NOTE: DeepSpeed's `load_state_dir` reads every
@@ -202,10 +205,14 @@ def load_layer_files(module, step_dir: str) -> list[str]:
             raise FileNotFoundError(f"{os.path.join(step_dir, layer_file_name(index))}: layer file missing")
         state = load_layer_state(path, mmap=True)
         try:
-            layer.load_state_dict(state, strict=True)
+            missing, unexpected = layer.load_state_dict(state, strict=not trainable_only)
         except RuntimeError as e:
             first = str(e).strip().splitlines()
             raise FileNotFoundError(f"{path}: does not fit this model ({' '.join(first[:2])[:300]})") from None
+        trainable = {n for n, p in layer.named_parameters() if p.requires_grad}
+        if unexpected or trainable & set(missing):
+            bad = f"unexpected {unexpected[0]}" if unexpected else f"missing {sorted(trainable & set(missing))[0]}"
+            raise FileNotFoundError(f"{path}: does not fit this model ({bad})")
         files.append(path)
     module._synchronize_tied_weights()
     return files

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from checkpoint.hf_reader import CheckpointError
 from checkpoint.lora_merge import LORA_FILE
 from checkpoint.manifest import build_manifest, checkpoint_files, write_manifest
+from checkpoint.optimizer_reshape import OPTIMIZER_NAMES, gather_moved_state, load_moved_state, optimizer_param_names
 from checkpoint.universal import check_movable, ensure_universal, layout_changed, read_layout, write_layout
 from data.collator import CausalLMCollator
 from data.dataset import PlaceholderDataset, TokenizedDataset
@@ -78,13 +79,16 @@ class Trainer:
             )
         self.total_steps = self.plan.total_steps(cfg.max_steps, cfg.num_train_epochs) if cfg.do_train else 0
         self.loss_fn = CausalLMLoss()
-        self.resume_tag, self.universal_tag = None, None
+        # A resume in another layout goes through DeepSpeed's universal checkpoint (ZeRO-1) or our own
+        # reshaping by parameter name (ZeRO-0); weights always come from the layout-free layer files.
+        self.resume_tag, self.universal_tag, self.reshape = None, None, False
         if cfg.resume:
             self.resume_tag = checkpoint_tag(cfg.output_dir)  # fail now, before building anything
-            self.universal_tag = self._prepare_layout_change(self.resume_tag)
+            self._prepare_layout_change(self.resume_tag)
+        moved = self.universal_tag or self.reshape
         module = build_module(cfg, self.model_config, self.loss_fn, skip_init=cfg.model_name_or_path is not None)
         source = None
-        if self.universal_tag:  # weights from the layer files, optimizer state from the universal checkpoint
+        if moved and not cfg.lora.enabled:
             source = (cfg.output_dir, self.resume_tag)
         elif cfg.model_name_or_path and (not cfg.resume or cfg.lora.enabled):  # LoRA resumes: base, then adapter
             path = self._converted_if_hf(cfg.model_name_or_path)
@@ -98,6 +102,8 @@ class Trainer:
             log.info("LoRA r=%d alpha=%g on %s: %d trainable parameters on rank %d", lo.r, lo.alpha,
                      lo.target_modules, trainable, rank)  # fmt: skip
             self.lora_base = os.path.abspath(source[0])
+            if moved:  # the adapter, saved per global layer like the weights
+                load_layer_files(module, os.path.join(cfg.output_dir, self.resume_tag), trainable_only=True)
         self.engine = initialize_engine(cfg, module, max(self.total_steps, 1), load_universal=bool(self.universal_tag))
         self.step = 0
         if cfg.resume:
@@ -172,39 +178,52 @@ class Trainer:
             "zero_stage": resolve_zero_stage(cfg.deepspeed.zero_stage),
         }
 
-    def _prepare_layout_change(self, tag: str) -> str | None:
-        """If `tag` was saved with another PP x DP layout: convert it to a universal checkpoint (rank 0)."""
+    def _prepare_layout_change(self, tag: str) -> None:
+        """If `tag` was saved with another PP x DP layout, choose how its optimizer state moves.
+
+        ZeRO-0: reshaped by parameter name at load (checkpoint/optimizer_reshape.py); ZeRO-1:
+        converted once to a DeepSpeed universal checkpoint by rank 0.
+        """
         where = os.path.join(self.cfg.output_dir, tag)
         saved, current = read_layout(where), self.layout()
         if not layout_changed(saved, current):
-            return None
-        if self.cfg.lora.enabled:
-            raise RunError(f"{where}: moving a LoRA run to another layout is not supported yet; resume it as saved")
+            return
         try:
             check_movable(saved, current, where)
-            universal = ensure_universal(self.cfg.output_dir, tag) if self.coords.rank == 0 else None
+            if saved["zero_stage"] == 0:
+                self.reshape, how = True, "optimizer state reshaped by parameter name"
+            else:
+                if self.cfg.lora.enabled:
+                    raise CheckpointError(
+                        f"{where}: a LoRA run saved with ZeRO-1 cannot move to another layout "
+                        "(DeepSpeed's universal checkpoint does not handle frozen weights); train LoRA with "
+                        "deepspeed=fp32 to move it, or resume it as saved"
+                    )
+                universal = [ensure_universal(self.cfg.output_dir, tag) if self.coords.rank == 0 else None]
+                dist.broadcast_object_list(universal, src=0)
+                self.universal_tag = how = universal[0]
         except CheckpointError as e:
             raise RunError(str(e)) from None
-        universal = [universal]
-        dist.broadcast_object_list(universal, src=0)
         log.info(
-            "resuming %s saved with PP=%d x DP=%d in PP=%d x DP=%d through %s",
+            "resuming %s saved with PP=%d x DP=%d in PP=%d x DP=%d (%s)",
             where,
             saved["num_stages"],
             saved["dp_size"],
             current["num_stages"],
             current["dp_size"],
-            universal[0],
+            how,
         )
-        return universal[0]
 
     def _resume(self) -> None:
         cfg, tag = self.cfg, self.resume_tag
-        path, client = self.engine.load_checkpoint(
-            cfg.output_dir, tag=self.universal_tag or tag, load_module_strict=not cfg.lora.enabled
-        )
-        if path is None:
-            raise RunError(f"{cfg.output_dir}/{tag}: checkpoint could not be loaded")
+        if self.reshape:
+            client = self._load_reshaped(os.path.join(cfg.output_dir, tag))
+        else:
+            path, client = self.engine.load_checkpoint(
+                cfg.output_dir, tag=self.universal_tag or tag, load_module_strict=not cfg.lora.enabled
+            )
+            if path is None:
+                raise RunError(f"{cfg.output_dir}/{tag}: checkpoint could not be loaded")
         saved = client.get("data", {})
         now = self._data_state()
         for key in ("num_train_rows", "global_batch_size", "seed"):
@@ -212,6 +231,19 @@ class Trainer:
                 raise RunError(f"resume: {key}={now[key]} but the checkpoint {tag} was saved with {saved[key]}")
         self.step = self.engine.global_steps
         log.info("resumed from %s at step %d", os.path.join(cfg.output_dir, tag), self.step)
+
+    def _load_reshaped(self, step_dir: str) -> dict:
+        """ZeRO-0 optimizer state, LR schedule and step counters of this stage's parameters, by name."""
+        names = optimizer_param_names(self.engine.module, self.engine.optimizer)
+        if names is None:
+            raise RunError(f"{step_dir}: ZeRO-0 optimizer state moves into a ZeRO-0 fp32 run only (deepspeed=fp32)")
+        saved = read_layout(step_dir)
+        try:
+            moved = gather_moved_state(step_dir, saved["num_stages"], {n for g in names for n in g})
+            load_moved_state(self.engine, names, moved)
+        except CheckpointError as e:
+            raise RunError(str(e)) from None
+        return moved.client_state
 
     def _data_state(self) -> dict:
         """The data position is a function of the step, given rows, global batch and seed (data/sampling.py)."""
@@ -231,10 +263,14 @@ class Trainer:
         tag = f"global_step{self.step}"
         if self.coords.rank == 0:
             write_layout(os.path.join(self.cfg.output_dir, tag), self.layout())
+        client = {"data": self._data_state()}
+        names = optimizer_param_names(self.engine.module, self.engine.optimizer)
+        if names is not None:  # lets a ZeRO-0 checkpoint move to another layout
+            client[OPTIMIZER_NAMES] = names
         self.engine.save_checkpoint(
             self.cfg.output_dir,
             tag=tag,
-            client_state={"data": self._data_state()},
+            client_state=client,
             exclude_frozen_parameters=self.cfg.lora.enabled,  # LoRA: layer files hold the adapter only
         )
         if self.cfg.save_manifest:

@@ -1,0 +1,103 @@
+"""Moving whole-per-stage (ZeRO-0) optimizer state to another PP x DP layout, by parameter name.
+
+DeepSpeed's universal-checkpoint tool reads ZeRO shards only, so the fp32 preset (ZeRO-0, a plain
+torch AdamW per stage, saved whole in `mp_rank_XX_model_states.pt`) is reshaped here. Every save
+records, next to the optimizer state, the name of each parameter in each optimizer group
+(`OPTIMIZER_NAMES`). Names are the pipeline module's own (`3.self_attn.q_proj.weight`,
+`tied_modules.embed.weight`), keyed by global layer index, so they do not depend on the layout:
+a stage of the new layout takes the Adam moments of its parameters from whichever old stage held
+them (a tied weight lives on two stages with identical state; the first is used). Only the
+new stage's own parameters are kept in memory, old stage files are memory-mapped.
+
+LoRA runs move the same way: their optimizer holds the adapter parameters only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from checkpoint.hf_reader import CheckpointError
+
+OPTIMIZER_NAMES = "optimizer_param_names"
+
+
+def optimizer_param_names(module, optimizer) -> list[list[str]] | None:
+    """Names of the parameters in each group of `optimizer`, or None if it holds copies (bf16/ZeRO)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    groups = [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
+    return None if any(n is None for g in groups for n in g) else groups
+
+
+@dataclass
+class MovedState:
+    """What a new stage takes over from a checkpoint saved in another layout."""
+
+    param_state: dict[str, dict[str, torch.Tensor]]  # name -> Adam state ({} if never stepped)
+    group_options: dict[float, dict]  # weight_decay -> group hyperparameters (lr, betas, ...)
+    lr_scheduler: dict | None
+    counters: dict  # global_steps, global_samples, skipped_steps
+    client_state: dict
+
+
+def stage_state_path(step_dir: str, stage: int) -> str:
+    return os.path.join(step_dir, f"mp_rank_{stage:02d}_model_states.pt")
+
+
+def gather_moved_state(step_dir: str, num_saved_stages: int, wanted: set[str]) -> MovedState:
+    """Collect the optimizer state of the parameters named in `wanted` from every saved stage."""
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    group_options: dict[float, dict] = {}
+    first = None
+    for stage in range(num_saved_stages):
+        path = stage_state_path(step_dir, stage)
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path}: missing; the checkpoint was saved with {num_saved_stages} stages")
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except Exception as e:  # noqa: BLE001 - torch raises several types for a damaged zip
+            raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
+        names, optim = saved.get(OPTIMIZER_NAMES), saved.get("optimizer")
+        if names is None or optim is None:
+            raise CheckpointError(f"{path}: no per-parameter names recorded with its optimizer state; cannot move it")
+        if first is None:
+            first = saved
+        for group, group_names in zip(optim["param_groups"], names, strict=True):
+            group_options.setdefault(group["weight_decay"], {k: v for k, v in group.items() if k != "params"})
+            for index, name in zip(group["params"], group_names, strict=True):
+                if name in wanted and name not in found:
+                    found[name] = {k: v.clone() for k, v in optim["state"].get(index, {}).items()}
+        del saved, optim
+    missing = sorted(wanted - found.keys())
+    if missing:
+        raise CheckpointError(
+            f"{step_dir}: no optimizer state for {len(missing)} parameters of this stage (first: {missing[0]}); "
+            "was it saved from another model or another LoRA configuration?"
+        )
+    counters = {k: first[k] for k in ("global_steps", "global_samples", "skipped_steps") if k in first}
+    client = {k: v for k, v in first.items() if k == "data"}
+    return MovedState(found, group_options, first.get("lr_scheduler"), counters, client)
+
+
+def load_moved_state(engine, names: list[list[str]], moved: MovedState) -> None:
+    """Put `moved` into `engine` (a ZeRO-0 fp32 DeepSpeed engine whose optimizer groups are named `names`)."""
+    optimizer = engine.optimizer
+    state = optimizer.state_dict()
+    new_state, index = {}, 0
+    for group, group_names in zip(state["param_groups"], names, strict=True):
+        options = moved.group_options.get(group["weight_decay"])
+        if options is None:
+            raise CheckpointError(f"no optimizer group with weight_decay={group['weight_decay']} in the checkpoint")
+        group.update({k: v for k, v in options.items() if k in group})
+        for name in group_names:
+            if moved.param_state[name]:
+                new_state[index] = moved.param_state[name]
+            index += 1
+    state["state"] = new_state
+    optimizer.load_state_dict(state)
+    if moved.lr_scheduler is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(moved.lr_scheduler)
+    for key, value in moved.counters.items():
+        setattr(engine, key, value)
