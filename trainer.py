@@ -10,6 +10,7 @@ against the dataclasses in training/config.py. `python trainer.py --help` lists 
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 
@@ -20,9 +21,13 @@ sys.argv = [a for i, a in enumerate(sys.argv) if i == 0 or not re.fullmatch(r"--
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from training.config import TrainConfig, register_configs  # noqa: E402
+from training.config import TrainConfig, check_overrides, register_configs  # noqa: E402
 
 register_configs()
+_problem = check_overrides(sys.argv[1:], os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf"))
+if _problem:
+    print(f"trainer: error: {_problem}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

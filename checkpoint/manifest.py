@@ -26,17 +26,20 @@ MANIFEST = "manifest.json"
 CHUNK = 16 * 2**20
 
 
-def sha256_file(path: str) -> str:
+def sha256_file(path: str, sync: bool = False) -> str:
+    """sha256 of a file; with `sync`, also flush it to disk (a save's files are hashed right after writing)."""
     digest = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
         while chunk := f.read(CHUNK):
             digest.update(chunk)
+        if sync:
+            os.fsync(f.fileno())
     return digest.hexdigest()
 
 
-def describe_file(path: str) -> dict:
+def describe_file(path: str, sync: bool = False) -> dict:
     """size, sha256 and, for layer files, tensor names/shapes/dtypes (read memory-mapped)."""
-    entry = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
+    entry = {"size": os.path.getsize(path), "sha256": sha256_file(path, sync)}
     if is_layer_file(os.path.basename(path)):
         entry["tensors"] = {
             k: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
@@ -59,8 +62,8 @@ def write_manifest(step_dir: str, entries: dict[str, dict]) -> str:
     return path
 
 
-def build_manifest(step_dir: str, names: list[str] | None = None) -> dict[str, dict]:
-    return {n: describe_file(os.path.join(step_dir, n)) for n in (names or checkpoint_files(step_dir))}
+def build_manifest(step_dir: str, names: list[str] | None = None, sync: bool = False) -> dict[str, dict]:
+    return {n: describe_file(os.path.join(step_dir, n), sync) for n in (names or checkpoint_files(step_dir))}
 
 
 def verify_manifest(step_dir: str) -> list[str]:

@@ -78,6 +78,7 @@ class TokenizedDataset(Dataset):
         self.path = path
         self.samples: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.truncated = 0
+        self.no_target_lines: list[int] = []  # rows that teach nothing (logged by the trainer)
         for lineno, row in read_jsonl(path):
             try:
                 ids, targets = encode_row(row, tokenizer, cfg)
@@ -86,6 +87,13 @@ class TokenizedDataset(Dataset):
             self.truncated += len(ids) > seq_length
             self.samples.append(
                 (torch.tensor(ids[:seq_length], dtype=torch.long), torch.tensor(targets[:seq_length], dtype=torch.bool))
+            )
+            if not any(targets[1:seq_length]):  # position 0 is never predicted
+                self.no_target_lines.append(lineno)
+        if self.samples and len(self.no_target_lines) == len(self.samples):
+            raise DataError(
+                f"{path}: none of the {len(self.samples)} rows has a target token within seq_length={seq_length} "
+                "(prompts that fill seq_length, or empty responses)"
             )
 
     def __len__(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 
@@ -66,6 +67,9 @@ def train_batches(dataset, plan: TrainPlan, dp_rank: int, seed: int, start_step:
             drop_last=True,
             collate_fn=collate,
             num_workers=num_workers,
+            # NOTE: without a generator each new iterator draws a seed from the global torch RNG, which
+            # would shift dropout masks after a resume (the iterator is created at a different step).
+            generator=torch.Generator().manual_seed(seed + epoch),
         )
         yield from loader
         epoch, skip = epoch + 1, 0
@@ -85,4 +89,11 @@ def eval_indices(num_rows: int, dp_size: int, dp_rank: int, micro_batch_size: in
 
 
 def eval_batches(dataset, indices: list[int], micro_batch_size: int, collate):
-    return iter(DataLoader(Subset(dataset, indices), batch_size=micro_batch_size, shuffle=False, collate_fn=collate))
+    loader = DataLoader(
+        Subset(dataset, indices),
+        batch_size=micro_batch_size,
+        shuffle=False,
+        collate_fn=collate,
+        generator=torch.Generator().manual_seed(0),  # leaves the global RNG (dropout) untouched
+    )
+    return iter(loader)

@@ -11,7 +11,7 @@ import torch
 
 from demo.tiny_llama import tiny_config
 from models.pipeline import stage_bounds
-from tests.conftest import check, run_cmd, torchrun
+from tests.conftest import check, run_cmd
 
 
 def trainer(*overrides: str):
@@ -64,32 +64,6 @@ def test_config_inspection_and_typed_keys(converted, sft_data, tmp_path):
     assert_clean_error(trainer("lerning_rate=1e-4"), "lerning_rate")
     assert_clean_error(trainer("model.atn_implementation=eager"), "atn_implementation")
     assert_clean_error(trainer("micro_batch_size=two"), "micro_batch_size")
-
-
-@pytest.mark.parametrize(
-    "extra,fragment",
-    [
-        (["resume=true"], "no 'latest' file"),
-        (["seq_length=4096"], "exceeds max_position_embeddings=256"),
-        (["model=llama2_7b"], "model.vocab_size=32000 (preset llama2_7b)"),
-        (["train_file=/nonexistent/train.jsonl"], "/nonexistent/train.jsonl: cannot read"),
-        (["model.attn_implementation=flash_attention_2"], "flash-attn"),
-    ],
-)
-def test_bad_inputs_give_one_line_errors(extra, fragment, converted, sft_data, tmp_path):
-    proc = trainer(*base(converted, sft_data, tmp_path / "run"), *extra)
-    assert_clean_error(proc, fragment)
-    assert proc.returncode == 2
-    assert not (tmp_path / "run" / "latest").exists()
-
-
-def test_world_size_and_partition_errors(converted, sft_data, tmp_path):
-    proc = torchrun("trainer.py", 3, *base(converted, sft_data, tmp_path / "a"), "num_stages=2")
-    assert proc.returncode != 0 and "num_stages=2 does not divide the world size 3" in proc.stderr
-    proc = torchrun(
-        "trainer.py", 2, *base(converted, sft_data, tmp_path / "b"), "num_stages=2", "model.partition=[1,2]"
-    )
-    assert proc.returncode != 0 and "partition=[1, 2]" in proc.stderr and "sum to num_hidden_layers=4" in proc.stderr
 
 
 def test_stage_bounds_rules():

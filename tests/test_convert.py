@@ -128,41 +128,8 @@ def _expect_error(args: list[str], fragment: str, out_dir: str | None = None):
         assert not [n for n in os.listdir(os.path.dirname(out_dir)) if ".tmp-" in n]
 
 
-def test_errors_missing_shard_truncated_foreign_keys(tmp_path, hf_models):
-    src = hf_models["gqa"]
-    missing = tmp_path / "missing"
-    shutil.copytree(src, missing)
-    shard = sorted(n for n in os.listdir(missing) if n.endswith(".safetensors"))[1]
-    os.remove(missing / shard)
-    _expect_error(["--input", str(missing), "--output", str(tmp_path / "o1")], shard, str(tmp_path / "o1"))
-
-    truncated = tmp_path / "truncated"
-    shutil.copytree(src, truncated)
-    path = truncated / shard
-    path.write_bytes(path.read_bytes()[:-100])
-    _expect_error(["--input", str(truncated), "--output", str(tmp_path / "o2")], "truncated", str(tmp_path / "o2"))
-
-    foreign = tmp_path / "foreign"
-    shutil.copytree(src, foreign)
-    index = json.load(open(foreign / "model.safetensors.index.json"))
-    from safetensors.torch import save_file
-
-    save_file({"transformer.h.0.attn.c_attn.weight": torch.zeros(2, 2)}, str(foreign / "extra.safetensors"))
-    index["weight_map"]["transformer.h.0.attn.c_attn.weight"] = "extra.safetensors"
-    json.dump(index, open(foreign / "model.safetensors.index.json", "w"))
-    _expect_error(["--input", str(foreign), "--output", str(tmp_path / "o3")], "transformer.h.0.attn.c_attn.weight")
-
-
-def test_errors_tokenizer_too_large_and_existing_output(tmp_path, hf_models, converted):
-    from transformers import AutoTokenizer
-
-    big = tmp_path / "bigtok"
-    shutil.copytree(hf_models["gqa"], big)
-    tok = AutoTokenizer.from_pretrained(str(big))
-    tok.add_tokens([f"<extra_{i}>" for i in range(80)])
-    tok.save_pretrained(str(big))
-    _expect_error(["--input", str(big), "--output", str(tmp_path / "o4")], "vocab_size=64", str(tmp_path / "o4"))
-
+def test_existing_output_is_refused_unless_forced(tmp_path, hf_models, converted):
+    """(The other conversion errors are in tests/test_bad_inputs.py.)"""
     before = sorted(os.listdir(os.path.join(converted["gqa"], "global_step0")))
     _expect_error(["--input", hf_models["gqa"], "--output", converted["gqa"]], "already holds a checkpoint")
     assert sorted(os.listdir(os.path.join(converted["gqa"], "global_step0"))) == before

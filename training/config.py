@@ -6,6 +6,7 @@ command-line overrides. The config is passed explicitly; nothing reads a global.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,9 +110,10 @@ class TrainConfig:
     save_steps: int = 0  # 0: save only at the end
     save_manifest: bool = True  # sizes, sha256 and tensor shapes of every saved file (convert2ckpt.py --verify)
     eval_steps: int = 0  # 0: evaluate only at the end
-    resume: bool = False  # true: continue from the latest checkpoint in output_dir
+    resume: str = "false"  # true: continue from the newest checkpoint in output_dir; auto: if there is one
+    keep_last_n: int = 0  # keep only the newest N checkpoints (never the one `latest` names); 0: keep all
     logging_steps: int = 1
-    dist_timeout_minutes: int = 30
+    dist_timeout_minutes: float = 30.0  # a collective waiting this long for a failed/hung rank errors out
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
@@ -127,18 +129,19 @@ def register_configs() -> None:
     cs.store(group="deepspeed", name="deepspeed_schema", node=DeepSpeedConfig)
 
 
-def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Checks that need more than types. Raises ValueError naming the key."""
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
 
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ValueError(msg)
 
+def validate(cfg: TrainConfig) -> None:
+    """Checks that need more than types. Raises ValueError naming the key. Normalises `resume`."""
+    need = _need
+    cfg.resume = str(cfg.resume).lower()
+    need(cfg.resume in ("true", "false", "auto"), f"resume={cfg.resume} must be true, false or auto")
+    need(cfg.keep_last_n >= 0, f"keep_last_n={cfg.keep_last_n} must be >= 0")
+    need(cfg.dist_timeout_minutes > 0, f"dist_timeout_minutes={cfg.dist_timeout_minutes} must be > 0")
     need(cfg.num_stages >= 1, f"num_stages={cfg.num_stages} must be >= 1")
-    need(
-        world_size % cfg.num_stages == 0,
-        f"num_stages={cfg.num_stages} does not divide the world size {world_size} (PP x DP = world size)",
-    )
     need(cfg.seq_length >= 2, f"seq_length={cfg.seq_length} must be >= 2")
     need(cfg.micro_batch_size >= 1, f"micro_batch_size={cfg.micro_batch_size} must be >= 1")
     need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
@@ -158,3 +161,58 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         cfg.model_name_or_path is not None or cfg.model.hidden_size is not None,
         "model_name_or_path is not set (a checkpoint written by convert2ckpt.py) and model= names no preset to build",
     )
+
+
+def validate_layout(cfg: TrainConfig, world_size: int, num_layers: int) -> None:
+    """The PP x DP layout against the model and the launch. Raises ValueError naming the key."""
+    _need(
+        cfg.num_stages <= num_layers,
+        f"num_stages={cfg.num_stages} is larger than the model's {num_layers} decoder layers "
+        "(every stage needs at least one)",
+    )
+    _need(
+        world_size % cfg.num_stages == 0,
+        f"num_stages={cfg.num_stages} does not divide the world size {world_size} (PP x DP = world size)",
+    )
+
+
+def check_overrides(args: list[str], conf_dir: str) -> str | None:
+    """A one-line problem with a command-line override (unknown key, wrong type, unknown preset), or None.
+
+    Hydra reports these as multi-line messages after composing; checking first gives the key, the
+    reason and a close match.
+    """
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    schema = OmegaConf.structured(TrainConfig)
+    keys = [k for k, _ in _dotted(OmegaConf.to_container(schema))]
+    groups = {g for g in os.listdir(conf_dir) if os.path.isdir(os.path.join(conf_dir, g))}
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        if key.startswith(("hydra", "+", "~")):
+            continue
+        if key in groups and not ("." in value or value.startswith("{")):
+            presets = sorted(f[:-5] for f in os.listdir(os.path.join(conf_dir, key)) if f.endswith(".yaml"))
+            if value not in presets and value != "null":
+                return f"{key}={value}: unknown preset (conf/{key}/ has {', '.join(presets)})"
+            continue
+        try:
+            OmegaConf.merge(schema, OmegaConf.from_dotlist([arg]))
+        except Exception as e:  # noqa: BLE001 - omegaconf's key, type and grammar errors
+            if key not in keys and not any(k.startswith(key + ".") for k in keys):
+                close = difflib.get_close_matches(key, keys, n=1)
+                return f"{key}: unknown config key" + (f" (did you mean {close[0]}?)" if close else "")
+            reason = str(e).strip().splitlines()[0]
+            return f"{arg}: {reason}"
+    return None
+
+
+def _dotted(tree: dict, prefix: str = ""):
+    for k, v in tree.items():
+        yield prefix + k, v
+        if isinstance(v, dict):
+            yield from _dotted(v, prefix + k + ".")

@@ -12,6 +12,7 @@ from datetime import timedelta
 import deepspeed
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from deepspeed.runtime.utils import clip_grad_norm_
 
@@ -28,7 +29,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
+def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int]:
     """Join the process group started by `deepspeed`/`torchrun`, or make a one-rank group for `python`.
 
     Returns:
@@ -39,8 +40,15 @@ def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it
+    timeout = timedelta(minutes=timeout_minutes)
+    # NOTE: `new_group()` without a timeout takes torch's module default (30 min), not the one given to
+    # init_process_group, and DeepSpeed builds its pipeline/data groups that way: set the default too,
+    # so a collective stuck on a dead or hung rank errors out after `dist_timeout_minutes` everywhere.
+    c10d.default_pg_timeout = timeout
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
+        c10d.default_pg_nccl_timeout = timeout
     if not dist.is_initialized():
-        deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes), verbose=False)
+        deepspeed.init_distributed(timeout=timeout, verbose=False)
         release_shm_buffers()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

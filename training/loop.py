@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import time
 
 import torch
@@ -17,13 +18,14 @@ from checkpoint.hf_reader import CheckpointError
 from checkpoint.lora_merge import LORA_FILE
 from checkpoint.manifest import build_manifest, checkpoint_files, write_manifest
 from checkpoint.optimizer_reshape import OPTIMIZER_NAMES, gather_moved_state, load_moved_state, optimizer_param_names
+from checkpoint.saves import clean_stale, newest_checkpoint, publish, remove_tree, staging_tag
 from checkpoint.universal import check_movable, ensure_universal, layout_changed, read_layout, write_layout
 from data.collator import CausalLMCollator
 from data.dataset import PlaceholderDataset, TokenizedDataset
 from data.sampling import TrainPlan, eval_batches, eval_indices, eval_num_batches, train_batches
 from models.lora import add_lora
 from models.pipeline import CausalLMLoss, stage_bounds
-from training.config import TrainConfig, validate
+from training.config import TrainConfig, validate, validate_layout
 from training.engine import (
     build_module,
     init_distributed,
@@ -45,7 +47,10 @@ from training.setup import (
     load_tokenizer,
     log_to_file,
     prepare_output_dir,
+    restore_rng_state,
+    rng_state,
     seed_everything,
+    truncate_metrics,
 )
 
 log = logging.getLogger("trainer")
@@ -60,18 +65,28 @@ class Trainer:
         self.coords = Coords(rank, world, cfg.num_stages)
         configure_logging(self.coords)
         try:
-            validate(cfg, world)
+            validate(cfg)
         except ValueError as e:
             raise RunError(str(e)) from None
         seed_everything(cfg.seed)
         prepare_output_dir(cfg.output_dir)
+        if rank == 0:
+            for name in clean_stale(cfg.output_dir):
+                log.warning("removed %s, left by an interrupted save", os.path.join(cfg.output_dir, name))
         log_to_file(cfg.output_dir, rank)
         self.model_config = load_model_config(cfg)
+        try:
+            validate_layout(cfg, world, self.model_config.num_hidden_layers)
+            stage_bounds(self.model_config, cfg.num_stages, cfg.model.partition)
+        except ValueError as e:
+            raise RunError(str(e)) from None
         self.tokenizer = load_tokenizer(cfg, self.model_config.vocab_size) if self.coords.has_data else None
         self.num_train_rows, self.num_eval_rows = broadcast_row_counts(cfg)
         self.plan = TrainPlan(
             self.num_train_rows, self.coords.dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps
         )
+        if cfg.do_train and self.num_train_rows == 0:
+            raise RunError(f"train_file {cfg.train_file}: empty dataset (no JSON rows)")
         if cfg.do_train and self.plan.steps_per_epoch == 0:
             raise RunError(
                 f"train_file {cfg.train_file}: {self.num_train_rows} rows give no full step of "
@@ -82,15 +97,15 @@ class Trainer:
         # A resume in another layout goes through DeepSpeed's universal checkpoint (ZeRO-1) or our own
         # reshaping by parameter name (ZeRO-0); weights always come from the layout-free layer files.
         self.resume_tag, self.universal_tag, self.reshape = None, None, False
-        if cfg.resume:
-            self.resume_tag = checkpoint_tag(cfg.output_dir)  # fail now, before building anything
+        self.resume_tag = self._find_resume_tag()  # fail now, before building anything
+        if self.resume_tag:
             self._prepare_layout_change(self.resume_tag)
         moved = self.universal_tag or self.reshape
         module = build_module(cfg, self.model_config, self.loss_fn, skip_init=cfg.model_name_or_path is not None)
         source = None
         if moved and not cfg.lora.enabled:
             source = (cfg.output_dir, self.resume_tag)
-        elif cfg.model_name_or_path and (not cfg.resume or cfg.lora.enabled):  # LoRA resumes: base, then adapter
+        elif cfg.model_name_or_path and (not self.resume_tag or cfg.lora.enabled):  # LoRA resumes: base, then adapter
             path = self._converted_if_hf(cfg.model_name_or_path)
             source = (path, checkpoint_tag(path))
         if source:
@@ -106,13 +121,21 @@ class Trainer:
                 load_layer_files(module, os.path.join(cfg.output_dir, self.resume_tag), trainable_only=True)
         self.engine = initialize_engine(cfg, module, max(self.total_steps, 1), load_universal=bool(self.universal_tag))
         self.step = 0
-        if cfg.resume:
+        self.last_saved_step = None
+        if self.resume_tag:
             self._resume()
+        self.stop_signal = None
+        self.control_group = dist.new_group(backend="gloo")  # a CPU group for the stop flag, under NCCL too
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         self.collate = CausalLMCollator(cfg.seq_length, self._pad_id())
         self.train_set = self.eval_set = None
         if self.coords.has_data:
             if cfg.do_train:
                 self.train_set = TokenizedDataset(cfg.train_file, self.tokenizer, cfg.seq_length, cfg.data)
+                if self.train_set.no_target_lines and rank == 0:
+                    lines = self.train_set.no_target_lines
+                    log.warning("%s: %d of %d rows have no target token within seq_length=%d (first: line %d)",
+                                cfg.train_file, len(lines), len(self.train_set), cfg.seq_length, lines[0])  # fmt: skip
             if cfg.do_eval:
                 self.eval_set = TokenizedDataset(cfg.eval_file, self.tokenizer, cfg.seq_length, cfg.data)
         else:  # middle stages: the row counts and nothing else
@@ -214,6 +237,20 @@ class Trainer:
             how,
         )
 
+    def _find_resume_tag(self) -> str | None:
+        """resume=true: the newest complete checkpoint in output_dir, or an error; auto: it or None."""
+        cfg = self.cfg
+        if cfg.resume == "false":
+            return None
+        tag = newest_checkpoint(cfg.output_dir)
+        if tag is None and cfg.resume == "true":
+            raise RunError(
+                f"resume=true but output_dir {cfg.output_dir} holds no checkpoint (use resume=auto to start fresh)"
+            )
+        if tag is None:
+            log.info("resume=auto: no checkpoint in %s, starting fresh", cfg.output_dir)
+        return tag
+
     def _resume(self) -> None:
         cfg, tag = self.cfg, self.resume_tag
         if self.reshape:
@@ -229,7 +266,16 @@ class Trainer:
         for key in ("num_train_rows", "global_batch_size", "seed"):
             if key in saved and saved[key] != now[key]:
                 raise RunError(f"resume: {key}={now[key]} but the checkpoint {tag} was saved with {saved[key]}")
-        self.step = self.engine.global_steps
+        self.step = self.last_saved_step = self.engine.global_steps
+        rng_file = os.path.join(cfg.output_dir, tag, f"rng_state_rank{self.coords.rank}.pt")
+        if self.universal_tag or self.reshape:
+            log.info("layout changed: per-rank RNG states not restored (dropout masks differ from an unmoved run)")
+        elif os.path.exists(rng_file):
+            restore_rng_state(rng_file)
+        else:
+            log.warning("%s: missing, RNG states not restored", rng_file)
+        if self.coords.reporting:  # drop metrics of steps after the checkpoint (a crash after it was saved)
+            truncate_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"), self.step)
         log.info("resumed from %s at step %d", os.path.join(cfg.output_dir, tag), self.step)
 
     def _load_reshaped(self, step_dir: str) -> dict:
@@ -260,27 +306,50 @@ class Trainer:
     # ---------------------------------------------------------------- train / eval
 
     def save(self) -> None:
-        tag = f"global_step{self.step}"
+        """Crash-safe: every rank writes into `.saving-<tag>`; once all are done and the manifest is
+        written, rank 0 renames it to `<tag>` and points `latest` at it (checkpoint/saves.py)."""
+        cfg, tag = self.cfg, f"global_step{self.step}"
+        staging = staging_tag(tag)
+        try:
+            self._save_into(staging)
+            if self.coords.rank == 0:
+                for old in publish(cfg.output_dir, tag, cfg.keep_last_n):
+                    log.info("keep_last_n=%d: deleted %s", cfg.keep_last_n, os.path.join(cfg.output_dir, old))
+        except OSError as e:
+            if self.coords.rank == 0:
+                remove_tree(os.path.join(cfg.output_dir, staging))
+            where = e.filename or os.path.join(cfg.output_dir, staging)
+            raise RunError(f"saving checkpoint {tag} failed: {e.strerror or e} ({where}); 'latest' unchanged") from None
+        dist.barrier()
+        self.last_saved_step = self.step
+        log.info("saved checkpoint %s", os.path.join(cfg.output_dir, tag))
+
+    def _save_into(self, staging: str) -> None:
+        step_dir = os.path.join(self.cfg.output_dir, staging)
         if self.coords.rank == 0:
-            write_layout(os.path.join(self.cfg.output_dir, tag), self.layout())
+            remove_tree(step_dir)
+            write_layout(step_dir, self.layout())
+        dist.barrier()
         client = {"data": self._data_state()}
         names = optimizer_param_names(self.engine.module, self.engine.optimizer)
         if names is not None:  # lets a ZeRO-0 checkpoint move to another layout
             client[OPTIMIZER_NAMES] = names
         self.engine.save_checkpoint(
             self.cfg.output_dir,
-            tag=tag,
+            tag=staging,
             client_state=client,
+            save_latest=False,  # `latest` moves in publish(), after the rename
             exclude_frozen_parameters=self.cfg.lora.enabled,  # LoRA: layer files hold the adapter only
         )
+        torch.save(rng_state(), os.path.join(step_dir, f"rng_state_rank{self.coords.rank}.pt"))
+        dist.barrier()
         if self.cfg.save_manifest:
-            self._write_manifest(os.path.join(self.cfg.output_dir, tag))
-        log.info("saved checkpoint %s", os.path.join(self.cfg.output_dir, tag))
+            self._write_manifest(step_dir)
 
     def _write_manifest(self, step_dir: str) -> None:
         """Every rank hashes a share of the checkpoint's files; rank 0 writes manifest.json."""
         names = checkpoint_files(step_dir)
-        mine = build_manifest(step_dir, names[self.coords.rank :: self.coords.world]) if names else {}
+        mine = build_manifest(step_dir, names[self.coords.rank :: self.coords.world], sync=True) if names else {}
         gathered = [None] * self.coords.world
         dist.all_gather_object(gathered, mine)
         if self.coords.rank == 0:
@@ -310,7 +379,7 @@ class Trainer:
         while self.step < self.total_steps:
             lr = self.engine.get_lr()[0]
             start = time.perf_counter()
-            loss = float(self.engine.train_batch(data_iter=data_iter))
+            loss = self._train_step(data_iter)
             seconds = time.perf_counter() - start
             self.step += 1
             if metrics is not None:
@@ -337,13 +406,54 @@ class Trainer:
                         record["tokens_per_second"],
                     )
             if not math.isfinite(loss):
-                raise RunError(f"loss is {loss} at step {self.step}; stopping without saving")
+                last = f"global_step{self.last_saved_step}" if self.last_saved_step is not None else "none"
+                raise RunError(f"loss is {loss} at step {self.step}; stopped without saving (last checkpoint: {last})")
             if (cfg.save_steps and self.step % cfg.save_steps == 0) or self.step == self.total_steps:
                 self.save()
+            if self._stop_requested():
+                if self.last_saved_step != self.step:
+                    self.save()
+                log.info("%s: stopped after step %d with a checkpoint; resume with resume=auto", self.stop_signal
+                         or "a signal on another rank", self.step)  # fmt: skip
+                break
             if cfg.do_eval and cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < self.total_steps:
                 self.evaluate()
         if metrics is not None:
             metrics.close()
+
+    def _train_step(self, data_iter) -> float:
+        """One optimizer step. A failure names the rank and step; the traceback goes to this rank's log."""
+        try:
+            return float(self.engine.train_batch(data_iter=data_iter))
+        except Exception as e:  # noqa: BLE001 - any failure inside a step, ours or a peer's
+            log.exception("step %d failed", self.step + 1)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            timed_out = any(s in first for s in ("Timed out", "timed out", "Timeout"))
+            lost = isinstance(e, dist.DistError) or any(
+                s in first for s in ("Connection closed", "Connection reset", "Broken pipe")
+            )
+            cause = ""
+            if timed_out:
+                minutes = self.cfg.dist_timeout_minutes
+                cause = f"no answer from another rank for dist_timeout_minutes={minutes} (it hung)"
+            elif lost:
+                cause = "lost contact with another rank (it died; its own error names the cause)"
+            log_file = os.path.join(self.cfg.output_dir, "logs", f"rank{self.coords.rank}.log")
+            raise RunError(
+                f"rank {self.coords.rank}: step {self.step + 1} failed: {cause or first} ({type(e).__name__}; "
+                f"traceback in {log_file})"
+            ) from None
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.stop_signal = signal.Signals(signum).name
+        log.warning("received %s: saving a checkpoint at the end of this step, then exiting", self.stop_signal)
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank got SIGTERM; every rank takes part so that all stop after the same step."""
+        flag = torch.tensor([1 if self.stop_signal else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
+        self.stopped = bool(flag.item())
+        return self.stopped
 
     def evaluate(self) -> dict | None:
         """Token-weighted loss over every target token of eval_file; written by the reporting rank."""
@@ -393,15 +503,16 @@ class Trainer:
         return results
 
     def run(self) -> None:
+        self.stopped = False
         if self.cfg.do_train:
             self.train()
-        if self.cfg.do_eval:
+        if self.cfg.do_eval and not self.stopped:
             self.evaluate()
         if self.coords.reporting:
             out = os.path.abspath(self.cfg.output_dir)
             lines = [f"output_dir: {out}"]
-            if os.path.exists(os.path.join(out, "latest")):
-                lines.append(f"  checkpoint: {os.path.join(out, checkpoint_tag(out))} (latest)")
+            if newest_checkpoint(out):
+                lines.append(f"  checkpoint: {os.path.join(out, newest_checkpoint(out))} (latest)")
             for name in ("metrics.jsonl", "eval_results.json", "train_config.yaml", "logs"):
                 if os.path.exists(os.path.join(out, name)):
                     lines.append(f"  {name}: {os.path.join(out, name)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from checkpoint.saves import newest_checkpoint
 from data.dataset import count_rows
 from models.pipeline import IGNORE_INDEX
 from training.config import TrainConfig
@@ -45,7 +47,7 @@ class Coords:
 
     @property
     def dp(self) -> int:
-        return self.world // self.num_stages
+        return max(1, self.world // self.num_stages)  # >= 1 so logging works before validate_layout
 
     @property
     def stage(self) -> int:
@@ -162,6 +164,37 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def rng_state() -> dict:
+    """This rank's random generators (python, numpy, torch, CUDA): dropout masks after a resume match."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(path: str) -> None:
+    state = torch.load(path, weights_only=False)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def truncate_metrics(path: str, step: int) -> None:
+    """Keep the metrics of steps <= `step` (those after the resumed checkpoint are trained again)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    keep = [line for line in lines if json.loads(line)["step"] <= step]
+    if len(keep) != len(lines):
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+        os.replace(tmp, path)
+
+
 def configure_logging(coords: Coords) -> None:
     """Console: INFO from rank 0 and the reporting rank, warnings from the others."""
     level = logging.INFO if coords.rank == 0 or coords.reporting else logging.WARNING
@@ -202,8 +235,8 @@ def prepare_output_dir(path: str) -> None:
 
 
 def checkpoint_tag(path: str) -> str:
-    latest = os.path.join(path, "latest")
-    if not os.path.exists(latest):
+    """The checkpoint in `path` to load: `latest`, or a newer complete one (checkpoint/saves.py)."""
+    tag = newest_checkpoint(path)
+    if tag is None:
         raise RunError(f"{path}: no 'latest' file, so no checkpoint to load (nor Hugging Face weights to convert)")
-    with open(latest) as f:
-        return f.read().strip()
+    return tag

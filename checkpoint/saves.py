@@ -1,0 +1,131 @@
+"""Crash-safe training checkpoints: stage, publish by rename, then point `latest` at them; retention.
+
+A save is written into `output_dir/.saving-global_stepN/` by every rank. Only when every rank has
+finished and the manifest is written does rank 0 rename it to `global_stepN/` and then replace
+`latest` (write to a temporary file, fsync, rename). So at any moment:
+
+- a directory named `global_stepN` is complete (it only ever appears by rename);
+- `latest` names a complete checkpoint (it is replaced only after the rename);
+- a crash leaves at most a `.saving-*` directory, which the next save or start removes.
+
+Between the rename and the `latest` update a crash leaves `latest` one checkpoint behind;
+`newest_checkpoint` takes the newest complete directory, so nothing saved is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+
+STAGING_PREFIX = ".saving-"
+DELETING_PREFIX = ".deleting-"
+TAG_PATTERN = re.compile(r"global_step(\d+)")
+
+
+def staging_tag(tag: str) -> str:
+    return f"{STAGING_PREFIX}{tag}"
+
+
+def _fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Replace `path` with `text` so that readers see the old or the new content, never a mix."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def remove_tree(path: str) -> None:
+    """Delete a directory so that it never looks complete half-way: rename it aside first."""
+    if not os.path.exists(path):
+        return
+    parent, name = os.path.split(os.path.abspath(path))
+    aside = os.path.join(parent, f"{DELETING_PREFIX}{name}-{os.getpid()}")
+    os.replace(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def clean_stale(output_dir: str) -> list[str]:
+    """Remove what interrupted saves and deletions left behind. Returns the names removed."""
+    if not os.path.isdir(output_dir):
+        return []
+    removed = []
+    for name in sorted(os.listdir(output_dir)):
+        if name.startswith((STAGING_PREFIX, DELETING_PREFIX)):
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """(step, tag) of every published checkpoint in `output_dir`, oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        m = TAG_PATTERN.fullmatch(name)
+        if m and os.path.isdir(os.path.join(output_dir, name)):
+            found.append((int(m.group(1)), name))
+    return sorted(found)
+
+
+def read_latest(output_dir: str) -> str | None:
+    path = os.path.join(output_dir, "latest")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read().strip() or None
+
+
+def newest_checkpoint(output_dir: str) -> str | None:
+    """The tag to resume: `latest`, or a newer published checkpoint if a crash came before `latest` moved."""
+    latest = read_latest(output_dir)
+    complete = complete_checkpoints(output_dir)
+    if latest and not complete:  # a checkpoint written by other tools (a converted model dir)
+        return latest
+    if not complete:
+        return None
+    step, tag = complete[-1]
+    m = TAG_PATTERN.fullmatch(latest or "")
+    if latest and os.path.isdir(os.path.join(output_dir, latest)) and (not m or int(m.group(1)) >= step):
+        return latest
+    return tag
+
+
+def publish(output_dir: str, tag: str, keep_last_n: int = 0) -> list[str]:
+    """Rank 0, after every rank finished writing `.saving-<tag>`: make it `tag`, point `latest` at it,
+    then apply retention. Returns the tags deleted by retention."""
+    staging = os.path.join(output_dir, staging_tag(tag))
+    final = os.path.join(output_dir, tag)
+    _fsync_dir(staging)
+    if os.path.exists(final):  # saved again at the same step (a resumed run): replace it
+        remove_tree(final)
+    os.replace(staging, final)
+    _fsync_dir(output_dir)
+    write_text_atomic(os.path.join(output_dir, "latest"), tag)
+    return prune(output_dir, keep_last_n, keep=tag)
+
+
+def prune(output_dir: str, keep_last_n: int, keep: str) -> list[str]:
+    """Delete all but the newest `keep_last_n` checkpoints; never `keep` (what `latest` names)."""
+    if keep_last_n <= 0:
+        return []
+    complete = [tag for _, tag in complete_checkpoints(output_dir)]
+    doomed = [tag for tag in complete[:-keep_last_n] if tag != keep]
+    for tag in doomed:
+        remove_tree(os.path.join(output_dir, f"{tag}_universal"))
+        remove_tree(os.path.join(output_dir, tag))
+    return doomed

@@ -1,0 +1,216 @@
+"""Reliability under faults: SIGKILL during saves, SIGTERM preemption, a rank that dies or hangs,
+NaN losses, and a two-node launch on loopback. Exact resume is checked against uninterrupted runs."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from checkpoint.layer_files import load_layer_state
+from checkpoint.manifest import verify_manifest
+from checkpoint.saves import newest_checkpoint
+from tests.conftest import REPO, check, deepspeed_launch, free_port, read_jsonl, subprocess_env
+
+LAUNCHER = str(Path(sys.executable).parent / "deepspeed")
+
+
+def run_args(ckpt: str, out: Path, train: str, **extra) -> list[str]:
+    args = {
+        "model_name_or_path": ckpt,
+        "output_dir": str(out),
+        "train_file": train,
+        "do_eval": "false",
+        "seq_length": 16,
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "learning_rate": 3e-3,
+        "num_stages": 2,
+        "deepspeed": "fp32",
+        "seed": 5,
+    }
+    args.update(extra)
+    return [f"{k}={v}" for k, v in args.items()]
+
+
+def start_job(nprocs: int, args: list[str], log: Path, env: dict | None = None, script: str = "trainer.py"):
+    """A `deepspeed` launch in its own session, so the whole job can be signalled at once."""
+    cmd = [LAUNCHER, "--num_gpus", str(nprocs), "--master_port", str(free_port()), script, *args]
+    out = open(log, "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**subprocess_env(), **(env or {})}, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    proc.log_file = out
+    return proc
+
+
+def wait(proc, timeout: float) -> int:
+    try:
+        return proc.wait(timeout)
+    finally:
+        proc.log_file.close()
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every layer file of the newest checkpoint (for LoRA runs: the adapters)."""
+    step_dir = out / newest_checkpoint(str(out))
+    return {f"{f.name}:{k}": v for f in sorted(step_dir.glob("layer_*")) for k, v in load_layer_state(str(f)).items()}
+
+
+def assert_same_run(reference: Path, other: Path) -> None:
+    """Same losses, learning rates and grad norms at every step, and bit-identical final weights."""
+    ref, got = read_jsonl(reference / "metrics.jsonl"), read_jsonl(other / "metrics.jsonl")
+    assert [m["step"] for m in got] == [m["step"] for m in ref]
+    for a, b in zip(ref, got, strict=True):
+        assert (a["loss"], a["lr"], a["grad_norm"]) == (b["loss"], b["lr"], b["grad_norm"]), (a, b)
+    a, b = final_weights(reference), final_weights(other)
+    assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def saving_after(out: Path, step: int) -> bool:
+    """Whether a save of a step after `step` is under way (`.saving-global_stepN`, N > step)."""
+    if not out.exists():
+        return False
+    prefix = ".saving-global_step"
+    return any(n.startswith(prefix) and int(n.removeprefix(prefix)) > step for n in os.listdir(out))
+
+
+def test_sigkill_during_saves_then_resume_auto(converted, sft_data, tmp_path):
+    """20 times: SIGKILL the whole job at a random moment of a save; the next `resume=auto` launch
+    loads the newest complete checkpoint (manifest intact) and continues. The run pieced together
+    from 21 launches equals an uninterrupted one, bit for bit."""
+    steps, trials = 120, 20
+    args = dict(max_steps=steps, save_steps=1, keep_last_n=2, resume="auto")
+    reference = tmp_path / "reference"
+    check(deepspeed_launch(2, *run_args(converted["gqa"], reference, sft_data[0], **args)))
+
+    out, rng = tmp_path / "killed", random.Random(0)
+    kills, mid_save, resumed_from, deadline = 0, 0, [], time.monotonic() + 900
+    while kills < trials and time.monotonic() < deadline:
+        expected = newest_checkpoint(str(out)) if out.exists() else None
+        log = tmp_path / f"launch{kills}.log"
+        proc = start_job(2, run_args(converted["gqa"], out, sft_data[0], **args), log)
+        done = int(expected.removeprefix("global_step")) if expected else 0
+        # Wait for this launch to have resumed (it removed what the last kill left), then for its next save.
+        while proc.poll() is None and not ("resumed from" in log.read_text() or "starting fresh" in log.read_text()):
+            time.sleep(0.05)
+        while proc.poll() is None and not saving_after(out, done):
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.25))  # somewhere in the save, the rename, `latest`, retention or after
+        if proc.poll() is not None:
+            break  # finished training before a kill
+        os.killpg(proc.pid, signal.SIGKILL)
+        wait(proc, 30)
+        kills += 1
+        mid_save += any(n.startswith((".saving-", ".deleting-")) for n in os.listdir(out))
+        text = log.read_text()
+        if expected:
+            assert f"resumed from {out}/{expected} " in text, text[-3000:]
+            resumed_from.append(int(expected.removeprefix("global_step")))
+        else:
+            assert "starting fresh" in text, text[-3000:]
+        newest = newest_checkpoint(str(out))
+        assert newest is None or verify_manifest(str(out / newest)) == [], newest
+    assert kills == trials, f"only {kills} kills in the time allowed"
+    assert len(set(resumed_from)) > 5, resumed_from  # the kills landed at many different steps
+    proc = start_job(2, run_args(converted["gqa"], out, sft_data[0], **args), tmp_path / "last.log")
+    assert wait(proc, 300) == 0, (tmp_path / "last.log").read_text()[-3000:]
+    assert_same_run(reference, out)
+    assert len([n for n in os.listdir(out) if n.startswith("global_step")]) == 2  # keep_last_n=2
+    assert not [n for n in os.listdir(out) if n.startswith(".")]
+    assert mid_save >= 5, mid_save  # many kills landed inside a save or a retention delete
+    print(f"SIGKILL: {kills} kills survived ({mid_save} inside a save), resumed from {sorted(set(resumed_from))}")
+
+
+def test_sigterm_saves_at_step_boundary_and_exits_zero(converted, sft_data, tmp_path):
+    """SIGTERM to the ranks (as a scheduler does before preemption): checkpoint at the end of the step,
+    exit 0; `resume=auto` continues exactly, LoRA dropout RNG state included."""
+    lora = {"lora.enabled": "true", "lora.dropout": 0.1, "lora.r": 4, "lora.alpha": 8, "max_steps": 8}
+    reference = tmp_path / "reference"
+    check(deepspeed_launch(2, *run_args(converted["gqa"], reference, sft_data[0], **lora)))
+
+    out = tmp_path / "preempted"
+    args = run_args(converted["gqa"], out, sft_data[0], resume="auto", **lora)
+    proc = start_job(2, args, tmp_path / "first.log")
+    metrics = out / "metrics.jsonl"
+    while proc.poll() is None and not (metrics.exists() and len(read_jsonl(metrics)) >= 3):
+        time.sleep(0.05)
+    children = psutil.Process(proc.pid).children(recursive=True)  # deepspeed.launcher.launch and the ranks
+    ranks = [p for p in children if any(a.startswith("--local_rank") for a in p.cmdline())]
+    assert len(ranks) == 2, [p.cmdline() for p in children]
+    for p in ranks:
+        p.send_signal(signal.SIGTERM)
+    assert wait(proc, 120) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    text = (tmp_path / "first.log").read_text()
+    stopped = len(read_jsonl(metrics))
+    assert 3 <= stopped < 8 and f"SIGTERM: stopped after step {stopped} with a checkpoint" in text, text[-3000:]
+    assert (out / "latest").read_text() == f"global_step{stopped}"
+    check(deepspeed_launch(2, *args))
+    assert_same_run(reference, out)
+
+
+@pytest.mark.parametrize("fault,expect", [("raise", "injected fault on rank 2"), ("hang", "no answer from another")])
+def test_a_failed_or_hung_rank_stops_every_rank(fault, expect, converted, sft_data, tmp_path):
+    """4 ranks (PP=2 x DP=2); rank 2 raises (or stops responding) in the middle of step 3: every rank
+    exits with a message naming its rank and the step within the configured timeout, no hang."""
+    timeout_minutes = 0.25
+    args = run_args(converted["gqa"], tmp_path / "run", sft_data[0], max_steps=6, save_steps=2,
+                    dist_timeout_minutes=timeout_minutes)  # fmt: skip
+    start = time.monotonic()
+    proc = start_job(4, args, tmp_path / "job.log", env={"FAULT": f"{fault}:rank=2,step=3"},
+                     script="tests/workers/faulty_trainer.py")  # fmt: skip
+    code = wait(proc, 240)
+    elapsed = time.monotonic() - start
+    text = (tmp_path / "job.log").read_text()
+    assert code != 0
+    assert expect in text and "step 3 failed" in text, text[-4000:]
+    assert (tmp_path / "run" / "latest").read_text() == "global_step2"
+    # bounded: start-up + timeout + the launcher's 30 s grace before SIGKILL of a hung rank
+    assert elapsed < 60 + timeout_minutes * 60 + 35, elapsed
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    print(f"{fault}: all ranks gone {elapsed:.0f} s after launch")
+
+
+def test_nan_loss_stops_and_keeps_last_checkpoint(converted, sft_data, tmp_path):
+    out = tmp_path / "run"
+    args = run_args(converted["gqa"], out, sft_data[0], num_stages=1, max_steps=4, save_steps=2)
+    env = {**subprocess_env(), "FAULT": "nan:step=3", "FAULT_MICRO_BATCHES": "2"}
+    proc = subprocess.run([sys.executable, "tests/workers/faulty_trainer.py", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode != 0
+    assert "loss is nan at step 3; stopped without saving (last checkpoint: global_step2)" in proc.stderr
+    assert (out / "latest").read_text() == "global_step2" and not (out / "global_step3").exists()
+    assert verify_manifest(str(out / "global_step2")) == []
+
+
+def test_two_node_launch_on_loopback(converted, sft_data, tmp_path):
+    """Two `torchrun --nnodes 2` launchers with 2 ranks each on 127.0.0.1: PP=2 x DP=2 trains and saves,
+    and matches the same run launched as one node of 4 ranks."""
+    single = tmp_path / "single"
+    check(deepspeed_launch(4, *run_args(converted["gqa"], single, sft_data[0], max_steps=3)))
+    out, port = tmp_path / "two_nodes", free_port()
+    args = run_args(converted["gqa"], out, sft_data[0], max_steps=3)
+    procs = []
+    for node in range(2):
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}"]
+        cmd = [*launcher, "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}", "trainer.py", *args]
+        procs.append(start_job_cmd(cmd, tmp_path / f"node{node}.log"))
+    codes = [wait(p, 300) for p in procs]
+    assert codes == [0, 0], [(tmp_path / f"node{n}.log").read_text()[-2000:] for n in range(2)]
+    assert (out / "latest").read_text() == "global_step3" and verify_manifest(str(out / "global_step3")) == []
+    assert_same_run(single, out)
+
+
+def start_job_cmd(cmd: list[str], log: Path):
+    out = open(log, "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    proc.log_file = out
+    return proc

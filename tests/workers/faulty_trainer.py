@@ -1,0 +1,71 @@
+"""Worker: `trainer.py` with one fault injected, for the fault and bad-input tests.
+
+    FAULT=KIND[:key=value,...] deepspeed --num_gpus N tests/workers/faulty_trainer.py OVERRIDES...
+
+Kinds (the trainer code itself is unchanged; the fault is patched in from outside):
+    enospc:step=S          every torch.save into the checkpoint of step S fails with ENOSPC (disk full)
+    raise:rank=R,step=S    rank R raises in the middle of step S (second micro-batch forward)
+    hang:rank=R,step=S     rank R stops responding in the middle of step S
+    nan:step=S             the loss of step S is NaN
+"""
+
+import errno
+import os
+import runpy
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+kind, _, spec = os.environ["FAULT"].partition(":")
+opts = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(",") if kv)}
+
+if kind == "enospc":
+    _save = torch.save
+
+    def full_disk_save(obj, f, *args, **kwargs):
+        if isinstance(f, str | os.PathLike) and f"global_step{opts['step']}" in str(f):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+        return _save(obj, f, *args, **kwargs)
+
+    torch.save = full_disk_save
+
+elif kind in ("raise", "hang"):
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    _forward = PipelineEngine._exec_forward_pass
+    calls = {"n": 0}
+
+    def faulty_forward(self, buffer_id):
+        if int(os.environ["RANK"]) == opts["rank"] and self.global_steps == opts["step"] - 1:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                if kind == "raise":
+                    raise RuntimeError(f"injected fault on rank {opts['rank']}")
+                time.sleep(3600)
+        return _forward(self, buffer_id)
+
+    from deepspeed.runtime.pipe import schedule
+
+    PipelineEngine._INSTRUCTION_MAP[schedule.ForwardPass] = faulty_forward  # the engine dispatches through it
+
+elif kind == "nan":
+    from models.pipeline import CausalLMLoss
+
+    _call = CausalLMLoss.__call__
+    seen = {"n": 0}
+
+    def nan_loss(self, logits, labels):
+        loss = _call(self, logits, labels)
+        seen["n"] += 1
+        micro = int(os.environ.get("FAULT_MICRO_BATCHES", "1"))
+        return loss * float("nan") if (seen["n"] - 1) // micro == opts["step"] - 1 else loss
+
+    CausalLMLoss.__call__ = nan_loss
+
+else:
+    raise SystemExit(f"faulty_trainer: unknown FAULT kind {kind!r}")
+
+sys.argv[0] = os.path.join(REPO, "trainer.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
