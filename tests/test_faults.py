@@ -60,7 +60,11 @@ def wait(proc, timeout: float) -> int:
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
     """Every tensor of every layer file of the newest checkpoint (for LoRA runs: the adapters)."""
-    step_dir = out / newest_checkpoint(str(out))
+    return final_weights_at(out, newest_checkpoint(str(out)))
+
+
+def final_weights_at(out: Path, tag: str) -> dict[str, torch.Tensor]:
+    step_dir = out / tag
     return {f"{f.name}:{k}": v for f in sorted(step_dir.glob("layer_*")) for k, v in load_layer_state(str(f)).items()}
 
 
@@ -189,6 +193,19 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(converted, sft_data, tmp_path)
     assert "loss is nan at step 3; stopped without saving (last checkpoint: global_step2)" in proc.stderr
     assert (out / "latest").read_text() == "global_step2" and not (out / "global_step3").exists()
     assert verify_manifest(str(out / "global_step2")) == []
+
+    # nonfinite_loss=skip: step 3's update is skipped (weights unchanged), training goes on.
+    skip = tmp_path / "skip"
+    args = run_args(converted["gqa"], skip, sft_data[0], num_stages=1, max_steps=4, save_steps=1, nonfinite_loss="skip")
+    proc = subprocess.run([sys.executable, "tests/workers/faulty_trainer.py", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loss is nan at step 3: update skipped" in proc.stderr
+    losses = [m["loss"] for m in read_jsonl(skip / "metrics.jsonl")]
+    assert len(losses) == 4 and losses[2] != losses[2] and all(x == x for x in losses[:2] + losses[3:])
+    step = {n: final_weights_at(skip, f"global_step{n}") for n in (2, 3, 4)}
+    assert all(torch.equal(step[2][k], step[3][k]) for k in step[2])  # the NaN step changed nothing
+    assert not all(torch.equal(step[3][k], step[4][k]) for k in step[3])  # the next one trained
 
 
 def test_two_node_launch_on_loopback(converted, sft_data, tmp_path):

@@ -111,6 +111,7 @@ class TrainConfig:
     save_manifest: bool = True  # sizes, sha256 and tensor shapes of every saved file (convert2ckpt.py --verify)
     eval_steps: int = 0  # 0: evaluate only at the end
     resume: str = "false"  # true: continue from the newest checkpoint in output_dir; auto: if there is one
+    nonfinite_loss: str = "stop"  # a NaN/inf loss: stop (last checkpoint kept), or skip the update and go on
     keep_last_n: int = 0  # keep only the newest N checkpoints (never the one `latest` names); 0: keep all
     logging_steps: int = 1
     dist_timeout_minutes: float = 30.0  # a collective waiting this long for a failed/hung rank errors out
@@ -140,6 +141,7 @@ def validate(cfg: TrainConfig) -> None:
     cfg.resume = str(cfg.resume).lower()
     need(cfg.resume in ("true", "false", "auto"), f"resume={cfg.resume} must be true, false or auto")
     need(cfg.keep_last_n >= 0, f"keep_last_n={cfg.keep_last_n} must be >= 0")
+    need(cfg.nonfinite_loss in ("stop", "skip"), f"nonfinite_loss={cfg.nonfinite_loss} must be stop or skip")
     need(cfg.dist_timeout_minutes > 0, f"dist_timeout_minutes={cfg.dist_timeout_minutes} must be > 0")
     need(cfg.num_stages >= 1, f"num_stages={cfg.num_stages} must be >= 1")
     need(cfg.seq_length >= 2, f"seq_length={cfg.seq_length} must be >= 2")

@@ -240,10 +240,24 @@ def initialize_engine(cfg: TrainConfig, module, total_steps: int, load_universal
     config = deepspeed_config(cfg, dp, load_universal)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config)
 
-    # NOTE: DeepSpeed's fp32 path clips but does not record the norm; keep it for the metrics.
+    # NOTE: DeepSpeed's fp32 path clips but does not record the norm; keep it for the metrics. It would
+    # also apply an update from NaN/inf gradients, where its bf16/fp16 optimizers skip the step: mark such
+    # a step as an overflow so the fp32 path skips it the same way (weights, Adam moments and the LR
+    # schedule unchanged; DeepSpeed counts it in `skipped_steps`).
+    optimizer = engine.optimizer
+    if type(optimizer) is torch.optim.AdamW:  # fp32 without ZeRO: our AdamW itself, not a DeepSpeed wrapper
+        optimizer.overflow = False
+        apply_update = optimizer.step
+
+        def guarded_step(*args, **kwargs):
+            return None if optimizer.overflow else apply_update(*args, **kwargs)
+
+        optimizer.step = guarded_step
+
     def clip_and_record():
         norm = clip_grad_norm_(engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu)
         engine._global_grad_norm = float(norm)
+        optimizer.overflow = not math.isfinite(engine._global_grad_norm)
 
     engine.clip_fp32_gradients = clip_and_record
     return engine

@@ -405,7 +405,10 @@ class Trainer:
                         record["grad_norm"] or 0.0,
                         record["tokens_per_second"],
                     )
-            if not math.isfinite(loss):
+            if not math.isfinite(loss) and cfg.nonfinite_loss == "skip":
+                log.warning("loss is %s at step %d: update skipped (weights and optimizer state unchanged)",
+                            loss, self.step)  # fmt: skip
+            elif not math.isfinite(loss):
                 last = f"global_step{self.last_saved_step}" if self.last_saved_step is not None else "none"
                 raise RunError(f"loss is {loss} at step {self.step}; stopped without saving (last checkpoint: {last})")
             if (cfg.save_steps and self.step % cfg.save_steps == 0) or self.step == self.total_steps:
