@@ -27,4 +27,7 @@ test -f "$OUT/run/eval_results.json" || { echo "demo: training failed (see above
 
 echo "== 4/4 results"
 python -m demo.report "$OUT/run" "$OUT/data/eval.jsonl"
+python -m tools.plot_metrics "$OUT/run" | sed 's/^/plot: /'
+python -m tools.generate --checkpoint "$OUT/run" --prompt "12+34=" --prompt "51+49=" --max-new-tokens 4 2>/dev/null \
+  | sed 's/^/generate: /'
 echo "demo finished in $(( $(date +%s) - start ))s; checkpoint, logs and metrics are in $OUT/run"

@@ -27,4 +27,6 @@ def test_demo_script_end_to_end(tmp_path):
     match = re.search(r"exact match on (\d+) held-out sums \(greedy\): (\d+)/", proc.stdout)
     assert match and int(match.group(2)) >= 0.5 * int(match.group(1)), proc.stdout[-2000:]
     assert os.path.isdir(out / "run" / "global_step1000")
+    assert (out / "run" / "plots" / "overview.png").stat().st_size > 10_000
+    assert "generate: 12+34=" in proc.stdout
     print(proc.stdout[-1500:])
