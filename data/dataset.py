@@ -53,8 +53,54 @@ def read_jsonl(path: str) -> list[tuple[int, dict]]:
     return rows
 
 
+def encode_messages(messages, tokenizer) -> tuple[list[int], list[bool]]:
+    """A chat rendered with the tokenizer's chat template; targets: the assistant turns only.
+
+    Each assistant turn's target is what the template writes after the assistant header (its content
+    and end-of-turn marker): the text of the conversation up to that turn rendered with
+    `add_generation_prompt=True` is the context, the rendering including the turn minus that context
+    is the target. Templates must render a conversation's prefix as a prefix of the whole (every
+    common one does); one that does not is reported.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise KeyError("'messages' must be a non-empty list of {role, content} objects")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise KeyError("every message needs a string 'role' and a string 'content'")
+    if not getattr(tokenizer, "chat_template", None):
+        raise KeyError("rows with 'messages' need a tokenizer with a chat template (tokenizer_config.json)")
+
+    def render(turns, generation_prompt=False) -> str:
+        if not turns:
+            return ""
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
+
+    ids: list[int] = []
+    targets: list[bool] = []
+    text = ""
+
+    def extend(rendered: str, is_target: bool) -> None:
+        nonlocal text
+        if not rendered.startswith(text):
+            raise KeyError("the chat template does not render a conversation's start as a prefix of the whole")
+        piece = tokenizer(rendered[len(text) :], add_special_tokens=False)["input_ids"]
+        ids.extend(piece)
+        targets.extend([is_target] * len(piece))
+        text = rendered
+
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            extend(render(messages[:i], generation_prompt=True), False)
+        extend(render(messages[: i + 1]), message["role"] == "assistant")
+    if not any(targets):
+        raise KeyError("conversation has no assistant turn to learn from")
+    return ids, targets
+
+
 def encode_row(row: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[bool]]:
     """Token ids and, per token, whether it is a target (predicted from the tokens before it)."""
+    if cfg.messages_key in row:
+        return encode_messages(row[cfg.messages_key], tokenizer)
     if cfg.prompt_key in row or cfg.response_key in row:
         prompt, response = row.get(cfg.prompt_key), row.get(cfg.response_key)
         if not isinstance(prompt, str) or not isinstance(response, str):
@@ -66,7 +112,10 @@ def encode_row(row: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[b
         return p + r, [False] * len(p) + [True] * len(r)
     text = row.get(cfg.text_key)
     if not isinstance(text, str):
-        raise KeyError(f"row has neither a string '{cfg.text_key}' nor '{cfg.prompt_key}'/'{cfg.response_key}'")
+        raise KeyError(
+            f"row has neither a string '{cfg.text_key}' nor '{cfg.prompt_key}'/'{cfg.response_key}' "
+            f"nor '{cfg.messages_key}'"
+        )
     ids = tokenizer(text)["input_ids"]
     return ids, [True] * len(ids)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -105,3 +106,61 @@ def test_loss_ignored_micro_batch_is_zero_and_scale_gives_global_mean():
         ]
     )
     torch.testing.assert_close(ours, every[torch.cat([lb[0] for lb in labels]) != IGNORE_INDEX].mean())
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def norm(text: str) -> str:
+    return re.sub(r"[^0-9a-z+=]", "", text)
+
+
+def test_chat_messages_learn_assistant_turns_only(tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.chat_template = CHATML
+    messages = [
+        {"role": "system", "content": "add numbers"},
+        {"role": "user", "content": "12+30="},
+        {"role": "assistant", "content": "42"},
+        {"role": "user", "content": "5+8="},
+        {"role": "assistant", "content": "13"},
+    ]
+    ids, targets = encode_row({"messages": messages}, tok, DataConfig())
+    assert len(ids) == len(targets)
+    runs, current = [], []  # contiguous target spans, decoded
+    for token, is_target in zip(ids, targets, strict=True):
+        if is_target:
+            current.append(token)
+        elif current:
+            runs.append(norm(tok.decode(current)))
+            current = []
+    if current:
+        runs.append(norm(tok.decode(current)))
+    assert runs == ["42imend", "13imend"]  # content + end-of-turn marker (this tiny vocabulary drops <|_|>)
+    context = norm(tok.decode([t for t, is_t in zip(ids, targets, strict=True) if not is_t]))
+    assert "12+30=" in context and "5+8=" in context and "assistant" in context and "42" not in context
+    # The rendering is the template's own: the ids decode to what apply_chat_template writes.
+    full = tok.apply_chat_template(messages, tokenize=False)
+    assert norm(tok.decode(ids)) == norm(full)
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    tok.save_pretrained(tmp_path / "tok")
+    ds = TokenizedDataset(str(path), AutoTokenizer.from_pretrained(tmp_path / "tok"), 256, DataConfig())
+    assert ds[0][1].tolist() == targets
+    for bad, msg in [
+        ([{"role": "user", "content": "hi"}], "no assistant turn"),
+        ([{"role": "user"}], "string 'role' and a string 'content'"),
+        ("hello", "non-empty list"),
+    ]:
+        path.write_text(json.dumps({"messages": bad}) + "\n")
+        with pytest.raises(DataError, match=rf"chat.jsonl:1: .*{msg}"):
+            TokenizedDataset(str(path), tok, 64, DataConfig())
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(DataError, match="chat.jsonl:1: rows with 'messages' need a tokenizer with a chat template"):
+        TokenizedDataset(str(path), AutoTokenizer.from_pretrained(tokenizer_dir), 64, DataConfig())

@@ -48,6 +48,7 @@ class DataConfig:
     text_key: str = "text"
     prompt_key: str = "prompt"
     response_key: str = "response"
+    messages_key: str = "messages"  # chat rows: [{role, content}, ...] rendered with the tokenizer's chat template
     add_eos_to_response: bool = True  # so the model learns where an answer ends
     num_workers: int = 0
 
