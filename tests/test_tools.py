@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
+import pytest
 import torch
 
-from tests.conftest import run_cmd
+from tests.conftest import REPO, read_jsonl, run_cmd, subprocess_env
 from tools.generate import load_model
 from tools.plot_metrics import plot
 
@@ -50,3 +53,27 @@ def test_plots_from_metrics(tmp_path):
         assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     bad = run_cmd([sys.executable, "-m", "tools.plot_metrics", str(tmp_path / "nothing")])
     assert bad.returncode == 2 and "metrics.jsonl: missing" in bad.stderr
+
+
+def test_metrics_reach_tensorboard_and_wandb_offline(converted, sft_data, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    args = [f"model_name_or_path={converted['gqa']}", f"output_dir={out}", f"train_file={sft_data[0]}",
+            f"eval_file={sft_data[1]}", "seq_length=16", "micro_batch_size=4", "max_steps=3", "deepspeed=fp32",
+            "report_to=[tensorboard,wandb]"]  # fmt: skip
+    env = {**subprocess_env(), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    proc = subprocess.run([sys.executable, "trainer.py", *args], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [m["loss"] for m in read_jsonl(out / "metrics.jsonl")]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(losses, rel=1e-6)
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
+    assert len(events.Scalars("eval/loss")) == 1
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), os.listdir(out / "wandb")
+
+    bad = subprocess.run([sys.executable, "trainer.py", *args[:-1], "report_to=[mlflow]"], cwd=REPO, env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 2 and "report_to: unknown reporter 'mlflow'" in bad.stderr

@@ -115,6 +115,9 @@ class TrainConfig:
     nonfinite_loss: str = "stop"  # a NaN/inf loss: stop (last checkpoint kept), or skip the update and go on
     keep_last_n: int = 0  # keep only the newest N checkpoints (never the one `latest` names); 0: keep all
     logging_steps: int = 1
+    log_all_ranks: bool = False  # INFO lines from every rank (default: rank 0 and the reporting rank)
+    progress_bar: bool = True  # one tqdm bar on the reporting rank, when stderr is a terminal
+    report_to: list[str] = field(default_factory=list)  # also send metrics to: tensorboard, wandb
     dist_timeout_minutes: float = 30.0  # a collective waiting this long for a failed/hung rank errors out
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -142,6 +145,9 @@ def validate(cfg: TrainConfig) -> None:
     cfg.resume = str(cfg.resume).lower()
     need(cfg.resume in ("true", "false", "auto"), f"resume={cfg.resume} must be true, false or auto")
     need(cfg.keep_last_n >= 0, f"keep_last_n={cfg.keep_last_n} must be >= 0")
+    from training.reporting import check_reporters
+
+    check_reporters(cfg.report_to)
     need(cfg.nonfinite_loss in ("stop", "skip"), f"nonfinite_loss={cfg.nonfinite_loss} must be stop or skip")
     need(cfg.dist_timeout_minutes > 0, f"dist_timeout_minutes={cfg.dist_timeout_minutes} must be > 0")
     need(cfg.num_stages >= 1, f"num_stages={cfg.num_stages} must be >= 1")

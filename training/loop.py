@@ -35,6 +35,7 @@ from training.engine import (
     resolve_zero_stage,
 )
 from training.hf_source import convert_on_load, is_hf_dir
+from training.reporting import StepReporter
 from training.setup import (
     Coords,
     LossScaledBatches,
@@ -63,7 +64,7 @@ class Trainer:
         self.cfg = cfg
         rank, world = init_distributed(cfg.dist_timeout_minutes)
         self.coords = Coords(rank, world, cfg.num_stages)
-        configure_logging(self.coords)
+        configure_logging(self.coords, cfg.log_all_ranks)
         try:
             validate(cfg)
         except ValueError as e:
@@ -124,7 +125,7 @@ class Trainer:
         self.last_saved_step = None
         if self.resume_tag:
             self._resume()
-        self.stop_signal = None
+        self.stop_signal, self.stopped, self.reporter = None, False, None
         self.control_group = dist.new_group(backend="gloo")  # a CPU group for the stop flag, under NCCL too
         signal.signal(signal.SIGTERM, self._on_sigterm)
         self.collate = CausalLMCollator(cfg.seq_length, self._pad_id())
@@ -365,7 +366,7 @@ class Trainer:
             )
             if c.is_last:
                 data_iter = LossScaledBatches(data_iter, cfg.gradient_accumulation_steps, self._dp_group(), c.dp)
-        metrics = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a") if c.reporting else None
+        metrics = self.reporter
         tokens_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * c.dp * cfg.seq_length
         log.info(
             "training steps %d..%d of %d (%d per epoch), PP=%d x DP=%d",
@@ -393,8 +394,7 @@ class Trainer:
                     "target_tokens": data_iter.step_tokens,
                     "step_seconds": seconds,
                 }
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+                metrics.step(record)
                 if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
                     log.info(
                         "step %d/%d loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f",
@@ -421,8 +421,6 @@ class Trainer:
                 break
             if cfg.do_eval and cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < self.total_steps:
                 self.evaluate()
-        if metrics is not None:
-            metrics.close()
 
     def _train_step(self, data_iter) -> float:
         """One optimizer step. A failure names the rank and step; the traceback goes to this rank's log."""
@@ -495,6 +493,8 @@ class Trainer:
             if c.reporting:
                 with open(os.path.join(cfg.output_dir, "eval_results.json"), "w") as f:
                     json.dump(results, f, indent=2)
+                if self.reporter is not None:
+                    self.reporter.evaluation(results)
                 log.info(
                     "eval at step %d: loss %.4f over %d tokens, perplexity %.3f",
                     self.step,
@@ -506,11 +506,19 @@ class Trainer:
         return results
 
     def run(self) -> None:
-        self.stopped = False
-        if self.cfg.do_train:
-            self.train()
-        if self.cfg.do_eval and not self.stopped:
-            self.evaluate()
+        cfg, self.stopped, self.reporter = self.cfg, False, None
+        if self.coords.reporting:
+            run_config = OmegaConf.to_container(OmegaConf.structured(cfg))
+            self.reporter = StepReporter(cfg.output_dir, cfg.report_to, self.total_steps, self.step, run_config,
+                                         cfg.progress_bar and cfg.do_train)  # fmt: skip
+        try:
+            if cfg.do_train:
+                self.train()
+            if cfg.do_eval and not self.stopped:
+                self.evaluate()
+        finally:
+            if self.reporter is not None:
+                self.reporter.close()
         if self.coords.reporting:
             out = os.path.abspath(self.cfg.output_dir)
             lines = [f"output_dir: {out}"]

@@ -195,9 +195,9 @@ def truncate_metrics(path: str, step: int) -> None:
         os.replace(tmp, path)
 
 
-def configure_logging(coords: Coords) -> None:
-    """Console: INFO from rank 0 and the reporting rank, warnings from the others."""
-    level = logging.INFO if coords.rank == 0 or coords.reporting else logging.WARNING
+def configure_logging(coords: Coords, all_ranks: bool = False) -> None:
+    """Console: INFO from rank 0 and the reporting rank (every rank with `all_ranks`), warnings from the others."""
+    level = logging.INFO if all_ranks or coords.rank == 0 or coords.reporting else logging.WARNING
     logging.basicConfig(level=level, format=f"[rank{coords.rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S")
     log.setLevel(level)
 
