@@ -50,7 +50,7 @@ class StepReporter:
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True, mininterval=1.0)
+            self.bar = tqdm(total=total_steps, initial=first_step, unit="step", mininterval=1.0)
 
     def step(self, record: dict) -> None:
         if self.jsonl is None:
@@ -81,6 +81,7 @@ class StepReporter:
         if self.jsonl is not None:
             self.jsonl.close()
         if self.bar is not None:
+            self.bar.refresh()
             self.bar.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
