@@ -32,14 +32,29 @@ def test_presets_give_the_documented_engine_configs():
         deepspeed_config(load("deepspeed=bf16_zero1", "deepspeed.offload_optimizer=true"), 1)
 
 
-def test_experiment_recipes_resolve():
-    for name, stages, hidden in [
-        ("llama2_7b_8gpu", 4, 4096),
-        ("llama2_70b_2node", 8, 8192),
-        ("llama3_8b_2node", 2, 4096),
-    ]:
-        cfg = load(f"experiment={name}")
-        assert cfg.num_stages == stages and cfg.model.hidden_size == hidden and cfg.deepspeed.precision == "bf16"
+@pytest.mark.parametrize(
+    "name,stages,world,precision,max_gib",
+    [
+        ("llama2_7b_8gpu", 4, 8, "bf16", 24),
+        ("llama2_13b_2node", 4, 16, "bf16", 32),
+        ("llama2_70b_2node", 8, 16, "fp16", 40),
+        ("llama2_70b_4node", 8, 32, "bf16", 66),
+        ("llama3_8b_2node", 2, 16, "bf16", 44),
+    ],
+)
+def test_experiment_recipes_resolve_and_fit_80gb(name, stages, world, precision, max_gib):
+    """Every recipe composes, and its estimated memory per GPU (tools/memory_estimate.py) fits an 80 GB GPU."""
+    from tools.memory_estimate import GIB, estimate
+    from training.setup import load_model_config
+
+    cfg = load(f"experiment={name}")
+    assert cfg.num_stages == stages and cfg.deepspeed.precision == precision
+    rows = estimate(cfg, load_model_config(cfg), world)
+    busiest = max(r.total for r in rows) / GIB
+    assert busiest < max_gib <= 72, busiest  # 72: 80 GB less CUDA context and fragmentation headroom
+    stage0 = rows[0]
+    assert stage0.weights == stage0.params * 2 and stage0.params > 0  # bf16/fp16 weights: 2 bytes each
+    assert stage0.optimizer == (0 if cfg.deepspeed.offload_optimizer else stage0.params * 12 / (world // stages))
 
 
 def test_warmup_then_cosine_to_min_ratio():
