@@ -11,7 +11,7 @@ import torch
 
 from demo.tiny_llama import tiny_config
 from models.pipeline import stage_bounds
-from tests.conftest import check, run_cmd
+from tests.conftest import REPO, check, run_cmd
 
 
 def trainer(*overrides: str):
@@ -113,3 +113,19 @@ def test_safetensors_layer_files_train_export_and_verify(hf_models, converted, s
     b = {k: v for f in os.listdir(export) if f.endswith(".safetensors") for k, v in load_file(export / f).items()}
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert run_cmd([sys.executable, "convert2ckpt.py", "--verify", str(ckpt)]).returncode == 0
+
+
+def test_hydra_multirun_sweeps_learning_rate(converted, sft_data, tmp_path):
+    """`trainer.py -m learning_rate=a,b output_dir=.../lr_${learning_rate}`: one run per value, in one process."""
+    args = base(converted, sft_data, tmp_path / "lr_${learning_rate}")
+    args = [a for a in args if not a.startswith("max_steps")] + ["max_steps=2", "do_eval=false"]
+    proc = run_cmd([sys.executable, "trainer.py", "-m", "learning_rate=1e-3,3e-3", *args], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {lr: tmp_path / f"lr_{lr}" for lr in ("0.001", "0.003")}
+    for lr, out in runs.items():
+        assert (out / "latest").read_text() == "global_step2"
+        assert f"learning_rate: {lr}" in (out / "train_config.yaml").read_text()
+    first = [json.loads(x)["lr"] for x in open(runs["0.001"] / "metrics.jsonl")]
+    second = [json.loads(x)["lr"] for x in open(runs["0.003"] / "metrics.jsonl")]
+    assert second[0] == pytest.approx(3 * first[0])
+    assert not (REPO / "multirun").exists() and not (REPO / "multirun.yaml").exists()

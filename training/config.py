@@ -209,6 +209,11 @@ def check_overrides(args: list[str], conf_dir: str) -> str | None:
             if value not in presets and value != "null":
                 return f"{key}={value}: unknown preset (conf/{key}/ has {', '.join(presets)})"
             continue
+        sweep = ("," in value and not value.startswith(("[", "{", "'", '"'))) or value.startswith(
+            ("range(", "choice(", "interval(", "glob(")
+        )  # a multirun sweep (`-m learning_rate=1e-4,3e-4`): hydra checks each value
+        if sweep and (key in keys or key in groups):
+            continue
         try:
             OmegaConf.merge(schema, OmegaConf.from_dotlist([arg]))
         except Exception as e:  # noqa: BLE001 - omegaconf's key, type and grammar errors
