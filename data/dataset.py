@@ -153,6 +153,20 @@ class TokenizedDataset(Dataset):
             return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.bool)
         return self.samples[index]
 
+    def report(self) -> dict:
+        """What training will see: rows, tokens after truncation, truncated rows, share of target tokens."""
+        tokens = sum(len(ids) for ids, _ in self.samples)
+        targets = self.target_tokens()
+        return {
+            "file": self.path,
+            "rows": len(self.samples),
+            "tokens": tokens,
+            "target_tokens": targets,
+            "target_share": targets / tokens if tokens else 0.0,
+            "truncated_rows": self.truncated,
+            "rows_without_targets": len(self.no_target_lines),
+        }
+
     def target_tokens(self) -> int:
         return sum(int(t[1:].sum()) for _, t in self.samples)
 

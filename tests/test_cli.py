@@ -43,6 +43,10 @@ def test_plain_python_single_rank_run(converted, sft_data, tmp_path):
     assert len([json.loads(x) for x in open(out / "metrics.jsonl")]) == 2
     assert (out / "global_step2").is_dir() and (out / "latest").read_text() == "global_step2"
     assert json.load(open(out / "eval_results.json"))["eval_tokens"] > 0
+    report = json.load(open(out / "data_report.json"))  # the data as training saw it
+    assert report["train"]["rows"] == 400 and report["eval"]["rows"] == 37
+    assert 0 < report["train"]["target_share"] < 1 and report["train"]["rows_without_targets"] == 0
+    assert report["eval"]["target_tokens"] == json.load(open(out / "eval_results.json"))["eval_tokens"]
     assert (out / "train_config.yaml").exists() and (out / "config.json").exists()
     verify = run_cmd([sys.executable, "convert2ckpt.py", "--verify", str(out)])  # the save wrote a manifest
     assert verify.returncode == 0 and "every file matches manifest.json" in verify.stdout, verify.stderr

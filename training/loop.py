@@ -144,6 +144,7 @@ class Trainer:
             self.eval_set = PlaceholderDataset(self.num_eval_rows)
         if rank == 0:
             self._write_run_files()
+            self._write_data_report()
         dist.barrier()
 
     # ---------------------------------------------------------------- set-up helpers
@@ -175,6 +176,19 @@ class Trainer:
         generation = os.path.join(source, "generation_config.json") if source else ""
         if generation and os.path.exists(generation) and not os.path.exists(target):
             shutil.copy2(generation, target)
+
+    def _write_data_report(self) -> None:
+        """output_dir/data_report.json and one log line per file (rank 0 holds the data: it is stage 0)."""
+        report = {}
+        for name, ds in (("train", self.train_set), ("eval", self.eval_set)):
+            if isinstance(ds, TokenizedDataset):
+                report[name] = r = ds.report()
+                log.info("%s data %s: %d rows, %d tokens, %.1f%% of them targets, %d rows truncated to %d tokens, "
+                         "%d rows without targets", name, r["file"], r["rows"], r["tokens"], 100 * r["target_share"],
+                         r["truncated_rows"], self.cfg.seq_length, r["rows_without_targets"])  # fmt: skip
+        if report:
+            with open(os.path.join(self.cfg.output_dir, "data_report.json"), "w") as f:
+                json.dump(report, f, indent=2)
 
     def _converted_if_hf(self, path: str) -> str:
         """A Hugging Face directory is converted for this run (each stage its own layers); see hf_source."""
