@@ -15,20 +15,16 @@ import json
 import torch
 from torch.utils.data import Dataset
 
+from data import sources
+from data.errors import DataError
 from training.config import DataConfig
 
-
-class DataError(ValueError):
-    """Bad data file: the message names the file (and line)."""
+__all__ = ["DataError", "TokenizedDataset", "PlaceholderDataset", "count_rows", "encode_row", "read_jsonl"]
 
 
-def count_rows(path: str) -> int:
-    """Number of non-blank lines: the sample count, without parsing or tokenizing."""
-    try:
-        with open(path, "rb") as f:
-            return sum(1 for line in f if line.strip())
-    except OSError as e:
-        raise DataError(f"{path}: cannot read data file ({e.strerror})") from None
+def count_rows(spec, weights: list[float] | None = None) -> int:
+    """The sample count of one data file or several (JSONL: non-blank lines), without tokenizing."""
+    return sources.count_rows(spec, weights)
 
 
 def read_jsonl(path: str) -> list[tuple[int, dict]]:
@@ -121,24 +117,28 @@ def encode_row(row: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[b
 
 
 class TokenizedDataset(Dataset):
-    """A JSONL file tokenized in memory. Index -1 is a padding sample (no tokens, no targets)."""
+    """Rows tokenized in memory. Index -1 is a padding sample (no tokens, no targets)."""
 
-    def __init__(self, path: str, tokenizer, seq_length: int, cfg: DataConfig):
+    def __init__(self, path, tokenizer, seq_length: int, cfg: DataConfig, weights=None, seed: int = 0):
+        """`path`: one data file (JSONL, JSON, Parquet, a datasets directory) or a list, mixed by `weights`."""
         self.path = path
         self.samples: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.truncated = 0
-        self.no_target_lines: list[int] = []  # rows that teach nothing (logged by the trainer)
-        for lineno, row in read_jsonl(path):
-            try:
-                ids, targets = encode_row(row, tokenizer, cfg)
-            except KeyError as e:
-                raise DataError(f"{path}:{lineno}: {e.args[0]}") from None
+        self.no_target_lines: list[str] = []  # "file:line" of rows that teach nothing (logged by the trainer)
+        encoded = {}  # a mixture may repeat rows: tokenize each once
+        for where, row in sources.read_rows(path, weights, seed):
+            if where not in encoded:
+                try:
+                    encoded[where] = encode_row(row, tokenizer, cfg)
+                except KeyError as e:
+                    raise DataError(f"{where}: {e.args[0]}") from None
+            ids, targets = encoded[where]
             self.truncated += len(ids) > seq_length
             self.samples.append(
                 (torch.tensor(ids[:seq_length], dtype=torch.long), torch.tensor(targets[:seq_length], dtype=torch.bool))
             )
             if not any(targets[1:seq_length]):  # position 0 is never predicted
-                self.no_target_lines.append(lineno)
+                self.no_target_lines.append(where)
         if self.samples and len(self.no_target_lines) == len(self.samples):
             raise DataError(
                 f"{path}: none of the {len(self.samples)} rows has a target token within seq_length={seq_length} "

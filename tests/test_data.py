@@ -164,3 +164,75 @@ def test_chat_messages_learn_assistant_turns_only(tokenizer_dir, tmp_path):
     path.write_text(json.dumps({"messages": messages}) + "\n")
     with pytest.raises(DataError, match="chat.jsonl:1: rows with 'messages' need a tokenizer with a chat template"):
         TokenizedDataset(str(path), AutoTokenizer.from_pretrained(tokenizer_dir), 64, DataConfig())
+
+
+def write_formats(rows: list[dict], tmp_path) -> dict[str, str]:
+    """The same rows as JSONL, JSON, Parquet and a datasets directory."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths = {fmt: str(tmp_path / f"rows.{fmt}") for fmt in ("jsonl", "json", "parquet")}
+    with open(paths["jsonl"], "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    with open(paths["json"], "w") as f:
+        json.dump(rows, f)
+    pq.write_table(pa.Table.from_pylist(rows), paths["parquet"])
+    paths["datasets"] = str(tmp_path / "rows_ds")
+    datasets.Dataset.from_list(rows).save_to_disk(paths["datasets"])
+    return paths
+
+
+def test_every_format_gives_the_same_samples(tokenizer, tmp_path):
+    rows = [{"prompt": f"{a}+{a}=", "response": str(2 * a)} for a in range(12)]
+    paths = write_formats(rows, tmp_path)
+    samples = {}
+    for fmt, path in paths.items():
+        assert count_rows(path) == 12, fmt
+        ds = TokenizedDataset(path, tokenizer, 16, DataConfig())
+        samples[fmt] = [(ids.tolist(), t.tolist()) for ids, t in ds.samples]
+    assert samples["json"] == samples["jsonl"] == samples["parquet"] == samples["datasets"]
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError, match=r"dd: a DatasetDict; name one split's directory \(e.g. .*dd/train\)"):
+        TokenizedDataset(str(tmp_path / "dd"), tokenizer, 16, DataConfig())
+    (tmp_path / "rows.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="rows.csv: unknown data format"):
+        count_rows(str(tmp_path / "rows.csv"))
+    assert len(TokenizedDataset([paths["jsonl"], paths["parquet"]], tokenizer, 16, DataConfig())) == 24
+
+
+def test_weighted_mixture_keeps_total_and_repeats_evenly(tokenizer, tmp_path):
+    from data.sources import mixture
+
+    picks = mixture([30, 10], [1.0, 3.0], seed=5)
+    assert len(picks) == 40 and sum(s == 0 for s, _ in picks) == 10
+    from_b = [i for s, i in picks if s == 1]
+    assert sorted(from_b) == sorted(list(range(10)) * 3)  # each row of the small source exactly 3 times
+    assert mixture([30, 10], [1.0, 3.0], seed=5) == picks and mixture([30, 10], [1.0, 3.0], seed=6) != picks
+    assert mixture([3, 2], None, 0) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    with pytest.raises(DataError, match="one weight >= 0 per train file"):
+        mixture([3, 2], [1.0], 0)
+
+
+def test_trainer_mixes_parquet_and_datasets_dir(converted, tmp_path):
+    """train_file=[a.parquet, b_dataset_dir] with data.train_weights=[1,3]: 40 rows, 30 of them from b."""
+    import sys
+
+    from tests.conftest import run_cmd
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = write_formats([{"prompt": f"{i}+1=", "response": str(i + 1)} for i in range(30)], tmp_path / "a")
+    b = write_formats([{"prompt": f"{i}+2=", "response": str(i + 2)} for i in range(10)], tmp_path / "b")
+    out = tmp_path / "run"
+    args = [f"model_name_or_path={converted['gqa']}", f"output_dir={out}", "do_eval=false", "seq_length=16",
+            "micro_batch_size=4", "max_steps=2", "deepspeed=fp32", f"train_file=[{a['parquet']},{b['datasets']}]",
+            "data.train_weights=[1,3]"]  # fmt: skip
+    proc = run_cmd([sys.executable, "trainer.py", *args], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.load(open(out / "data_report.json"))["train"]
+    assert report["rows"] == 40 and report["rows_without_targets"] == 0
+    bad = run_cmd([sys.executable, "trainer.py", *args[:-1], "data.train_weights=[1]"], timeout=300)
+    assert bad.returncode == 2 and "data.train_weights has 1 entries for 2 train files" in bad.stderr

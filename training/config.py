@@ -49,6 +49,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     response_key: str = "response"
     messages_key: str = "messages"  # chat rows: [{role, content}, ...] rendered with the tokenizer's chat template
+    train_weights: list[float] | None = None  # one per train_file entry: mix the files by these weights
     add_eos_to_response: bool = True  # so the model learns where an answer ends
     num_workers: int = 0
 
@@ -96,8 +97,8 @@ class TrainConfig:
     tokenizer_name_or_path: str | None = None  # default: model_name_or_path
     output_dir: str = "outputs/run"
     num_stages: int = 1
-    train_file: str | None = None
-    eval_file: str | None = None
+    train_file: Any = None  # a path (.jsonl, .json, .parquet, a datasets directory) or a list of them
+    eval_file: Any = None
     do_train: bool = True
     do_eval: bool = True
     max_steps: int = -1  # > 0 overrides num_train_epochs
@@ -163,6 +164,12 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.optim.lr_scheduler in SCHEDULERS, f"optim.lr_scheduler must be one of {SCHEDULERS}")
     need(cfg.deepspeed.zero_stage in (None, 0, 1), "deepspeed.zero_stage must be 0 or 1 with pipeline parallelism")
     need(not cfg.do_train or cfg.train_file is not None, "do_train=true needs train_file")
+    weights = cfg.data.train_weights
+    files = [cfg.train_file] if isinstance(cfg.train_file, str) else list(cfg.train_file or [])
+    need(
+        weights is None or len(weights) == len(files),
+        f"data.train_weights has {len(weights or [])} entries for {len(files)} train files",
+    )
     need(not cfg.do_eval or cfg.eval_file is not None, "do_eval=true needs eval_file")
     need(not cfg.lora.enabled or cfg.lora.r >= 1, f"lora.r={cfg.lora.r} must be >= 1")
     need(not cfg.lora.enabled or cfg.model_name_or_path is not None, "lora.enabled=true needs model_name_or_path")

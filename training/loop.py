@@ -132,10 +132,11 @@ class Trainer:
         self.train_set = self.eval_set = None
         if self.coords.has_data:
             if cfg.do_train:
-                self.train_set = TokenizedDataset(cfg.train_file, self.tokenizer, cfg.seq_length, cfg.data)
+                self.train_set = TokenizedDataset(cfg.train_file, self.tokenizer, cfg.seq_length, cfg.data,
+                                                  cfg.data.train_weights, cfg.seed)  # fmt: skip
                 if self.train_set.no_target_lines and rank == 0:
                     lines = self.train_set.no_target_lines
-                    log.warning("%s: %d of %d rows have no target token within seq_length=%d (first: line %d)",
+                    log.warning("%s: %d of %d rows have no target token within seq_length=%d (first: %s)",
                                 cfg.train_file, len(lines), len(self.train_set), cfg.seq_length, lines[0])  # fmt: skip
             if cfg.do_eval:
                 self.eval_set = TokenizedDataset(cfg.eval_file, self.tokenizer, cfg.seq_length, cfg.data)
