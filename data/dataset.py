@@ -10,7 +10,9 @@ counts as a sample and contributes nothing to the loss, so every rank agrees on 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 
 import torch
 from torch.utils.data import Dataset
@@ -47,6 +49,55 @@ def read_jsonl(path: str) -> list[tuple[int, dict]]:
     if not rows:
         raise DataError(f"{path}: empty dataset (no rows)")
     return rows
+
+
+def _encode_chunk(args) -> list[tuple[list[int], list[bool]]]:
+    rows, tokenizer, cfg = args
+    out = []
+    for where, row in rows:
+        try:
+            out.append(encode_row(row, tokenizer, cfg))
+        except KeyError as e:
+            raise DataError(f"{where}: {e.args[0]}") from None
+    return out
+
+
+def _encode_all(rows, tokenizer, cfg: DataConfig, workers: int) -> list[tuple[list[int], list[bool]]]:
+    """encode_row over every (location, row), in `workers` processes when > 1 (order kept)."""
+    if workers <= 1 or len(rows) < 2 * workers:
+        return _encode_chunk((rows, tokenizer, cfg))
+    import multiprocessing
+
+    size = -(-len(rows) // (workers * 4))
+    chunks = [(rows[i : i + size], tokenizer, cfg) for i in range(0, len(rows), size)]
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        return [item for part in pool.map(_encode_chunk, chunks) for item in part]
+
+
+def cache_key(path, tokenizer, seq_length: int, cfg: DataConfig, weights, seed: int) -> str:
+    """What the tokenized rows depend on: the files as they are now, the mixture, tokenizer and settings."""
+    files = []
+    for p in sources.paths_of(path):
+        parts = [p] if not os.path.isdir(p) else sorted(os.path.join(p, n) for n in os.listdir(p))
+        files.append([(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in parts])
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    special = {k: str(v) for k, v in tokenizer.special_tokens_map.items()}
+    key = {
+        "version": 1,
+        "files": files,
+        "weights": weights,
+        "seed": seed if weights else None,
+        "seq_length": seq_length,
+        "data": {
+            k: getattr(cfg, k)
+            for k in ("text_key", "prompt_key", "response_key", "messages_key", "add_eos_to_response")
+        },  # fmt: skip
+        "tokenizer": hashlib.sha256(vocab.encode()).hexdigest(),
+        "special": special,
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
 def encode_messages(messages, tokenizer) -> tuple[list[int], list[bool]]:
@@ -117,21 +168,37 @@ def encode_row(row: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[b
 
 
 class TokenizedDataset(Dataset):
-    """Rows tokenized in memory. Index -1 is a padding sample (no tokens, no targets)."""
+    """Rows tokenized in memory. Index -1 is a padding sample (no tokens, no targets).
 
-    def __init__(self, path, tokenizer, seq_length: int, cfg: DataConfig, weights=None, seed: int = 0):
+    With `cache_dir`, the tokenized rows are stored there under a key of the data files (path, size,
+    modification time), the mixture, the tokenizer, `seq_length` and the data settings, and loaded
+    instead of tokenizing again (a restart, the other ranks). `workers` > 1 tokenizes in that many
+    processes.
+    """
+
+    def __init__(self, path, tokenizer, seq_length: int, cfg: DataConfig, weights=None, seed: int = 0,
+                 cache_dir: str | None = None, workers: int = 0):  # fmt: skip
         """`path`: one data file (JSONL, JSON, Parquet, a datasets directory) or a list, mixed by `weights`."""
         self.path = path
+        self.cache_file, self.from_cache = None, False
+        if cache_dir:
+            key = cache_key(path, tokenizer, seq_length, cfg, weights, seed)
+            self.cache_file = os.path.join(cache_dir, f"tokenized-{key}.pt")
+            if os.path.exists(self.cache_file):
+                state = torch.load(self.cache_file, weights_only=True)
+                self.samples = list(zip(state["ids"], state["targets"], strict=True))
+                self.truncated, self.no_target_lines, self.from_cache = state["truncated"], state["no_target"], True
+                return
+        rows = sources.read_rows(path, weights, seed)
+        unique = list(dict.fromkeys(where for where, _ in rows))  # a mixture may repeat rows: tokenize each once
+        by_where = dict(rows)
+        encoded = dict(
+            zip(unique, _encode_all([(w, by_where[w]) for w in unique], tokenizer, cfg, workers), strict=True)
+        )
         self.samples: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.truncated = 0
         self.no_target_lines: list[str] = []  # "file:line" of rows that teach nothing (logged by the trainer)
-        encoded = {}  # a mixture may repeat rows: tokenize each once
-        for where, row in sources.read_rows(path, weights, seed):
-            if where not in encoded:
-                try:
-                    encoded[where] = encode_row(row, tokenizer, cfg)
-                except KeyError as e:
-                    raise DataError(f"{where}: {e.args[0]}") from None
+        for where, _ in rows:
             ids, targets = encoded[where]
             self.truncated += len(ids) > seq_length
             self.samples.append(
@@ -144,6 +211,17 @@ class TokenizedDataset(Dataset):
                 f"{path}: none of the {len(self.samples)} rows has a target token within seq_length={seq_length} "
                 "(prompts that fill seq_length, or empty responses)"
             )
+        if self.cache_file:
+            os.makedirs(cache_dir, exist_ok=True)
+            tmp = f"{self.cache_file}.tmp-{os.getpid()}"
+            state = {
+                "ids": [ids for ids, _ in self.samples],
+                "targets": [t for _, t in self.samples],
+                "truncated": self.truncated,
+                "no_target": self.no_target_lines,
+            }
+            torch.save(state, tmp)
+            os.replace(tmp, self.cache_file)
 
     def __len__(self) -> int:
         return len(self.samples)

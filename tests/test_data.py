@@ -236,3 +236,29 @@ def test_trainer_mixes_parquet_and_datasets_dir(converted, tmp_path):
     assert report["rows"] == 40 and report["rows_without_targets"] == 0
     bad = run_cmd([sys.executable, "trainer.py", *args[:-1], "data.train_weights=[1]"], timeout=300)
     assert bad.returncode == 2 and "data.train_weights has 1 entries for 2 train files" in bad.stderr
+
+
+def test_tokenized_rows_are_cached_and_workers_agree(tokenizer, tmp_path, monkeypatch):
+    from data import dataset as dataset_mod
+
+    rows = [{"prompt": f"{a}+{a}=", "response": str(2 * a)} for a in range(40)]
+    path = write_formats(rows, tmp_path)["jsonl"]
+    cache = str(tmp_path / "cache")
+    first = TokenizedDataset(path, tokenizer, 16, DataConfig(), cache_dir=cache, workers=2)
+    serial = TokenizedDataset(path, tokenizer, 16, DataConfig())
+    assert not first.from_cache and [s[0].tolist() for s in first.samples] == [s[0].tolist() for s in serial.samples]
+
+    def no_tokenizing(*_):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(dataset_mod, "encode_row", no_tokenizing)
+    again = TokenizedDataset(path, tokenizer, 16, DataConfig(), cache_dir=cache)
+    assert again.from_cache and len(again) == 40
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(again.samples, first.samples))
+    # Another seq_length, or the file changed: another key, tokenized anew.
+    with pytest.raises(AssertionError, match="tokenized again"):
+        TokenizedDataset(path, tokenizer, 12, DataConfig(), cache_dir=cache)
+    with open(path, "a") as f:
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    with pytest.raises(AssertionError, match="tokenized again"):
+        TokenizedDataset(path, tokenizer, 16, DataConfig(), cache_dir=cache)

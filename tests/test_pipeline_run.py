@@ -49,8 +49,11 @@ def test_each_rank_builds_and_reads_only_its_stage(num_stages, partition, conver
         middle = 0 < r["stage"] < num_stages - 1
         if middle:
             assert r["data_opens"] == [] and r["rows"] == {} and r["dataset"] == "PlaceholderDataset", r
-        else:
+        elif r["rank"] == 0:  # tokenizes and fills output_dir/data_cache
             assert set(r["data_opens"]) == {"train.jsonl", "eval.jsonl"} and r["dataset"] == "TokenizedDataset"
+            assert r["from_cache"] is False
+        else:  # the other first/last-stage ranks load rank 0's cache: the data files are not read again
+            assert r["data_opens"] == [] and r["dataset"] == "TokenizedDataset" and r["from_cache"] is True, r
     # Outputs: metrics for every step, eval over every target token of the eval file.
     from transformers import AutoTokenizer
 

@@ -131,16 +131,14 @@ class Trainer:
         self.collate = CausalLMCollator(cfg.seq_length, self._pad_id())
         self.train_set = self.eval_set = None
         if self.coords.has_data:
-            if cfg.do_train:
-                self.train_set = TokenizedDataset(cfg.train_file, self.tokenizer, cfg.seq_length, cfg.data,
-                                                  cfg.data.train_weights, cfg.seed)  # fmt: skip
-                if self.train_set.no_target_lines and rank == 0:
-                    lines = self.train_set.no_target_lines
-                    log.warning("%s: %d of %d rows have no target token within seq_length=%d (first: %s)",
-                                cfg.train_file, len(lines), len(self.train_set), cfg.seq_length, lines[0])  # fmt: skip
-            if cfg.do_eval:
-                self.eval_set = TokenizedDataset(cfg.eval_file, self.tokenizer, cfg.seq_length, cfg.data)
+            # Rank 0 tokenizes (and fills the cache); the other data ranks then load the cache.
+            if rank != 0:
+                dist.barrier()
+            self._load_datasets()
+            if rank == 0:
+                dist.barrier()
         else:  # middle stages: the row counts and nothing else
+            dist.barrier()
             self.train_set = PlaceholderDataset(self.num_train_rows)
             self.eval_set = PlaceholderDataset(self.num_eval_rows)
         if rank == 0:
@@ -177,6 +175,24 @@ class Trainer:
         generation = os.path.join(source, "generation_config.json") if source else ""
         if generation and os.path.exists(generation) and not os.path.exists(target):
             shutil.copy2(generation, target)
+
+    def _load_datasets(self) -> None:
+        cfg, d = self.cfg, self.cfg.data
+        cache = d.cache_dir if d.cache_dir is not None else os.path.join(cfg.output_dir, "data_cache")
+        common = dict(cache_dir=cache or None, workers=d.tokenize_workers)
+        if cfg.do_train:
+            self.train_set = TokenizedDataset(cfg.train_file, self.tokenizer, cfg.seq_length, d, d.train_weights,
+                                              cfg.seed, **common)  # fmt: skip
+            lines = self.train_set.no_target_lines
+            if lines and self.coords.rank == 0:
+                log.warning("%s: %d of %d rows have no target token within seq_length=%d (first: %s)",
+                            cfg.train_file, len(lines), len(self.train_set), cfg.seq_length, lines[0])  # fmt: skip
+        if cfg.do_eval:
+            self.eval_set = TokenizedDataset(cfg.eval_file, self.tokenizer, cfg.seq_length, d, **common)
+        for name, ds in (("train", self.train_set), ("eval", self.eval_set)):
+            if ds is not None and ds.cache_file and self.coords.rank == 0:
+                how = "loaded from" if ds.from_cache else "tokenized and cached in"
+                log.info("%s data: %d rows %s %s", name, len(ds), how, ds.cache_file)
 
     def _write_data_report(self) -> None:
         """output_dir/data_report.json and one log line per file (rank 0 holds the data: it is stage 0)."""

@@ -82,6 +82,7 @@ def main():
         dp_rank=trainer.coords.dp_rank,
         steps=trainer.engine.global_steps,
         dataset=type(trainer.train_set).__name__,
+        from_cache=getattr(trainer.train_set, "from_cache", None),
         local_layers=list(trainer.engine.module.local_layer_indices()),
     )
     with open(os.path.join(out_dir, f"rank{rec['rank']}.json"), "w") as f:
