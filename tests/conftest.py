@@ -56,6 +56,21 @@ def deepspeed_launch(nprocs: int, *overrides: str, timeout: int = 600) -> subpro
     return run_cmd(cmd, timeout)
 
 
+def small_run(ckpt: str, out, train: str, **extra) -> list[str]:
+    """Trainer overrides of a small fp32 run on the tiny model; `extra` adds or replaces keys."""
+    args = {
+        "model_name_or_path": ckpt,
+        "output_dir": str(out),
+        "train_file": train,
+        "do_eval": "false",
+        "seq_length": 16,
+        "micro_batch_size": 2,
+        "deepspeed": "fp32",
+        **extra,
+    }
+    return [f"{k}={v}" for k, v in args.items()]
+
+
 def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, (
         f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"

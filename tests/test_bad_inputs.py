@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_cmd
+from tests.conftest import run_cmd, small_run
 
 CASES = {}
 
@@ -32,18 +32,7 @@ def trainer_cmd(*overrides: str, script: str = "trainer.py") -> list[str]:
 
 
 def run_args(ckpt: str, out: Path, train: str, **extra) -> list[str]:
-    args = {
-        "model_name_or_path": ckpt,
-        "output_dir": str(out),
-        "train_file": train,
-        "do_eval": "false",
-        "seq_length": 16,
-        "micro_batch_size": 2,
-        "max_steps": 2,
-        "deepspeed": "fp32",
-    }
-    args.update(extra)
-    return [f"{k}={v}" for k, v in args.items()]
+    return small_run(ckpt, out, train, **{"max_steps": 2, **extra})
 
 
 def convert_cmd(src: Path | str, out: Path) -> list[str]:

@@ -18,27 +18,14 @@ import torch
 from checkpoint.layer_files import load_layer_state
 from checkpoint.manifest import verify_manifest
 from checkpoint.saves import newest_checkpoint
-from tests.conftest import REPO, check, deepspeed_launch, free_port, read_jsonl, subprocess_env
+from tests.conftest import REPO, check, deepspeed_launch, free_port, read_jsonl, small_run, subprocess_env
 
 LAUNCHER = str(Path(sys.executable).parent / "deepspeed")
 
 
 def run_args(ckpt: str, out: Path, train: str, **extra) -> list[str]:
-    args = {
-        "model_name_or_path": ckpt,
-        "output_dir": str(out),
-        "train_file": train,
-        "do_eval": "false",
-        "seq_length": 16,
-        "micro_batch_size": 2,
-        "gradient_accumulation_steps": 2,
-        "learning_rate": 3e-3,
-        "num_stages": 2,
-        "deepspeed": "fp32",
-        "seed": 5,
-    }
-    args.update(extra)
-    return [f"{k}={v}" for k, v in args.items()]
+    defaults = {"gradient_accumulation_steps": 2, "learning_rate": 3e-3, "num_stages": 2, "seed": 5}
+    return small_run(ckpt, out, train, **{**defaults, **extra})
 
 
 def start_job(nprocs: int, args: list[str], log: Path, env: dict | None = None, script: str = "trainer.py"):
