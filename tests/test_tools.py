@@ -77,3 +77,41 @@ def test_metrics_reach_tensorboard_and_wandb_offline(converted, sft_data, tmp_pa
     bad = subprocess.run([sys.executable, "trainer.py", *args[:-1], "report_to=[mlflow]"], cwd=REPO, env=env,
                          capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 2 and "report_to: unknown reporter 'mlflow'" in bad.stderr
+
+
+def test_progress_bar_on_a_terminal_only(tmp_path, monkeypatch):
+    import io
+
+    from training.reporting import StepReporter
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    record = {"loss": 1.5, "tokens_per_second": 900.0, "lr": 1e-3}
+    for tty, expect_bar in [(True, True), (False, False)]:
+        err = Terminal() if tty else io.StringIO()
+        monkeypatch.setattr(sys, "stderr", err)
+        out = tmp_path / f"tty{tty}"
+        out.mkdir()
+        reporter = StepReporter(str(out), [], total_steps=8, first_step=3, run_config={})
+        for step in range(4, 9):
+            reporter.step({"step": step, **record})
+        reporter.close()
+        assert ("8/8" in err.getvalue() and "loss=1.5000" in err.getvalue()) == expect_bar, err.getvalue()
+        assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [4, 5, 6, 7, 8]
+
+
+def test_only_rank0_and_the_reporting_rank_log_info_unless_all_ranks():
+    import logging
+
+    from training.setup import Coords, configure_logging
+
+    log = logging.getLogger("trainer")
+    levels = {}
+    for rank in range(4):  # PP=2 x DP=2: rank 0 and rank 2 (last stage, DP 0, reports)
+        for all_ranks in (False, True):
+            configure_logging(Coords(rank, 4, 2), all_ranks)
+            levels[rank, all_ranks] = log.level
+    assert [levels[r, False] for r in range(4)] == [logging.INFO, logging.WARNING, logging.INFO, logging.WARNING]
+    assert all(levels[r, True] == logging.INFO for r in range(4))
