@@ -9,17 +9,18 @@ import torch
 
 from checkpoint.hf_reader import CheckpointError
 from checkpoint.layer_files import find_layer_file, load_layer_state
+from checkpoint.saves import newest_checkpoint
 from models.layout import EMBED, KEY_TABLE, LM_HEAD, all_layer_keys, layer_file_name
 
 
 def read_tag(ckpt_dir: str, tag: str | None = None) -> str:
+    """`tag`, or the checkpoint to use in `ckpt_dir`: `latest`, or a newer complete one (checkpoint/saves.py)."""
     if tag:
         return tag
-    path = os.path.join(ckpt_dir, "latest")
-    if not os.path.exists(path):
-        raise CheckpointError(f"{ckpt_dir}: no 'latest' file; pass a tag")
-    with open(path) as f:
-        return f.read().strip()
+    found = newest_checkpoint(ckpt_dir)
+    if found is None:
+        raise CheckpointError(f"{ckpt_dir}: no 'latest' file, so no checkpoint to load; pass a tag")
+    return found
 
 
 def _layer_files(ckpt_dir: str, config, tag: str | None):

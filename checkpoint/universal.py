@@ -20,6 +20,7 @@ import sys
 import tempfile
 
 from checkpoint.hf_reader import CheckpointError
+from checkpoint.saves import write_text_atomic
 
 LAYOUT_FILE = "layout.json"
 LAYOUT_KEYS = ("num_stages", "dp_size", "stage_bounds")
@@ -27,10 +28,7 @@ LAYOUT_KEYS = ("num_stages", "dp_size", "stage_bounds")
 
 def write_layout(step_dir: str, layout: dict) -> None:
     os.makedirs(step_dir, exist_ok=True)
-    tmp = os.path.join(step_dir, f".{LAYOUT_FILE}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(layout, f, indent=2)
-    os.replace(tmp, os.path.join(step_dir, LAYOUT_FILE))
+    write_text_atomic(os.path.join(step_dir, LAYOUT_FILE), json.dumps(layout, indent=2))
 
 
 def read_layout(step_dir: str) -> dict | None:

@@ -24,9 +24,9 @@ from training.config import DataConfig
 __all__ = ["DataError", "TokenizedDataset", "PlaceholderDataset", "count_rows", "encode_row", "read_jsonl"]
 
 
-def count_rows(spec, weights: list[float] | None = None) -> int:
+def count_rows(spec) -> int:
     """The sample count of one data file or several (JSONL: non-blank lines), without tokenizing."""
-    return sources.count_rows(spec, weights)
+    return sources.count_rows(spec)
 
 
 def read_jsonl(path: str) -> list[tuple[int, dict]]:

@@ -58,6 +58,13 @@ def count_source(path: str) -> int:
             return pq.ParquetFile(path).metadata.num_rows
         except Exception as e:  # noqa: BLE001 - pyarrow's several error types
             raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__})") from None
+    if os.path.isdir(path):
+        import datasets
+
+        try:
+            return datasets.load_from_disk(path).num_rows
+        except Exception as e:  # noqa: BLE001 - datasets raises several types
+            raise DataError(f"{path}: not a dataset saved with datasets.save_to_disk ({type(e).__name__})") from None
     return len(read_source(path))
 
 
@@ -126,7 +133,7 @@ def mixture(counts: list[int], weights: list[float] | None, seed: int) -> list[t
     return picks
 
 
-def count_rows(spec, weights: list[float] | None = None) -> int:
+def count_rows(spec) -> int:
     """Rows of `train_file`/`eval_file` (one path or several; a mixture keeps the total)."""
     return sum(count_source(p) for p in paths_of(spec))
 

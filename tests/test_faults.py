@@ -31,11 +31,7 @@ def run_args(ckpt: str, out: Path, train: str, **extra) -> list[str]:
 def start_job(nprocs: int, args: list[str], log: Path, env: dict | None = None, script: str = "trainer.py"):
     """A `deepspeed` launch in its own session, so the whole job can be signalled at once."""
     cmd = [LAUNCHER, "--num_gpus", str(nprocs), "--master_port", str(free_port()), script, *args]
-    out = open(log, "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**subprocess_env(), **(env or {})}, stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    proc.log_file = out
-    return proc
+    return start_job_cmd(cmd, log, env)
 
 
 def wait(proc, timeout: float) -> int:
@@ -213,9 +209,10 @@ def test_two_node_launch_on_loopback(converted, sft_data, tmp_path):
     assert_same_run(single, out)
 
 
-def start_job_cmd(cmd: list[str], log: Path):
+def start_job_cmd(cmd: list[str], log: Path, env: dict | None = None):
+    """Any launch command in its own session, output to `log`."""
     out = open(log, "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**subprocess_env(), **(env or {})}, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     proc.log_file = out
     return proc

@@ -56,8 +56,6 @@ from training.setup import (
 
 log = logging.getLogger("trainer")
 
-# Architecture keys a model preset may pin; checked against the checkpoint's config.json.
-
 
 class Trainer:
     def __init__(self, cfg: TrainConfig):
@@ -97,7 +95,7 @@ class Trainer:
         self.loss_fn = CausalLMLoss()
         # A resume in another layout goes through DeepSpeed's universal checkpoint (ZeRO-1) or our own
         # reshaping by parameter name (ZeRO-0); weights always come from the layout-free layer files.
-        self.resume_tag, self.universal_tag, self.reshape = None, None, False
+        self.universal_tag, self.reshape = None, False
         self.resume_tag = self._find_resume_tag()  # fail now, before building anything
         if self.resume_tag:
             self._prepare_layout_change(self.resume_tag)
@@ -245,7 +243,7 @@ class Trainer:
             return
         try:
             check_movable(saved, current, where)
-            if saved["zero_stage"] == 0:
+            if saved.get("zero_stage", 0) == 0:
                 self.reshape, how = True, "optimizer state reshaped by parameter name"
             else:
                 if self.cfg.lora.enabled:
@@ -397,7 +395,7 @@ class Trainer:
             )
             if c.is_last:
                 data_iter = LossScaledBatches(data_iter, cfg.gradient_accumulation_steps, self._dp_group(), c.dp)
-        metrics = self.reporter
+        reporter = self.reporter
         tokens_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * c.dp * cfg.seq_length
         log.info(
             "training steps %d..%d of %d (%d per epoch), PP=%d x DP=%d",
@@ -414,7 +412,7 @@ class Trainer:
             loss = self._train_step(data_iter)
             seconds = time.perf_counter() - start
             self.step += 1
-            if metrics is not None:
+            if reporter is not None:
                 record = {
                     "step": self.step,
                     "epoch": self.plan.position(self.step - 1)[0],
@@ -425,7 +423,7 @@ class Trainer:
                     "target_tokens": data_iter.step_tokens,
                     "step_seconds": seconds,
                 }
-                metrics.step(record)
+                reporter.step(record)
                 if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
                     log.info(
                         "step %d/%d loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f",

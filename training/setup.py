@@ -12,7 +12,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint.saves import newest_checkpoint
+from checkpoint.hf_reader import CheckpointError
+from checkpoint.pipeline_reader import read_tag
+from checkpoint.saves import write_text_atomic
 from data.dataset import count_rows
 from models.pipeline import IGNORE_INDEX
 from training.config import TrainConfig
@@ -189,10 +191,7 @@ def truncate_metrics(path: str, step: int) -> None:
         lines = [line for line in f if line.strip()]
     keep = [line for line in lines if json.loads(line)["step"] <= step]
     if len(keep) != len(lines):
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            f.writelines(keep)
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(keep))
 
 
 def configure_logging(coords: Coords, all_ranks: bool = False) -> None:
@@ -236,7 +235,9 @@ def prepare_output_dir(path: str) -> None:
 
 def checkpoint_tag(path: str) -> str:
     """The checkpoint in `path` to load: `latest`, or a newer complete one (checkpoint/saves.py)."""
-    tag = newest_checkpoint(path)
-    if tag is None:
-        raise RunError(f"{path}: no 'latest' file, so no checkpoint to load (nor Hugging Face weights to convert)")
-    return tag
+    try:
+        return read_tag(path)
+    except CheckpointError:
+        raise RunError(
+            f"{path}: no 'latest' file, so no checkpoint to load (nor Hugging Face weights to convert)"
+        ) from None
