@@ -36,12 +36,11 @@ class Estimate:
 def estimate(cfg, config, world_size: int) -> list[Estimate]:
     """Bytes per GPU for every stage of `cfg` (a TrainConfig) on a model `config` (a LlamaConfig)."""
     from models.pipeline import layer_param_counts, stage_bounds
-    from training.engine import resolve_zero_stage
 
     pp = cfg.num_stages
     dp = max(1, world_size // pp)
     precision = cfg.deepspeed.precision if cfg.deepspeed.precision != "auto" else "bf16"
-    zero = resolve_zero_stage(cfg.deepspeed.zero_stage) if cfg.deepspeed.zero_stage is not None else 1
+    zero = cfg.deepspeed.zero_stage if cfg.deepspeed.zero_stage is not None else 1  # auto on a GPU: ZeRO-1
     weight_bytes = 4 if precision == "fp32" else 2
     accum = cfg.deepspeed.grad_accum_dtype or ("fp32" if precision in ("bf16", "fp32") else "fp16")
     grad_bytes = 4 if accum == "fp32" else 2
