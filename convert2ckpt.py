@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from checkpoint.convert import DTYPES, combine_pieces, convert_hf_to_pipeline
-from checkpoint.hf_reader import CheckpointError
+from checkpoint.convert import combine_pieces, convert_hf_to_pipeline
+from checkpoint.dtypes import DTYPES
+from checkpoint.errors import CheckpointError
 from checkpoint.layer_files import FORMATS
 
 
@@ -66,7 +67,7 @@ def export_to_hf(args) -> None:
     import tempfile
 
     from checkpoint.export import export_pipeline_to_hf
-    from training.hf_source import is_hf_dir
+    from checkpoint.hf_reader import is_hf_dir
 
     source, tmp = args.input, None
     if is_hf_dir(args.input):
@@ -90,11 +91,12 @@ def selected_layers(args) -> list[int] | None:
     """Pipeline layer indices from --layers or --stages (with --num-stages/--partition), else None."""
     if not (args.layers or args.stages):
         return None
-    from checkpoint.convert import load_llama_config, parse_layer_range
+    from checkpoint.convert import parse_layer_range
+    from checkpoint.hf_reader import read_model_config
     from models.layout import all_layer_keys
-    from models.pipeline import stage_bounds
+    from models.partition import stage_bounds
 
-    config = load_llama_config(args.input)
+    config = read_model_config(args.input)
     valid = sorted(all_layer_keys(config))
     if args.layers:
         return parse_layer_range(args.layers, valid)
@@ -112,11 +114,16 @@ def selected_layers(args) -> list[int] | None:
 def verify(ckpt_dir: str, tag: str | None, against: str | None) -> int:
     import os
 
-    from checkpoint.manifest import compare_with_hf, verify_manifest
-    from checkpoint.pipeline_reader import read_tag
+    from checkpoint.compare import compare_with_hf
+    from checkpoint.manifest import unsafe_files, verify_manifest
+    from checkpoint.saves import read_tag
 
     tag = read_tag(ckpt_dir, tag)
-    problems = verify_manifest(os.path.join(ckpt_dir, tag))
+    step_dir = os.path.join(ckpt_dir, tag)
+    if not os.path.isdir(step_dir):
+        raise CheckpointError(f"{step_dir}: no such checkpoint")
+    problems = verify_manifest(step_dir)
+    problems += unsafe_files(step_dir, skip={os.path.basename(p.split(":")[0]) for p in problems})
     for line in problems:
         print(f"convert2ckpt: verify: {line}", file=sys.stderr)
     if not problems:

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+from checkpoint.names import CONVERTED_TAG
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -82,7 +84,7 @@ def main() -> None:
         subprocess.run(["sync"])
         cmd = [sys.executable, "convert2ckpt.py", "--input", hf, "--output", out, "--workers", str(workers)]
         runs[workers] = child_peak_rss(cmd)
-    step = os.path.join(out, "global_step0")
+    step = os.path.join(out, CONVERTED_TAG)
     largest_layer = max(os.path.getsize(os.path.join(step, f)) for f in os.listdir(step)) / 2**20
     with open(os.path.join(hf, "config.json")) as f:
         conf = json.load(f)

@@ -1,4 +1,4 @@
-"""Hugging Face LLaMA checkpoint -> DeepSpeed pipeline checkpoint, streamed one layer at a time.
+"""Hugging Face checkpoint -> DeepSpeed pipeline checkpoint, streamed one layer at a time.
 
 Output (`CKPT_DIR`):
 
@@ -9,8 +9,8 @@ Output (`CKPT_DIR`):
 
 Peak memory is the tensors of the layers not yet complete: with shards in index order that is
 about one layer (plus the embedding, which is a layer of its own). Everything is written to a
-temporary sibling directory and renamed into place at the end, so an interrupted conversion
-leaves nothing that looks like a checkpoint.
+temporary sibling directory and renamed into place at the end (`checkpoint.staging`), so an
+interrupted conversion leaves nothing that looks like a checkpoint.
 """
 
 from __future__ import annotations
@@ -18,21 +18,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from checkpoint.hf_reader import CheckpointError, iter_tensors, stored_dtype, validate
+from checkpoint.dtypes import DTYPES, dtype_name
+from checkpoint.errors import CheckpointError
+from checkpoint.hf_reader import iter_tensors, read_model_config, stored_dtype, validate
 from checkpoint.layer_files import find_layer_file, layer_path, save_layer_state
 from checkpoint.manifest import build_manifest, write_manifest
+from checkpoint.names import CONVERSION_RECORD, CONVERTED_TAG, LATEST, PIECE_FILE, engine_file
+from checkpoint.staging import staged_directory
 from models.layout import all_layer_keys, hf_key_to_layer
+from models.tokenizer import check_tokenizer_fits, has_tokenizer, load_tokenizer
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
-LLAMA_MODEL_TYPES = ("llama",)
-TAG = "global_step0"
+NOT_COPIED = (PIECE_FILE, CONVERSION_RECORD)  # records of how a directory was made, not model files
+TAG = CONVERTED_TAG
 
 
 @dataclass
@@ -45,75 +48,24 @@ class ConvertStats:
     files: list[str] = field(default_factory=list)
 
 
-def load_llama_config(hf_dir: str):
-    """The checkpoint's `LlamaConfig`; errors name config.json."""
-    from transformers import AutoConfig
-
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path}: missing")
-    try:
-        with open(path) as f:
-            model_type = json.load(f).get("model_type")
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if model_type not in LLAMA_MODEL_TYPES:
-        raise CheckpointError(f"{path}: model_type={model_type!r} is not a LLaMA-family model {LLAMA_MODEL_TYPES}")
-    return AutoConfig.from_pretrained(hf_dir)
-
-
-def check_tokenizer_fits(hf_dir: str, vocab_size: int) -> int | None:
+def check_tokenizer(hf_dir: str, vocab_size: int) -> int | None:
     """len(tokenizer) must not exceed the embedding rows. Returns len(tokenizer), None if there is none."""
-    from transformers import AutoTokenizer
-
-    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-    if not any(os.path.exists(os.path.join(hf_dir, n)) for n in names):
+    if not has_tokenizer(hf_dir):
         return None
-    n = len(AutoTokenizer.from_pretrained(hf_dir))
-    if n > vocab_size:
-        raise CheckpointError(
-            f"{hf_dir}: tokenizer has {n} tokens but the embedding has vocab_size={vocab_size} rows "
-            "(was a pad token added without resizing the model?)"
-        )
+    try:
+        n = len(load_tokenizer(hf_dir, setting="tokenizer"))
+        check_tokenizer_fits(n, vocab_size, hf_dir)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     return n
-
-
-def checkpoint_present(path: str) -> bool:
-    return os.path.isdir(path) and (
-        os.path.exists(os.path.join(path, "latest")) or any(n.startswith("global_step") for n in os.listdir(path))
-    )
-
-
-def prepare_output(out_dir: str, force: bool) -> str:
-    """Refuse to clobber existing output unless forced; return a fresh temp dir beside `out_dir`."""
-    out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)) and not force:
-        what = "already holds a checkpoint" if checkpoint_present(out_dir) else "exists and is not empty"
-        raise CheckpointError(f"{out_dir}: output {what}; pass --force to replace it")
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    if not os.access(parent, os.W_OK):
-        raise CheckpointError(f"{parent}: not writable")
-    return tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
-
-
-def publish(tmp_dir: str, out_dir: str) -> None:
-    """Move the finished temp dir into place; the old output (with --force) goes only after that."""
-    out_dir = os.path.abspath(out_dir)
-    old = None
-    if os.path.exists(out_dir):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(out_dir))
-        os.rename(out_dir, os.path.join(old, "x"))
-    os.rename(tmp_dir, out_dir)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def copy_side_files(src_dir: str, dst_dir: str, dtype: str | None) -> None:
     """Copy config/tokenizer files (everything but weights); record a cast dtype in config.json."""
     for name in sorted(os.listdir(src_dir)):
         src = os.path.join(src_dir, name)
-        if os.path.isfile(src) and not name.endswith(WEIGHT_SUFFIXES) and not name.startswith("."):
+        if os.path.isfile(src) and not name.endswith(WEIGHT_SUFFIXES) and not name.startswith(".") \
+                and name not in NOT_COPIED:  # fmt: skip
             shutil.copy2(src, os.path.join(dst_dir, name))
     if dtype:
         record_dtype(os.path.join(dst_dir, "config.json"), dtype)
@@ -123,7 +75,7 @@ def record_dtype(config_path: str, dtype: str) -> None:
     """Write a cast dtype into config.json (`dtype`, the transformers 5 key; the old `torch_dtype` dropped)."""
     with open(config_path) as f:
         conf = json.load(f)
-    conf["dtype"] = str(DTYPES[dtype]).removeprefix("torch.")
+    conf["dtype"] = dtype_name(DTYPES[dtype])
     conf.pop("torch_dtype", None)
     with open(config_path, "w") as f:
         json.dump(conf, f, indent=2)
@@ -149,6 +101,18 @@ def engine_metadata(dtype: str) -> dict:
     }
 
 
+def finish_converted(root: str, side_files_from: str, dtype: str, cast: str | None = None) -> None:
+    """Make `root` (whose `global_step0/` holds every layer file) a complete converted checkpoint:
+    engine metadata, `latest`, config and tokenizer files, manifest. Used by conversion, `--combine`
+    and conversion at load time."""
+    step_dir = os.path.join(root, TAG)
+    torch.save(engine_metadata(dtype), os.path.join(step_dir, engine_file(0)))
+    with open(os.path.join(root, LATEST), "w") as f:
+        f.write(TAG)
+    copy_side_files(side_files_from, root, cast)
+    write_manifest(step_dir, build_manifest(step_dir))
+
+
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
     """torch.save writes a view's whole storage: give each tensor its own."""
     t = t.contiguous()
@@ -157,12 +121,9 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-PIECE_FILE = "piece.json"
-
-
 def convert_layers(hf_dir: str, step_dir: str, todo: list[int], dtype: str | None, fmt: str = "pt") -> ConvertStats:
     """Write the layer files of `todo` (pipeline layer indices), reading only the tensors they need."""
-    config = load_llama_config(hf_dir)
+    config = read_model_config(hf_dir)
     n_layers, tied = config.num_hidden_layers, config.tie_word_embeddings
     expected = all_layer_keys(config)
     wanted = {hf for index in todo for hf in expected[index].values()}
@@ -232,9 +193,12 @@ def parse_layer_range(text: str, valid: list[int]) -> list[int]:
     for part in text.split(","):
         lo, _, hi = part.strip().partition("-")
         try:
-            layers.update(range(int(lo), int(hi or lo) + 1))
+            first, last = int(lo), int(hi or lo)
         except ValueError:
             raise CheckpointError(f"--layers {text}: expected ranges like 0-7,9") from None
+        if last < first:
+            raise CheckpointError(f"--layers {text}: {part.strip()} is an empty range (write it low-high)")
+        layers.update(range(first, last + 1))
     bad = sorted(layers - set(valid))
     if bad:
         raise CheckpointError(
@@ -249,8 +213,8 @@ def plan_conversion(hf_dir: str):
     Raises:
         CheckpointError: config, tokenizer, shards or keys do not fit the LLaMA layout.
     """
-    config = load_llama_config(hf_dir)
-    check_tokenizer_fits(hf_dir, config.vocab_size)
+    config = read_model_config(hf_dir)
+    check_tokenizer(hf_dir, config.vocab_size)
     n_layers, tied = config.num_hidden_layers, config.tie_word_embeddings
     # Every HF key must have a home and every home a key.
     where = validate(hf_dir)
@@ -299,27 +263,18 @@ def convert_hf_to_pipeline(
     todo = sorted(expected) if layers is None else sorted(layers)
     if set(todo) - set(expected):
         raise CheckpointError(f"{hf_dir}: no layer file {sorted(set(todo) - set(expected))} in this model")
-    stored = stored_dtype(hf_dir)
-
-    tmp = prepare_output(out_dir, force)
-    try:
+    out_dtype = dtype or dtype_name(stored_dtype(hf_dir))
+    with staged_directory(out_dir, force) as tmp:
         step_dir = os.path.join(tmp, TAG)
         os.makedirs(step_dir)
         stats = _run_workers(hf_dir, step_dir, todo, dtype, workers, fmt)
-        out_dtype = dtype or str(stored).removeprefix("torch.")
         if layers is None:
-            torch.save(engine_metadata(out_dtype), os.path.join(step_dir, "mp_rank_00_model_states.pt"))
-            with open(os.path.join(tmp, "latest"), "w") as f:
-                f.write(TAG)
+            finish_converted(tmp, hf_dir, out_dtype, dtype)
         else:  # a piece: no `latest`, so nothing mistakes it for a whole checkpoint
             with open(os.path.join(tmp, PIECE_FILE), "w") as f:
                 json.dump({"layers": todo, "dtype": out_dtype, "source": os.path.abspath(hf_dir)}, f)
-        copy_side_files(hf_dir, tmp, dtype)
-        write_manifest(step_dir, build_manifest(step_dir))
-        publish(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            copy_side_files(hf_dir, tmp, dtype)
+            write_manifest(step_dir, build_manifest(step_dir))
     stats.seconds = time.perf_counter() - start
     what = "piece with" if layers is not None else "converted"
     log(
@@ -336,7 +291,7 @@ def _arch(config) -> dict:
 
 def combine_pieces(pieces: list[str], out_dir: str, force: bool = False, log=print) -> str:
     """Join pieces written with `layers=` (possibly on several machines) into one checkpoint."""
-    config = load_llama_config(pieces[0])
+    config = read_model_config(pieces[0])
     expected = set(all_layer_keys(config))
     owner: dict[int, str] = {}
     dtypes = set()
@@ -346,7 +301,7 @@ def combine_pieces(pieces: list[str], out_dir: str, force: bool = False, log=pri
             raise CheckpointError(f"{piece}: not a piece (no {PIECE_FILE}); write pieces with --layers or --stages")
         with open(path) as f:
             info = json.load(f)
-        if _arch(load_llama_config(piece)) != _arch(config):
+        if _arch(read_model_config(piece)) != _arch(config):
             raise CheckpointError(f"{piece}/config.json: a different model than {pieces[0]}")
         for index in info["layers"]:
             if index in owner:
@@ -358,8 +313,7 @@ def combine_pieces(pieces: list[str], out_dir: str, force: bool = False, log=pri
         raise CheckpointError(f"pieces {pieces} lack layer files {missing}")
     if len(dtypes) > 1:
         raise CheckpointError(f"pieces were written with different dtypes {sorted(dtypes)}")
-    tmp = prepare_output(out_dir, force)
-    try:
+    with staged_directory(out_dir, force) as tmp:
         step_dir = os.path.join(tmp, TAG)
         os.makedirs(step_dir)
         for index, piece in sorted(owner.items()):
@@ -367,15 +321,6 @@ def combine_pieces(pieces: list[str], out_dir: str, force: bool = False, log=pri
             if src is None:
                 raise CheckpointError(f"{os.path.join(piece, TAG)}: layer {index} missing from its piece")
             shutil.copy2(src, step_dir)
-        torch.save(engine_metadata(dtypes.pop()), os.path.join(step_dir, "mp_rank_00_model_states.pt"))
-        with open(os.path.join(tmp, "latest"), "w") as f:
-            f.write(TAG)
-        copy_side_files(pieces[0], tmp, None)
-        os.remove(os.path.join(tmp, PIECE_FILE))
-        write_manifest(step_dir, build_manifest(step_dir))
-        publish(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        finish_converted(tmp, pieces[0], dtypes.pop())
     log(f"combined {len(pieces)} pieces -> {out_dir}: {len(owner)} layer files")
     return out_dir

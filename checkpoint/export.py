@@ -22,11 +22,15 @@ import time
 
 import torch
 
-from checkpoint.convert import DTYPES, ConvertStats, load_llama_config, prepare_output, publish, record_dtype
-from checkpoint.hf_reader import CheckpointError
+from checkpoint.convert import ConvertStats, record_dtype
+from checkpoint.dtypes import DTYPES, element_size
+from checkpoint.errors import CheckpointError
+from checkpoint.hf_reader import read_model_config
 from checkpoint.lora_merge import adapters_from_checkpoint, adapters_from_peft
-from checkpoint.pipeline_reader import iter_hf_tensors, plan_hf_tensors, read_tag
+from checkpoint.pipeline_reader import iter_hf_tensors, plan_hf_tensors
 from checkpoint.safetensors_writer import StreamingSafetensorsWriter
+from checkpoint.saves import read_tag
+from checkpoint.staging import staged_directory
 
 # Files that make a directory loadable with AutoModelForCausalLM / AutoTokenizer (weights aside).
 HF_SIDE_FILES = (
@@ -42,12 +46,20 @@ HF_SIDE_FILES = (
 
 
 def parse_size(text: str) -> int:
-    """'5GB', '500MB', '200KB' or a byte count -> bytes."""
-    units = {"GB": 2**30, "MB": 2**20, "KB": 2**10}
-    for unit, factor in units.items():
-        if text.upper().endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
+    """A shard size as transformers' `save_pretrained(max_shard_size=...)` reads it: '5GB' (10**9 bytes),
+    '2GiB' (2**30), '500MB', '200KB', '5Gb' (bits), or a plain byte count. Anything else: CheckpointError."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        size = convert_file_size_to_int(int(text) if text.strip().isdigit() else text.strip())
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise CheckpointError(
+            f"--max-shard-size {text}: expected a whole number with a unit, as transformers takes it "
+            "(5GB, 500MB, 2GiB, 200KB) or a byte count"
+        )
+    return size
 
 
 def _write_side_files(ckpt_dir: str, out_dir: str, dtype: str | None) -> None:
@@ -73,7 +85,7 @@ def export_pipeline_to_hf(
     """Export `ckpt_dir/<tag>` (default: the tag in `latest`) as a Hugging Face model directory.
 
     `merge_lora=True` merges the adapters a LoRA run trained (its base comes from `lora.json`);
-    a directory path merges that PEFT adapter; either way W + (alpha / r) * B @ A.
+    a directory path merges that PEFT adapter, scaled per module as PEFT does (checkpoint/lora_merge.py).
 
     Raises:
         CheckpointError: bad input; nothing is left in `out_dir`.
@@ -81,16 +93,16 @@ def export_pipeline_to_hf(
     start = time.perf_counter()
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype}: expected one of {sorted(DTYPES)}")
-    config = load_llama_config(ckpt_dir)
+    config = read_model_config(ckpt_dir)
     tag = read_tag(ckpt_dir, tag)
     if not os.path.isdir(os.path.join(ckpt_dir, tag)):
         raise CheckpointError(f"{os.path.join(ckpt_dir, tag)}: no such checkpoint")
-    weights_dir, weights_tag, adapters, scale = ckpt_dir, tag, None, 1.0
+    weights_dir, weights_tag, adapters = ckpt_dir, tag, None
     if merge_lora is True:
-        weights_dir, adapters, scale = adapters_from_checkpoint(ckpt_dir, tag, config)
+        weights_dir, adapters = adapters_from_checkpoint(ckpt_dir, tag, config)
         weights_tag = read_tag(weights_dir)
     elif merge_lora:
-        adapters, scale = adapters_from_peft(merge_lora, config)
+        adapters = adapters_from_peft(merge_lora, config)
     limit = parse_size(max_shard_size)
     # Plan every shard before reading any data: names, shapes and dtypes from memory-mapped layer files.
     plan = [
@@ -100,7 +112,7 @@ def export_pipeline_to_hf(
     shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
     shard_bytes = 0
     for entry in plan:
-        nbytes = math.prod(entry[1]) * torch.empty((), dtype=entry[2]).element_size()
+        nbytes = math.prod(entry[1]) * element_size(entry[2])
         if shards[-1] and shard_bytes + nbytes > limit:
             shards.append([])
             shard_bytes = 0
@@ -108,12 +120,11 @@ def export_pipeline_to_hf(
         shard_bytes += nbytes
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {key: name for name, shard in zip(names, shards) for key, _, _ in shard}
-    total = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for _, shape, dt in plan)
+    total = sum(math.prod(shape) * element_size(dt) for _, shape, dt in plan)
 
-    tmp = prepare_output(out_dir, force)
     stats = ConvertStats()
-    try:
-        tensors = iter_hf_tensors(weights_dir, config, weights_tag, adapters, scale)
+    with staged_directory(out_dir, force) as tmp:
+        tensors = iter_hf_tensors(weights_dir, config, weights_tag, adapters)
         for name, shard in zip(names, shards):
             with StreamingSafetensorsWriter(os.path.join(tmp, name), shard, metadata={"format": "pt"}) as writer:
                 for _, _, want in shard:
@@ -126,10 +137,6 @@ def export_pipeline_to_hf(
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)
         _write_side_files(ckpt_dir, tmp, dtype)
-        publish(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     stats.seconds = time.perf_counter() - start
     log(
         f"exported {os.path.join(ckpt_dir, tag)} -> {out_dir}: {len(stats.files)} shards, {stats.tensors} tensors, "

@@ -15,13 +15,34 @@ from collections.abc import Iterator
 
 import torch
 
-
-class CheckpointError(Exception):
-    """A checkpoint is missing, truncated or does not match what is expected. One-line message."""
-
+from checkpoint.dtypes import SAFETENSORS_DTYPES
+from checkpoint.errors import CheckpointError
+from checkpoint.names import LATEST
+from checkpoint.safe_load import load_pt
 
 SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
 BIN_INDEX, BIN_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
+
+
+def read_model_config(path: str):
+    """The transformers config of an HF model directory or a pipeline checkpoint; errors name config.json."""
+    from models.config import load_hf_config
+
+    try:
+        return load_hf_config(path)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def is_hf_dir(path: str) -> bool:
+    """An HF model directory (weights + config.json), not a pipeline checkpoint (which has `latest`)."""
+    if not os.path.exists(os.path.join(path, "config.json")) or os.path.exists(os.path.join(path, LATEST)):
+        return False
+    try:
+        list_shards(path)
+    except CheckpointError:
+        return False
+    return True
 
 
 def _shards_from_index(hf_dir: str, index_name: str) -> tuple[list[str], dict[str, str]]:
@@ -48,21 +69,6 @@ def list_shards(hf_dir: str) -> tuple[list[str], dict[str, str] | None]:
     raise CheckpointError(
         f"{hf_dir}: no weights found (expected {SAFE_INDEX}, {SAFE_SINGLE}, {BIN_INDEX} or {BIN_SINGLE})"
     )
-
-
-# safetensors dtype codes -> torch dtypes (the format is little-endian, as are the machines we run on).
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 def read_safetensors_header(path: str) -> tuple[int, dict]:
@@ -142,11 +148,11 @@ def validate(hf_dir: str) -> dict[str, str]:
 
 
 def _load_bin(path: str) -> dict[str, torch.Tensor]:
-    try:
-        # mmap: tensors are paged in when touched, so a shard costs little resident memory.
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:  # torch raises several types for damaged pickles/zips
-        raise CheckpointError(f"{path}: cannot read PyTorch checkpoint ({type(e).__name__}: {e})") from None
+    # mmap: tensors are paged in when touched, so a shard costs little resident memory.
+    state = load_pt(path, mmap=True)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path}: not a PyTorch state dict (expected names -> tensors)")
+    return state
 
 
 def iter_tensors(hf_dir: str, names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor, str]]:

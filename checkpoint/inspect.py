@@ -9,50 +9,41 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections import Counter
 
-import torch
-
-from checkpoint.convert import load_llama_config
-from checkpoint.hf_reader import CheckpointError
+from checkpoint.errors import CheckpointError
+from checkpoint.hf_reader import read_model_config
 from checkpoint.layer_files import layer_tensor_specs
-from checkpoint.pipeline_reader import read_tag
+from checkpoint.names import ZERO_FILE, engine_file, engine_files
+from checkpoint.safe_load import check_pickles, load_pt
+from checkpoint.saves import read_tag
 from checkpoint.universal import read_layout
-from models.layout import pipe_layers
-
-LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.(pt|safetensors)$")
-ZERO_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-
-
-def _load_meta(path: str) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as e:  # damaged zip/pickle: several exception types
-        raise CheckpointError(f"{path}: cannot read ({type(e).__name__})") from None
+from models.layout import parse_layer_file_name, pipe_layers
 
 
 def describe(ckpt_dir: str, tag: str | None = None) -> dict:
     """Everything `--inspect` prints, as a dict."""
-    config = load_llama_config(ckpt_dir)
+    config = read_model_config(ckpt_dir)
     tag = read_tag(ckpt_dir, tag)
     step_dir = os.path.join(ckpt_dir, tag)
     if not os.path.isdir(step_dir):
         raise CheckpointError(f"{step_dir}: no such checkpoint")
     names = sorted(os.listdir(step_dir))
-    layer_files = {n: LAYER_FILE.match(n) for n in names if LAYER_FILE.match(n)}
-    zero_files = [m for n in names if (m := ZERO_FILE.match(n))]
+    layer_files = {n: parsed for n in names if (parsed := parse_layer_file_name(n))}
+    zero_files = [m for n in names if (m := ZERO_FILE.fullmatch(n))]
     expected = [
         layer.index for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings) if layer.has_file
     ]
-    present = sorted({int(m.group(1)) for m in layer_files.values()})
+    present = sorted({index for index, _, _ in layer_files.values()})
     dtypes: Counter = Counter()
-    for name in list(layer_files)[:3]:  # dtype from a few files is enough; no tensor data is read
+    for i, name in enumerate(layer_files):  # every file is opened (memory-mapped: metadata only): none is unsafe
         specs = layer_tensor_specs(os.path.join(step_dir, name))
-        dtypes.update(str(dtype).removeprefix("torch.") for _, dtype in specs.values())
+        if i < 3:  # the dtype from a few files is enough
+            dtypes.update(str(dtype).removeprefix("torch.") for _, dtype in specs.values())
+    check_pickles(step_dir, engine_files(names))
     engine = {}
-    if os.path.exists(os.path.join(step_dir, "mp_rank_00_model_states.pt")):
-        engine = _load_meta(os.path.join(step_dir, "mp_rank_00_model_states.pt"))
+    if engine_file(0) in names:
+        engine = load_pt(os.path.join(step_dir, engine_file(0)), mmap=True)
     layout = read_layout(step_dir)
     sizes = {n: os.path.getsize(os.path.join(step_dir, n)) for n in names if os.path.isfile(os.path.join(step_dir, n))}
     optimizer = "none"
@@ -74,9 +65,9 @@ def describe(ckpt_dir: str, tag: str | None = None) -> dict:
             "tie_word_embeddings": config.tie_word_embeddings,
         },
         "layer_files": len(layer_files),
-        "format": sorted({m.group(3) for m in layer_files.values()}),
+        "format": sorted({fmt for _, _, fmt in layer_files.values()}),
         "missing_layers": sorted(set(expected) - set(present)),
-        "tp_ranks": sorted({int(m.group(2)) for m in layer_files.values()}),
+        "tp_ranks": sorted({tp for _, tp, _ in layer_files.values()}),
         "dtype": dict(dtypes),
         "layout": layout
         or {"num_stages": None, "note": "no layout.json: a converted checkpoint, loadable with any number of stages"},

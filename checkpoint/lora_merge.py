@@ -1,31 +1,73 @@
-"""Where LoRA adapters come from for `convert2ckpt.py --to-hf --merge-lora [ADAPTER_DIR]`.
+"""Where LoRA adapters come from for `convert2ckpt.py --to-hf --merge-lora [ADAPTER_DIR]`, and their scale.
 
 - From a LoRA training checkpoint: its layer files hold only the adapters; `lora.json` in the run
   directory names the base checkpoint and r / alpha.
 - From a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`), merged into
   a pipeline checkpoint or a Hugging Face directory.
+
+The merge is PEFT's own: W + scale * B @ A per module, with scale = alpha / r, or alpha / sqrt(r)
+with `use_rslora`, where r and alpha come from `rank_pattern` / `alpha_pattern` when a pattern
+matches the module's name (PEFT's matching rule, `peft.utils.other.get_pattern_key`). Adapters that
+are not plain LoRA (DoRA, trained biases, `modules_to_save`, other PEFT types, ...) are refused,
+naming the field, rather than merged into a model that silently differs from PEFT's.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
 import torch
 from safetensors.torch import load_file
 
-from checkpoint.hf_reader import CheckpointError
+from checkpoint.errors import CheckpointError
 from checkpoint.layer_files import find_layer_file, load_layer_state
-from models.layout import DECODER, pipe_layers
-from models.lora import ADAPTER
+from checkpoint.names import LORA_FILE
+from models.layout import DECODER, DECODER_PREFIX, decoder_index, hf_decoder_module, pipe_layers
+from models.lora import LORA_A, LORA_B, LoraDelta
 
-LORA_FILE = "lora.json"
-PEFT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
+# PEFT's saved key of a decoder module's factor: "base_model.model." + the HF module name + ".lora_A.weight".
+PEFT_KEY = re.compile(
+    re.escape("base_model.model." + DECODER_PREFIX).replace(r"\{\}", r"(\d+)") + r"(.+)\.lora_([AB])\.weight"
+)
+# adapter_config.json fields that make an adapter something other than plain LoRA (merge would differ).
+NOT_PLAIN = (
+    "use_dora", "lora_bias", "layer_replication", "target_parameters", "trainable_token_indices",
+    "alora_invocation_tokens", "use_qalora", "use_bdlora", "arrow_config", "kasa_config", "monteclora_config",
+)  # fmt: skip
 
 
-def adapters_from_checkpoint(ckpt_dir: str, tag: str, config) -> tuple[str, dict[int, dict], float]:
-    """(base checkpoint dir, {layer index: adapter state}, alpha / r) of a LoRA training run."""
+def lora_scale(alpha: float, r: int, use_rslora: bool = False) -> float:
+    """PEFT's `LoraLayer.update_layer`: alpha / sqrt(r) with rsLoRA, else alpha / r."""
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    from peft.utils.other import get_pattern_key
+
+    return patterns.get(get_pattern_key(list(patterns), module), default)
+
+
+def check_plain_lora(conf: dict, where: str) -> None:
+    """Refuse, naming the field, an adapter config that PEFT would merge differently from W + s B A."""
+    if conf.get("peft_type", "LORA") != "LORA":
+        raise CheckpointError(f"{where}: peft_type={conf['peft_type']!r}; only LoRA adapters merge")
+    for field in NOT_PLAIN:
+        if conf.get(field):
+            raise CheckpointError(f"{where}: {field}={conf[field]!r} is not plain LoRA; refusing to merge it")
+    if conf.get("bias", "none") != "none":
+        raise CheckpointError(f"{where}: bias={conf['bias']!r} (trained biases) is not plain LoRA; refusing to merge")
+    if conf.get("modules_to_save"):
+        raise CheckpointError(
+            f"{where}: modules_to_save={conf['modules_to_save']} (fully trained modules) is not plain LoRA; "
+            "refusing to merge it"
+        )
+
+
+def adapters_from_checkpoint(ckpt_dir: str, tag: str, config) -> tuple[str, dict[int, dict[str, LoraDelta]]]:
+    """(base checkpoint dir, {layer index: {module: LoraDelta}}) of a LoRA training run."""
     path = os.path.join(ckpt_dir, LORA_FILE)
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: missing; --merge-lora without a directory needs a LoRA training run")
@@ -38,26 +80,45 @@ def adapters_from_checkpoint(ckpt_dir: str, tag: str, config) -> tuple[str, dict
         file = find_layer_file(os.path.join(ckpt_dir, tag), layer.index)
         if file is None:
             raise CheckpointError(f"{os.path.join(ckpt_dir, tag)}: no adapter file for layer {layer.index}")
-        adapters[layer.index] = {k: v for k, v in load_layer_state(file).items() if ".lora_" in k}
-    return info["base"], adapters, info["alpha"] / info["r"]
+        state = load_layer_state(file)
+        deltas = {}
+        for key, a in state.items():
+            if key.endswith(LORA_A):
+                module = key.removesuffix(LORA_A)
+                scale = lora_scale(info["alpha"], a.shape[0], info.get("use_rslora", False))
+                deltas[module] = LoraDelta(a, state[module + LORA_B], scale)
+        adapters[layer.index] = deltas
+    return info["base"], adapters
 
 
-def adapters_from_peft(adapter_dir: str, config) -> tuple[dict[int, dict], float]:
-    """({layer index: adapter state in our key names}, alpha / r) of a PEFT LoRA adapter directory."""
+def adapters_from_peft(adapter_dir: str, config) -> dict[int, dict[str, LoraDelta]]:
+    """{layer index: {module: LoraDelta}} of a PEFT LoRA adapter directory, scaled as PEFT scales it."""
     conf_path = os.path.join(adapter_dir, "adapter_config.json")
     weights = os.path.join(adapter_dir, "adapter_model.safetensors")
     for path in (conf_path, weights):
         if not os.path.exists(path):
             raise CheckpointError(f"{path}: missing (not a PEFT adapter directory)")
-    with open(conf_path) as f:
-        conf = json.load(f)
-    if conf.get("peft_type", "LORA") != "LORA" or conf.get("use_rslora") or conf.get("use_dora"):
-        raise CheckpointError(f"{conf_path}: only plain LoRA adapters merge (no rsLoRA/DoRA/other PEFT types)")
-    adapters: dict[int, dict[str, torch.Tensor]] = {}
+    try:
+        with open(conf_path) as f:
+            conf = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{conf_path}: not valid JSON ({e})") from None
+    check_plain_lora(conf, conf_path)
+    factors: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in load_file(weights).items():
-        m = PEFT_KEY.match(key)
+        m = PEFT_KEY.fullmatch(key)
         if not m or int(m.group(1)) >= config.num_hidden_layers:
             raise CheckpointError(f"{weights}: {key} is not a LoRA weight of this model's decoder layers")
-        block, module, which = int(m.group(1)), m.group(2), m.group(3)
-        adapters.setdefault(block + 1, {})[f"{module}.lora_{which}.{ADAPTER}.weight"] = tensor
-    return adapters, conf["lora_alpha"] / conf["r"]
+        factors.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor
+    adapters: dict[int, dict[str, LoraDelta]] = {}
+    for (block, module), ab in sorted(factors.items()):
+        if set(ab) != {"A", "B"}:
+            raise CheckpointError(f"{weights}: {hf_decoder_module(block, module)} has lora_{set(ab).pop()} only")
+        name = hf_decoder_module(block, module)  # the key PEFT matches patterns against
+        r = _pattern_value(conf.get("rank_pattern") or {}, name, conf["r"])
+        if ab["A"].shape[0] != r:
+            raise CheckpointError(f"{weights}: {name} has rank {ab['A'].shape[0]} but the config gives r={r}")
+        alpha = _pattern_value(conf.get("alpha_pattern") or {}, name, conf["lora_alpha"])
+        delta = LoraDelta(ab["A"], ab["B"], lora_scale(alpha, r, conf.get("use_rslora", False)))
+        adapters.setdefault(decoder_index(block), {})[module] = delta
+    return adapters

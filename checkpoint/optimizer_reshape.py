@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from checkpoint.hf_reader import CheckpointError
+from checkpoint.errors import CheckpointError
+from checkpoint.names import engine_file
+from checkpoint.safe_load import load_pt
 
 OPTIMIZER_NAMES = "optimizer_param_names"
 
@@ -43,7 +45,7 @@ class MovedState:
 
 
 def stage_state_path(step_dir: str, stage: int) -> str:
-    return os.path.join(step_dir, f"mp_rank_{stage:02d}_model_states.pt")
+    return os.path.join(step_dir, engine_file(stage))
 
 
 def gather_moved_state(step_dir: str, num_saved_stages: int, wanted: set[str]) -> MovedState:
@@ -55,10 +57,7 @@ def gather_moved_state(step_dir: str, num_saved_stages: int, wanted: set[str]) -
         path = stage_state_path(step_dir, stage)
         if not os.path.exists(path):
             raise CheckpointError(f"{path}: missing; the checkpoint was saved with {num_saved_stages} stages")
-        try:
-            saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        except Exception as e:  # noqa: BLE001 - torch raises several types for a damaged zip
-            raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
+        saved = load_pt(path, mmap=True)
         names, optim = saved.get(OPTIMIZER_NAMES), saved.get("optimizer")
         if names is None or optim is None:
             raise CheckpointError(f"{path}: no per-parameter names recorded with its optimizer state; cannot move it")

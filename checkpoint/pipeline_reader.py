@@ -7,25 +7,19 @@ from collections.abc import Iterator
 
 import torch
 
-from checkpoint.hf_reader import CheckpointError
+from checkpoint.errors import CheckpointError
 from checkpoint.layer_files import find_layer_file, load_layer_state
-from checkpoint.saves import newest_checkpoint
+from checkpoint.names import engine_files
+from checkpoint.safe_load import check_pickles
+from checkpoint.saves import read_tag
 from models.layout import EMBED, KEY_TABLE, LM_HEAD, all_layer_keys, layer_file_name
-
-
-def read_tag(ckpt_dir: str, tag: str | None = None) -> str:
-    """`tag`, or the checkpoint to use in `ckpt_dir`: `latest`, or a newer complete one (checkpoint/saves.py)."""
-    if tag:
-        return tag
-    found = newest_checkpoint(ckpt_dir)
-    if found is None:
-        raise CheckpointError(f"{ckpt_dir}: no 'latest' file, so no checkpoint to load; pass a tag")
-    return found
 
 
 def _layer_files(ckpt_dir: str, config, tag: str | None):
     """(path, {our key: HF key}) per layer file, in layer order."""
     step_dir = os.path.join(ckpt_dir, read_tag(ckpt_dir, tag))
+    if os.path.isdir(step_dir):  # engine files are not needed here, but one that is unsafe means a tampered checkpoint
+        check_pickles(step_dir, engine_files(os.listdir(step_dir)))
     for index, keys in all_layer_keys(config).items():
         path = find_layer_file(step_dir, index)
         if path is None:
@@ -34,10 +28,7 @@ def _layer_files(ckpt_dir: str, config, tag: str | None):
 
 
 def _load_layer(path: str, keys: dict[str, str], mmap: bool) -> dict[str, torch.Tensor]:
-    try:
-        state = load_layer_state(path, mmap=mmap)
-    except Exception as e:  # damaged zip/pickle: several exception types
-        raise CheckpointError(f"{path}: cannot read layer file ({type(e).__name__})") from None
+    state = load_layer_state(path, mmap=mmap)
     if set(state) != set(keys):
         diff = sorted(set(state) ^ set(keys))
         raise CheckpointError(f"{path}: keys {diff} do not match the layout of this model")
@@ -61,7 +52,7 @@ def iter_layer_states(ckpt_dir: str, config, tag: str | None = None):
 
 
 def iter_hf_tensors(
-    ckpt_dir: str, config, tag: str | None = None, adapters: dict | None = None, scale: float = 1.0
+    ckpt_dir: str, config, tag: str | None = None, adapters: dict | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF key, tensor) for every weight of the checkpoint, reading one layer file at a time.
 
@@ -71,14 +62,13 @@ def iter_hf_tensors(
         ckpt_dir: pipeline checkpoint.
         config: its LlamaConfig.
         tag: default: the one in `latest`.
-        adapters: {layer index: LoRA adapter state} merged into the weights on the way (scale = alpha / r).
-        scale: LoRA alpha / r.
+        adapters: {layer index: {module: LoraDelta}} merged into the weights on the way.
     """
     from models.lora import merge_adapter
 
     for index, keys, state in iter_layer_states(ckpt_dir, config, tag):
         if adapters and index in adapters:
-            state = merge_adapter(state, adapters[index], scale)
+            state = merge_adapter(state, adapters[index])
         for ours, hf in keys.items():
             yield hf, state.pop(ours)
 

@@ -13,18 +13,7 @@ import struct
 
 import torch
 
-TORCH_TO_SAFETENSORS = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+from checkpoint.dtypes import SAFETENSORS_CODES, element_size
 
 
 class StreamingSafetensorsWriter:
@@ -40,8 +29,8 @@ class StreamingSafetensorsWriter:
         if metadata:
             header["__metadata__"] = metadata
         for name, shape, dtype in plan:
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            code = TORCH_TO_SAFETENSORS[dtype]
+            nbytes = math.prod(shape) * element_size(dtype)
+            code = SAFETENSORS_CODES[dtype]
             header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()

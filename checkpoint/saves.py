@@ -14,48 +14,12 @@ Between the rename and the `latest` update a crash leaves `latest` one checkpoin
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import shutil
 
-STAGING_PREFIX = ".saving-"
-DELETING_PREFIX = ".deleting-"
-TAG_PATTERN = re.compile(r"global_step(\d+)")
-
-
-def staging_tag(tag: str) -> str:
-    return f"{STAGING_PREFIX}{tag}"
-
-
-def _fsync_dir(path: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """Replace `path` with `text` so that readers see the old or the new content, never a mix."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def remove_tree(path: str) -> None:
-    """Delete a directory so that it never looks complete half-way: rename it aside first."""
-    if not os.path.exists(path):
-        return
-    parent, name = os.path.split(os.path.abspath(path))
-    aside = os.path.join(parent, f"{DELETING_PREFIX}{name}-{os.getpid()}")
-    os.replace(path, aside)
-    shutil.rmtree(aside, ignore_errors=True)
+from checkpoint.errors import CheckpointError
+from checkpoint.names import DELETING_PREFIX, LATEST, STAGING_PREFIX, TAG_PATTERN, staging_tag
+from checkpoint.staging import fsync_dir, remove_tree, write_text_atomic
 
 
 def clean_stale(output_dir: str) -> list[str]:
@@ -83,7 +47,7 @@ def complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:
 
 
 def read_latest(output_dir: str) -> str | None:
-    path = os.path.join(output_dir, "latest")
+    path = os.path.join(output_dir, LATEST)
     if not os.path.exists(path):
         return None
     with open(path) as f:
@@ -105,17 +69,28 @@ def newest_checkpoint(output_dir: str) -> str | None:
     return tag
 
 
-def publish(output_dir: str, tag: str, keep_last_n: int = 0) -> list[str]:
+def read_tag(ckpt_dir: str, tag: str | None = None) -> str:
+    """`tag`, or the checkpoint to use in `ckpt_dir`: `latest`, or a newer complete one. The one tag rule of
+    the trainer, export, inspect, verify and generate."""
+    if tag:
+        return tag
+    found = newest_checkpoint(ckpt_dir)
+    if found is None:
+        raise CheckpointError(f"{ckpt_dir}: no 'latest' file, so no checkpoint to load; pass a tag")
+    return found
+
+
+def publish_checkpoint(output_dir: str, tag: str, keep_last_n: int = 0) -> list[str]:
     """Rank 0, after every rank finished writing `.saving-<tag>`: make it `tag`, point `latest` at it,
     then apply retention. Returns the tags deleted by retention."""
     staging = os.path.join(output_dir, staging_tag(tag))
     final = os.path.join(output_dir, tag)
-    _fsync_dir(staging)
+    fsync_dir(staging)
     if os.path.exists(final):  # saved again at the same step (a resumed run): replace it
         remove_tree(final)
     os.replace(staging, final)
-    _fsync_dir(output_dir)
-    write_text_atomic(os.path.join(output_dir, "latest"), tag)
+    fsync_dir(output_dir)
+    write_text_atomic(os.path.join(output_dir, LATEST), tag)
     return prune(output_dir, keep_last_n, keep=tag)
 
 

@@ -19,10 +19,10 @@ import subprocess
 import sys
 import tempfile
 
-from checkpoint.hf_reader import CheckpointError
-from checkpoint.saves import write_text_atomic
+from checkpoint.errors import CheckpointError
+from checkpoint.names import LAYOUT_FILE
+from checkpoint.staging import write_text_atomic
 
-LAYOUT_FILE = "layout.json"
 LAYOUT_KEYS = ("num_stages", "dp_size", "stage_bounds")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from models.pipeline import IGNORE_INDEX
+from models.loss import IGNORE_INDEX
 
 
 class CausalLMCollator:

@@ -18,37 +18,11 @@ import torch
 from torch.utils.data import Dataset
 
 from data import sources
+from data.config import DataConfig
 from data.errors import DataError
-from training.config import DataConfig
+from data.sources import count_rows
 
-__all__ = ["DataError", "TokenizedDataset", "PlaceholderDataset", "count_rows", "encode_row", "read_jsonl"]
-
-
-def count_rows(spec) -> int:
-    """The sample count of one data file or several (JSONL: non-blank lines), without tokenizing."""
-    return sources.count_rows(spec)
-
-
-def read_jsonl(path: str) -> list[tuple[int, dict]]:
-    """[(line number, row)] for every non-blank line."""
-    rows = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-                rows.append((lineno, row))
-    except OSError as e:
-        raise DataError(f"{path}: cannot read data file ({e.strerror})") from None
-    if not rows:
-        raise DataError(f"{path}: empty dataset (no rows)")
-    return rows
+__all__ = ["DataError", "TokenizedDataset", "PlaceholderDataset", "count_rows", "encode_row"]
 
 
 def _encode_chunk(args) -> list[tuple[list[int], list[bool]]]:
@@ -103,11 +77,14 @@ def cache_key(path, tokenizer, seq_length: int, cfg: DataConfig, weights, seed: 
 def encode_messages(messages, tokenizer) -> tuple[list[int], list[bool]]:
     """A chat rendered with the tokenizer's chat template; targets: the assistant turns only.
 
-    Each assistant turn's target is what the template writes after the assistant header (its content
-    and end-of-turn marker): the text of the conversation up to that turn rendered with
-    `add_generation_prompt=True` is the context, the rendering including the turn minus that context
-    is the target. Templates must render a conversation's prefix as a prefix of the whole (every
-    common one does); one that does not is reported.
+    The whole conversation is rendered once and tokenized once, exactly as inference tokenizes it
+    (`tokenizer(rendered, add_special_tokens=False)`, what `apply_chat_template(tokenize=True)` does),
+    so training sees the token sequence serving produces. Each assistant turn's target is the text the
+    template writes after the assistant header: the conversation up to that turn rendered with
+    `add_generation_prompt=True` is its context, the rendering including the turn ends it. A token is a
+    target when its characters (the tokenizer's offsets) fall inside such a span; a token straddling a
+    boundary belongs to the span it overlaps. Templates must render a conversation's prefix as a prefix
+    of the whole (every common one does); one that does not is reported, as is a tokenizer without offsets.
     """
     if not isinstance(messages, list) or not messages:
         raise KeyError("'messages' must be a non-empty list of {role, content} objects")
@@ -122,26 +99,33 @@ def encode_messages(messages, tokenizer) -> tuple[list[int], list[bool]]:
             return ""
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
 
-    ids: list[int] = []
-    targets: list[bool] = []
-    text = ""
-
-    def extend(rendered: str, is_target: bool) -> None:
-        nonlocal text
-        if not rendered.startswith(text):
-            raise KeyError("the chat template does not render a conversation's start as a prefix of the whole")
-        piece = tokenizer(rendered[len(text) :], add_special_tokens=False)["input_ids"]
-        ids.extend(piece)
-        targets.extend([is_target] * len(piece))
-        text = rendered
-
+    text = render(messages)
+    spans = []  # [start, end) character spans of the assistant turns in `text`
     for i, message in enumerate(messages):
-        if message["role"] == "assistant":
-            extend(render(messages[:i], generation_prompt=True), False)
-        extend(render(messages[: i + 1]), message["role"] == "assistant")
-    if not any(targets):
+        if message["role"] != "assistant":
+            continue
+        context, upto = render(messages[:i], generation_prompt=True), render(messages[: i + 1])
+        if not (upto.startswith(context) and text.startswith(upto)):
+            raise KeyError("the chat template does not render a conversation's start as a prefix of the whole")
+        if len(upto) > len(context):
+            spans.append((len(context), len(upto)))
+    if not spans:
         raise KeyError("conversation has no assistant turn to learn from")
-    return ids, targets
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, TypeError, ValueError):
+        raise KeyError(
+            f"chat rows need a tokenizer with character offsets (a fast tokenizer, tokenizer.json); "
+            f"{type(tokenizer).__name__} has none"
+        ) from None
+    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+
+    def is_target(start: int, end: int) -> bool:
+        if start == end:  # zero-width (e.g. a trimmed offset): the span its position falls in
+            return any(s <= start < e for s, e in spans)
+        return any(start < e and end > s for s, e in spans)
+
+    return list(ids), [is_target(start, end) for start, end in offsets]
 
 
 def encode_row(row: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[bool]]:
@@ -247,6 +231,16 @@ class TokenizedDataset(Dataset):
 
     def target_tokens(self) -> int:
         return sum(int(t[1:].sum()) for _, t in self.samples)
+
+    def fingerprint(self) -> str:
+        """sha256 of the tokenized rows in dataset order (ids and targets): what training reads, whatever
+        files, mixture, tokenizer and settings produced it. A resume compares it (training/checkpointing.py)."""
+        digest = hashlib.sha256()
+        for ids, targets in self.samples:
+            digest.update(len(ids).to_bytes(8, "little"))
+            digest.update(ids.numpy().tobytes())
+            digest.update(targets.numpy().tobytes())
+        return digest.hexdigest()
 
 
 class PlaceholderDataset(Dataset):

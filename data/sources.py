@@ -42,6 +42,37 @@ def _check_format(path: str) -> None:
         raise DataError(f"{path}: cannot read data file (No such file or directory)")
 
 
+def read_jsonl(path: str) -> list[tuple[int, dict]]:
+    """[(line number, row)] for every non-blank line."""
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+                rows.append((lineno, row))
+    except OSError as e:
+        raise DataError(f"{path}: cannot read data file ({e.strerror})") from None
+    if not rows:
+        raise DataError(f"{path}: empty dataset (no rows)")
+    return rows
+
+
+def write_jsonl(path: str, rows: list[dict]) -> str:
+    """Write rows as a JSONL data file (one JSON object per line); returns `path`."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
 def count_source(path: str) -> int:
     """Row count of one source, cheaply: JSONL lines, Parquet metadata, the datasets' own count."""
     _check_format(path)
@@ -72,8 +103,6 @@ def read_source(path: str) -> list[tuple[str, dict]]:
     """[(location for messages, row)] of one source."""
     _check_format(path)
     if path.endswith(".jsonl"):
-        from data.dataset import read_jsonl
-
         return [(f"{path}:{lineno}", row) for lineno, row in read_jsonl(path)]
     if path.endswith(".json"):
         try:

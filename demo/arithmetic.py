@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
+
+from data.sources import write_jsonl
 
 
 def addition_rows(seed: int = 0) -> list[dict]:
@@ -12,14 +13,6 @@ def addition_rows(seed: int = 0) -> list[dict]:
     rows = [{"prompt": f"{a}+{b}=", "response": str(a + b)} for a in range(100) for b in range(100)]
     random.Random(seed).shuffle(rows)
     return rows
-
-
-def write_jsonl(path: str, rows: list[dict]) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    return path
 
 
 def write_splits(out_dir: str, num_eval: int = 1000, seed: int = 0) -> tuple[str, str]:

@@ -9,7 +9,7 @@ import argparse
 import os
 
 from demo.arithmetic import addition_rows, write_splits
-from demo.tiny_llama import make_hf_model, make_tokenizer, tiny_config
+from tools.tiny_models import make_hf_model, make_sp_tokenizer, tiny_config
 
 
 def main() -> None:
@@ -19,7 +19,7 @@ def main() -> None:
     args = p.parse_args()
     data_dir = os.path.join(args.out_dir, "data")
     train, evals = write_splits(data_dir, seed=args.seed)
-    tok_dir = make_tokenizer(
+    tok_dir = make_sp_tokenizer(
         os.path.join(args.out_dir, "tokenizer"), [r["prompt"] + r["response"] for r in addition_rows()]
     )
     from transformers import AutoTokenizer

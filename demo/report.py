@@ -2,7 +2,7 @@
 
     python -m demo.report RUN_DIR EVAL_JSONL [--limit N]
 
-Accuracy loads the trained pipeline checkpoint into `transformers.LlamaForCausalLM` and answers
+Accuracy loads the trained pipeline checkpoint into a transformers `LlamaForCausalLM` and answers
 held-out sums with greedy decoding.
 """
 
@@ -16,15 +16,12 @@ import torch
 
 
 def exact_match(run_dir: str, eval_file: str, limit: int) -> tuple[int, int, list[str]]:
-    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
-    from checkpoint.pipeline_reader import load_hf_state_dict
+    from checkpoint.hf_model import load_causal_lm
 
-    config = AutoConfig.from_pretrained(run_dir)
     tokenizer = AutoTokenizer.from_pretrained(run_dir)
-    model = LlamaForCausalLM(config)
-    model.load_state_dict(load_hf_state_dict(run_dir, config), strict=True)
-    model.eval()
+    model = load_causal_lm(run_dir)
     rows = [json.loads(line) for line in open(eval_file)][:limit]
     correct, examples = 0, []
     with torch.inference_mode():

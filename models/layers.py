@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from models.layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
+
 
 class Fp32RotaryEmbedding(LlamaRotaryEmbedding):
     """HF's rotary embedding whose `inv_freq` stays fp32 when the module is cast to bf16/fp16.
@@ -108,6 +110,23 @@ class LMHeadPipe(nn.Linear):
 def tied_lm_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
     """LM head that reuses the (tied) input embedding's weight: `TiedLayerSpec.forward_fn`."""
     return F.linear(hidden, embedding.weight)  # [B, S, V]
+
+
+def layer_class_and_args(layer: PipeLayer, config) -> tuple[type[nn.Module], tuple]:
+    """The module class of a pipeline layer and its constructor arguments (the one kind -> module table).
+
+    A tied LM head has no module of its own: callers build the embedding's class and apply
+    `tied_lm_head_forward` (DeepSpeed's `TiedLayerSpec`).
+    """
+    if layer.kind == DECODER:
+        return DecoderLayerPipe, (config, layer.block)
+    cls = {EMBED: EmbeddingPipe, NORM: NormPipe, LM_HEAD: EmbeddingPipe if not layer.has_file else LMHeadPipe}
+    return cls[layer.kind], (config,)
+
+
+def build_layer(layer: PipeLayer, config) -> nn.Module:
+    cls, args = layer_class_and_args(layer, config)
+    return cls(*args)
 
 
 @torch.no_grad()

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 EMBED, DECODER, NORM, LM_HEAD = "embed", "decoder", "norm", "lm_head"
 
+DECODER_PREFIX = "model.layers.{}."  # HF name of decoder block {} (the module; its keys follow)
+
 # kind -> {key inside our layer module: HF key template}. "{}" stands for the decoder block number.
 KEY_TABLE: dict[str, dict[str, str]] = {
     EMBED: {"weight": "model.embed_tokens.weight"},
@@ -77,18 +79,54 @@ class PipeLayer:
     has_file: bool = True
 
 
+def decoder_index(block: int) -> int:
+    """Pipeline layer index of decoder block `block` (HF `model.layers.{block}`)."""
+    return block + 1
+
+
+def num_pipe_layers(num_layers: int) -> int:
+    """Length of the pipeline layer list: embedding, `num_layers` blocks, norm, head."""
+    return num_layers + 3
+
+
 def pipe_layers(num_layers: int, tie_word_embeddings: bool) -> list[PipeLayer]:
     """The pipeline layer list for a model with `num_layers` decoder blocks."""
     layers = [PipeLayer(0, EMBED)]
-    layers += [PipeLayer(b + 1, DECODER, block=b) for b in range(num_layers)]
+    layers += [PipeLayer(decoder_index(b), DECODER, block=b) for b in range(num_layers)]
     layers.append(PipeLayer(num_layers + 1, NORM))
     layers.append(PipeLayer(num_layers + 2, LM_HEAD, has_file=not tie_word_embeddings))
     return layers
 
 
-def layer_file_name(index: int, tp_rank: int = 0) -> str:
+def block_of(index: int, num_layers: int) -> int | None:
+    """The decoder block at pipeline layer `index`, or None for the embedding, norm and head."""
+    return index - 1 if 1 <= index <= num_layers else None
+
+
+def stage_bounds_from_blocks(blocks_per_stage: list[int]) -> list[int]:
+    """Stage bounds (layer indices) from decoder blocks per stage: the embedding joins the first stage,
+    the norm and head the last. Stage s owns layers [bounds[s], bounds[s + 1])."""
+    bounds, blocks = [0], 0
+    for n in blocks_per_stage:
+        blocks += n
+        bounds.append(decoder_index(blocks - 1) + 1)  # one past the stage's last block
+    bounds[-1] = num_pipe_layers(blocks)
+    return bounds
+
+
+LAYER_FILE_FORMATS = ("pt", "safetensors")
+_LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.(pt|safetensors)")
+
+
+def layer_file_name(index: int, tp_rank: int = 0, fmt: str = "pt") -> str:
     """DeepSpeed's per-layer file name; zero-padded because DeepSpeed globs `layer_XX-*`."""
-    return f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt"
+    return f"layer_{index:02d}-model_{tp_rank:02d}-model_states.{fmt}"
+
+
+def parse_layer_file_name(name: str) -> tuple[int, int, str] | None:
+    """(layer index, TP rank, format) of a layer file name, or None for any other file."""
+    m = _LAYER_FILE.fullmatch(name)
+    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
 
 
 def layer_keys(layer: PipeLayer, config) -> dict[str, str]:
@@ -125,12 +163,22 @@ def hf_key_to_layer(hf_key: str, num_layers: int, tie_word_embeddings: bool) -> 
             block = int(m.group(1))
             if block >= num_layers:
                 raise KeyError(f"{hf_key}: block {block} >= num_hidden_layers={num_layers}")
-            return block + 1, ours
+            return decoder_index(block), ours
         if kind == NORM:
             return num_layers + 1, ours
         # LM head: with tied embeddings it is the embedding's weight, stored once in layer 0.
         return None if tie_word_embeddings else (num_layers + 2, ours)
     raise KeyError(f"{hf_key}: not a key of the LLaMA layout")
+
+
+def linear_modules() -> list[str]:
+    """The linear layers of a decoder block, as named inside it ("self_attn.q_proj", ...): what LoRA can adapt."""
+    return [k.removesuffix(".weight") for k in KEY_TABLE[DECODER] if k.endswith("_proj.weight")]
+
+
+def hf_decoder_module(block: int, module: str) -> str:
+    """HF name of a module of decoder block `block`: (3, "self_attn.q_proj") -> "model.layers.3.self_attn.q_proj"."""
+    return DECODER_PREFIX.format(block) + module
 
 
 def all_layer_keys(config) -> dict[int, dict[str, str]]:

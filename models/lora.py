@@ -8,12 +8,26 @@ parameter is frozen. Keys inside a layer follow peft: the base `self_attn.q_proj
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+from models.layout import linear_modules
+
 ADAPTER = "default"
 LORA_A, LORA_B = f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"
+
+
+def check_target_modules(targets: list[str]) -> None:
+    """Every `lora.target_modules` entry must name a linear layer of the decoder (PEFT matches a name or its
+    last dotted parts; it only complains when nothing at all matches). Raises ValueError naming the entry."""
+    modules = linear_modules()
+    for target in targets:
+        if not any(m == target or m.endswith("." + target) for m in modules):
+            names = ", ".join(m.rsplit(".", 1)[-1] for m in modules)
+            raise ValueError(f"lora.target_modules: {target!r} is not a linear layer of the decoder ({names})")
 
 
 def add_lora(module: nn.Module, r: int, alpha: float, dropout: float, target_modules: list[str], seed: int) -> int:
@@ -39,20 +53,26 @@ def add_lora(module: nn.Module, r: int, alpha: float, dropout: float, target_mod
     return trainable
 
 
-def merge_adapter(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], scale: float) -> dict:
-    """Merge one layer's adapter into its base weights (keys as in the base layer file).
+@dataclass(frozen=True)
+class LoraDelta:
+    """One adapted module: W += scale * B @ A, with A [r, in], B [out, r]."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+
+def merge_adapter(base: dict[str, torch.Tensor], deltas: dict[str, LoraDelta]) -> dict[str, torch.Tensor]:
+    """Merge one layer's adapters into its base weights (keys as in the base layer file).
 
     Args:
         base: {"self_attn.q_proj.weight": W [out, in], ...} (plain keys, no `base_layer`).
-        adapter: {"self_attn.q_proj.lora_A.default.weight": A [r, in], "...lora_B...": B [out, r]}.
-        scale: alpha / r.
+        deltas: {"self_attn.q_proj": LoraDelta, ...}.
+
+    The arithmetic is PEFT's `merge_and_unload` for fp32 weights: W + (B @ A) * scale, in fp32.
     """
     merged = dict(base)
-    for key, a in adapter.items():
-        if not key.endswith(LORA_A):
-            continue
-        prefix = key.removesuffix(LORA_A)
-        b = adapter[prefix + LORA_B]
-        w = base[prefix + ".weight"]
-        merged[prefix + ".weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+    for module, d in deltas.items():
+        w = base[module + ".weight"]
+        merged[module + ".weight"] = (w.float() + (d.b.float() @ d.a.float()) * d.scale).to(w.dtype)
     return merged

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -14,8 +15,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from demo.arithmetic import addition_rows, write_jsonl  # noqa: E402
-from demo.tiny_llama import make_hf_model, make_tokenizer, tiny_config  # noqa: E402
+from data.sources import write_jsonl  # noqa: E402
+from tools.tiny_models import make_hf_model, make_sp_tokenizer, tiny_config  # noqa: E402
 
 # name -> LlamaConfig overrides. vocab 64 >= every test tokenizer.
 MODEL_VARIANTS = {
@@ -23,6 +24,13 @@ MODEL_VARIANTS = {
     "gqa": dict(num_attention_heads=4, num_key_value_heads=2),
     "tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
 }
+
+
+def addition_rows(seed: int = 0) -> list[dict]:
+    """Two-digit sums as prompt/response rows (the demo's task), shuffled with `seed`."""
+    rows = [{"prompt": f"{a}+{b}=", "response": str(a + b)} for a in range(100) for b in range(100)]
+    random.Random(seed).shuffle(rows)
+    return rows
 
 
 def free_port() -> int:
@@ -92,7 +100,7 @@ def workdir(tmp_path_factory) -> Path:
 def tokenizer_dir(workdir) -> str:
     texts = [r["prompt"] + r["response"] for r in addition_rows()[:2000]]
     texts += ["the quick brown fox jumps over the lazy dog", "pipeline parallel training of language models"] * 20
-    return make_tokenizer(str(workdir / "tokenizer"), texts, vocab_size=60)
+    return make_sp_tokenizer(str(workdir / "tokenizer"), texts, vocab_size=60)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import torch
 from data.dataset import TokenizedDataset
 from data.sampling import TrainPlan
 from models.lora import add_lora
-from models.pipeline import IGNORE_INDEX
+from models.loss import IGNORE_INDEX
 from training.config import TrainConfig
 from training.engine import make_optimizer
 

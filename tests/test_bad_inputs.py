@@ -2,7 +2,8 @@
 exits non-zero, leaves no output that looks complete, and leaves its inputs untouched.
 
 Each case builds its own inputs under tmp_path and returns (command, expected fragment, output
-path, input paths). The inputs are hashed before and after the command.
+path, input paths[, ranks]). The inputs are hashed before and after the command. A multi-rank case
+expects the one-line error once per rank (every rank learns of a failure on any rank) and no traceback.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_cmd, small_run
+from tests.conftest import REPO, free_port, run_cmd, small_run
+
+pytestmark = pytest.mark.slow
 
 CASES = {}
 
@@ -84,6 +87,20 @@ def tokenizer_larger_than_embedding(t):
     tok.add_tokens([f"<extra_{i}>" for i in range(80)])
     tok.save_pretrained(str(src))
     return convert_cmd(src, t.out), "vocab_size=64", t.out, [src]
+
+
+@case
+def shard_size_transformers_does_not_accept(t):
+    out = t.tmp / "hf"
+    cmd = [sys.executable, "convert2ckpt.py", "--to-hf", "--input", t.ckpt, "--output", str(out),
+           "--max-shard-size", "5G"]  # fmt: skip
+    return cmd, "--max-shard-size 5G: expected a whole number with a unit", out, [t.ckpt]
+
+
+@case
+def empty_layer_range(t):
+    cmd = [*convert_cmd(t.hf["gqa"], t.out), "--layers", "5-2"]
+    return cmd, "--layers 5-2: 5-2 is an empty range", t.out, [t.hf["gqa"]]
 
 
 @case
@@ -161,6 +178,29 @@ def flash_attention_without_flash_attn(t):
 
 
 @case
+def unknown_lora_target_module(t):
+    cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, **{"lora.enabled": "true",
+                                                            "lora.target_modules": "[q_proj,qproj]"}))  # fmt: skip
+    return cmd, "lora.target_modules: 'qproj' is not a linear layer of the decoder", t.out, [t.ckpt]
+
+
+@case
+def checkpoint_without_tokenizer_files(t):
+    ckpt = copy(t.ckpt, t.tmp / "ckpt")
+    for name in os.listdir(ckpt):
+        if name.startswith(("tokenizer", "special_tokens")):
+            os.remove(ckpt / name)
+    cmd = trainer_cmd(*run_args(str(ckpt), t.out, t.train))
+    return cmd, f"model_name_or_path {ckpt}: no tokenizer files", t.out, [ckpt]
+
+
+@case
+def do_eval_without_eval_file(t):
+    cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, do_eval="true"))
+    return cmd, "do_eval=true needs eval_file", t.out, [t.ckpt]
+
+
+@case
 def resume_without_checkpoint(t):
     cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, resume="true"))
     return cmd, f"resume=true but output_dir {t.out} holds no checkpoint", t.out, [t.ckpt]
@@ -189,6 +229,17 @@ def jsonl_row_not_json(t):
     data = t.tmp / "bad.jsonl"
     data.write_text('{"text": "one two"}\n{"text": "three\n')
     return trainer_cmd(*run_args(t.ckpt, t.out, str(data))), f"{data}:2: not valid JSON", t.out, [t.ckpt, data]
+
+
+@case
+def bad_json_row_on_four_ranks(t):
+    """Rank 0 finds the bad row while tokenizing; ranks 1-3 learn of it and exit with the same line."""
+    data = t.tmp / "bad.jsonl"
+    data.write_text('{"text": "one two"}\n{"text": "three\n' + '{"text": "four"}\n' * 30)
+    launcher = str(Path(sys.executable).parent / "deepspeed")
+    cmd = [launcher, "--num_gpus", "4", "--master_port", str(free_port()), "trainer.py",
+           *run_args(t.ckpt, t.out, str(data), num_stages=2)]  # fmt: skip
+    return cmd, f"{data}:2: not valid JSON", t.out, [t.ckpt, data], 4
 
 
 @case
@@ -253,10 +304,16 @@ def test_catalogue_is_large_enough():
     assert len(CASES) >= 15
 
 
+def test_readme_counts_the_catalogue():
+    readme = (REPO / "README.md").read_text()
+    assert f"`tests/test_bad_inputs.py` is the catalogue ({len(CASES)} cases)" in readme
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input(name, hf_models, converted, sft_data, tmp_path, monkeypatch):
     t = Inputs(tmp_path, hf_models, converted, sft_data)
-    cmd, fragment, out, inputs = CASES[name](t)
+    cmd, fragment, out, inputs, *rest = CASES[name](t)
+    ranks = rest[0] if rest else 1
     before = digest(inputs)
     for key, value in t.env.items():
         monkeypatch.setenv(key, value)
@@ -264,7 +321,8 @@ def test_bad_input(name, hf_models, converted, sft_data, tmp_path, monkeypatch):
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if fragment in line]  # the message is one line
-    assert errors, proc.stderr[-3000:]
+    assert errors and (ranks == 1 or len(errors) == ranks), proc.stderr[-3000:]  # once on every rank
+    assert all(line == errors[0] for line in errors), errors
     assert digest(inputs) == before, "inputs changed"
     assert not looks_complete(out, inputs), os.listdir(out)
     if out is not None and out.exists():

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from demo.tiny_llama import tiny_config
-from models.pipeline import stage_bounds
+from models.partition import stage_bounds
 from tests.conftest import REPO, check, run_cmd
+from tools.tiny_models import tiny_config
 
 
 def trainer(*overrides: str):
@@ -37,6 +37,7 @@ def assert_clean_error(proc, fragment: str):
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_plain_python_single_rank_run(converted, sft_data, tmp_path):
     out = tmp_path / "run"
     check(trainer(*base(converted, sft_data, out), "gradient_accumulation_steps=2", "--local_rank=0"))
@@ -85,6 +86,7 @@ def test_stage_bounds_rules():
         stage_bounds(config, 2, "params")
 
 
+@pytest.mark.slow
 def test_safetensors_layer_files_train_export_and_verify(hf_models, converted, sft_data, tmp_path):
     """--format safetensors: the trainer loads it (same eval as .pt), export is bit-identical, verify passes."""
     ckpt = tmp_path / "st"
@@ -119,6 +121,7 @@ def test_safetensors_layer_files_train_export_and_verify(hf_models, converted, s
     assert run_cmd([sys.executable, "convert2ckpt.py", "--verify", str(ckpt)]).returncode == 0
 
 
+@pytest.mark.slow
 def test_hydra_multirun_sweeps_learning_rate(converted, sft_data, tmp_path):
     """`trainer.py -m learning_rate=a,b output_dir=.../lr_${learning_rate}`: one run per value, in one process."""
     args = base(converted, sft_data, tmp_path / "lr_${learning_rate}")

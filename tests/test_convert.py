@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 
 from checkpoint.convert import convert_hf_to_pipeline
 from checkpoint.pipeline_reader import load_hf_state_dict
-from demo.tiny_llama import make_hf_model, tiny_config
 from models.layout import DECODER, EMBED, LM_HEAD, NORM, layer_file_name, layer_keys, pipe_layers
 from tests.conftest import REPO, run_cmd
+from tools.tiny_models import make_hf_model, tiny_config
 
 
 def hf_state(hf_dir: str) -> dict[str, torch.Tensor]:
@@ -60,8 +60,8 @@ def test_layer_modules_match_hf_at_70b_shapes():
     from omegaconf import OmegaConf
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from models.config import ARCH_KEYS
     from models.layers import DecoderLayerPipe, EmbeddingPipe, LMHeadPipe, NormPipe
-    from training.setup import ARCH_KEYS
 
     preset = OmegaConf.load(REPO / "conf" / "model" / "llama2_70b.yaml")  # the shipped preset, source cited there
     config = LlamaConfig(**{k: preset[k] for k in ARCH_KEYS if k != "rope_theta"})
@@ -128,6 +128,7 @@ def _expect_error(args: list[str], fragment: str, out_dir: str | None = None):
         assert not [n for n in os.listdir(os.path.dirname(out_dir)) if ".tmp-" in n]
 
 
+@pytest.mark.slow
 def test_existing_output_is_refused_unless_forced(tmp_path, hf_models, converted):
     """(The other conversion errors are in tests/test_bad_inputs.py.)"""
     before = sorted(os.listdir(os.path.join(converted["gqa"], "global_step0")))
@@ -159,6 +160,7 @@ def test_old_rotary_buffers_are_dropped(tmp_path, hf_models):
     assert stats.tensors == len(hf_state(hf_models["gqa"]))
 
 
+@pytest.mark.slow
 def test_pieces_by_layers_and_stages_combine_into_one_checkpoint(tmp_path, hf_models, converted):
     """Convert a model in pieces (as on several machines), combine: identical to a one-shot conversion."""
     src = hf_models["tied"]

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 import torch
 
 from data.collator import CausalLMCollator
+from data.config import DataConfig
 from data.dataset import DataError, TokenizedDataset, count_rows, encode_row
 from data.sampling import TrainPlan, eval_indices
-from models.pipeline import IGNORE_INDEX, CausalLMLoss
-from training.config import DataConfig
+from models.loss import IGNORE_INDEX, CausalLMLoss
 
 
 @pytest.fixture(scope="module")
@@ -112,47 +111,81 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Llama-2's: the system prompt folded into the first [INST], each answer followed by " </s>".
+LLAMA2 = (
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+    "{% set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% if loop.first and system %}{% set text = '<<SYS>>\n' + system + '\n<</SYS>>\n\n' + m['content'] %}"
+    "{% else %}{% set text = m['content'] %}{% endif %}{{ bos_token + '[INST] ' + text + ' [/INST]' }}"
+    "{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+# template -> (text before an answer's content inside its span, text after it): what the targets must be.
+ANSWER_SPANS = {"chatml": ("", "<|im_end|>\n"), "llama2": (" ", " {eos}")}
+CONVERSATION = [
+    {"role": "system", "content": "add numbers"},
+    {"role": "user", "content": "12+30="},
+    {"role": "assistant", "content": "42"},
+    {"role": "user", "content": "5+8= and\nthen?"},
+    {"role": "assistant", "content": "13, then 99+1=100"},
+]
 
 
-def norm(text: str) -> str:
-    return re.sub(r"[^0-9a-z+=]", "", text)
+@pytest.fixture(scope="module")
+def chat_tokenizers(tmp_path_factory):
+    """A sentencepiece LLaMA tokenizer (byte fallback) and a byte-level BPE tokenizer.json tokenizer."""
+    from tools.tiny_models import SAMPLE_TEXTS, make_bpe_tokenizer, make_sp_tokenizer
+
+    texts = SAMPLE_TEXTS * 20 + ["<|im_start|>user\nhi<|im_end|>\n[INST] <<SYS>>\nsystem\n<</SYS>>\n\nx [/INST] y"] * 5
+    root = tmp_path_factory.mktemp("chat_tokenizers")
+    return {
+        "sentencepiece": make_sp_tokenizer(str(root / "sp"), texts, vocab_size=320, byte_fallback=True),
+        "bpe": make_bpe_tokenizer(str(root / "bpe"), texts, vocab_size=320, special_tokens=["<|im_start|>",
+                                                                                           "<|im_end|>"]),
+    }
 
 
-def test_chat_messages_learn_assistant_turns_only(tokenizer_dir, tmp_path):
+@pytest.mark.parametrize("template", ["chatml", "llama2"])
+@pytest.mark.parametrize("kind", ["sentencepiece", "bpe"])
+def test_chat_tokens_equal_inference_tokens_and_targets_are_the_answers(kind, template, chat_tokenizers):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tok.chat_template = CHATML
-    messages = [
-        {"role": "system", "content": "add numbers"},
-        {"role": "user", "content": "12+30="},
-        {"role": "assistant", "content": "42"},
-        {"role": "user", "content": "5+8="},
-        {"role": "assistant", "content": "13"},
-    ]
-    ids, targets = encode_row({"messages": messages}, tok, DataConfig())
-    assert len(ids) == len(targets)
-    runs, current = [], []  # contiguous target spans, decoded
-    for token, is_target in zip(ids, targets, strict=True):
-        if is_target:
-            current.append(token)
-        elif current:
-            runs.append(norm(tok.decode(current)))
-            current = []
-    if current:
-        runs.append(norm(tok.decode(current)))
-    assert runs == ["42imend", "13imend"]  # content + end-of-turn marker (this tiny vocabulary drops <|_|>)
-    context = norm(tok.decode([t for t, is_t in zip(ids, targets, strict=True) if not is_t]))
-    assert "12+30=" in context and "5+8=" in context and "assistant" in context and "42" not in context
-    # The rendering is the template's own: the ids decode to what apply_chat_template writes.
-    full = tok.apply_chat_template(messages, tokenize=False)
-    assert norm(tok.decode(ids)) == norm(full)
+    tok = AutoTokenizer.from_pretrained(chat_tokenizers[kind])
+    tok.chat_template = CHATML if template == "chatml" else LLAMA2
+    ids, targets = encode_row({"messages": CONVERSATION}, tok, DataConfig())
+    text = tok.apply_chat_template(CONVERSATION, tokenize=False)
+    # The tokens trained on are the tokens inference produces for the same conversation.
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == list(tok.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True)["input_ids"])
+    # Targets: exactly each answer's content and end-of-turn marker, token boundaries on the span edges.
+    before, after = ANSWER_SPANS[template]
+    after = after.format(eos=tok.eos_token)
+    spans, cursor = [], 0
+    for m in CONVERSATION:
+        if m["role"] == "assistant":
+            start = text.index(before + m["content"] + after, cursor)
+            spans.append((start, start + len(before + m["content"] + after)))
+            cursor = spans[-1][1]
+    offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    for start, end in spans:
+        inside = [o for o, t in zip(offsets, targets, strict=True) if t and start <= o[0] < end]
+        assert inside and inside[0][0] == start and inside[-1][1] == end, (text[start:end], inside)
+        assert all(a[1] == b[0] for a, b in zip(inside, inside[1:]) if a[1] != a[0]), inside  # contiguous
+    expected = [any(s <= o[0] and o[1] <= e for s, e in spans) for o in offsets]
+    assert targets == expected
+    assert sum(targets) < len(targets) / 2  # headers, system and user turns are context
 
+
+def test_chat_rows_errors(tokenizer_dir, chat_tokenizers, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chat_tokenizers["bpe"])
+    tok.chat_template = CHATML
     path = tmp_path / "chat.jsonl"
-    path.write_text(json.dumps({"messages": messages}) + "\n")
+    path.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
     tok.save_pretrained(tmp_path / "tok")
     ds = TokenizedDataset(str(path), AutoTokenizer.from_pretrained(tmp_path / "tok"), 256, DataConfig())
-    assert ds[0][1].tolist() == targets
+    assert ds[0][1].tolist() == encode_row({"messages": CONVERSATION}, tok, DataConfig())[1]
     for bad, msg in [
         ([{"role": "user", "content": "hi"}], "no assistant turn"),
         ([{"role": "user"}], "string 'role' and a string 'content'"),
@@ -161,7 +194,7 @@ def test_chat_messages_learn_assistant_turns_only(tokenizer_dir, tmp_path):
         path.write_text(json.dumps({"messages": bad}) + "\n")
         with pytest.raises(DataError, match=rf"chat.jsonl:1: .*{msg}"):
             TokenizedDataset(str(path), tok, 64, DataConfig())
-    path.write_text(json.dumps({"messages": messages}) + "\n")
+    path.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
     with pytest.raises(DataError, match="chat.jsonl:1: rows with 'messages' need a tokenizer with a chat template"):
         TokenizedDataset(str(path), AutoTokenizer.from_pretrained(tokenizer_dir), 64, DataConfig())
 
@@ -216,6 +249,7 @@ def test_weighted_mixture_keeps_total_and_repeats_evenly(tokenizer, tmp_path):
         mixture([3, 2], [1.0], 0)
 
 
+@pytest.mark.slow
 def test_trainer_mixes_parquet_and_datasets_dir(converted, tmp_path):
     """train_file=[a.parquet, b_dataset_dir] with data.train_weights=[1,3]: 40 rows, 30 of them from b."""
     import sys
@@ -227,13 +261,14 @@ def test_trainer_mixes_parquet_and_datasets_dir(converted, tmp_path):
     a = write_formats([{"prompt": f"{i}+1=", "response": str(i + 1)} for i in range(30)], tmp_path / "a")
     b = write_formats([{"prompt": f"{i}+2=", "response": str(i + 2)} for i in range(10)], tmp_path / "b")
     out = tmp_path / "run"
-    args = [f"model_name_or_path={converted['gqa']}", f"output_dir={out}", "do_eval=false", "seq_length=16",
+    args = [f"model_name_or_path={converted['gqa']}", f"output_dir={out}", "seq_length=16",
             "micro_batch_size=4", "max_steps=2", "deepspeed=fp32", f"train_file=[{a['parquet']},{b['datasets']}]",
             "data.train_weights=[1,3]"]  # fmt: skip
     proc = run_cmd([sys.executable, "trainer.py", *args], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.load(open(out / "data_report.json"))["train"]
     assert report["rows"] == 40 and report["rows_without_targets"] == 0
+    assert not (out / "eval_results.json").exists()  # no eval_file given and do_eval unset: no evaluation
     bad = run_cmd([sys.executable, "trainer.py", *args[:-1], "data.train_weights=[1]"], timeout=300)
     assert bad.returncode == 2 and "data.train_weights has 1 entries for 2 train files" in bad.stderr
 

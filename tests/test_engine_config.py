@@ -9,8 +9,14 @@ from omegaconf import OmegaConf
 from tests.conftest import REPO
 from training.config import TrainConfig, register_configs
 from training.engine import WarmupDecay, deepspeed_config
+from training.topology import Coords
 
 register_configs()
+
+
+def dp(size: int) -> Coords:
+    """Rank 0 of a run with `size` data-parallel ranks and one stage."""
+    return Coords(rank=0, world=size, num_stages=1)
 
 
 def load(*overrides: str) -> TrainConfig:
@@ -19,17 +25,17 @@ def load(*overrides: str) -> TrainConfig:
 
 
 def test_presets_give_the_documented_engine_configs():
-    bf16 = deepspeed_config(load("deepspeed=bf16_zero1", "micro_batch_size=2", "gradient_accumulation_steps=4"), 2)
+    bf16 = deepspeed_config(load("deepspeed=bf16_zero1", "micro_batch_size=2", "gradient_accumulation_steps=4"), dp(2))
     assert bf16["bf16"] == {"enabled": True} and bf16["data_types"] == {"grad_accum_dtype": "fp32"}
     assert bf16["zero_optimization"]["stage"] == 1 and bf16["train_batch_size"] == 16
     assert bf16["pipeline"] == {"use_reentrant": False}
-    fp16 = deepspeed_config(load("deepspeed=fp16_offload"), 1)
+    fp16 = deepspeed_config(load("deepspeed=fp16_offload"), dp(1))
     assert fp16["fp16"]["enabled"] and fp16["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-    cpu = deepspeed_config(load("deepspeed=fp32"), 1)
+    cpu = deepspeed_config(load("deepspeed=fp32"), dp(1))
     assert "bf16" not in cpu and "fp16" not in cpu and cpu["zero_optimization"]["stage"] == 0
-    assert deepspeed_config(load("optim.max_grad_norm=0"), 1)["gradient_clipping"] == float("inf")
+    assert deepspeed_config(load("optim.max_grad_norm=0"), dp(1))["gradient_clipping"] == float("inf")
     with pytest.raises(ValueError, match="issue 3866"):
-        deepspeed_config(load("deepspeed=bf16_zero1", "deepspeed.offload_optimizer=true"), 1)
+        deepspeed_config(load("deepspeed=bf16_zero1", "deepspeed.offload_optimizer=true"), dp(1))
 
 
 @pytest.mark.parametrize(
@@ -45,7 +51,7 @@ def test_presets_give_the_documented_engine_configs():
 def test_experiment_recipes_resolve_and_fit_80gb(name, stages, world, precision, max_gib):
     """Every recipe composes, and its estimated memory per GPU (tools/memory_estimate.py) fits an 80 GB GPU."""
     from tools.memory_estimate import GIB, estimate
-    from training.setup import load_model_config
+    from training.assembly import load_model_config
 
     cfg = load(f"experiment={name}")
     assert cfg.num_stages == stages and cfg.deepspeed.precision == precision
@@ -63,3 +69,66 @@ def test_warmup_then_cosine_to_min_ratio():
     assert s(10) == pytest.approx(1.0) and s(110) == pytest.approx(0.1) and s(60) == pytest.approx(0.55)
     assert WarmupDecay(100, 0, "linear", 0.0)(50) == pytest.approx(0.5)
     assert WarmupDecay(100, 0, "constant", 0.0)(99) == 1.0
+
+
+@pytest.mark.parametrize("cuda,bf16,expected", [(True, True, "bf16"), (True, False, "fp16"), (False, False, "fp32")])
+def test_auto_precision_follows_the_hardware(cuda, bf16, expected, monkeypatch):
+    """deepspeed=auto: bf16 on a bf16 GPU, fp16 with dynamic loss scaling on a GPU without bf16 (V100, T4),
+    fp32 on CPU; the choice is logged with its reason. The memory planner plans for a bf16 GPU by the same rule."""
+    import torch
+
+    from training.engine import describe_auto_precision, resolve_precision
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    assert resolve_precision("auto") == expected and resolve_precision("fp32") == "fp32"
+    assert resolve_precision("auto", auto="bf16") == "bf16"
+    conf = deepspeed_config(load("deepspeed=auto"), dp(1))
+    assert conf["zero_optimization"]["stage"] == (1 if cuda else 0)
+    if expected == "fp16":
+        assert conf["fp16"]["enabled"] and conf["fp16"]["loss_scale"] == 0  # 0: dynamic loss scaling
+        assert "dynamic loss scaling" in describe_auto_precision("fp16") and "bf16" not in conf
+    else:
+        assert "fp16" not in conf and ("bf16" in conf) == (expected == "bf16")
+
+
+def test_resume_refuses_a_different_data_order():
+    from training.checkpointing import check_data_state
+    from training.errors import RunError
+
+    saved = {"seed": 1, "global_batch_size": 8, "seq_length": 16, "train_weights": None, "num_train_rows": 40,
+             "train_rows_sha256": "a" * 64}  # fmt: skip
+    check_data_state(saved, dict(saved), "global_step3")
+    check_data_state({"seed": 1, "num_train_rows": 40}, dict(saved), "global_step3")  # older saves: fewer keys
+    for key, value, message in [
+        ("train_rows_sha256", "b" * 64, "the tokenized training rows differ"),
+        ("seq_length", 32, "seq_length=32 but the checkpoint global_step3 was saved with 16"),
+        ("global_batch_size", 4, "global_batch_size=4"),
+        ("train_weights", [1.0, 3.0], "train_weights=[1.0, 3.0]"),
+    ]:
+        with pytest.raises(RunError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            check_data_state(saved, {**saved, key: value}, "global_step3")
+
+
+def test_checkpoint_types_deepspeed_writes_pass_the_pickle_scan(tmp_path):
+    """ZeRO shards hold a few DeepSpeed objects (plain data): the scan `--verify` runs accepts exactly these,
+    and our own loads the numpy RNG state; any other global is refused, named."""
+    import numpy as np
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from checkpoint.errors import CheckpointError
+    from checkpoint.safe_load import check_pickles, load_pt
+
+    state = {"a": fragment_address(numel=4, start=8), "s": DynamicLossScaler(2**16, 1000, 1, 2, False),
+             "z": ZeroStageEnum.optimizer_states, "t": torch.ones(3)}  # fmt: skip
+    torch.save(state, tmp_path / "zero.pt")
+    torch.save({"rng": np.random.get_state(), "t": torch.ones(3)}, tmp_path / "rng.pt")
+    check_pickles(str(tmp_path), ["zero.pt", "rng.pt"])
+    assert load_pt(str(tmp_path / "rng.pt"))["rng"][0] == "MT19937"
+    torch.save({"x": print}, tmp_path / "code.pt")  # any other global: refused, named
+    for refuse in (lambda: check_pickles(str(tmp_path), ["code.pt"]), lambda: load_pt(str(tmp_path / "code.pt"))):
+        with pytest.raises(CheckpointError, match="code.pt: refused: it names builtins.print"):
+            refuse()

@@ -61,6 +61,7 @@ def _expect_error(args, fragment, out):
     assert not os.path.exists(out)
 
 
+@pytest.mark.slow
 def test_export_errors(converted, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(converted["gqa"], broken)
@@ -83,6 +84,7 @@ def test_export_errors(converted, tmp_path):
     assert proc.returncode == 2 and "not empty" in proc.stderr
 
 
+@pytest.mark.slow
 def test_inspect_reports_a_converted_checkpoint(converted):
     proc = run_cmd([sys.executable, "convert2ckpt.py", "--inspect", converted["tied"], "--json"])
     assert proc.returncode == 0, proc.stderr
@@ -97,6 +99,7 @@ def test_inspect_reports_a_converted_checkpoint(converted):
     assert "converted from Hugging Face" in text and "loadable with any number of stages" in text
 
 
+@pytest.mark.slow
 def test_verify_manifest_and_logits(converted, hf_models, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(converted["gqa"], ckpt)

@@ -20,6 +20,8 @@ from checkpoint.manifest import verify_manifest
 from checkpoint.saves import newest_checkpoint
 from tests.conftest import REPO, check, deepspeed_launch, free_port, read_jsonl, small_run, subprocess_env
 
+pytestmark = pytest.mark.slow  # launches the trainer on several ranks
+
 LAUNCHER = str(Path(sys.executable).parent / "deepspeed")
 
 

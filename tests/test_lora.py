@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from checkpoint.layer_files import find_layer_file, load_layer_state
+from models.config import LoraSettings
 from tests.conftest import check, deepspeed_launch, read_jsonl, run_cmd
 from tests.reference import train_reference
 from tests.test_training import interrupted_copy, overrides, parity_cfg
-from training.config import LoraSettings
 
 LORA = LoraSettings(enabled=True, r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
 
@@ -44,6 +44,7 @@ def peft_model(hf_dir: str, adapters: dict[str, torch.Tensor] | None = None):
     return model.eval()
 
 
+@pytest.mark.slow
 def test_lora_pipeline_training_matches_peft_reference_and_merges(
     hf_models, converted, tokenizer_dir, sft_data, tmp_path
 ):
@@ -104,6 +105,7 @@ def test_lora_pipeline_training_matches_peft_reference_and_merges(
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and a["lr"] == b["lr"], (a, b)
 
 
+@pytest.mark.slow
 def test_merge_peft_adapter_directory_into_checkpoint_or_hf(hf_models, converted, tmp_path):
     adapter_dir = tmp_path / "adapter"
     model = peft_model(hf_models["gqa"])
@@ -127,3 +129,68 @@ def test_merge_peft_adapter_directory_into_checkpoint_or_hf(hf_models, converted
         with torch.no_grad():
             torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".merge-base-")]
+
+
+PEFT_SETTINGS = {
+    "alpha_pattern": {"alpha_pattern": {"v_proj": 32}},
+    "rank_pattern": {"rank_pattern": {"q_proj": 2, "model.layers.1.mlp.down_proj": 6}},
+    "rslora": {"use_rslora": True},
+    "all_three": {"rank_pattern": {"v_proj": 8}, "alpha_pattern": {"layers.2.self_attn.q_proj": 3}, "use_rslora": True},
+}
+
+
+@pytest.mark.parametrize("setting", list(PEFT_SETTINGS))
+def test_peft_adapter_settings_merge_exactly(setting, hf_models, converted, tmp_path):
+    """rank_pattern, alpha_pattern and use_rslora: the merged export equals PEFT's own merge_and_unload()."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from checkpoint.export import export_pipeline_to_hf
+
+    base = AutoModelForCausalLM.from_pretrained(hf_models["gqa"], dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], **PEFT_SETTINGS[setting])
+    model = get_peft_model(base, config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.normal_(0, 0.1)
+    model.save_pretrained(str(tmp_path / "adapter"))
+    expected = model.merge_and_unload().state_dict()
+    export_pipeline_to_hf(converted["gqa"], str(tmp_path / "merged"), merge_lora=str(tmp_path / "adapter"),
+                          log=lambda *_: None)  # fmt: skip
+    merged = load_file(str(tmp_path / "merged" / "model-00001-of-00001.safetensors"))
+    assert set(merged) == set(expected)
+    for key, value in expected.items():
+        assert torch.equal(merged[key], value), key  # bit-identical to PEFT's merge
+    original = AutoModelForCausalLM.from_pretrained(hf_models["gqa"], dtype=torch.float32).state_dict()
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[q], original[q])
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("use_dora", True), ("bias", "all"), ("modules_to_save", ["lm_head"]), ("lora_bias", True), ("peft_type", "IA3")],
+)
+def test_adapters_that_are_not_plain_lora_are_refused(field, value, hf_models, converted, tmp_path, capsys):
+    import json
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import convert2ckpt
+
+    base = AutoModelForCausalLM.from_pretrained(hf_models["gqa"], dtype=torch.float32)
+    get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])).save_pretrained(str(tmp_path / "a"))
+    conf_path = tmp_path / "a" / "adapter_config.json"
+    conf = json.loads(conf_path.read_text())
+    conf[field] = value
+    conf_path.write_text(json.dumps(conf))
+    capsys.readouterr()  # what loading the models above printed
+    code = convert2ckpt.main(["--to-hf", "--input", converted["gqa"], "--output", str(tmp_path / "out"),
+                              "--merge-lora", str(tmp_path / "a")])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err  # one line
+    assert err[0].startswith("convert2ckpt: error:") and f"{field}=" in err[0]
+    assert not (tmp_path / "out").exists()

@@ -7,6 +7,8 @@ import torch
 
 from tests.conftest import check, torchrun
 
+pytestmark = pytest.mark.slow  # launches the trainer on several ranks
+
 CASES = [("mha", "sdpa"), ("gqa", "sdpa"), ("tied", "sdpa"), ("gqa", "eager")]
 
 

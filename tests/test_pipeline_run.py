@@ -7,10 +7,12 @@ import os
 
 import pytest
 
+from data.config import DataConfig
 from data.dataset import TokenizedDataset
 from models.layout import layer_file_name
 from tests.conftest import check, torchrun
-from training.config import DataConfig
+
+pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 
 
 def run(tmp_path, ckpt, data, num_stages, extra=()):

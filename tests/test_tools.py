@@ -15,6 +15,7 @@ from tools.generate import load_model
 from tools.plot_metrics import plot
 
 
+@pytest.mark.slow
 def test_generation_from_pipeline_checkpoint_matches_hf(hf_models, converted):
     from transformers import AutoModelForCausalLM
 
@@ -55,6 +56,7 @@ def test_plots_from_metrics(tmp_path):
     assert bad.returncode == 2 and "metrics.jsonl: missing" in bad.stderr
 
 
+@pytest.mark.slow
 def test_metrics_reach_tensorboard_and_wandb_offline(converted, sft_data, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -105,7 +107,8 @@ def test_progress_bar_on_a_terminal_only(tmp_path, monkeypatch):
 def test_only_rank0_and_the_reporting_rank_log_info_unless_all_ranks():
     import logging
 
-    from training.setup import Coords, configure_logging
+    from training.logs import configure_logging
+    from training.topology import Coords
 
     log = logging.getLogger("trainer")
     levels = {}

@@ -16,6 +16,8 @@ from tests.conftest import check, deepspeed_launch, read_jsonl, run_cmd
 from tests.reference import train_reference
 from training.config import OptimConfig, TrainConfig
 
+pytestmark = pytest.mark.slow  # launches the trainer on several ranks
+
 STEPS = 4
 
 
@@ -179,6 +181,20 @@ def test_fp32_zero0_checkpoint_moves_between_layouts(converted, sft_data, tmp_pa
         worst = max(float((moved[k] - v).abs().max()) for k, v in final.items())
         assert worst < 0.01 * cfg.learning_rate, (name, worst)
         print(f"ZeRO-0 move PP=2xDP=2 -> {name}: max |weight diff| after 6 steps vs unmoved = {worst:.3g}")
+
+    # The same number of rows with one row changed: the data order would not continue, in either layout.
+    lines = open(sft_data[0]).read().splitlines(keepends=True)
+    lines[5] = json.dumps({"prompt": "1+1=", "response": "2"}) + "\n"
+    changed = tmp_path / "changed.jsonl"
+    changed.write_text("".join(lines))
+    for name, stages, gas, extra in [("same_layout", 2, 3, []), ("moved", 4, 6, ["model.partition=[1,1,1,1]"])]:
+        part = tmp_path / f"changed_{name}"
+        interrupted_copy(full, part, 3)
+        args = overrides(cfg, converted["tied"], str(part), stages, resume="true", gradient_accumulation_steps=gas,
+                         train_file=str(changed))  # fmt: skip
+        proc = deepspeed_launch(4, *args, *extra)
+        refused = [line for line in proc.stderr.splitlines() if "the tokenized training rows differ" in line]
+        assert proc.returncode != 0 and len(refused) == 4 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_bf16_zero1_trains_resumes_and_moves_between_layouts(converted, sft_data, tmp_path):

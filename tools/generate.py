@@ -10,40 +10,16 @@ weights are read one layer file at a time into a transformers `LlamaForCausalLM`
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
 
 def load_model(path: str, tag: str | None = None, dtype: torch.dtype = torch.float32):
-    """A transformers LlamaForCausalLM with the weights of `path` (pipeline checkpoint or HF directory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    """A transformers causal LM with the weights of `path` (pipeline checkpoint or HF directory)."""
+    from checkpoint.hf_model import load_causal_lm
 
-    from checkpoint.lora_merge import LORA_FILE, adapters_from_checkpoint
-    from checkpoint.pipeline_reader import iter_hf_tensors, read_tag
-    from training.hf_source import is_hf_dir
-
-    if is_hf_dir(path):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    config = AutoConfig.from_pretrained(path)
-    tag = read_tag(path, tag)
-    weights_dir, adapters, scale = path, None, 1.0
-    if os.path.exists(os.path.join(path, LORA_FILE)):  # a LoRA run: base weights + its adapters
-        weights_dir, adapters, scale = adapters_from_checkpoint(path, tag, config)
-        tag = None
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    state = {k: v.to(dtype) for k, v in iter_hf_tensors(weights_dir, config, tag, adapters, scale)}
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise ValueError(f"{path}: no weights for {missing[0]}")
-    model.model.rotary_emb = LlamaRotaryEmbedding(config)  # its inv_freq is a computed buffer, not in the files
-    return model.eval()
+    return load_causal_lm(path, tag, dtype)
 
 
 def generate(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
@@ -63,14 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tag", help="checkpoint tag (default: the one in `latest`)")
     parser.add_argument("--tokenizer", help="default: --checkpoint")
     args = parser.parse_args(argv)
-    from transformers import AutoTokenizer
-
-    from checkpoint.hf_reader import CheckpointError
+    from checkpoint.errors import CheckpointError
+    from models.tokenizer import load_tokenizer
 
     try:
         model = load_model(args.checkpoint, args.tag)
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.checkpoint)
-    except (CheckpointError, OSError, ValueError) as e:
+        tokenizer = load_tokenizer(args.tokenizer or args.checkpoint, setting="--tokenizer")
+    except (CheckpointError, ValueError) as e:
         print(f"generate: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     for prompt in args.prompt:

@@ -35,12 +35,14 @@ class Estimate:
 
 def estimate(cfg, config, world_size: int) -> list[Estimate]:
     """Bytes per GPU for every stage of `cfg` (a TrainConfig) on a model `config` (a LlamaConfig)."""
-    from models.pipeline import layer_param_counts, stage_bounds
+    from models.layout import block_of
+    from models.partition import layer_param_counts, stage_bounds
+    from training.engine import resolve_precision, resolve_zero_stage
 
     pp = cfg.num_stages
     dp = max(1, world_size // pp)
-    precision = cfg.deepspeed.precision if cfg.deepspeed.precision != "auto" else "bf16"
-    zero = cfg.deepspeed.zero_stage if cfg.deepspeed.zero_stage is not None else 1  # auto on a GPU: ZeRO-1
+    precision = resolve_precision(cfg.deepspeed.precision, auto="bf16")  # planning for a bf16 GPU
+    zero = resolve_zero_stage(cfg.deepspeed.zero_stage, gpu=True)
     weight_bytes = 4 if precision == "fp32" else 2
     accum = cfg.deepspeed.grad_accum_dtype or ("fp32" if precision in ("bf16", "fp32") else "fp16")
     grad_bytes = 4 if accum == "fp32" else 2
@@ -54,7 +56,8 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     out = []
     for stage in range(pp):
         params = sum(counts[bounds[stage] : bounds[stage + 1]])
-        decoders = sum(1 for i in range(bounds[stage], bounds[stage + 1]) if 1 <= i <= config.num_hidden_layers)
+        own = range(bounds[stage], bounds[stage + 1])
+        decoders = sum(block_of(i, config.num_hidden_layers) is not None for i in own)
         in_flight = min(pp - stage, cfg.gradient_accumulation_steps)  # 1F1B: stage s holds pp - s micro-batches
         # Per decoder layer and micro-batch, with SDPA/flash attention (no S x S scores kept): about
         # 17 tensors of B x S x H in activation precision (Korthikanti et al. 2022, Table 2, without the
@@ -83,8 +86,8 @@ def main(argv: list[str]) -> int:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from training.assembly import load_model_config
     from training.config import TrainConfig, register_configs
-    from training.setup import load_model_config
 
     world = [a for a in argv if a.startswith("world_size=")]
     overrides = [a for a in argv if not a.startswith("world_size=")]

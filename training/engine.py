@@ -1,93 +1,57 @@
-"""Distributed start-up and the DeepSpeed pipeline engine: topology, precision, optimizer, schedule."""
+"""The DeepSpeed pipeline engine: precision, engine config, optimizer, LR schedule, the built stage."""
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import math
-import os
-import socket
-from datetime import timedelta
 
 import deepspeed
 import torch
-import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from deepspeed.runtime.utils import clip_grad_norm_
 
-from checkpoint.layer_files import find_layer_file, load_layer_state
 from models.layers import init_weights
-from models.layout import layer_file_name
 from models.pipeline import build_pipeline_module
 from training.config import TrainConfig
+from training.topology import Coords
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int]:
-    """Join the process group started by `deepspeed`/`torchrun`, or make a one-rank group for `python`.
-
-    Returns:
-        (global rank, world size).
-    """
-    if "RANK" not in os.environ:  # plain `python trainer.py`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it
-    timeout = timedelta(minutes=timeout_minutes)
-    # NOTE: `new_group()` without a timeout takes torch's module default (30 min), not the one given to
-    # init_process_group, and DeepSpeed builds its pipeline/data groups that way: set the default too,
-    # so a collective stuck on a dead or hung rank errors out after `dist_timeout_minutes` everywhere.
-    c10d.default_pg_timeout = timeout
-    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
-        c10d.default_pg_nccl_timeout = timeout
-    if not dist.is_initialized():
-        deepspeed.init_distributed(timeout=timeout, verbose=False)
-        release_shm_buffers()
+def device_precision() -> str:
+    """What `precision=auto` means on this machine: bf16 on a bf16-capable GPU, fp16 (dynamic loss
+    scaling) on other GPUs (V100, T4), fp32 on CPU."""
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    return dist.get_rank(), dist.get_world_size()
-
-
-def release_shm_buffers() -> None:
-    """Unlink this rank's DeepSpeed CPU all-reduce buffer from /dev/shm once every rank has mapped it.
-
-    NOTE: DeepSpeed's CPU `deepspeed_shm_comm` op creates a 66 MB /dev/shm segment per rank
-    (`deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`) and never unlinks it, so every run
-    leaves world_size x 66 MB of RAM behind (22 GB after one afternoon of test runs). The mappings
-    stay valid after unlinking and the memory is freed when the processes exit.
-    """
-    dist.barrier()  # every rank has opened every other rank's segment inside init_distributed
-    port, rank = os.environ.get("MASTER_PORT", ""), dist.get_rank()
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_{rank}"):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
-def resolve_precision(precision: str) -> str:
-    if precision != "auto":
-        return precision
-    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-        return "bf16"
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     return "fp32"
 
 
-def resolve_zero_stage(zero_stage: int | None) -> int:
-    return zero_stage if zero_stage is not None else (1 if torch.cuda.is_available() else 0)
+def resolve_precision(precision: str, auto: str | None = None) -> str:
+    """`precision` with "auto" resolved: to `auto` when given (the memory planner plans for a bf16 GPU),
+    else to `device_precision()`. The one rule for the trainer and tools/memory_estimate.py."""
+    if precision != "auto":
+        return str(precision)
+    return auto or device_precision()
 
 
-def deepspeed_config(cfg: TrainConfig, dp_size: int, load_universal: bool = False) -> dict:
+def resolve_zero_stage(zero_stage: int | None, gpu: bool | None = None) -> int:
+    """`zero_stage` with None resolved: ZeRO-1 on GPUs (`gpu`, default: this machine has one), 0 on CPU."""
+    if zero_stage is not None:
+        return zero_stage
+    return 1 if (torch.cuda.is_available() if gpu is None else gpu) else 0
+
+
+def describe_auto_precision(precision: str) -> str:
+    """The log line for `deepspeed.precision=auto`: what it chose and why."""
+    why = {"bf16": "bf16 with fp32 master weights (this GPU supports bf16)",
+           "fp16": "fp16 with dynamic loss scaling (this GPU has no bf16)",
+           "fp32": "fp32 (no GPU)"}  # fmt: skip
+    return f"deepspeed.precision=auto: {why[precision]}"
+
+
+def deepspeed_config(cfg: TrainConfig, coords: Coords, load_universal: bool = False) -> dict:
     """The engine config. Batch sizes and clipping come from the top-level run config.
 
     Args:
         cfg: run config.
-        dp_size: data-parallel ranks.
+        coords: where this rank sits (the DP size).
         load_universal: the checkpoint to resume is a DeepSpeed universal checkpoint (layout change).
     """
     ds = cfg.deepspeed
@@ -103,7 +67,7 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, load_universal: bool = Fals
     conf = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-        "train_batch_size": cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp_size,
+        "train_batch_size": coords.global_batch(cfg.micro_batch_size, cfg.gradient_accumulation_steps),
         # NOTE: clipping always on (inf = compute the norm, never clip) so grad_norm is always reported.
         "gradient_clipping": cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"),
         "steps_per_print": ds.steps_per_print,
@@ -164,23 +128,23 @@ def make_optimizer(cfg: TrainConfig, named_params, total_steps: int):
         kwargs["fused"] = True
     optimizer = torch.optim.AdamW(param_groups(named_params, o.weight_decay), **kwargs)
     warmup = o.warmup_steps or int(o.warmup_ratio * total_steps)
-    schedule = WarmupDecay(total_steps, warmup, o.lr_scheduler, o.min_lr_ratio)
+    schedule = WarmupDecay(total_steps, warmup, str(o.lr_scheduler), o.min_lr_ratio)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-def build_module(cfg: TrainConfig, llama_config, loss_fn, skip_init: bool = True):
+def build_module(cfg: TrainConfig, coords: Coords, model_config, loss_fn, skip_init: bool = True):
     """Build this rank's pipeline stage (and nothing else).
 
     Args:
         cfg: run config.
-        llama_config: `LlamaConfig` of the model, attention implementation set.
+        coords: where this rank sits.
+        model_config: transformers config of the model, attention implementation set.
         loss_fn: `CausalLMLoss`.
         skip_init: leave weights uninitialised because a checkpoint will overwrite them.
     """
-    dp = dist.get_world_size() // cfg.num_stages
-    topology = PipeModelDataParallelTopology(num_pp=cfg.num_stages, num_mp=1, num_dp=dp)
+    topology = PipeModelDataParallelTopology(num_pp=cfg.num_stages, num_mp=1, num_dp=coords.dp)
     module = build_pipeline_module(
-        llama_config,
+        model_config,
         topology,
         partition=cfg.model.partition,
         activation_checkpointing=cfg.model.activation_checkpointing,
@@ -188,47 +152,13 @@ def build_module(cfg: TrainConfig, llama_config, loss_fn, skip_init: bool = True
         skip_init=skip_init,
     )
     if not skip_init:
-        init_weights(module, llama_config.initializer_range)
+        init_weights(module, model_config.initializer_range)
         module._synchronize_tied_weights()
     return module
 
 
-def load_layer_files(module, step_dir: str, trainable_only: bool = False) -> list[str]:
-    """Load this stage's layer files from `step_dir`. Returns the files read.
-
-    Every parameter must be in the files, or with `trainable_only` (a LoRA checkpoint, which holds
-    the adapter only) every trainable one; a key the model lacks is an error either way.
-
-    Only this rank's own layers are opened, each once (memory-mapped); tied weights are then
-    broadcast from the first stage that holds them. NOTE: DeepSpeed's `load_state_dir` reads every
-    layer file twice (once to check its metadata), which doubles start-up I/O on large models.
-    """
-    files = []
-    for i, layer in enumerate(module.forward_funcs):
-        if not hasattr(layer, "load_state_dict"):  # the tied LM head: a function of layer 0's module
-            continue
-        index = module._local_start + i
-        path = find_layer_file(step_dir, index)
-        if path is None:
-            raise FileNotFoundError(f"{os.path.join(step_dir, layer_file_name(index))}: layer file missing")
-        state = load_layer_state(path, mmap=True)
-        try:
-            missing, unexpected = layer.load_state_dict(state, strict=not trainable_only)
-        except RuntimeError as e:
-            first = str(e).strip().splitlines()
-            raise FileNotFoundError(f"{path}: does not fit this model ({' '.join(first[:2])[:300]})") from None
-        trainable = {n for n, p in layer.named_parameters() if p.requires_grad}
-        if unexpected or trainable & set(missing):
-            bad = f"unexpected {unexpected[0]}" if unexpected else f"missing {sorted(trainable & set(missing))[0]}"
-            raise FileNotFoundError(f"{path}: does not fit this model ({bad})")
-        files.append(path)
-    module._synchronize_tied_weights()
-    return files
-
-
-def initialize_engine(cfg: TrainConfig, module, total_steps: int, load_universal: bool = False):
+def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int, load_universal: bool = False):
     """Wrap a built stage in DeepSpeed's PipelineEngine with AdamW and the LR schedule."""
-    dp = dist.get_world_size() // cfg.num_stages
     # NOTE: DeepSpeed's fp32 gradient clipping sums norms over the model-parallel group, which in a
     # pipeline is every stage, but only counts parameters flagged `model_parallel` on ranks other than
     # its rank 0: without the flag, stages > 0 drop out of the norm. Tied copies stay unflagged
@@ -237,7 +167,7 @@ def initialize_engine(cfg: TrainConfig, module, total_steps: int, load_universal
     for p in module.parameters():
         p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
     optimizer, scheduler = make_optimizer(cfg, module.named_parameters(), total_steps)
-    config = deepspeed_config(cfg, dp, load_universal)
+    config = deepspeed_config(cfg, coords, load_universal)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config)
 
     # NOTE: DeepSpeed's fp32 path clips but does not record the norm; keep it for the metrics. It would

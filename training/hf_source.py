@@ -16,34 +16,15 @@ import json
 import os
 import shutil
 
-import torch
-import torch.distributed as dist
-
-from checkpoint.convert import (
-    TAG,
-    convert_layers,
-    copy_side_files,
-    engine_metadata,
-    load_llama_config,
-    plan_conversion,
-)
-from checkpoint.hf_reader import CheckpointError, list_shards, stored_dtype
-from checkpoint.manifest import build_manifest, write_manifest
+from checkpoint.convert import TAG, convert_layers, finish_converted, plan_conversion
+from checkpoint.dtypes import dtype_name
+from checkpoint.errors import CheckpointError
+from checkpoint.hf_reader import list_shards, read_model_config, stored_dtype
+from checkpoint.names import CONVERSION_RECORD, CONVERTED_DIR
+from checkpoint.staging import publish_staged
 from models.layout import all_layer_keys
-
-CONVERTED = "hf_converted"
-RECORD = "conversion.json"
-
-
-def is_hf_dir(path: str) -> bool:
-    """An HF model directory (weights + config.json), not a pipeline checkpoint (which has `latest`)."""
-    if not os.path.exists(os.path.join(path, "config.json")) or os.path.exists(os.path.join(path, "latest")):
-        return False
-    try:
-        list_shards(path)
-    except CheckpointError:
-        return False
-    return True
+from training.distributed import agreed
+from training.topology import Coords
 
 
 def source_record(hf_dir: str) -> dict:
@@ -57,56 +38,34 @@ def source_record(hf_dir: str) -> dict:
     return {"source": os.path.abspath(hf_dir), "files": files}
 
 
-def _agree(error: str | None) -> None:
-    """Every rank learns whether any rank failed; all raise the first message (no rank left waiting)."""
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
-    if first:
-        raise CheckpointError(first)
-
-
-def convert_on_load(
-    hf_dir: str, output_dir: str, rank: int, stage: int, dp_rank: int, bounds: list[int]
-) -> tuple[str, bool]:
+def convert_on_load(hf_dir: str, output_dir: str, coords: Coords, bounds: list[int]) -> tuple[str, bool]:
     """Convert (or reuse) `hf_dir` for this run. Collective. Returns (checkpoint directory, reused)."""
-    final = os.path.join(output_dir, CONVERTED)
-    record = source_record(hf_dir)
-    record_path = os.path.join(final, RECORD)
+    final = os.path.join(output_dir, CONVERTED_DIR)
+    record_path = os.path.join(final, CONVERSION_RECORD)
+    with agreed():
+        record = source_record(hf_dir)
     if os.path.exists(record_path):
         with open(record_path) as f:
             if json.load(f) == record:
                 return final, True
-    tmp = os.path.join(output_dir, f".{CONVERTED}.tmp")
-    error = None
-    if rank == 0:
-        try:
+    tmp = os.path.join(output_dir, f".{CONVERTED_DIR}.tmp")  # a fixed name: every rank writes into it
+    with agreed():
+        if coords.rank == 0:
             plan_conversion(hf_dir)  # every check of convert2ckpt.py, before anything is written
             shutil.rmtree(tmp, ignore_errors=True)  # left over from an interrupted conversion
             os.makedirs(os.path.join(tmp, TAG))
-        except CheckpointError as e:
-            error = str(e)
-    _agree(error)
-    expected = all_layer_keys(load_llama_config(hf_dir))  # rank 0 has validated everything already
-    mine = [i for i in range(bounds[stage], bounds[stage + 1]) if i in expected]
-    error = None
-    if dp_rank == 0 and mine:
-        try:
-            convert_layers(hf_dir, os.path.join(tmp, TAG), mine, None)
-        except (CheckpointError, OSError) as e:
-            error = f"stage {stage}: {e}"
-    _agree(error)
-    if rank == 0:
-        step_dir = os.path.join(tmp, TAG)
-        dtype = str(stored_dtype(hf_dir)).removeprefix("torch.")
-        torch.save(engine_metadata(dtype), os.path.join(step_dir, "mp_rank_00_model_states.pt"))
-        with open(os.path.join(tmp, "latest"), "w") as f:
-            f.write(TAG)
-        copy_side_files(hf_dir, tmp, None)
-        write_manifest(step_dir, build_manifest(step_dir))
-        with open(os.path.join(tmp, RECORD), "w") as f:
-            json.dump(record, f, indent=2)
-        shutil.rmtree(final, ignore_errors=True)  # a conversion of an older source
-        os.replace(tmp, final)
-    dist.barrier()
+    expected = all_layer_keys(read_model_config(hf_dir))  # rank 0 has validated everything already
+    mine = [i for i in range(bounds[coords.stage], bounds[coords.stage + 1]) if i in expected]
+    with agreed():
+        if coords.dp_rank == 0 and mine:
+            try:
+                convert_layers(hf_dir, os.path.join(tmp, TAG), mine, None)
+            except (OSError, CheckpointError) as e:
+                raise CheckpointError(f"stage {coords.stage}: {e}") from None
+    with agreed():
+        if coords.rank == 0:
+            finish_converted(tmp, hf_dir, dtype_name(stored_dtype(hf_dir)))
+            with open(os.path.join(tmp, CONVERSION_RECORD), "w") as f:
+                json.dump(record, f, indent=2)
+            publish_staged(tmp, final)  # replaces a conversion of an older source
     return final, False

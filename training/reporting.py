@@ -10,6 +10,8 @@ import json
 import os
 import sys
 
+from checkpoint.staging import write_text_atomic
+
 REPORTERS = ("tensorboard", "wandb")
 
 
@@ -99,3 +101,14 @@ def _wandb_id(output_dir: str) -> str:
             f.write(uuid.uuid4().hex[:12])
     with open(path) as f:
         return f.read().strip()
+
+
+def truncate_metrics(path: str, step: int) -> None:
+    """Keep the metrics of steps <= `step` (those after the resumed checkpoint are trained again)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    keep = [line for line in lines if json.loads(line)["step"] <= step]
+    if len(keep) != len(lines):
+        write_text_atomic(path, "".join(keep))

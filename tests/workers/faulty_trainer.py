@@ -51,7 +51,7 @@ elif kind in ("raise", "hang"):
     PipelineEngine._INSTRUCTION_MAP[schedule.ForwardPass] = faulty_forward  # the engine dispatches through it
 
 elif kind == "nan":
-    from models.pipeline import CausalLMLoss
+    from models.loss import CausalLMLoss
 
     _call = CausalLMLoss.__call__
     seen = {"n": 0}

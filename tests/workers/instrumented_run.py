@@ -76,14 +76,15 @@ def main():
     trainer.run()
     rec["files_loaded"] = loaded_at_start
     builtins.open = _open
+    run = trainer.state
     rec.update(
-        rank=trainer.coords.rank,
-        stage=trainer.coords.stage,
-        dp_rank=trainer.coords.dp_rank,
-        steps=trainer.engine.global_steps,
-        dataset=type(trainer.train_set).__name__,
-        from_cache=getattr(trainer.train_set, "from_cache", None),
-        local_layers=list(trainer.engine.module.local_layer_indices()),
+        rank=run.coords.rank,
+        stage=run.coords.stage,
+        dp_rank=run.coords.dp_rank,
+        steps=run.engine.global_steps,
+        dataset=type(run.train_set).__name__,
+        from_cache=getattr(run.train_set, "from_cache", None),
+        local_layers=list(run.engine.module.local_layer_indices()),
     )
     with open(os.path.join(out_dir, f"rank{rec['rank']}.json"), "w") as f:
         json.dump(rec, f)

@@ -1,0 +1,55 @@
+"""Any checkpoint -> a transformers causal LM in memory: the one loader behind generation and reports.
+
+A pipeline checkpoint (what the trainer saves or convert2ckpt.py writes; a LoRA run's adapters are
+merged in on load) is read one layer file at a time into a model built on the meta device, so the
+weights are held once. A Hugging Face directory loads with `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from checkpoint.errors import CheckpointError
+from checkpoint.hf_reader import is_hf_dir, read_model_config
+from checkpoint.names import LORA_FILE
+from checkpoint.saves import read_tag
+
+
+def load_causal_lm(path: str, tag: str | None = None, dtype: torch.dtype = torch.float32):
+    """A transformers `AutoModelForCausalLM` with the weights of `path`, in eval mode.
+
+    Raises:
+        CheckpointError: missing, unsafe or mismatched files (one line naming the file).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from checkpoint.lora_merge import adapters_from_checkpoint
+    from checkpoint.pipeline_reader import iter_hf_tensors
+
+    if is_hf_dir(path):
+        read_model_config(path)  # a supported model type, else a one-line error
+        try:
+            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        except Exception as e:  # noqa: BLE001 - transformers raises many types for damaged or unsafe files
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise CheckpointError(f"{path}: cannot load ({type(e).__name__}: {first})") from None
+    config = read_model_config(path)
+    tag = read_tag(path, tag)
+    weights_dir, adapters = path, None
+    if os.path.exists(os.path.join(path, LORA_FILE)):  # a LoRA run: base weights + its adapters
+        weights_dir, adapters = adapters_from_checkpoint(path, tag, config)
+        tag = None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    state = {k: v.to(dtype) for k, v in iter_hf_tensors(weights_dir, config, tag, adapters)}
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise CheckpointError(f"{path}: no weights for {missing[0]}")
+    # Computed buffers (RoPE's inv_freq) are not in the files: rebuild the rotary module off the meta device.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config)
+    return model.eval()

@@ -1,0 +1,51 @@
+"""Every name inside a checkpoint directory, in one place (layer file names live in models/layout.py).
+
+    CKPT_DIR/latest                                 the tag to load ("global_stepN")
+    CKPT_DIR/global_stepN/                          one checkpoint (a "step directory")
+        layer_XX-model_YY-model_states.pt           weights of pipeline layer XX, tensor-parallel rank YY
+        mp_rank_XX_model_states.pt                  DeepSpeed engine state of model-parallel rank XX
+        [bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt   ZeRO optimizer shard of DP rank D
+        rng_state_rankR.pt, layout.json, manifest.json
+    CKPT_DIR/lora.json, piece.json, conversion.json, hf_converted/
+"""
+
+from __future__ import annotations
+
+import re
+
+LATEST = "latest"
+MANIFEST = "manifest.json"
+LAYOUT_FILE = "layout.json"
+LORA_FILE = "lora.json"
+PIECE_FILE = "piece.json"
+CONVERSION_RECORD = "conversion.json"
+CONVERTED_DIR = "hf_converted"  # conversion at load time: output_dir/hf_converted
+CONVERTED_TAG = "global_step0"  # the one tag of a converted checkpoint
+
+STAGING_PREFIX = ".saving-"
+DELETING_PREFIX = ".deleting-"
+TAG_PATTERN = re.compile(r"global_step(\d+)")
+ENGINE_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+ZERO_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+RNG_FILE = re.compile(r"rng_state_rank(\d+)\.pt")
+
+
+def step_tag(step: int) -> str:
+    return f"global_step{step}"
+
+
+def staging_tag(tag: str) -> str:
+    return f"{STAGING_PREFIX}{tag}"
+
+
+def engine_file(mp_rank: int) -> str:
+    """DeepSpeed's per-model-parallel-rank engine file (with pipelines: one per stage x TP rank)."""
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_state_rank{rank}.pt"
+
+
+def engine_files(names: list[str]) -> list[str]:
+    return sorted(n for n in names if ENGINE_FILE.fullmatch(n))

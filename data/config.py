@@ -1,0 +1,18 @@
+"""The data part of the run configuration (`data` group, conf/data/*.yaml)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DataConfig:
+    text_key: str = "text"
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    messages_key: str = "messages"  # chat rows: [{role, content}, ...] rendered with the tokenizer's chat template
+    train_weights: list[float] | None = None  # one per train_file entry: mix the files by these weights
+    cache_dir: str | None = None  # tokenized rows cached here (default: output_dir/data_cache; "" turns it off)
+    tokenize_workers: int = 0  # tokenize in this many processes (0/1: in the rank itself)
+    add_eos_to_response: bool = True  # so the model learns where an answer ends
+    num_workers: int = 0

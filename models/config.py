@@ -1,0 +1,129 @@
+"""The model's part of the run configuration, and reading a checkpoint's `config.json`.
+
+`ModelConfig` is the `model` group of the hydra config (conf/model/*.yaml): an architecture preset
+(all None when the model comes from `model_name_or_path`) and how the pipeline is built. `LoraSettings`
+is the `lora` group. Errors are ValueError with one line naming the file or key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Choice(str, Enum):
+    """A config value from a fixed set: compares equal to, formats and serialises as its string."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class AttnImplementation(Choice):
+    sdpa = "sdpa"
+    flash_attention_2 = "flash_attention_2"
+    eager = "eager"
+
+
+# Architecture fields a preset may set; checked against a checkpoint's config.json.
+ARCH_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "tie_word_embeddings",
+)
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+@dataclass
+class ModelConfig:
+    """Architecture preset and how the pipeline is built.
+
+    The architecture fields (hidden_size ...) are None when the model comes from
+    `model_name_or_path`; a preset that sets them is checked against the checkpoint's config.json
+    and used to build a model from scratch when no checkpoint is given.
+    """
+
+    name: str = "from_checkpoint"
+    source: str | None = None  # where the preset's numbers come from
+    vocab_size: int | None = None
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    max_position_embeddings: int | None = None
+    rms_norm_eps: float | None = None
+    rope_theta: float | None = None
+    tie_word_embeddings: bool | None = None
+    attn_implementation: AttnImplementation = AttnImplementation.sdpa
+    # NOTE: Any because omegaconf has no unions: "parameters", "uniform" or blocks per stage, e.g. [2, 3, 3, 2].
+    partition: Any = "parameters"
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapters on the decoder layers (peft); base weights frozen, only adapters saved."""
+
+    enabled: bool = False
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+def load_hf_config(path: str):
+    """The transformers config in `path`/config.json (an HF model dir or a pipeline checkpoint).
+
+    Raises:
+        ValueError: missing, not JSON, or a model type this project does not support; names the file.
+    """
+    from transformers import AutoConfig
+
+    file = os.path.join(path, "config.json")
+    if not os.path.exists(file):
+        raise ValueError(f"{file}: missing")
+    try:
+        with open(file) as f:
+            model_type = json.load(f).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{file}: model_type={model_type!r} is not a LLaMA-family model {SUPPORTED_MODEL_TYPES}")
+    return AutoConfig.from_pretrained(path)
+
+
+def preset_values(model: ModelConfig) -> dict:
+    """The architecture fields a preset sets."""
+    return {k: getattr(model, k) for k in ARCH_KEYS if getattr(model, k) is not None}
+
+
+def check_preset(config, model: ModelConfig, where: str) -> None:
+    """A preset named on the command line must describe the checkpoint's model. Raises ValueError."""
+    for key, want in preset_values(model).items():
+        have = config.rope_parameters.get("rope_theta") if key == "rope_theta" else getattr(config, key)
+        if have != want:
+            raise ValueError(f"model.{key}={want} (preset {model.name}) but {where} has {key}={have}")
+
+
+def config_from_preset(model: ModelConfig):
+    """A `LlamaConfig` built from a preset (training from scratch)."""
+    from transformers import LlamaConfig
+
+    preset = preset_values(model)
+    config = LlamaConfig(**{k: v for k, v in preset.items() if k != "rope_theta"})
+    if "rope_theta" in preset:
+        config.rope_parameters["rope_theta"] = preset["rope_theta"]
+    return config

@@ -1,0 +1,135 @@
+"""No file a user downloads can run code: a planted pickle is refused by every command, with one line.
+
+The payload would create a marker file when unpickled (`open(marker, "w")`). The attacker is careful: the
+manifest is updated to match the planted file, so only a safe load can catch it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint.layer_files import load_layer_state
+from tests.conftest import deepspeed_launch, run_cmd, small_run
+
+pytestmark = pytest.mark.slow
+
+
+class Payload:
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def plant(path: Path, obj) -> None:
+    """Replace `path` with `obj` (carrying a payload) and make the manifest agree with it."""
+    torch.save(obj, path)
+    manifest = path.parent / "manifest.json"
+    listed = json.loads(manifest.read_text())
+    entry = listed["files"][path.name]
+    entry.update(size=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    manifest.write_text(json.dumps(listed))
+
+
+def peft_adapter(hf_dir: str, out: Path) -> str:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])).save_pretrained(str(out))
+    return str(out)
+
+
+def assert_refused(proc, marker: Path, what: str) -> None:
+    assert proc.returncode != 0, (what, proc.stdout[-2000:])
+    assert "Traceback" not in proc.stderr, (what, proc.stderr[-3000:])
+    errors = [line for line in proc.stderr.splitlines() if ": error:" in line or ": verify:" in line]
+    assert len(errors) == 1 and ("refused" in errors[0] or "cannot" in errors[0]), (what, proc.stderr[-3000:])
+    assert not marker.exists(), f"{what}: the payload ran"
+
+
+def commands(ckpt: str, tmp: Path, hf_dir: str, adapter: str, train: str) -> dict[str, list[str]]:
+    convert = [sys.executable, "convert2ckpt.py"]
+    return {
+        "--inspect": [*convert, "--inspect", ckpt],
+        "--verify": [*convert, "--verify", ckpt],
+        "--verify --against": [*convert, "--verify", ckpt, "--against", hf_dir],
+        "--to-hf": [*convert, "--to-hf", "--input", ckpt, "--output", str(tmp / "out_hf")],
+        "--to-hf --merge-lora": [*convert, "--to-hf", "--input", ckpt, "--output", str(tmp / "out_m"),
+                                 "--merge-lora", adapter],  # fmt: skip
+        "tools.generate": [sys.executable, "-m", "tools.generate", "--checkpoint", ckpt, "--prompt", "1+1="],
+        "trainer (initial weights)": [sys.executable, "trainer.py",
+                                      *small_run(ckpt, tmp / "run", train, max_steps=1)],  # fmt: skip
+    }
+
+
+@pytest.mark.parametrize("where", ["engine file", "layer file"])
+def test_planted_pickle_in_a_checkpoint_is_refused_everywhere(where, converted, hf_models, sft_data, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(converted["gqa"], ckpt)
+    marker = tmp_path / "pwned"
+    step = ckpt / "global_step0"
+    if where == "engine file":
+        plant(step / "mp_rank_00_model_states.pt", {"module": None, "global_steps": 0, "x": Payload(marker)})
+    else:
+        layer = step / "layer_02-model_00-model_states.pt"
+        plant(layer, {**load_layer_state(str(layer)), "x": Payload(marker)})
+    adapter = peft_adapter(hf_models["gqa"], tmp_path / "adapter")
+    for what, cmd in commands(str(ckpt), tmp_path, hf_models["gqa"], adapter, sft_data[0]).items():
+        assert_refused(run_cmd(cmd, timeout=300), marker, f"{where}, {what}")
+    assert not (tmp_path / "out_hf").exists() and not (tmp_path / "run" / "latest").exists()
+
+
+def test_planted_pickle_in_a_hugging_face_directory_is_refused(hf_models, sft_data, tmp_path):
+    """A `pytorch_model.bin` with a payload: conversion, conversion at load, generation and merging refuse it."""
+    from safetensors.torch import load_file
+
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_models["gqa"], hf, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    state = {}
+    for f in Path(hf_models["gqa"]).glob("*.safetensors"):
+        state.update(load_file(str(f)))
+    marker = tmp_path / "pwned"
+    torch.save({**state, "x": Payload(marker)}, hf / "pytorch_model.bin")
+    adapter = peft_adapter(hf_models["gqa"], tmp_path / "adapter")
+    convert = [sys.executable, "convert2ckpt.py"]
+    cases = {
+        "convert": [*convert, "--input", str(hf), "--output", str(tmp_path / "ckpt")],
+        "conversion at load": [sys.executable, "trainer.py", *small_run(str(hf), tmp_path / "run", sft_data[0])],
+        "tools.generate": [sys.executable, "-m", "tools.generate", "--checkpoint", str(hf), "--prompt", "1+1="],
+        "--to-hf --merge-lora": [*convert, "--to-hf", "--input", str(hf), "--output", str(tmp_path / "m"),
+                                 "--merge-lora", adapter],  # fmt: skip
+    }
+    for what, cmd in cases.items():
+        assert_refused(run_cmd(cmd, timeout=300), marker, what)
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "run" / "hf_converted").exists()
+
+
+def test_resume_loads_our_own_files_safely(converted, sft_data, tmp_path):
+    """The trainer's own loads on resume: per-rank RNG states, and (layout change) every stage's engine file
+    read for optimizer reshaping. DeepSpeed's own loader is not involved in either."""
+    marker = tmp_path / "pwned"
+    run = tmp_path / "run"
+    args = small_run(converted["gqa"], run, sft_data[0], max_steps=2, save_steps=1)
+    proc = run_cmd([sys.executable, "trainer.py", *args], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plant(run / "global_step2" / "rng_state_rank0.pt", {"python": None, "x": Payload(marker)})
+    assert_refused(run_cmd([sys.executable, "trainer.py", *args, "resume=true"], timeout=300), marker, "rng state")
+
+    two = tmp_path / "two_stages"  # saved with PP=2, resumed with PP=1: optimizer state reshaped by name
+    args = small_run(converted["gqa"], two, sft_data[0], max_steps=2, num_stages=2, micro_batch_size=1,
+                     gradient_accumulation_steps=2)  # fmt: skip
+    assert deepspeed_launch(2, *args).returncode == 0
+    engine = two / "global_step2" / "mp_rank_01_model_states.pt"
+    plant(engine, {**torch.load(engine, weights_only=True), "x": Payload(marker)})
+    moved = [a for a in args if not a.startswith(("num_stages", "max_steps"))]  # same global batch of 2
+    proc = run_cmd([sys.executable, "trainer.py", *moved, "num_stages=1", "max_steps=3", "resume=true"], timeout=300)
+    assert_refused(proc, marker, "optimizer reshaping")

@@ -1,0 +1,111 @@
+"""The code's shape stays true: imports only run downward, no cycles, small files, model maths without DeepSpeed.
+
+Layers, bottom to top (a package may import only from layers below it, or itself):
+
+    models <- checkpoint, data <- training <- trainer.py, convert2ckpt.py, tools/ <- demo/, benchmarks/ <- tests/
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from tests.conftest import REPO, subprocess_env
+
+LAYERS = {
+    "models": 0,
+    "checkpoint": 1,
+    "data": 1,
+    "training": 2,
+    "trainer": 3,
+    "convert2ckpt": 3,
+    "tools": 3,
+    "demo": 4,
+    "benchmarks": 4,
+    "tests": 5,
+}
+MAX_LINES = 400
+
+
+def python_files() -> list[Path]:
+    files = []
+    for root, dirs, names in os.walk(REPO):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("outputs", "runs", "__pycache__")]
+        files += [Path(root) / n for n in names if n.endswith(".py")]
+    return files
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> repository modules it imports (anywhere in the file, function-level imports included)."""
+    modules = {module_name(p): p for p in python_files()}
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            graph[name].update(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def package(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_imports_only_run_downward():
+    upward = []
+    for module, targets in import_graph().items():
+        for target in targets:
+            a, b = package(module), package(target)
+            if a != b and LAYERS[b] >= LAYERS[a]:
+                upward.append(f"{module} -> {target}")
+    assert not upward, upward
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target) :] + [target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, cycles
+
+
+def test_no_file_over_400_lines():
+    long = {str(p.relative_to(REPO)): n for p in python_files() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+def test_model_maths_and_data_import_without_deepspeed():
+    """Partitioning, the loss, the layout table and the data pipeline need no DeepSpeed (nor a process group)."""
+    code = (
+        "import sys; sys.modules['deepspeed'] = None\n"
+        "import models.partition, models.loss, models.layout, data.collator, data.dataset, data.sampling\n"
+        "from tools.tiny_models import tiny_config\n"
+        "print(models.partition.stage_bounds(tiny_config(num_hidden_layers=10), 4, [2, 3, 3, 2]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[0, 3, 6, 9, 13]"

@@ -1,0 +1,279 @@
+"""Training checkpoints: what a run loads at start, saving, and resuming (in the same or another layout).
+
+- Start: weights come from layer files named by global layer index (layout-free), each rank reading
+  only its own stage's files (`load_stage_weights`).
+- Save: crash-safe (checkpoint/saves.py): every rank writes into `.saving-<tag>`, then rank 0 publishes.
+- Resume in the same layout: DeepSpeed's `load_checkpoint`, plus per-rank RNG states.
+- Resume in another PP x DP layout: ZeRO-1 state through DeepSpeed's universal checkpoint (converted
+  once by rank 0), ZeRO-0 state reshaped by parameter name (checkpoint/optimizer_reshape.py).
+- Every checkpoint records what decides the data order (`data` in the engine's client state); a resume
+  whose data, seed or global batch differ is refused, naming what changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from checkpoint.errors import CheckpointError
+from checkpoint.layer_files import find_layer_file, load_layer_state
+from checkpoint.manifest import build_manifest, checkpoint_files, write_manifest
+from checkpoint.names import engine_files, rng_file, staging_tag, step_tag
+from checkpoint.optimizer_reshape import OPTIMIZER_NAMES, gather_moved_state, load_moved_state, optimizer_param_names
+from checkpoint.safe_load import check_pickles, load_pt
+from checkpoint.saves import newest_checkpoint, publish_checkpoint
+from checkpoint.staging import remove_tree
+from checkpoint.universal import check_movable, ensure_universal, layout_changed, read_layout, write_layout
+from models.layout import layer_file_name
+from models.partition import stage_bounds
+from training.config import TrainConfig, resume_mode
+from training.distributed import agreed, broadcast_object
+from training.engine import resolve_precision, resolve_zero_stage
+from training.errors import RunError
+from training.topology import Coords
+
+log = logging.getLogger("trainer")
+
+# What decides which rows each step reads, in the order a mismatch is reported (see `check_data_state`).
+DATA_KEYS = ("seed", "global_batch_size", "seq_length", "train_weights", "num_train_rows", "train_rows_sha256")
+
+
+@dataclass
+class ResumePlan:
+    """How this run resumes: from `tag` in output_dir (None: start fresh), and how its optimizer state moves."""
+
+    tag: str | None = None
+    universal_tag: str | None = None  # ZeRO-1 state through DeepSpeed's universal checkpoint (layout changed)
+    reshape: bool = False  # ZeRO-0 state reshaped by parameter name (layout changed)
+
+    @property
+    def moved(self) -> bool:
+        return bool(self.universal_tag or self.reshape)
+
+
+def saved_layout(cfg: TrainConfig, coords: Coords, model_config) -> dict:
+    """What a checkpoint records about the layout that saved it (checkpoint/universal.py)."""
+    return {
+        "num_stages": cfg.num_stages,
+        "dp_size": coords.dp,
+        "stage_bounds": stage_bounds(model_config, cfg.num_stages, cfg.model.partition),
+        "global_batch_size": coords.global_batch(cfg.micro_batch_size, cfg.gradient_accumulation_steps),
+        "num_hidden_layers": model_config.num_hidden_layers,
+        "precision": resolve_precision(cfg.deepspeed.precision),
+        "zero_stage": resolve_zero_stage(cfg.deepspeed.zero_stage),
+    }
+
+
+def find_resume_tag(cfg: TrainConfig) -> str | None:
+    """resume=true: the newest complete checkpoint in output_dir, or an error; auto: it or None."""
+    mode = resume_mode(cfg)
+    if mode == "false":
+        return None
+    tag = newest_checkpoint(cfg.output_dir)
+    if tag is None and mode == "true":
+        raise RunError(
+            f"resume=true but output_dir {cfg.output_dir} holds no checkpoint (use resume=auto to start fresh)"
+        )
+    if tag is None:
+        log.info("resume=auto: no checkpoint in %s, starting fresh", cfg.output_dir)
+    return tag
+
+
+def plan_resume(cfg: TrainConfig, coords: Coords, model_config) -> ResumePlan:
+    """Collective. Find the checkpoint to resume; if it was saved in another layout, choose how its optimizer
+    state moves (and, for ZeRO-1, have rank 0 convert it to a universal checkpoint once)."""
+    plan = ResumePlan()
+    with agreed():
+        plan.tag = find_resume_tag(cfg)
+        saved = read_layout(os.path.join(cfg.output_dir, plan.tag)) if plan.tag else None
+        current = saved_layout(cfg, coords, model_config)
+        if layout_changed(saved, current):
+            where = os.path.join(cfg.output_dir, plan.tag)
+            check_movable(saved, current, where)
+            plan.reshape = saved.get("zero_stage", 0) == 0
+            if not plan.reshape and cfg.lora.enabled:
+                raise CheckpointError(
+                    f"{where}: a LoRA run saved with ZeRO-1 cannot move to another layout (DeepSpeed's universal "
+                    "checkpoint does not handle frozen weights); train LoRA with deepspeed=fp32 to move it, or "
+                    "resume it as saved"
+                )
+    if plan.tag and (plan.reshape or layout_changed(saved, current)):
+        universal = None
+        with agreed():
+            if not plan.reshape and coords.rank == 0:
+                universal = ensure_universal(cfg.output_dir, plan.tag)
+        plan.universal_tag = broadcast_object(universal)
+        how = "optimizer state reshaped by parameter name" if plan.reshape else plan.universal_tag
+        log.info("resuming %s saved with PP=%d x DP=%d in PP=%d x DP=%d (%s)", os.path.join(cfg.output_dir, plan.tag),
+                 saved["num_stages"], saved["dp_size"], current["num_stages"], current["dp_size"], how)  # fmt: skip
+    return plan
+
+
+def load_stage_weights(module, step_dir: str, trainable_only: bool = False) -> list[str]:
+    """Load this stage's layer files from `step_dir`. Returns the files read.
+
+    Every parameter must be in the files, or with `trainable_only` (a LoRA checkpoint, which holds
+    the adapter only) every trainable one; a key the model lacks is an error either way. Only this
+    rank's own layers are opened, each once (memory-mapped, as plain tensor data: checkpoint/safe_load.py);
+    tied weights are then broadcast from the first stage that holds them.
+
+    NOTE: DeepSpeed's `load_state_dir` reads every layer file twice (once to check its metadata), which
+    doubles start-up I/O on large models.
+
+    Raises:
+        CheckpointError: a missing, unsafe or mismatched file, named.
+    """
+    if os.path.isdir(step_dir):  # the engine files are not read, but one that is unsafe means a tampered checkpoint
+        check_pickles(step_dir, engine_files(os.listdir(step_dir)))
+    files = []
+    for i, layer in enumerate(module.forward_funcs):
+        if not hasattr(layer, "load_state_dict"):  # the tied LM head: a function of layer 0's module
+            continue
+        index = module._local_start + i
+        path = find_layer_file(step_dir, index)
+        if path is None:
+            raise CheckpointError(f"{os.path.join(step_dir, layer_file_name(index))}: layer file missing")
+        state = load_layer_state(path, mmap=True)
+        try:
+            missing, unexpected = layer.load_state_dict(state, strict=not trainable_only)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()
+            raise CheckpointError(f"{path}: does not fit this model ({' '.join(first[:2])[:300]})") from None
+        trainable = {n for n, p in layer.named_parameters() if p.requires_grad}
+        if unexpected or trainable & set(missing):
+            bad = f"unexpected {unexpected[0]}" if unexpected else f"missing {sorted(trainable & set(missing))[0]}"
+            raise CheckpointError(f"{path}: does not fit this model ({bad})")
+        files.append(path)
+    return files
+
+
+def check_data_state(saved: dict, now: dict, tag: str) -> None:
+    """Refuse a resume whose data order would differ, naming what changed (keys missing from older saves pass)."""
+    for key in DATA_KEYS:
+        if key not in saved or saved[key] == now.get(key):
+            continue
+        if key == "train_rows_sha256":
+            raise RunError(
+                f"resume: the tokenized training rows differ from those the checkpoint {tag} was saved with "
+                "(train_file contents, tokenizer or data settings changed), so the data order would not continue"
+            )
+        raise RunError(f"resume: {key}={now.get(key)} but the checkpoint {tag} was saved with {saved[key]}")
+
+
+def resume(engine, cfg: TrainConfig, plan: ResumePlan, data_state: dict) -> int:
+    """Load `plan.tag` into `engine` (weights, optimizer, schedule, step) and check its data. Returns the step."""
+    step_dir = os.path.join(cfg.output_dir, plan.tag)
+    if plan.reshape:
+        client = _load_reshaped(engine, step_dir)
+    else:
+        path, client = engine.load_checkpoint(
+            cfg.output_dir, tag=plan.universal_tag or plan.tag, load_module_strict=not cfg.lora.enabled
+        )
+        if path is None:
+            raise RunError(f"{step_dir}: checkpoint could not be loaded")
+    check_data_state(client.get("data", {}), data_state, plan.tag)
+    return engine.global_steps
+
+
+def restore_rng(cfg: TrainConfig, coords: Coords, plan: ResumePlan) -> None:
+    """This rank's RNG states from the resumed checkpoint (same layout only: a new layout has other ranks)."""
+    path = os.path.join(cfg.output_dir, plan.tag, rng_file(coords.rank))
+    if plan.moved:
+        log.info("layout changed: per-rank RNG states not restored (dropout masks differ from an unmoved run)")
+    elif os.path.exists(path):
+        restore_rng_state(path)
+    else:
+        log.warning("%s: missing, RNG states not restored", path)
+
+
+def _load_reshaped(engine, step_dir: str) -> dict:
+    """ZeRO-0 optimizer state, LR schedule and step counters of this stage's parameters, by name."""
+    names = optimizer_param_names(engine.module, engine.optimizer)
+    if names is None:
+        raise RunError(f"{step_dir}: ZeRO-0 optimizer state moves into a ZeRO-0 fp32 run only (deepspeed=fp32)")
+    saved = read_layout(step_dir)
+    moved = gather_moved_state(step_dir, saved["num_stages"], {n for g in names for n in g})
+    load_moved_state(engine, names, moved)
+    return moved.client_state
+
+
+def save(engine, cfg: TrainConfig, coords: Coords, layout: dict, step: int, data_state: dict) -> None:
+    """Crash-safe: every rank writes into `.saving-<tag>`; once all are done and the manifest is written,
+    rank 0 renames it to `<tag>` and points `latest` at it (checkpoint/saves.py)."""
+    tag = step_tag(step)
+    staging = staging_tag(tag)
+    try:
+        _save_into(engine, cfg, coords, layout, staging, {**data_state, "step": step})
+        if coords.rank == 0:
+            for old in publish_checkpoint(cfg.output_dir, tag, cfg.keep_last_n):
+                log.info("keep_last_n=%d: deleted %s", cfg.keep_last_n, os.path.join(cfg.output_dir, old))
+    except OSError as e:
+        if coords.rank == 0:
+            remove_tree(os.path.join(cfg.output_dir, staging))
+        where = e.filename or os.path.join(cfg.output_dir, staging)
+        raise RunError(f"saving checkpoint {tag} failed: {e.strerror or e} ({where}); 'latest' unchanged") from None
+    dist.barrier()
+    log.info("saved checkpoint %s", os.path.join(cfg.output_dir, tag))
+
+
+def _save_into(engine, cfg: TrainConfig, coords: Coords, layout: dict, staging: str, data: dict) -> None:
+    step_dir = os.path.join(cfg.output_dir, staging)
+    if coords.rank == 0:
+        remove_tree(step_dir)
+        write_layout(step_dir, layout)
+    dist.barrier()
+    client = {"data": data}
+    names = optimizer_param_names(engine.module, engine.optimizer)
+    if names is not None:  # lets a ZeRO-0 checkpoint move to another layout
+        client[OPTIMIZER_NAMES] = names
+    engine.save_checkpoint(
+        cfg.output_dir,
+        tag=staging,
+        client_state=client,
+        save_latest=False,  # `latest` moves in publish_checkpoint(), after the rename
+        exclude_frozen_parameters=cfg.lora.enabled,  # LoRA: layer files hold the adapter only
+    )
+    torch.save(rng_state(), os.path.join(step_dir, rng_file(coords.rank)))
+    dist.barrier()
+    if cfg.save_manifest:
+        _write_manifest(step_dir, coords)
+
+
+def _write_manifest(step_dir: str, coords: Coords) -> None:
+    """Every rank hashes a share of the checkpoint's files; rank 0 writes manifest.json."""
+    names = checkpoint_files(step_dir)
+    mine = build_manifest(step_dir, names[coords.rank :: coords.world], sync=True) if names else {}
+    gathered = [None] * coords.world
+    dist.all_gather_object(gathered, mine)
+    if coords.rank == 0:
+        write_manifest(step_dir, {k: v for part in gathered for k, v in part.items()})
+    dist.barrier()
+
+
+def rng_state() -> dict:
+    """This rank's random generators (python, numpy, torch, CUDA): dropout masks after a resume match."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(path: str) -> None:
+    state = load_pt(path)  # plain data only (the numpy state is an array): checkpoint/safe_load.py
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
