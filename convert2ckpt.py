@@ -1,7 +1,9 @@
 """Convert LLaMA checkpoints between Hugging Face and DeepSpeed pipeline layouts.
 
-    python convert2ckpt.py --input HF_DIR --output CKPT_DIR [--dtype bf16|fp16|fp32] [--workers N] [--force]
-    python convert2ckpt.py --input HF_DIR --output PIECE_DIR --layers 0-20       (or --stages 0,1 --num-stages 4)
+    python convert2ckpt.py --input HF_DIR --output CKPT_DIR [--dtype bf16|fp16|fp32] [--workers N] [--force] [--tp T]
+    python convert2ckpt.py --input CKPT_DIR --output CKPT2_DIR --tp T          (any pipeline checkpoint, any TP)
+    python convert2ckpt.py --input HF_DIR --output PIECE_DIR --layers 0-20       (or --stages 0,1 --num-stages 4,
+                                                                                  or --tp 8 --tp-ranks 0,1,2,3)
     python convert2ckpt.py --combine PIECE_DIR [PIECE_DIR ...] --output CKPT_DIR
     python convert2ckpt.py --to-hf --input CKPT_DIR --output HF_DIR [--tag global_stepN] [--dtype ...]
     python convert2ckpt.py --inspect CKPT_DIR [--tag global_stepN] [--json]
@@ -15,6 +17,7 @@ or key, with exit status 2, and leave no output behind.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from checkpoint.convert import combine_pieces, convert_hf_to_pipeline
@@ -50,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-stages", type=int, help="with --stages: the pipeline stages to partition into")
     p.add_argument("--partition", default="parameters", help="with --stages: parameters, uniform or e.g. 2,3,3,2")
     p.add_argument("--combine", nargs="+", metavar="PIECE_DIR", help="join pieces into one checkpoint at --output")
+    p.add_argument("--tp", type=int, default=1, help="write each layer as T tensor-parallel shards (default 1)")
+    p.add_argument("--tp-ranks", help="with --tp: write only these TP ranks' files (e.g. 0,1) into a piece directory")
     args = p.parse_args(argv)
     if args.combine and not args.output:
         p.error("--combine needs --output")
@@ -57,12 +62,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--input and --output are required (or --inspect / --verify CKPT_DIR, or --combine)")
     if args.stages and not args.num_stages:
         p.error("--stages needs --num-stages")
+    if args.tp_ranks and args.tp == 1:
+        p.error("--tp-ranks needs --tp")
     return args
+
+
+def tp_ranks(args) -> list[int] | None:
+    if not args.tp_ranks:
+        return None
+    try:
+        return sorted({int(r) for r in args.tp_ranks.split(",")})
+    except ValueError:
+        raise CheckpointError(f"--tp-ranks {args.tp_ranks}: expected ranks like 0,1") from None
 
 
 def export_to_hf(args) -> None:
     """--to-hf; a Hugging Face --input (only with --merge-lora ADAPTER_DIR) is converted to a temp checkpoint first."""
-    import os
     import shutil
     import tempfile
 
@@ -112,7 +127,6 @@ def selected_layers(args) -> list[int] | None:
 
 
 def verify(ckpt_dir: str, tag: str | None, against: str | None) -> int:
-    import os
 
     from checkpoint.compare import compare_with_hf
     from checkpoint.manifest import unsafe_files, verify_manifest
@@ -152,9 +166,17 @@ def main(argv=None) -> int:
         elif args.to_hf:
             export_to_hf(args)
         else:
-            if args.tag:
-                raise CheckpointError("--tag only applies with --to-hf or --inspect")
+            from checkpoint.hf_reader import is_hf_dir
+
             layers = selected_layers(args)
+            if not is_hf_dir(args.input) and os.path.isdir(args.input) and "latest" in os.listdir(args.input):
+                from checkpoint.reshard import reshard_checkpoint
+
+                reshard_checkpoint(args.input, args.output, args.tp, tp_ranks(args), layers, args.tag, args.format,
+                                   args.force)  # fmt: skip
+                return 0
+            if args.tag:
+                raise CheckpointError("--tag only applies with --to-hf, --inspect or a pipeline checkpoint --input")
             convert_hf_to_pipeline(
                 args.input,
                 args.output,
@@ -163,6 +185,8 @@ def main(argv=None) -> int:
                 layers=layers,
                 workers=args.workers,
                 fmt=args.format,
+                tp_size=args.tp,
+                tp_ranks=tp_ranks(args),
             )
     except CheckpointError as e:
         print(f"convert2ckpt: error: {e}", file=sys.stderr)

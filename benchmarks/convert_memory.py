@@ -1,6 +1,6 @@
 """Conversion and export time and peak memory on a model of a few GB, against `cp` of the same files.
 
-    python -m benchmarks.convert_memory --work /tmp/convbench [--layers 16 --hidden 2048 --dtype bf16]
+    python -m benchmarks.convert_memory --work /tmp/convbench [--layers 16 --hidden 2048 --dtype bf16 --repeat 5]
 
 Builds (once) a random LLaMA checkpoint with save_pretrained (sharded safetensors), then runs
 `convert2ckpt.py` in a child process and reports its wall time and peak RSS (getrusage of the
@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -34,7 +35,8 @@ def child_peak_rss(cmd: list[str]) -> tuple[float, float]:
     return float(seconds), float(rss)
 
 
-def build_model(path: str, layers: int, hidden: int, intermediate: int, vocab: int, dtype: str) -> None:
+def build_model(path: str, layers: int, hidden: int, intermediate: int, vocab: int, dtype: str, heads: int,
+                kv_heads: int) -> None:  # fmt: skip
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -43,13 +45,17 @@ def build_model(path: str, layers: int, hidden: int, intermediate: int, vocab: i
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
-        num_attention_heads=hidden // 128,
-        num_key_value_heads=hidden // 512,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
     )
     torch.manual_seed(0)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    model = LlamaForCausalLM(config).to(torch_dtype)
+    torch.set_default_dtype(torch_dtype)  # built in the stored dtype: a 7B model fits in RAM once
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
     model.save_pretrained(path, max_shard_size="500MB")
 
 
@@ -61,42 +67,65 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=5632)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--dtype", default="bf16")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (default hidden / 128)")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default hidden / 512)")
+    p.add_argument("--repeat", type=int, default=5, help="runs of cp and of each conversion (medians reported)")
     p.add_argument("--workers", default="1", help="comma-separated worker counts to time, e.g. 1,2,4")
+    p.add_argument("--tp", default="", help="comma-separated tensor-parallel degrees to time (HF -> --tp T, and "
+                   "the converted TP=1 checkpoint resharded to T), e.g. 2,8")  # fmt: skip
     args = p.parse_args()
     hf = os.path.join(args.work, "hf")
     if not os.path.exists(os.path.join(hf, "config.json")):
-        build_model(hf, args.layers, args.hidden, args.intermediate, args.vocab, args.dtype)
+        build_model(hf, args.layers, args.hidden, args.intermediate, args.vocab, args.dtype,
+                    args.heads or args.hidden // 128, args.kv_heads or args.hidden // 512)  # fmt: skip
     size = sum(os.path.getsize(os.path.join(hf, f)) for f in os.listdir(hf)) / 2**20
     out = os.path.join(args.work, "ckpt")
     copy = os.path.join(args.work, "copy")
-    shutil.rmtree(out, ignore_errors=True)
-    shutil.rmtree(copy, ignore_errors=True)
-    subprocess.run(["sync"])
-    t = time.perf_counter()
-    subprocess.run(["cp", "-r", hf, copy], check=True)
-    subprocess.run(["sync"])
-    cp_seconds = time.perf_counter() - t
     imports = "import checkpoint.convert, torch, transformers, safetensors"
-    _, import_rss = child_peak_rss([sys.executable, "-c", imports])
-    runs = {}
-    for workers in [int(w) for w in args.workers.split(",")]:
-        shutil.rmtree(out, ignore_errors=True)
+    import_seconds, import_rss = child_peak_rss([sys.executable, "-c", imports])
+    runs, cp_times = {}, []
+    for _ in range(args.repeat):  # cp and conversion interleaved, each timed to its data on disk (sync)
+        shutil.rmtree(copy, ignore_errors=True)
         subprocess.run(["sync"])
-        cmd = [sys.executable, "convert2ckpt.py", "--input", hf, "--output", out, "--workers", str(workers)]
-        runs[workers] = child_peak_rss(cmd)
+        t = time.perf_counter()
+        subprocess.run(["cp", "-r", hf, copy], check=True)
+        subprocess.run(["sync"])
+        cp_times.append(time.perf_counter() - t)
+        for workers in [int(w) for w in args.workers.split(",")]:
+            shutil.rmtree(out, ignore_errors=True)
+            subprocess.run(["sync"])
+            cmd = [sys.executable, "convert2ckpt.py", "--input", hf, "--output", out, "--workers", str(workers)]
+            t = time.perf_counter()
+            seconds, rss = child_peak_rss(cmd)
+            subprocess.run(["sync"])
+            runs.setdefault(workers, []).append((time.perf_counter() - t, rss))
+    cp_seconds = statistics.median(cp_times)
+    runs = {w: (statistics.median(s for s, _ in r), max(m for _, m in r)) for w, r in runs.items()}
     step = os.path.join(out, CONVERTED_TAG)
     largest_layer = max(os.path.getsize(os.path.join(step, f)) for f in os.listdir(step)) / 2**20
     with open(os.path.join(hf, "config.json")) as f:
         conf = json.load(f)
     shape = f"{conf['num_hidden_layers']} layers, hidden {conf['hidden_size']}, vocab {conf['vocab_size']}"
     print(f"model on disk: {size:.0f} MiB ({shape}, {conf.get('dtype') or conf.get('torch_dtype')})")
-    print(f"largest layer file: {largest_layer:.0f} MiB; imports alone: peak RSS {import_rss:.0f} MiB")
+    print(f"largest layer file: {largest_layer:.0f} MiB; imports alone: {import_seconds:.1f}s, "
+          f"peak RSS {import_rss:.0f} MiB")  # fmt: skip
+    print(f"medians of {args.repeat} runs, each timed until its files are on disk (sync):")
     for workers, (seconds, rss) in runs.items():
         speedup = runs[min(runs)][0] / seconds
         print(
             f"convert2ckpt.py --workers {workers}: {seconds:.1f}s ({size / seconds:.0f} MiB/s, x{speedup:.2f}), "
-            f"peak RSS {rss:.0f} MiB (largest process)"
+            f"{seconds / cp_seconds:.2f}x cp, peak RSS {rss:.0f} MiB (largest process)"
         )
+    for tp in [int(t) for t in args.tp.split(",") if t]:
+        split = os.path.join(args.work, f"tp{tp}")
+        for what, source in (("HF", hf), ("the TP=1 checkpoint", out)):
+            shutil.rmtree(split, ignore_errors=True)
+            subprocess.run(["sync"])
+            seconds, rss = child_peak_rss([sys.executable, "convert2ckpt.py", "--input", source, "--output", split,
+                                           "--tp", str(tp)])  # fmt: skip
+            print(f"convert2ckpt.py --tp {tp} from {what}: {seconds:.1f}s ({size / seconds:.0f} MiB/s), "
+                  f"peak RSS {rss:.0f} MiB")  # fmt: skip
+        shutil.rmtree(split, ignore_errors=True)
     exported = os.path.join(args.work, "exported")
     shutil.rmtree(exported, ignore_errors=True)
     subprocess.run(["sync"])

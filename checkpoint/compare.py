@@ -12,7 +12,7 @@ import torch
 
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import read_model_config
-from checkpoint.layer_files import find_layer_file, load_layer_state
+from checkpoint.layer_files import checkpoint_tp_size, load_layer_whole
 from models.layers import build_layer, tied_lm_head_forward
 from models.layout import EMBED, pipe_layers
 
@@ -22,6 +22,7 @@ def probe_logits_streamed(ckpt_dir: str, config, tag: str, input_ids: torch.Tens
     """Logits of the checkpoint on `input_ids`, building and loading one pipeline layer at a time."""
     config._attn_implementation = "eager"
     step_dir = os.path.join(ckpt_dir, tag)
+    saved_tp = checkpoint_tp_size(step_dir)
     position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
     x, embedding = (input_ids, position_ids), None
     for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):
@@ -29,10 +30,7 @@ def probe_logits_streamed(ckpt_dir: str, config, tag: str, input_ids: torch.Tens
             x = tied_lm_head_forward(embedding, x)
             continue
         module = build_layer(layer, config)
-        path = find_layer_file(step_dir, layer.index)
-        if path is None:
-            raise CheckpointError(f"{step_dir}: no file for pipeline layer {layer.index}")
-        module.load_state_dict(load_layer_state(path), strict=True)
+        module.load_state_dict(load_layer_whole(step_dir, layer, config.vocab_size, saved_tp), strict=True)
         module.float().eval()
         x = module(x)
         if layer.kind == EMBED:

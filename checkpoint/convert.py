@@ -26,11 +26,12 @@ import torch
 from checkpoint.dtypes import DTYPES, dtype_name
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import iter_tensors, read_model_config, stored_dtype, validate
-from checkpoint.layer_files import find_layer_file, layer_path, save_layer_state
-from checkpoint.manifest import build_manifest, write_manifest
-from checkpoint.names import CONVERSION_RECORD, CONVERTED_TAG, LATEST, PIECE_FILE, engine_file
+from checkpoint.layer_files import find_layer_file, layer_path, save_layer_state, unchecked_zip_records
+from checkpoint.manifest import BackgroundDescriber, build_manifest, write_manifest
+from checkpoint.names import CONVERSION_RECORD, CONVERTED_TAG, LATEST, MODEL_SIDE_FILES, PIECE_FILE, engine_file
 from checkpoint.staging import staged_directory
-from models.layout import all_layer_keys, hf_key_to_layer
+from models.layout import PipeLayer, all_layer_keys, hf_key_to_layer, layer_file_name, pipe_layers, tp_split
+from models.sharding import shard
 from models.tokenizer import check_tokenizer_fits, has_tokenizer, load_tokenizer
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -46,6 +47,7 @@ class ConvertStats:
     peak_pending_bytes: int = 0
     seconds: float = 0.0
     files: list[str] = field(default_factory=list)
+    manifest: dict[str, dict] = field(default_factory=dict)  # entries of the files written, described meanwhile
 
 
 def check_tokenizer(hf_dir: str, vocab_size: int) -> int | None:
@@ -61,11 +63,13 @@ def check_tokenizer(hf_dir: str, vocab_size: int) -> int | None:
 
 
 def copy_side_files(src_dir: str, dst_dir: str, dtype: str | None) -> None:
-    """Copy config/tokenizer files (everything but weights); record a cast dtype in config.json."""
+    """Copy config/tokenizer files (of an HF directory: everything but weights; of a trainer's output_dir:
+    the model files only, not its metrics and logs); record a cast dtype in config.json."""
+    run_dir = os.path.exists(os.path.join(src_dir, LATEST))
     for name in sorted(os.listdir(src_dir)):
         src = os.path.join(src_dir, name)
         if os.path.isfile(src) and not name.endswith(WEIGHT_SUFFIXES) and not name.startswith(".") \
-                and name not in NOT_COPIED:  # fmt: skip
+                and name not in NOT_COPIED and (not run_dir or name in MODEL_SIDE_FILES):  # fmt: skip
             shutil.copy2(src, os.path.join(dst_dir, name))
     if dtype:
         record_dtype(os.path.join(dst_dir, "config.json"), dtype)
@@ -81,9 +85,9 @@ def record_dtype(config_path: str, dtype: str) -> None:
         json.dump(conf, f, indent=2)
 
 
-def engine_metadata(dtype: str) -> dict:
+def engine_metadata(dtype: str, tp_size: int = 1) -> dict:
     """What DeepSpeed's `load_checkpoint` reads from `mp_rank_00_model_states.pt`; weights live in layer files."""
-    import deepspeed
+    from importlib.metadata import version
 
     return {
         "module": None,
@@ -95,22 +99,37 @@ def engine_metadata(dtype: str) -> dict:
         "global_samples": 0,
         "dp_world_size": 1,
         "mp_world_size": 1,
-        "ds_version": deepspeed.__version__,
+        "ds_version": version("deepspeed"),  # NOTE: not `import deepspeed`: a second of start-up per conversion
         "converted_from_hf": True,
         "dtype": dtype,
+        "tp_size": tp_size,  # layer files per layer (checkpoint/layer_files.checkpoint_tp_size)
     }
 
 
-def finish_converted(root: str, side_files_from: str, dtype: str, cast: str | None = None) -> None:
+def finish_converted(root: str, side_files_from: str, dtype: str, cast: str | None = None, tp_size: int = 1,
+                     known: dict[str, dict] | None = None) -> None:  # fmt: skip
     """Make `root` (whose `global_step0/` holds every layer file) a complete converted checkpoint:
-    engine metadata, `latest`, config and tokenizer files, manifest. Used by conversion, `--combine`
-    and conversion at load time."""
+    engine metadata, `latest`, config and tokenizer files, manifest (files in `known` are not hashed
+    again). Used by conversion, `--combine`, resharding and conversion at load time."""
     step_dir = os.path.join(root, TAG)
-    torch.save(engine_metadata(dtype), os.path.join(step_dir, engine_file(0)))
+    torch.save(engine_metadata(dtype, tp_size), os.path.join(step_dir, engine_file(0)))
     with open(os.path.join(root, LATEST), "w") as f:
         f.write(TAG)
     copy_side_files(side_files_from, root, cast)
-    write_manifest(step_dir, build_manifest(step_dir))
+    write_manifest(step_dir, build_manifest(step_dir, known=known))
+
+
+def finish_piece(root: str, source: str, layers: list[int], dtype: str, cast: str | None = None, tp_size: int = 1,
+                 tp_ranks: list[int] | None = None, known: dict[str, dict] | None = None) -> None:  # fmt: skip
+    """Make `root` a piece: some layers or some TP ranks, no `latest` (nothing mistakes it for a whole
+    checkpoint); `piece.json` says which, for `--combine` and for a trainer that loads its own ranks from it."""
+    ranks = list(range(tp_size)) if tp_ranks is None else sorted(tp_ranks)
+    info = {"layers": layers, "dtype": dtype, "source": os.path.abspath(source), "tp_size": tp_size, "tp_ranks": ranks}
+    with open(os.path.join(root, PIECE_FILE), "w") as f:
+        json.dump(info, f)
+    copy_side_files(source, root, cast)
+    step_dir = os.path.join(root, TAG)
+    write_manifest(step_dir, build_manifest(step_dir, known=known))
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
@@ -121,16 +140,32 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def convert_layers(hf_dir: str, step_dir: str, todo: list[int], dtype: str | None, fmt: str = "pt") -> ConvertStats:
-    """Write the layer files of `todo` (pipeline layer indices), reading only the tensors they need."""
+def write_layer(step_dir: str, layer: PipeLayer, state: dict[str, torch.Tensor], fmt: str, vocab_size: int,
+                tp_size: int = 1, tp_ranks: list[int] | None = None) -> list[str]:  # fmt: skip
+    """Write one layer as the files of TP ranks `tp_ranks` (default all) of `tp_size`; returns their paths."""
+    paths = []
+    for tp_rank in range(tp_size) if tp_ranks is None else tp_ranks:
+        part = state if tp_size == 1 else {k: shard(v, tp_split(layer.kind, k), tp_rank, tp_size, vocab_size)
+                                           for k, v in state.items()}  # fmt: skip
+        paths.append(layer_path(step_dir, layer.index, fmt, tp_rank))
+        save_layer_state(part, paths[-1])
+    return paths
+
+
+def convert_layers(hf_dir: str, step_dir: str, todo: list[int], dtype: str | None, fmt: str = "pt",
+                   tp_size: int = 1, tp_ranks: list[int] | None = None) -> ConvertStats:  # fmt: skip
+    """Write the layer files of `todo` (pipeline layer indices), reading only the tensors they need; with
+    `tp_size` > 1 each layer is split the moment it is complete (TP ranks `tp_ranks`, default all)."""
     config = read_model_config(hf_dir)
     n_layers, tied = config.num_hidden_layers, config.tie_word_embeddings
+    layers = pipe_layers(n_layers, tied)
     expected = all_layer_keys(config)
     wanted = {hf for index in todo for hf in expected[index].values()}
     stats = ConvertStats()
     pending: dict[int, dict[str, torch.Tensor]] = {}
     pending_bytes = 0
-    with torch.inference_mode():
+    describer = BackgroundDescriber()
+    with torch.inference_mode(), unchecked_zip_records():
         for name, tensor, _ in iter_tensors(hf_dir, wanted):
             index, ours = hf_key_to_layer(name, n_layers, tied)
             if dtype and tensor.is_floating_point():
@@ -142,13 +177,15 @@ def convert_layers(hf_dir: str, step_dir: str, todo: list[int], dtype: str | Non
             stats.tensors += 1
             if len(pending[index]) == len(expected[index]):
                 layer = pending.pop(index)
-                path = layer_path(step_dir, index, fmt)
-                save_layer_state(layer, path)
+                paths = write_layer(step_dir, layers[index], layer, fmt, config.vocab_size, tp_size, tp_ranks)
                 pending_bytes -= sum(t.numel() * t.element_size() for t in layer.values())
-                stats.bytes_written += os.path.getsize(path)
+                stats.bytes_written += sum(os.path.getsize(path) for path in paths)
                 stats.layers_written += 1
-                stats.files.append(os.path.basename(path))
+                stats.files += [os.path.basename(path) for path in paths]
+                for path in paths:
+                    describer.add(path)
                 del layer
+    stats.manifest = describer.entries()
     if pending:  # duplicates across shards or a key listed twice would land here
         raise CheckpointError(f"{hf_dir}: layers {sorted(pending)} incomplete after reading every shard")
     return stats
@@ -167,10 +204,17 @@ def _split(todo: list[int], parts: int) -> list[list[int]]:
 
 
 def _run_workers(
-    hf_dir: str, step_dir: str, todo: list[int], dtype: str | None, workers: int, fmt: str
+    hf_dir: str,
+    step_dir: str,
+    todo: list[int],
+    dtype: str | None,
+    workers: int,
+    fmt: str,
+    tp_size: int = 1,
+    tp_ranks: list[int] | None = None,
 ) -> ConvertStats:
     if workers <= 1:
-        return convert_layers(hf_dir, step_dir, todo, dtype, fmt)
+        return convert_layers(hf_dir, step_dir, todo, dtype, fmt, tp_size, tp_ranks)
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
@@ -178,12 +222,14 @@ def _run_workers(
     ctx = mp.get_context("spawn")  # NOTE: no forked copies of torch/OMP state
     groups = _split(todo, workers)
     with ProcessPoolExecutor(max_workers=len(groups), mp_context=ctx) as pool:
-        for part in pool.map(convert_layers, *zip(*[(hf_dir, step_dir, g, dtype, fmt) for g in groups])):
+        jobs = [(hf_dir, step_dir, g, dtype, fmt, tp_size, tp_ranks) for g in groups]
+        for part in pool.map(convert_layers, *zip(*jobs)):
             stats.layers_written += part.layers_written
             stats.tensors += part.tensors
             stats.bytes_written += part.bytes_written
             stats.peak_pending_bytes += part.peak_pending_bytes  # workers hold their layers at the same time
             stats.files += part.files
+            stats.manifest.update(part.manifest)
     return stats
 
 
@@ -219,11 +265,11 @@ def plan_conversion(hf_dir: str):
     # Every HF key must have a home and every home a key.
     where = validate(hf_dir)
     expected = all_layer_keys(config)
-    for name, shard in where.items():
+    for name, shard_file in where.items():
         try:
             hf_key_to_layer(name, n_layers, tied)
         except KeyError as e:
-            raise CheckpointError(f"{os.path.join(hf_dir, shard)}: {e.args[0]}") from None
+            raise CheckpointError(f"{os.path.join(hf_dir, shard_file)}: {e.args[0]}") from None
     missing = [hf for keys in expected.values() for hf in keys.values() if hf not in where]
     if missing:
         raise CheckpointError(f"{hf_dir}: {len(missing)} LLaMA tensors missing from the checkpoint, e.g. {missing[0]}")
@@ -239,6 +285,8 @@ def convert_hf_to_pipeline(
     layers: list[int] | None = None,
     workers: int = 1,
     fmt: str = "pt",
+    tp_size: int = 1,
+    tp_ranks: list[int] | None = None,
 ) -> ConvertStats:
     """Convert an HF LLaMA checkpoint into the pipeline layout. See the module docstring.
 
@@ -252,6 +300,8 @@ def convert_hf_to_pipeline(
             `combine_pieces` joins with the others into one checkpoint.
         workers: processes converting disjoint groups of layers at once (memory: one layer each).
         fmt: layer file format, "pt" (what DeepSpeed writes) or "safetensors"; both load everywhere.
+        tp_size: write each layer as this many tensor-parallel shards (`layer_XX-model_YY`).
+        tp_ranks: write only these TP ranks' files: a piece (e.g. each node converts its own ranks).
 
     Raises:
         CheckpointError: bad input; nothing has been written to `out_dir`.
@@ -260,6 +310,8 @@ def convert_hf_to_pipeline(
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype}: expected one of {sorted(DTYPES)}")
     config, expected = plan_conversion(hf_dir)
+    check_tp(config, tp_size, tp_ranks)
+    whole = layers is None and (tp_ranks is None or sorted(tp_ranks) == list(range(tp_size)))
     todo = sorted(expected) if layers is None else sorted(layers)
     if set(todo) - set(expected):
         raise CheckpointError(f"{hf_dir}: no layer file {sorted(set(todo) - set(expected))} in this model")
@@ -267,16 +319,13 @@ def convert_hf_to_pipeline(
     with staged_directory(out_dir, force) as tmp:
         step_dir = os.path.join(tmp, TAG)
         os.makedirs(step_dir)
-        stats = _run_workers(hf_dir, step_dir, todo, dtype, workers, fmt)
-        if layers is None:
-            finish_converted(tmp, hf_dir, out_dtype, dtype)
-        else:  # a piece: no `latest`, so nothing mistakes it for a whole checkpoint
-            with open(os.path.join(tmp, PIECE_FILE), "w") as f:
-                json.dump({"layers": todo, "dtype": out_dtype, "source": os.path.abspath(hf_dir)}, f)
-            copy_side_files(hf_dir, tmp, dtype)
-            write_manifest(step_dir, build_manifest(step_dir))
+        stats = _run_workers(hf_dir, step_dir, todo, dtype, workers, fmt, tp_size, tp_ranks)
+        if whole:
+            finish_converted(tmp, hf_dir, out_dtype, dtype, tp_size, known=stats.manifest)
+        else:
+            finish_piece(tmp, hf_dir, todo, out_dtype, dtype, tp_size, tp_ranks, known=stats.manifest)
     stats.seconds = time.perf_counter() - start
-    what = "piece with" if layers is not None else "converted"
+    what = "converted" if whole else "piece with"
     log(
         f"{what} {hf_dir} -> {out_dir}: {stats.layers_written} layer files, {stats.tensors} tensors, "
         f"{stats.bytes_written / 2**20:.1f} MiB in {stats.seconds:.1f}s with {workers} worker(s) "
@@ -285,16 +334,27 @@ def convert_hf_to_pipeline(
     return stats
 
 
+def check_tp(config, tp_size: int, tp_ranks: list[int] | None) -> None:
+    """`--tp` must divide the heads, KV heads and MLP width; `--tp-ranks` must be ranks of it."""
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if tp_size < 1 or getattr(config, name) % tp_size:
+            raise CheckpointError(f"--tp {tp_size}: must divide {name}={getattr(config, name)}")
+    bad = [r for r in tp_ranks or [] if not 0 <= r < tp_size]
+    if bad:
+        raise CheckpointError(f"--tp-ranks: rank {bad[0]} is not one of 0..{tp_size - 1} (--tp {tp_size})")
+
+
 def _arch(config) -> dict:
     return {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
 
 
 def combine_pieces(pieces: list[str], out_dir: str, force: bool = False, log=print) -> str:
-    """Join pieces written with `layers=` (possibly on several machines) into one checkpoint."""
+    """Join pieces written with `--layers`, `--stages` or `--tp-ranks` (possibly on several machines) into one
+    checkpoint; every layer file of every tensor-parallel rank must be in exactly one piece."""
     config = read_model_config(pieces[0])
     expected = set(all_layer_keys(config))
-    owner: dict[int, str] = {}
-    dtypes = set()
+    owner: dict[tuple[int, int], str] = {}  # (layer index, TP rank) -> piece
+    dtypes, tp_sizes = set(), set()
     for piece in pieces:
         path = os.path.join(piece, PIECE_FILE)
         if not os.path.exists(path):
@@ -303,24 +363,32 @@ def combine_pieces(pieces: list[str], out_dir: str, force: bool = False, log=pri
             info = json.load(f)
         if _arch(read_model_config(piece)) != _arch(config):
             raise CheckpointError(f"{piece}/config.json: a different model than {pieces[0]}")
+        tp_size = info.get("tp_size", 1)
         for index in info["layers"]:
-            if index in owner:
-                raise CheckpointError(f"{piece}: layer {index} is also in {owner[index]}")
-            owner[index] = piece
+            for tp_rank in info.get("tp_ranks", [0]):
+                if (index, tp_rank) in owner:
+                    rank = f" (TP rank {tp_rank})" if tp_size > 1 else ""
+                    raise CheckpointError(f"{piece}: layer {index}{rank} is also in {owner[index, tp_rank]}")
+                owner[index, tp_rank] = piece
         dtypes.add(info["dtype"])
-    missing = sorted(expected - set(owner))
+        tp_sizes.add(tp_size)
+    if len(tp_sizes) > 1:
+        raise CheckpointError(f"pieces were written with different --tp {sorted(tp_sizes)}")
+    tp_size = tp_sizes.pop()
+    missing = sorted((i, r) for i in expected for r in range(tp_size) if (i, r) not in owner)
     if missing:
-        raise CheckpointError(f"pieces {pieces} lack layer files {missing}")
+        what = sorted({i for i, _ in missing}) if tp_size == 1 else [layer_file_name(i, r) for i, r in missing][:4]
+        raise CheckpointError(f"pieces {pieces} lack layer files {what}")
     if len(dtypes) > 1:
         raise CheckpointError(f"pieces were written with different dtypes {sorted(dtypes)}")
     with staged_directory(out_dir, force) as tmp:
         step_dir = os.path.join(tmp, TAG)
         os.makedirs(step_dir)
-        for index, piece in sorted(owner.items()):
-            src = find_layer_file(os.path.join(piece, TAG), index)
+        for (index, tp_rank), piece in sorted(owner.items()):
+            src = find_layer_file(os.path.join(piece, TAG), index, tp_rank)
             if src is None:
                 raise CheckpointError(f"{os.path.join(piece, TAG)}: layer {index} missing from its piece")
             shutil.copy2(src, step_dir)
-        finish_converted(tmp, pieces[0], dtypes.pop())
+        finish_converted(tmp, pieces[0], dtypes.pop(), tp_size=tp_size)
     log(f"combined {len(pieces)} pieces -> {out_dir}: {len(owner)} layer files")
     return out_dir

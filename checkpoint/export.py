@@ -27,22 +27,11 @@ from checkpoint.dtypes import DTYPES, element_size
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import read_model_config
 from checkpoint.lora_merge import adapters_from_checkpoint, adapters_from_peft
+from checkpoint.names import MODEL_SIDE_FILES
 from checkpoint.pipeline_reader import iter_hf_tensors, plan_hf_tensors
 from checkpoint.safetensors_writer import StreamingSafetensorsWriter
 from checkpoint.saves import read_tag
 from checkpoint.staging import staged_directory
-
-# Files that make a directory loadable with AutoModelForCausalLM / AutoTokenizer (weights aside).
-HF_SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 def parse_size(text: str) -> int:
@@ -63,7 +52,7 @@ def parse_size(text: str) -> int:
 
 
 def _write_side_files(ckpt_dir: str, out_dir: str, dtype: str | None) -> None:
-    for name in HF_SIDE_FILES:
+    for name in MODEL_SIDE_FILES:
         src = os.path.join(ckpt_dir, name)
         if os.path.isfile(src):
             shutil.copy2(src, os.path.join(out_dir, name))

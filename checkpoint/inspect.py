@@ -34,7 +34,9 @@ def describe(ckpt_dir: str, tag: str | None = None) -> dict:
     expected = [
         layer.index for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings) if layer.has_file
     ]
-    present = sorted({index for index, _, _ in layer_files.values()})
+    tp_ranks = sorted({tp for _, tp, _ in layer_files.values()}) or [0]
+    held = {(index, tp) for index, tp, _ in layer_files.values()}
+    missing = sorted({i for i in expected for tp in range(max(tp_ranks) + 1) if (i, tp) not in held})
     dtypes: Counter = Counter()
     for i, name in enumerate(layer_files):  # every file is opened (memory-mapped: metadata only): none is unsafe
         specs = layer_tensor_specs(os.path.join(step_dir, name))
@@ -66,8 +68,8 @@ def describe(ckpt_dir: str, tag: str | None = None) -> dict:
         },
         "layer_files": len(layer_files),
         "format": sorted({fmt for _, _, fmt in layer_files.values()}),
-        "missing_layers": sorted(set(expected) - set(present)),
-        "tp_ranks": sorted({tp for _, tp, _ in layer_files.values()}),
+        "missing_layers": missing,  # layer indices without a file for some tensor-parallel rank
+        "tp_ranks": tp_ranks,
         "dtype": dict(dtypes),
         "layout": layout
         or {"num_stages": None, "note": "no layout.json: a converted checkpoint, loadable with any number of stages"},
@@ -93,7 +95,8 @@ def format_description(info: dict) -> str:
         bounds = layout["stage_bounds"]
         per_stage = [f"{bounds[i]}-{bounds[i + 1] - 1}" for i in range(len(bounds) - 1)]
         lines.append(
-            f"saved with   PP={layout['num_stages']} x DP={layout['dp_size']}, stages own pipeline layers {per_stage}, "
+            f"saved with   PP={layout['num_stages']} x TP={layout.get('tp_size', 1)} x DP={layout['dp_size']}, "
+            f"stages own pipeline layers {per_stage}, "
             f"{layout['precision']}, ZeRO-{layout['zero_stage']}, global batch {layout['global_batch_size']}"
         )
     else:

@@ -8,14 +8,17 @@ file that holds anything but tensors is refused, never unpickled.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoint.errors import CheckpointError
+from checkpoint.names import LAYOUT_FILE, PIECE_FILE, engine_file
 from checkpoint.safe_load import load_pt
-from models.layout import LAYER_FILE_FORMATS, layer_file_name, parse_layer_file_name
+from models.layout import LAYER_FILE_FORMATS, PipeLayer, layer_file_name, parse_layer_file_name, tp_split
+from models.sharding import VOCAB, merge, padded_vocab, shard
 
 FORMATS = LAYER_FILE_FORMATS
 
@@ -31,6 +34,78 @@ def find_layer_file(step_dir: str, index: int, tp_rank: int = 0) -> str | None:
         if os.path.exists(path):
             return path
     return None
+
+
+def checkpoint_tp_size(step_dir: str) -> int:
+    """The tensor-parallel degree a checkpoint was written with: `layout.json` (trainer saves), the engine
+    metadata of a conversion, or a piece's record; else what its layer 0 files show."""
+    import json
+
+    layout = os.path.join(step_dir, LAYOUT_FILE)
+    piece = os.path.join(os.path.dirname(step_dir), PIECE_FILE)
+    for path in (layout, piece):
+        if os.path.exists(path):
+            with open(path) as f:
+                return int(json.load(f).get("tp_size", 1))
+    if os.path.exists(os.path.join(step_dir, engine_file(0))):
+        meta = load_pt(os.path.join(step_dir, engine_file(0)), mmap=True)
+        if isinstance(meta, dict) and meta.get("converted_from_hf"):
+            return int(meta.get("tp_size", 1))
+    found = 0
+    while find_layer_file(step_dir, 0, found) is not None:
+        found += 1
+    return max(found, 1)
+
+
+def layer_shard_file(step_dir: str, index: int, tp_rank: int) -> str:
+    """Pipeline layer `index`'s file of tensor-parallel rank `tp_rank` (CheckpointError names it if missing)."""
+    path = find_layer_file(step_dir, index, tp_rank)
+    if path is None:
+        raise CheckpointError(f"{os.path.join(step_dir, layer_file_name(index, tp_rank))}: layer file missing")
+    return path
+
+
+def layer_shard_files(step_dir: str, index: int, tp_size: int) -> list[str]:
+    """Pipeline layer `index`'s files for TP ranks 0..tp_size-1 (CheckpointError names a missing one)."""
+    return [layer_shard_file(step_dir, index, tp_rank) for tp_rank in range(tp_size)]
+
+
+def _shards(step_dir: str, layer: PipeLayer, saved_tp: int) -> list[dict[str, torch.Tensor]]:
+    files = layer_shard_files(step_dir, layer.index, saved_tp)
+    shards = [load_layer_state(f, mmap=True) for f in files]
+    for f, s in zip(files[1:], shards[1:]):
+        if set(s) != set(shards[0]):
+            raise CheckpointError(f"{f}: keys differ from {os.path.basename(files[0])}'s (not shards of one layer)")
+    return shards
+
+
+def load_layer_whole(step_dir: str, layer: PipeLayer, vocab_size: int, saved_tp: int) -> dict[str, torch.Tensor]:
+    """A layer's whole tensors from the `saved_tp` files it was written as (the vocabulary without padding).
+    One layer in memory; files are memory-mapped."""
+    shards = _shards(step_dir, layer, saved_tp)
+    return {k: merge([s[k] for s in shards], tp_split(layer.kind, k), vocab_size) for k in shards[0]}
+
+
+def load_layer_shard(step_dir: str, layer: PipeLayer, vocab_size: int, saved_tp: int, tp_rank: int = 0,
+                     tp_size: int = 1, vocab_multiple: int = 1) -> dict[str, torch.Tensor]:  # fmt: skip
+    """This tensor-parallel rank's share of a layer, from a checkpoint written with `saved_tp` ranks.
+
+    Written with this degree (and vocabulary padding): this rank's own file is read, nothing else.
+    Otherwise the layer's shards are merged and split again (models/sharding.py).
+    """
+    if saved_tp == tp_size:
+        state = load_layer_state(layer_shard_file(step_dir, layer.index, tp_rank), mmap=True)
+        rows = padded_vocab(vocab_size, tp_size, vocab_multiple) // tp_size
+        if all(v.shape[0] == rows for k, v in state.items() if tp_split(layer.kind, k) == VOCAB):
+            return state
+    whole = load_layer_whole(step_dir, layer, vocab_size, saved_tp)
+    try:
+        return {
+            k: shard(v, tp_split(layer.kind, k), tp_rank, tp_size, vocab_size, vocab_multiple) for k, v in whole.items()
+        }
+    except ValueError as e:
+        where = os.path.join(step_dir, layer_file_name(layer.index))
+        raise CheckpointError(f"{where}: does not fit this model ({e})") from None
 
 
 def is_layer_file(name: str) -> bool:
@@ -67,8 +142,25 @@ def layer_tensor_specs(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtyp
     return {k: (tuple(v.shape), v.dtype) for k, v in load_layer_state(path, mmap=True).items()}
 
 
+@contextlib.contextmanager
+def unchecked_zip_records():
+    """torch.save without a CRC-32 per zip record (torch.serialization.set_crc32_options): a third of
+    torch.save's time on large tensors. What guards the files instead is the manifest's sha256 of each
+    whole file (`--verify`); torch.load and DeepSpeed read such files as any other."""
+    from torch.serialization import get_crc32_options, set_crc32_options
+
+    before = get_crc32_options()
+    set_crc32_options(False)
+    try:
+        yield
+    finally:
+        set_crc32_options(before)
+
+
 def save_layer_state(state: dict[str, torch.Tensor], path: str) -> None:
     if path.endswith(".safetensors"):
         save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"format": "pt"})
     else:
-        torch.save(state, path)
+        # NOTE: through a Python file object: torch.save to a path wrote about 3x slower here (its own writer).
+        with open(path, "wb") as f:
+            torch.save(state, f)

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoint.errors import CheckpointError
-from checkpoint.layer_files import find_layer_file, load_layer_state
+from checkpoint.layer_files import checkpoint_tp_size, load_layer_whole
 from checkpoint.names import LORA_FILE
 from models.layout import DECODER, DECODER_PREFIX, decoder_index, hf_decoder_module, pipe_layers
 from models.lora import LORA_A, LORA_B, LoraDelta
@@ -74,13 +74,12 @@ def adapters_from_checkpoint(ckpt_dir: str, tag: str, config) -> tuple[str, dict
     with open(path) as f:
         info = json.load(f)
     adapters = {}
+    step_dir = os.path.join(ckpt_dir, tag)
+    saved_tp = checkpoint_tp_size(step_dir)
     for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):
         if layer.kind != DECODER:
             continue
-        file = find_layer_file(os.path.join(ckpt_dir, tag), layer.index)
-        if file is None:
-            raise CheckpointError(f"{os.path.join(ckpt_dir, tag)}: no adapter file for layer {layer.index}")
-        state = load_layer_state(file)
+        state = load_layer_whole(step_dir, layer, config.vocab_size, saved_tp)  # TP shards merged
         deltas = {}
         for key, a in state.items():
             if key.endswith(LORA_A):

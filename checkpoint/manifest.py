@@ -59,8 +59,39 @@ def write_manifest(step_dir: str, entries: dict[str, dict]) -> str:
     return path
 
 
-def build_manifest(step_dir: str, names: list[str] | None = None, sync: bool = False) -> dict[str, dict]:
-    return {n: describe_file(os.path.join(step_dir, n), sync) for n in (names or checkpoint_files(step_dir))}
+def build_manifest(
+    step_dir: str, names: list[str] | None = None, sync: bool = False, known: dict[str, dict] | None = None
+) -> dict[str, dict]:
+    """Entries of `names` (default: every file of step_dir); those in `known` (described as they were
+    written, see `BackgroundDescriber`) are taken as they are."""
+    known = known or {}
+    return {
+        n: known[n] if n in known else describe_file(os.path.join(step_dir, n), sync)
+        for n in (names or checkpoint_files(step_dir))
+    }
+
+
+class BackgroundDescriber:
+    """Manifest entries of files just written, computed in a thread while the caller writes the next one.
+
+    sha256 runs at a few hundred MB/s, about as slow as writing: overlapping the two (hashlib and file reads
+    release the GIL) instead of hashing every file again at the end is most of what makes conversion run
+    near disk speed. The file is read back from the page cache right after it was written.
+    """
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool, self.pending = ThreadPoolExecutor(max_workers=1), {}
+
+    def add(self, path: str) -> None:
+        self.pending[os.path.basename(path)] = self.pool.submit(describe_file, path)
+
+    def entries(self) -> dict[str, dict]:
+        """Wait for every file; {name: entry}. Raises what describing a file raised."""
+        out = {name: future.result() for name, future in self.pending.items()}
+        self.pool.shutdown()
+        return out
 
 
 def verify_manifest(step_dir: str) -> list[str]:

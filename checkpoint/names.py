@@ -1,12 +1,12 @@
 """Every name inside a checkpoint directory, in one place (layer file names live in models/layout.py).
 
-    CKPT_DIR/latest                                 the tag to load ("global_stepN")
-    CKPT_DIR/global_stepN/                          one checkpoint (a "step directory")
-        layer_XX-model_YY-model_states.pt           weights of pipeline layer XX, tensor-parallel rank YY
-        mp_rank_XX_model_states.pt                  DeepSpeed engine state of model-parallel rank XX
-        [bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt   ZeRO optimizer shard of DP rank D
-        rng_state_rankR.pt, layout.json, manifest.json
-    CKPT_DIR/lora.json, piece.json, conversion.json, hf_converted/
+CKPT_DIR/latest                                 the tag to load ("global_stepN")
+CKPT_DIR/global_stepN/                          one checkpoint (a "step directory")
+    layer_XX-model_YY-model_states.pt           weights of pipeline layer XX, tensor-parallel rank YY
+    mp_rank_XX_model_states.pt                  DeepSpeed engine state of model-parallel rank XX
+    [bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt   ZeRO optimizer shard of DP rank D
+    rng_state_rankR.pt, layout.json, manifest.json
+CKPT_DIR/lora.json, piece.json, conversion.json, hf_converted/
 """
 
 from __future__ import annotations
@@ -21,6 +21,18 @@ PIECE_FILE = "piece.json"
 CONVERSION_RECORD = "conversion.json"
 CONVERTED_DIR = "hf_converted"  # conversion at load time: output_dir/hf_converted
 CONVERTED_TAG = "global_step0"  # the one tag of a converted checkpoint
+
+# Files that make a directory loadable with AutoModelForCausalLM / AutoTokenizer (weights aside).
+MODEL_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 STAGING_PREFIX = ".saving-"
 DELETING_PREFIX = ".deleting-"

@@ -1,4 +1,4 @@
-"""Moving whole-per-stage (ZeRO-0) optimizer state to another PP x DP layout, by parameter name.
+"""Moving whole-per-stage (ZeRO-0) optimizer state to another PP x TP x DP layout, by parameter name.
 
 DeepSpeed's universal-checkpoint tool reads ZeRO shards only, so the fp32 preset (ZeRO-0, a plain
 torch AdamW per stage, saved whole in `mp_rank_XX_model_states.pt`) is reshaped here. Every save
@@ -6,8 +6,10 @@ records, next to the optimizer state, the name of each parameter in each optimiz
 (`OPTIMIZER_NAMES`). Names are the pipeline module's own (`3.self_attn.q_proj.weight`,
 `tied_modules.embed.weight`), keyed by global layer index, so they do not depend on the layout:
 a stage of the new layout takes the Adam moments of its parameters from whichever old stage held
-them (a tied weight lives on two stages with identical state; the first is used). Only the
-new stage's own parameters are kept in memory, old stage files are memory-mapped.
+them (a tied weight lives on two stages with identical state; the first is used). Across a change of
+tensor-parallel degree the moments of each parameter are merged from every old TP rank and split for
+the new one by the parameter's own rule (models/sharding.py). Only the new stage's own parameters are
+kept in memory, old engine files are memory-mapped.
 
 LoRA runs move the same way: their optimizer holds the adapter parameters only.
 """
@@ -22,6 +24,7 @@ import torch
 from checkpoint.errors import CheckpointError
 from checkpoint.names import engine_file
 from checkpoint.safe_load import load_pt
+from models.sharding import merge, shard
 
 OPTIMIZER_NAMES = "optimizer_param_names"
 
@@ -44,37 +47,57 @@ class MovedState:
     client_state: dict
 
 
-def stage_state_path(step_dir: str, stage: int) -> str:
-    return os.path.join(step_dir, engine_file(stage))
+def gather_moved_state(
+    step_dir: str, saved_layout: dict, wanted: set[str], rule_of, tp_rank: int = 0, tp_size: int = 1,
+    vocab_size: int | None = None, vocab_multiple: int = 1,
+) -> MovedState:  # fmt: skip
+    """Collect the optimizer state of the parameters named in `wanted` from the saved engine files, as this
+    tensor-parallel rank's shard.
 
-
-def gather_moved_state(step_dir: str, num_saved_stages: int, wanted: set[str]) -> MovedState:
-    """Collect the optimizer state of the parameters named in `wanted` from every saved stage."""
-    found: dict[str, dict[str, torch.Tensor]] = {}
+    Args:
+        step_dir: the checkpoint.
+        saved_layout: its `layout.json` (stages and TP degree that wrote it).
+        wanted: this new stage's parameter names.
+        rule_of: name -> how it splits across TP ranks (models.layout.param_tp_split).
+        tp_rank, tp_size, vocab_size, vocab_multiple: where the state goes (models/sharding.py).
+    """
+    stages, saved_tp = saved_layout["num_stages"], saved_layout.get("tp_size", 1)
+    shards: dict[str, dict[int, dict[str, torch.Tensor]]] = {}  # name -> saved TP rank -> Adam state
     group_options: dict[float, dict] = {}
     first = None
-    for stage in range(num_saved_stages):
-        path = stage_state_path(step_dir, stage)
-        if not os.path.exists(path):
-            raise CheckpointError(f"{path}: missing; the checkpoint was saved with {num_saved_stages} stages")
-        saved = load_pt(path, mmap=True)
-        names, optim = saved.get(OPTIMIZER_NAMES), saved.get("optimizer")
-        if names is None or optim is None:
-            raise CheckpointError(f"{path}: no per-parameter names recorded with its optimizer state; cannot move it")
-        if first is None:
-            first = saved
-        for group, group_names in zip(optim["param_groups"], names, strict=True):
-            group_options.setdefault(group["weight_decay"], {k: v for k, v in group.items() if k != "params"})
-            for index, name in zip(group["params"], group_names, strict=True):
-                if name in wanted and name not in found:
-                    found[name] = {k: v.clone() for k, v in optim["state"].get(index, {}).items()}
-        del saved, optim
-    missing = sorted(wanted - found.keys())
+    for stage in range(stages):
+        for old_tp in range(saved_tp):
+            path = os.path.join(step_dir, engine_file(stage * saved_tp + old_tp))
+            if not os.path.exists(path):
+                raise CheckpointError(f"{path}: missing; the checkpoint was saved with {stages} stages x TP {saved_tp}")
+            saved = load_pt(path, mmap=True)
+            names, optim = saved.get(OPTIMIZER_NAMES), saved.get("optimizer")
+            if names is None or optim is None:
+                raise CheckpointError(f"{path}: no parameter names recorded with its optimizer state; cannot move it")
+            first = first or saved
+            for group, group_names in zip(optim["param_groups"], names, strict=True):
+                group_options.setdefault(group["weight_decay"], {k: v for k, v in group.items() if k != "params"})
+                for index, name in zip(group["params"], group_names, strict=True):
+                    held = shards.setdefault(name, {})
+                    if name in wanted and old_tp not in held:  # a tied weight: the first stage's copy
+                        held[old_tp] = dict(optim["state"].get(index, {}))
+            del saved, optim
+    missing = sorted(n for n in wanted if len(shards.get(n, {})) != saved_tp)
     if missing:
         raise CheckpointError(
             f"{step_dir}: no optimizer state for {len(missing)} parameters of this stage (first: {missing[0]}); "
             "was it saved from another model or another LoRA configuration?"
         )
+    found = {}
+    for name in wanted:
+        parts = [shards[name][t] for t in range(saved_tp)]
+        rule, state = rule_of(name), {}
+        for key, value in parts[0].items():  # exp_avg, exp_avg_sq: shaped like the parameter; step: a scalar
+            if isinstance(value, torch.Tensor) and value.ndim > 0:
+                whole = merge([p[key] for p in parts], rule, vocab_size)
+                value = shard(whole, rule, tp_rank, tp_size, vocab_size, vocab_multiple)
+            state[key] = value.clone() if isinstance(value, torch.Tensor) else value  # off the memory map
+        found[name] = state
     counters = {k: first[k] for k in ("global_steps", "global_samples", "skipped_steps") if k in first}
     client = {k: v for k, v in first.items() if k == "data"}
     return MovedState(found, group_options, first.get("lr_scheduler"), counters, client)

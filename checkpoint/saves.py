@@ -18,7 +18,15 @@ import os
 import shutil
 
 from checkpoint.errors import CheckpointError
-from checkpoint.names import DELETING_PREFIX, LATEST, STAGING_PREFIX, TAG_PATTERN, staging_tag
+from checkpoint.names import (
+    CONVERTED_TAG,
+    DELETING_PREFIX,
+    LATEST,
+    PIECE_FILE,
+    STAGING_PREFIX,
+    TAG_PATTERN,
+    staging_tag,
+)
 from checkpoint.staging import fsync_dir, remove_tree, write_text_atomic
 
 
@@ -75,6 +83,8 @@ def read_tag(ckpt_dir: str, tag: str | None = None) -> str:
     if tag:
         return tag
     found = newest_checkpoint(ckpt_dir)
+    if found is None and os.path.exists(os.path.join(ckpt_dir, PIECE_FILE)):
+        return CONVERTED_TAG  # a piece (some layers or TP ranks): each rank loads the files it needs from it
     if found is None:
         raise CheckpointError(f"{ckpt_dir}: no 'latest' file, so no checkpoint to load; pass a tag")
     return found

@@ -23,7 +23,7 @@ from checkpoint.errors import CheckpointError
 from checkpoint.names import LAYOUT_FILE
 from checkpoint.staging import write_text_atomic
 
-LAYOUT_KEYS = ("num_stages", "dp_size", "stage_bounds")
+LAYOUT_KEYS = ("num_stages", "dp_size", "stage_bounds", "tp_size", "vocab_pad_multiple")
 
 
 def write_layout(step_dir: str, layout: dict) -> None:
@@ -40,7 +40,9 @@ def read_layout(step_dir: str) -> dict | None:
 
 
 def layout_changed(saved: dict | None, current: dict) -> bool:
-    return saved is not None and any(saved[k] != current[k] for k in LAYOUT_KEYS)
+    """Whether a checkpoint saved with layout `saved` resumes in another one (older saves: TP 1)."""
+    defaults = {"tp_size": 1, "vocab_pad_multiple": 1}
+    return saved is not None and any(saved.get(k, defaults.get(k)) != current[k] for k in LAYOUT_KEYS)
 
 
 def check_movable(saved: dict, current: dict, where: str) -> None:
@@ -82,3 +84,36 @@ def ensure_universal(ckpt_dir: str, tag: str) -> str:
     os.replace(out, target)
     shutil.rmtree(tmp, ignore_errors=True)
     return universal
+
+
+def universal_info(config) -> dict:
+    """DeepSpeed's universal-checkpoint description of our parameters (`module.universal_checkpoint_info`):
+    how each merges across tensor-parallel ranks, by exact name. Column-parallel weights need no entry (DeepSpeed
+    concatenates along dim 0 by default); row-parallel ones concatenate along dim 1; replicated ones are averaged;
+    the vocabulary loses its padding (and is padded again for the new degree); the tied embedding is kept from
+    the first stage only."""
+    import re
+
+    from deepspeed.checkpoint import constants as c
+
+    from models.layout import TIED_PARAM, layer_keys, pipe_layers, tp_split
+    from models.sharding import REPLICA, ROW, VOCAB
+
+    rules = {}
+    for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):
+        for key in layer_keys(layer, config):
+            tied = config.tie_word_embeddings and layer.index == 0
+            rules[TIED_PARAM if tied else f"{layer.index}.{key}"] = tp_split(layer.kind, key)
+
+    def patterns(rule: str) -> list[str]:
+        return [f"^{re.escape(name)}$" for name, r in rules.items() if r == rule]
+
+    info = {c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE}
+    for key, rule in ((c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS, ROW), (c.PARAMETER_TO_AVERAGE_PATTERNS, REPLICA),
+                      (c.VOCABULARY_PARAMETER_PATTERNS, VOCAB)):  # fmt: skip
+        if patterns(rule):  # DeepSpeed's converter insists every declared pattern matches a parameter
+            info[key] = patterns(rule)
+    info[c.ORIGINAL_VOCAB_SIZE] = config.vocab_size
+    if config.tie_word_embeddings:
+        info[c.PIPELINE_REPLICATED_PARAMETER_PATTERNS] = [f"^{re.escape(TIED_PARAM)}$"]
+    return info

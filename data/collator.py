@@ -1,9 +1,14 @@
-"""Batches in the pipeline's format: ((input_ids, position_ids), labels), padded to a fixed length.
+"""Batches in the pipeline's format: ((input_ids, position_ids), labels, tokens), padded to a fixed length.
 
 Fixed length because DeepSpeed sizes its inter-stage receive buffers from the first micro-batch.
-Labels are shifted here, once: labels[t] is the token at t + 1 when that token is a target,
-else IGNORE_INDEX, so the loss compares logits[:, t] with labels[:, t] and never slices the
-[B, S, V] logits tensor.
+Labels are shifted here, once: labels[t] is the token at t + 1 when that token is a target of the
+same row, else IGNORE_INDEX, so the loss compares logits[:, t] with labels[:, t] and never slices the
+[B, S, V] logits tensor. `tokens` counts the tokens that are not padding (what throughput reports);
+DeepSpeed reads only the first two entries.
+
+Packed batches (`packing=True`): each sample is a list of rows (data/packing.py) laid end to end;
+`position_ids` restart at 0 for each row and for the padding tail, which is how the decoder layers
+find the row boundaries (models/layers.py), and the last token of a row predicts nothing.
 """
 
 from __future__ import annotations
@@ -14,18 +19,28 @@ from models.loss import IGNORE_INDEX
 
 
 class CausalLMCollator:
-    def __init__(self, seq_length: int, pad_token_id: int):
+    def __init__(self, seq_length: int, pad_token_id: int, packing: bool = False):
         self.seq_length = seq_length
         self.pad_token_id = pad_token_id
+        self.packing = packing
 
-    def __call__(self, samples: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __call__(self, samples: list):
         batch, seq = len(samples), self.seq_length
         input_ids = torch.full((batch, seq), self.pad_token_id, dtype=torch.long)  # [B, S]
         labels = torch.full((batch, seq), IGNORE_INDEX, dtype=torch.long)  # [B, S]
-        for i, (ids, targets) in enumerate(samples):
-            n = len(ids)
-            input_ids[i, :n] = ids
-            if n > 1:
-                labels[i, : n - 1] = torch.where(targets[1:], ids[1:], IGNORE_INDEX)
         position_ids = torch.arange(seq, dtype=torch.long).expand(batch, seq).contiguous()  # [B, S]
-        return (input_ids, position_ids), labels
+        tokens = 0
+        for i, sample in enumerate(samples):
+            at = 0
+            for ids, targets in sample if self.packing else [sample]:
+                n = len(ids)
+                input_ids[i, at : at + n] = ids
+                if n > 1:
+                    labels[i, at : at + n - 1] = torch.where(targets[1:], ids[1:], IGNORE_INDEX)
+                if self.packing:
+                    position_ids[i, at : at + n] = torch.arange(n)
+                at += n
+            if self.packing:
+                position_ids[i, at:] = torch.arange(seq - at)  # the padding tail: a row of its own
+            tokens += at
+        return (input_ids, position_ids), labels, torch.tensor(tokens)

@@ -16,3 +16,4 @@ class DataConfig:
     tokenize_workers: int = 0  # tokenize in this many processes (0/1: in the rank itself)
     add_eos_to_response: bool = True  # so the model learns where an answer ends
     num_workers: int = 0
+    packing: bool = False  # several rows per seq_length row, attention and labels kept inside each row

@@ -43,7 +43,8 @@ ARCH_KEYS = (
     "rope_theta",
     "tie_word_embeddings",
 )
-SUPPORTED_MODEL_TYPES = ("llama",)
+CONFIG_CLASSES = {"llama": "LlamaConfig"}  # model_type -> transformers config class
+SUPPORTED_MODEL_TYPES = tuple(CONFIG_CLASSES)
 
 
 @dataclass
@@ -70,7 +71,10 @@ class ModelConfig:
     attn_implementation: AttnImplementation = AttnImplementation.sdpa
     # NOTE: Any because omegaconf has no unions: "parameters", "uniform" or blocks per stage, e.g. [2, 3, 3, 2].
     partition: Any = "parameters"
-    activation_checkpointing: bool = False
+    # NOTE: Any because omegaconf has no unions: true (every decoder block), false, or k (every k-th block; 0 off).
+    activation_checkpointing: Any = False
+    loss_chunk_size: int = 0  # cross-entropy over this many tokens at a time (no whole fp32 logits); 0: at once
+    vocab_pad_multiple: int = 1  # pad embedding and LM head rows to a multiple of this (and of TP); never exported
 
 
 @dataclass
@@ -84,13 +88,23 @@ class LoraSettings:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
+def checkpoint_every(model: ModelConfig) -> int:
+    """`model.activation_checkpointing` as k: recompute every k-th decoder block (0: none). Raises ValueError."""
+    value = model.activation_checkpointing
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int) and value >= 0:
+        return value
+    raise ValueError(f"model.activation_checkpointing={value!r} must be true, false or k >= 0 (every k-th block)")
+
+
 def load_hf_config(path: str):
     """The transformers config in `path`/config.json (an HF model dir or a pipeline checkpoint).
 
     Raises:
         ValueError: missing, not JSON, or a model type this project does not support; names the file.
     """
-    from transformers import AutoConfig
+    import transformers
 
     file = os.path.join(path, "config.json")
     if not os.path.exists(file):
@@ -102,7 +116,9 @@ def load_hf_config(path: str):
         raise ValueError(f"{file}: not valid JSON ({e})") from None
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{file}: model_type={model_type!r} is not a LLaMA-family model {SUPPORTED_MODEL_TYPES}")
-    return AutoConfig.from_pretrained(path)
+    # NOTE: the family's own config class, not AutoConfig: resolving AutoConfig imports transformers' whole
+    # auto-mapping (seconds per process, and conversion runs one process per command).
+    return getattr(transformers, CONFIG_CLASSES[model_type]).from_pretrained(path)
 
 
 def preset_values(model: ModelConfig) -> dict:

@@ -12,15 +12,22 @@ Only `hidden` is a floating tensor, so it is the only tensor that crosses a stag
 gradient. RoPE cos/sin and the causal mask are rebuilt inside every decoder layer from the integer
 `position_ids`: a float mask would need a gradient, cost B*S*S of traffic and block SDPA/flash.
 
+Packed rows (`data.packing`): several documents share a row and `position_ids` restart at 0 at each
+one. Each decoder layer rebuilds the per-document causal mask from them (`document_mask`; flash-attn
+gets the equivalent `cu_seqlens`), so attention never crosses a document boundary.
+
 The modules subclass the transformers classes so their state_dict keys are the HF suffixes listed
 in `models.layout.KEY_TABLE`, and their maths is HF's own.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from models.layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
@@ -56,34 +63,86 @@ class EmbeddingPipe(nn.Embedding):
         return hidden, position_ids
 
 
+@dataclass(frozen=True)
+class DecoderOptions:
+    """How decoder layers run (not what they hold: no effect on weights or keys).
+
+    packed: rows hold several documents (position_ids restart at 0 at each); attention stays inside each.
+    checkpoint_every: recompute every k-th decoder block (block % k == 0) in backward; 0 never, 1 every block.
+    """
+
+    packed: bool = False
+    checkpoint_every: int = 0
+
+    def recompute(self, block: int) -> bool:
+        return self.checkpoint_every > 0 and block % self.checkpoint_every == 0
+
+
 def causal_additive_mask(seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """[1, 1, S, S] additive causal mask for eager attention (0 on and below the diagonal)."""
     mask = torch.full((seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype, device=device)
     return torch.triu(mask, diagonal=1)[None, None]
 
 
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] bool, True where query i may attend key j: j <= i and both in the same document.
+
+    A document starts wherever `position_ids` is 0 (the collator restarts them per packed row).
+    """
+    document = torch.cumsum(position_ids == 0, dim=-1)  # [B, S]: 1, 1, 1, 2, 2, ...
+    same = document[:, :, None] == document[:, None, :]  # [B, S, S]
+    causal = torch.ones(position_ids.shape[-1], position_ids.shape[-1], dtype=torch.bool, device=position_ids.device)
+    return (same & causal.tril())[:, None]
+
+
+def flash_varlen_kwargs(position_ids: torch.Tensor) -> dict:
+    """flash-attn's variable-length arguments for packed rows: one sequence per document of the flattened batch."""
+    flat = position_ids.reshape(-1)
+    starts = (flat == 0).nonzero().view(-1).to(torch.int32)
+    cu = torch.cat([starts, torch.tensor([flat.numel()], dtype=torch.int32, device=flat.device)])
+    longest = int(cu.diff().max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
 class DecoderLayerPipe(LlamaDecoderLayer):
     """One HF LLaMA decoder block. Keys: the suffixes of HF `model.layers.{b}.*`.
 
-    Sequences are right-padded and padded positions carry ignored labels, so a plain causal mask
-    is exact for every scored token: no padding mask needs to cross stages. SDPA and flash-attn
+    Unpacked rows are right-padded and padded positions carry ignored labels, so a plain causal
+    mask is exact for every scored token: no padding mask needs to cross stages. SDPA and flash-attn
     get `attention_mask=None` and apply causality themselves (their fast path); eager attention
-    gets an additive mask built here.
+    gets an additive mask built here. Packed rows get the per-document mask (see the module docstring).
     """
 
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, options: DecoderOptions | None = None):
         super().__init__(config, layer_idx)
         self.attn_implementation = config._attn_implementation or "sdpa"
         self.rotary_emb = Fp32RotaryEmbedding(config)  # non-persistent buffers only: no state_dict keys
+        self.options = options or DecoderOptions()
+        self.recompute = self.options.recompute(layer_idx)
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, position_ids = inputs  # [B, S, H], [B, S]
+        if self.recompute and torch.is_grad_enabled():
+            # Non-reentrant: works with a frozen input (LoRA) and restores the RNG state (dropout) on recompute.
+            return checkpoint(self._block, hidden, position_ids, use_reentrant=False), position_ids
+        return self._block(hidden, position_ids), position_ids
+
+    def _block(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         cos_sin = self.rotary_emb(hidden, position_ids)  # 2 x [B, S, head_dim]
-        mask = None
-        if self.attn_implementation == "eager":
+        mask, extra = None, {}
+        if self.options.packed and self.attn_implementation == "flash_attention_2":
+            extra = flash_varlen_kwargs(position_ids)
+        elif self.options.packed:
+            mask = document_mask(position_ids)
+            if self.attn_implementation == "eager":
+                mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
+                    ~mask, torch.finfo(hidden.dtype).min
+                )
+        elif self.attn_implementation == "eager":
             mask = causal_additive_mask(hidden.shape[1], hidden.dtype, hidden.device)
-        hidden = super().forward(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
-        return hidden, position_ids
+        return super().forward(
+            hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin, **extra
+        )
 
 
 class NormPipe(LlamaRMSNorm):
@@ -112,20 +171,22 @@ def tied_lm_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torc
     return F.linear(hidden, embedding.weight)  # [B, S, V]
 
 
-def layer_class_and_args(layer: PipeLayer, config) -> tuple[type[nn.Module], tuple]:
+def layer_class_and_args(
+    layer: PipeLayer, config, options: DecoderOptions | None = None
+) -> tuple[type[nn.Module], tuple]:
     """The module class of a pipeline layer and its constructor arguments (the one kind -> module table).
 
     A tied LM head has no module of its own: callers build the embedding's class and apply
     `tied_lm_head_forward` (DeepSpeed's `TiedLayerSpec`).
     """
     if layer.kind == DECODER:
-        return DecoderLayerPipe, (config, layer.block)
+        return DecoderLayerPipe, (config, layer.block, options)
     cls = {EMBED: EmbeddingPipe, NORM: NormPipe, LM_HEAD: EmbeddingPipe if not layer.has_file else LMHeadPipe}
     return cls[layer.kind], (config,)
 
 
-def build_layer(layer: PipeLayer, config) -> nn.Module:
-    cls, args = layer_class_and_args(layer, config)
+def build_layer(layer: PipeLayer, config, options: DecoderOptions | None = None) -> nn.Module:
+    cls, args = layer_class_and_args(layer, config, options)
     return cls(*args)
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from models.sharding import COLUMN, REPLICA, ROW, VOCAB
+
 EMBED, DECODER, NORM, LM_HEAD = "embed", "decoder", "norm", "lm_head"
 
 DECODER_PREFIX = "model.layers.{}."  # HF name of decoder block {} (the module; its keys follow)
@@ -179,6 +181,42 @@ def linear_modules() -> list[str]:
 def hf_decoder_module(block: int, module: str) -> str:
     """HF name of a module of decoder block `block`: (3, "self_attn.q_proj") -> "model.layers.3.self_attn.q_proj"."""
     return DECODER_PREFIX.format(block) + module
+
+
+# How each key of a pipeline layer splits across tensor-parallel ranks (Megatron's split; models/sharding.py).
+TP_COLUMN_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+TP_ROW_MODULES = ("self_attn.o_proj", "mlp.down_proj")
+_LORA_KEY = re.compile(r"(.+)\.lora_([AB])\.[^.]+\.weight")
+# LoRA factors follow the layer they adapt: a column layer's B is split like it and its A replicated; a row
+# layer's A is split like it and its B replicated.
+_LORA_SPLIT = {(COLUMN, "A"): REPLICA, (COLUMN, "B"): COLUMN, (ROW, "A"): ROW, (ROW, "B"): REPLICA}
+
+
+def tp_split(kind: str, key: str) -> str:
+    """COLUMN, ROW, VOCAB or REPLICA for `key` of a layer of `kind` (see models/sharding.py)."""
+    if kind in (EMBED, LM_HEAD):
+        return VOCAB
+    if kind != DECODER:
+        return REPLICA
+    lora = _LORA_KEY.fullmatch(key)
+    module, param = (lora.group(1), "weight") if lora else key.replace(".base_layer", "").rsplit(".", 1)
+    rule = COLUMN if module in TP_COLUMN_MODULES else ROW if module in TP_ROW_MODULES else REPLICA
+    if lora:
+        return _LORA_SPLIT.get((rule, lora.group(2)), REPLICA)
+    return REPLICA if rule == ROW and param == "bias" else rule
+
+
+# The pipeline module's name for the tied embedding (DeepSpeed's TiedLayerSpec key "embed"); other
+# parameters are named "<layer index>.<key inside the layer>", e.g. "5.self_attn.q_proj.weight".
+TIED_PARAM = "tied_modules.embed.weight"
+
+
+def param_tp_split(name: str, num_layers: int, tie_word_embeddings: bool) -> str:
+    """How the pipeline module's parameter `name` splits across tensor-parallel ranks (models/sharding.py)."""
+    if name == TIED_PARAM:
+        return tp_split(EMBED, "weight")
+    index, key = name.split(".", 1)
+    return tp_split(pipe_layers(num_layers, tie_word_embeddings)[int(index)].kind, key)
 
 
 def all_layer_keys(config) -> dict[int, dict[str, str]]:

@@ -8,13 +8,15 @@ parameter is frozen. Keys inside a layer follow peft: the base `self_attn.q_proj
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from models.layout import linear_modules
+from models.layout import DECODER, linear_modules, tp_split
+from models.sharding import ROW, shard
 
 ADAPTER = "default"
 LORA_A, LORA_B = f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"
@@ -30,11 +32,14 @@ def check_target_modules(targets: list[str]) -> None:
             raise ValueError(f"lora.target_modules: {target!r} is not a linear layer of the decoder ({names})")
 
 
-def add_lora(module: nn.Module, r: int, alpha: float, dropout: float, target_modules: list[str], seed: int) -> int:
+def add_lora(module: nn.Module, r: int, alpha: float, dropout: float, target_modules: list[str], seed: int,
+             tp_rank: int = 0, tp_size: int = 1) -> int:  # fmt: skip
     """Inject LoRA into every decoder layer of `module` and freeze everything else.
 
-    Each layer's adapter is initialised from `seed + block number`, so data-parallel replicas of a
-    stage start identical whatever rank builds them. Returns the number of trainable parameters.
+    Every adapter starts the same whatever the layout: A is drawn (PEFT's kaiming-uniform) on its whole
+    shape from a generator of its own, seeded by (`seed`, block, module), and this tensor-parallel rank
+    keeps its shard of it; B is zero. Data-parallel replicas, tensor-parallel ranks and the
+    single-process reference therefore agree. Returns the number of trainable parameters.
     """
     from peft import LoraConfig, inject_adapter_in_model
 
@@ -43,14 +48,30 @@ def add_lora(module: nn.Module, r: int, alpha: float, dropout: float, target_mod
         p.requires_grad_(False)
     for layer in module.modules():
         if isinstance(layer, LlamaDecoderLayer):  # our DecoderLayerPipe, or HF's own (the test reference)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed + layer.self_attn.layer_idx)
+            with torch.random.fork_rng(devices=[]):  # injection draws random numbers: keep the global stream
                 inject_adapter_in_model(config, layer, adapter_name=ADAPTER)
+            _init_adapters(layer, seed, tp_rank, tp_size)
     trainable = 0
     for name, p in module.named_parameters():
         p.requires_grad_(".lora_" in name)
         trainable += p.numel() if p.requires_grad else 0
     return trainable
+
+
+@torch.no_grad()
+def _init_adapters(layer: nn.Module, seed: int, tp_rank: int, tp_size: int) -> None:
+    block = layer.self_attn.layer_idx
+    for i, name in enumerate(linear_modules()):
+        target = layer.get_submodule(name)
+        if not hasattr(target, "lora_A"):
+            continue
+        a = target.lora_A[ADAPTER].weight  # [r, in] (this rank's columns of a row-parallel layer)
+        rule = tp_split(DECODER, name + LORA_A)
+        whole = torch.empty(a.shape[0], a.shape[1] * (tp_size if rule == ROW else 1))
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + block * 1_009 + i)
+        torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5), generator=generator)
+        a.copy_(shard(whole, rule, tp_rank, tp_size))
+        target.lora_B[ADAPTER].weight.zero_()
 
 
 @dataclass(frozen=True)

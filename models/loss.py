@@ -11,6 +11,56 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
+def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """fp32 cross-entropy summed over the labels that are not IGNORE_INDEX ([B, S, V] logits, [B, S] labels)."""
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    """Summed cross-entropy computed `chunk` tokens at a time, its gradient taken chunk by chunk in forward.
+
+    Only one chunk's fp32 logits and softmax exist at any moment; what is kept for backward is the
+    gradient with respect to the logits, in the logits' own dtype (the size of the logits, which the
+    pipeline holds anyway). `cross_entropy` may contain collectives (the vocab-parallel one): every
+    tensor-parallel rank runs the same chunks in the same order.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, chunk, cross_entropy):
+        flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+        grad = torch.empty_like(flat_logits)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for start in range(0, flat_labels.numel(), chunk):
+            piece = flat_logits[start : start + chunk].detach().requires_grad_()
+            with torch.enable_grad():
+                loss = cross_entropy(piece[None], flat_labels[start : start + chunk][None])
+            (grad[start : start + chunk],) = torch.autograd.grad(loss, piece)
+            total += loss.detach().float()
+        ctx.save_for_backward(grad)
+        ctx.shape = logits.shape
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_total.to(grad.dtype)).reshape(ctx.shape), None, None, None
+
+
+def chunked_cross_entropy(logits, labels, chunk: int, cross_entropy=summed_cross_entropy) -> torch.Tensor:
+    """`cross_entropy(logits, labels)` (summed over tokens) without whole-batch fp32 logits: see `_ChunkedLoss`."""
+    if not torch.is_grad_enabled() or not logits.requires_grad:
+        with torch.no_grad():
+            flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+            pieces = [
+                cross_entropy(flat_logits[i : i + chunk][None], flat_labels[i : i + chunk][None]).float()
+                for i in range(0, flat_labels.numel(), chunk)
+            ]
+            return torch.stack(pieces).sum()
+    return _ChunkedLoss.apply(logits, labels, chunk, cross_entropy)
+
+
 class CausalLMLoss:
     """fp32 cross-entropy summed over scored tokens, times a per-step scale.
 
@@ -23,11 +73,18 @@ class CausalLMLoss:
 
     `totals()` returns the (summed loss, token count) seen since the last `reset()`: the exact
     token-weighted figures for metrics and evaluation.
+
+    Args:
+        cross_entropy: (logits, labels) -> cross-entropy summed over non-ignored labels; default torch's.
+            Tensor parallelism passes the vocab-parallel one (models/tensor_parallel.py).
+        chunk: > 0: compute it `chunk` tokens at a time (`chunked_cross_entropy`); 0: all at once.
     """
 
     __name__ = "CausalLMLoss"
 
-    def __init__(self):
+    def __init__(self, cross_entropy=None, chunk: int = 0):
+        self.cross_entropy = cross_entropy or summed_cross_entropy
+        self.chunk = chunk
         self.reset()
 
     def reset(self) -> None:
@@ -39,9 +96,10 @@ class CausalLMLoss:
 
     def __call__(self, logits: torch.Tensor, labels_and_scale) -> torch.Tensor:
         labels, scale = labels_and_scale  # [B, S] long, [] float
-        loss_sum = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
+        if self.chunk:
+            loss_sum = chunked_cross_entropy(logits, labels, self.chunk, self.cross_entropy)
+        else:
+            loss_sum = self.cross_entropy(logits, labels)
         self.loss_sum += float(loss_sum.detach())
         self.tokens += int((labels != IGNORE_INDEX).sum())
         return loss_sum * scale.to(loss_sum.device)

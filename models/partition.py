@@ -20,14 +20,22 @@ from models.layout import LM_HEAD, num_pipe_layers, pipe_layers, stage_bounds_fr
 PARTITION_METHODS = ("parameters", "uniform")
 
 
-def layer_param_counts(config) -> list[int]:
-    """Parameters per pipeline layer, counted on the meta device (no memory, no init)."""
+def layer_param_counts(config, tp=None) -> list[int]:
+    """Parameters per pipeline layer, counted on the meta device (no memory, no init); with `tp` (a
+    `models.tensor_parallel.TensorParallel`), one tensor-parallel rank's share."""
     layers = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings)
     sizes = {}
     with torch.device("meta"):
         for layer in layers:
             if layer.kind != LM_HEAD and layer.kind not in sizes:
-                sizes[layer.kind] = sum(p.numel() for p in build_layer(layer, config).parameters())
+                if tp is None:
+                    module = build_layer(layer, config)
+                else:
+                    from models.tensor_parallel import tp_layer_class_and_args
+
+                    cls, args = tp_layer_class_and_args(layer, config, tp)
+                    module = cls(*args)
+                sizes[layer.kind] = sum(p.numel() for p in module.parameters())
     first = layers[0]
     sizes[LM_HEAD] = sizes[first.kind]  # the head costs what the embedding costs, tied or not
     return [sizes[layer.kind] for layer in layers]

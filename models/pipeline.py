@@ -1,7 +1,8 @@
 """The wiring between model code and DeepSpeed: the LayerSpec list and the PipelineModule.
 
 Each rank builds only the layers of its own stage (DeepSpeed builds `specs[start:stop]`), with
-stage bounds from `models.partition` (computed from the config alone).
+stage bounds from `models.partition` (computed from the config alone), and with tensor parallelism
+only its shard of each (models/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -11,20 +12,21 @@ from collections.abc import Sequence
 
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-from models.layers import layer_class_and_args, tied_lm_head_forward
+from models.layers import DecoderOptions
 from models.layout import pipe_layers
 from models.partition import stage_bounds
+from models.tensor_parallel import TensorParallel, tp_layer_class_and_args, tp_tied_head_forward
 
-TIED_KEY = "embed"
+TIED_KEY = "embed"  # NOTE: models.layout.TIED_PARAM names its parameter
 
 
-def layer_specs(config) -> list[LayerSpec]:
+def layer_specs(config, tp: TensorParallel, options: DecoderOptions | None = None) -> list[LayerSpec]:
     """One spec per entry of `models.layout.pipe_layers`, in the same order."""
     specs = []
     for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):
-        cls, args = layer_class_and_args(layer, config)
+        cls, args = tp_layer_class_and_args(layer, config, tp, options)
         if config.tie_word_embeddings and not layer.has_file:  # the LM head: a second use of layer 0's module
-            specs.append(TiedLayerSpec(TIED_KEY, cls, *args, forward_fn=tied_lm_head_forward))
+            specs.append(TiedLayerSpec(TIED_KEY, cls, *args, forward_fn=tp_tied_head_forward(config, tp)))
         elif config.tie_word_embeddings and layer.index == 0:
             specs.append(TiedLayerSpec(TIED_KEY, cls, *args))
         else:
@@ -35,12 +37,13 @@ def layer_specs(config) -> list[LayerSpec]:
 class LlamaPipelineModule(PipelineModule):
     """`PipelineModule` whose stage bounds come from `stage_bounds` instead of building every layer."""
 
-    def __init__(self, config, bounds: list[int], **kwargs):
+    def __init__(self, config, bounds: list[int], tp: TensorParallel, options: DecoderOptions, **kwargs):
         # NOTE: set before nn.Module.__init__ on purpose: PipelineModule.__init__ partitions and
         # builds immediately, and plain attributes are allowed before Module's own fields exist.
         self._precomputed_bounds = list(bounds)
         self.llama_config = config
-        super().__init__(layers=layer_specs(config), partition_method="precomputed", **kwargs)
+        self._tp = tp
+        super().__init__(layers=layer_specs(config, tp, options), partition_method="precomputed", **kwargs)
 
     def _partition_layers(self, method="precomputed"):
         stage_id = self._topo.get_coord(self.global_rank).pipe
@@ -48,6 +51,9 @@ class LlamaPipelineModule(PipelineModule):
         if len(self.parts) != self.num_stages + 1 or self.parts[-1] != len(self._layer_specs):
             raise ValueError(f"stage bounds {self.parts} do not fit {self.num_stages} stages")
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+        # The grid exists now and the layers are built next: give them their tensor-parallel group (DeepSpeed's
+        # "slice" group: the ranks of this stage and DP replica).
+        self._tp.group = self._grid.get_slice_parallel_group()
 
     def local_layer_indices(self) -> range:
         return range(self._local_start, self._local_stop)
@@ -56,8 +62,9 @@ class LlamaPipelineModule(PipelineModule):
 def build_pipeline_module(
     config,
     topology,
+    tp: TensorParallel,
     partition: str | Sequence[int] = "parameters",
-    activation_checkpointing: bool = False,
+    options: DecoderOptions | None = None,
     loss_fn=None,
     skip_init: bool = True,
 ) -> LlamaPipelineModule:
@@ -65,10 +72,11 @@ def build_pipeline_module(
 
     Args:
         config: transformers config of the model, with `_attn_implementation` set.
-        topology: a DeepSpeed `ProcessTopology` with a `pipe` axis.
+        topology: a DeepSpeed `ProcessTopology` with `pipe`, `data` and `model` (tensor-parallel) axes.
+        tp: this rank's tensor-parallel place (size 1: no tensor parallelism).
         partition: see `models.partition.stage_bounds`.
-        activation_checkpointing: recompute each decoder layer in backward (non-reentrant; the
-            engine config must carry `pipeline.use_reentrant: false`).
+        options: packed rows, and which decoder blocks recompute in backward (`models.layers.DecoderOptions`;
+            each block checkpoints itself, so DeepSpeed's own interval stays 0).
         loss_fn: `models.loss.CausalLMLoss` or any callable (logits, labels) -> loss.
         skip_init: leave weights uninitialised because a checkpoint will overwrite them.
     """
@@ -80,8 +88,9 @@ def build_pipeline_module(
         return LlamaPipelineModule(
             config,
             bounds,
+            tp,
+            options or DecoderOptions(),
             topology=topology,
             loss_fn=loss_fn,
-            activation_checkpoint_interval=1 if activation_checkpointing else 0,
-            checkpointable_layers=["DecoderLayerPipe"],
+            activation_checkpoint_interval=0,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from data.dataset import TokenizedDataset
+from data.packing import PackedDataset
 from data.sampling import TrainPlan
 from models.lora import add_lora
 from models.loss import IGNORE_INDEX
@@ -18,16 +19,19 @@ from training.engine import make_optimizer
 
 
 def global_batch(dataset, plan: TrainPlan, step: int, seed: int, seq_length: int, pad_id: int):
-    """Rows of optimizer step `step` over all DP ranks, as HF inputs (unshifted labels)."""
+    """Rows of optimizer step `step` over all DP ranks, as HF inputs (unshifted labels). With packing, the
+    rows inside the step's packed rows, each in an HF row of its own (what packing must reproduce)."""
     epoch, skip = plan.position(step)
-    rows = []
+    indices = []
     for r in range(plan.dp_size):
-        rows += plan.epoch_indices(epoch, r, seed, skip)[: plan.rows_per_step]
+        indices += plan.epoch_indices(epoch, r, seed, skip)[: plan.rows_per_step]
+    rows = [dataset[i] for i in indices]
+    if isinstance(dataset, PackedDataset):
+        rows = [row for packed in rows for row in packed]
     ids = torch.full((len(rows), seq_length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), seq_length), dtype=torch.long)
     labels = torch.full((len(rows), seq_length), IGNORE_INDEX, dtype=torch.long)
-    for i, row in enumerate(rows):
-        tokens, targets = dataset[row]
+    for i, (tokens, targets) in enumerate(rows):
         n = len(tokens)
         ids[i, :n], mask[i, :n] = tokens, 1
         labels[i, :n] = torch.where(targets, tokens, IGNORE_INDEX)
@@ -47,6 +51,8 @@ def train_reference(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, 
         add_lora(model, lo.r, lo.alpha, lo.dropout, lo.target_modules, cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     dataset = TokenizedDataset(cfg.train_file, tokenizer, cfg.seq_length, cfg.data)
+    if cfg.data.packing:
+        dataset = PackedDataset(dataset, cfg.seq_length)
     plan = TrainPlan(len(dataset), dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
     total = plan.total_steps(cfg.max_steps, cfg.num_train_epochs)
     optimizer, scheduler = make_optimizer(cfg, model.named_parameters(), total)
@@ -63,3 +69,19 @@ def train_reference(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, 
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     return model, losses, norms
+
+
+@torch.no_grad()
+def reference_eval(model, tokenizer_dir: str, eval_file: str, cfg: TrainConfig) -> tuple[float, int]:
+    """(mean loss over every target token of eval_file, token count), one unpadded row at a time."""
+    from transformers import AutoTokenizer
+
+    dataset = TokenizedDataset(eval_file, AutoTokenizer.from_pretrained(tokenizer_dir), cfg.seq_length, cfg.data)
+    model.eval()
+    total, tokens = 0.0, 0
+    for ids, targets in dataset:
+        labels = torch.where(targets, ids, IGNORE_INDEX)[1:]
+        logits = model(input_ids=ids[None]).logits[0, :-1].float()
+        total += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
+        tokens += int((labels != IGNORE_INDEX).sum())
+    return total / tokens, tokens

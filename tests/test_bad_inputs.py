@@ -128,6 +128,26 @@ def world_size_not_divisible_by_stages(t):
 
 
 @case
+def tensor_parallel_not_dividing_the_world(t):
+    cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, tensor_parallel_size=2))
+    return cmd, "num_stages=1 x tensor_parallel_size=2 does not divide the world size 1", t.out, [t.ckpt]
+
+
+@case
+def tensor_parallel_not_dividing_kv_heads(t):
+    launcher = str(Path(sys.executable).parent / "deepspeed")  # 4 ranks: every one of them says it
+    cmd = [launcher, "--num_gpus", "4", "--master_port", str(free_port()), "trainer.py",
+           *run_args(t.ckpt, t.out, t.train, tensor_parallel_size=4)]  # fmt: skip
+    return cmd, "tensor_parallel_size=4 must divide num_attention_heads=4 and num_key_value_heads=2", t.out, [t.ckpt], 4
+
+
+@case
+def conversion_tp_not_dividing_heads(t):
+    cmd = [*convert_cmd(t.hf["gqa"], t.out), "--tp", "3"]
+    return cmd, "--tp 3: must divide num_attention_heads=4", t.out, [t.hf["gqa"]]
+
+
+@case
 def partition_not_summing_to_layers(t):
     cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, **{"model.partition": "[3]"}))
     return cmd, "sum to num_hidden_layers=4", t.out, [t.ckpt]

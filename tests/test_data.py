@@ -10,6 +10,7 @@ import torch
 from data.collator import CausalLMCollator
 from data.config import DataConfig
 from data.dataset import DataError, TokenizedDataset, count_rows, encode_row
+from data.packing import pack_rows
 from data.sampling import TrainPlan, eval_indices
 from models.loss import IGNORE_INDEX, CausalLMLoss
 
@@ -37,11 +38,36 @@ def test_collator_shifts_labels_and_pads(tokenizer):
     ids = torch.tensor([1, 5, 6, 7, 8])
     targets = torch.tensor([False, False, False, True, True])
     empty = (torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.bool))
-    (input_ids, position_ids), labels = collate([(ids, targets), empty])
+    (input_ids, position_ids), labels, tokens = collate([(ids, targets), empty])
     assert input_ids.tolist() == [[1, 5, 6, 7, 8, 0, 0, 0], [0] * 8]
     assert position_ids.tolist() == [list(range(8))] * 2
     x = IGNORE_INDEX
     assert labels.tolist() == [[x, x, 7, 8, x, x, x, x], [x] * 8]  # labels[t] = target token at t + 1
+    assert int(tokens) == 5  # tokens that are not padding
+
+
+def test_packed_collator_restarts_positions_and_never_labels_across_rows():
+    collate = CausalLMCollator(seq_length=10, pad_token_id=0, packing=True)
+    a = (torch.tensor([1, 5, 6]), torch.tensor([False, True, True]))
+    b = (torch.tensor([1, 7, 8, 9]), torch.tensor([False, False, True, True]))
+    (input_ids, position_ids), labels, tokens = collate([[a, b], [b]])
+    x = IGNORE_INDEX
+    assert input_ids.tolist() == [[1, 5, 6, 1, 7, 8, 9, 0, 0, 0], [1, 7, 8, 9, 0, 0, 0, 0, 0, 0]]
+    assert position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 1, 2], [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]]
+    # Row a's last token (6) does not predict row b's first (1); each row's targets stay its own.
+    assert labels.tolist() == [[5, 6, x, x, 8, 9, x, x, x, x], [x, 8, 9, x, x, x, x, x, x, x]]
+    assert int(tokens) == 11
+
+
+def test_pack_rows_best_fit_is_deterministic_and_fits():
+    lengths = [7, 3, 5, 2, 8, 1, 4, 6, 2, 2]
+    bins = pack_rows(lengths, 10)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))  # every row exactly once
+    assert all(sum(lengths[i] for i in b) <= 10 for b in bins)
+    assert len(bins) == 4  # 40 tokens in 4 rows of 10: no room wasted
+    assert bins == pack_rows(lengths, 10)
+    with pytest.raises(ValueError, match="row 4 has 8 tokens, more than seq_length=7"):
+        pack_rows(lengths, 7)
 
 
 def test_truncation_and_bad_rows(tmp_path, tokenizer):
@@ -140,8 +166,9 @@ def chat_tokenizers(tmp_path_factory):
     root = tmp_path_factory.mktemp("chat_tokenizers")
     return {
         "sentencepiece": make_sp_tokenizer(str(root / "sp"), texts, vocab_size=320, byte_fallback=True),
-        "bpe": make_bpe_tokenizer(str(root / "bpe"), texts, vocab_size=320, special_tokens=["<|im_start|>",
-                                                                                           "<|im_end|>"]),
+        "bpe": make_bpe_tokenizer(
+            str(root / "bpe"), texts, vocab_size=320, special_tokens=["<|im_start|>", "<|im_end|>"]
+        ),
     }
 
 

@@ -23,12 +23,15 @@ def lora_overrides() -> list[str]:
 
 
 def adapter_state(run_dir, config) -> dict[str, torch.Tensor]:
-    """Our adapter weights under PEFT's key names."""
+    """Our adapter weights under PEFT's key names (tensor-parallel shards merged)."""
+    from checkpoint.layer_files import checkpoint_tp_size, load_layer_whole
+    from models.layout import pipe_layers
+
+    step_dir = os.path.join(run_dir, (run_dir / "latest").read_text())
     out = {}
-    for block in range(config.num_hidden_layers):
-        path = find_layer_file(os.path.join(run_dir, (run_dir / "latest").read_text()), block + 1)
-        for key, value in load_layer_state(path).items():
-            out[f"base_model.model.model.layers.{block}.{key}"] = value
+    for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings)[1 : config.num_hidden_layers + 1]:
+        for key, value in load_layer_whole(step_dir, layer, config.vocab_size, checkpoint_tp_size(step_dir)).items():
+            out[f"base_model.model.model.layers.{layer.block}.{key}"] = value
     return out
 
 

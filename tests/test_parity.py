@@ -12,20 +12,25 @@ pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 CASES = [("mha", "sdpa"), ("gqa", "sdpa"), ("tied", "sdpa"), ("gqa", "eager")]
 
 
-def test_forward_parity_pp_1_2_4(hf_models, converted, tmp_path):
+def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
+    """PP = 1, 2, 4 (bit-identical logits) and PP x TP = 1 x 2, 2 x 2 (within 1e-5) against transformers."""
     cases = [
         {"name": f"{m}-{attn}", "hf_dir": hf_models[m], "ckpt_dir": converted[m], "attn": attn} for m, attn in CASES
     ]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     check(torchrun("tests/workers/forward_parity.py", 4, str(tmp_path / "cases.json"), str(tmp_path)))
     records = [r for rank in range(4) for r in json.loads((tmp_path / f"rank{rank}.json").read_text())]
-    seen = {(r["case"], r["pp"], r["dp_rank"]) for r in records}
-    # Every (case, PP) is checked on the last stage of every DP replica.
-    assert seen == {(c["name"], pp, d) for c in cases for pp in (1, 2, 4) for d in range(4 // pp)}
+    seen = {(r["case"], r["pp"], r["tp"], r["dp_rank"], r["tp_rank"]) for r in records}
+    # Every (case, layout) is checked on every rank of the last stage.
+    layouts = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
+    assert seen == {
+        (c["name"], pp, tp, d, t) for c in cases for pp, tp in layouts for d in range(4 // (pp * tp)) for t in range(tp)
+    }
     failures = [r for r in records if r["error"]]
     assert not failures, failures
-    worst = max(r["max_abs_logit_diff"] for r in records)
-    print(f"forward parity: {len(records)} checks, max |logit diff| = {worst:.3g}")
+    for tp in (1, 2):
+        worst = max(r["max_abs_logit_diff"] for r in records if r["tp"] == tp)
+        print(f"forward parity TP={tp}: {sum(r['tp'] == tp for r in records)} checks, max |logit diff| = {worst:.3g}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -63,11 +63,22 @@ def commands(ckpt: str, tmp: Path, hf_dir: str, adapter: str, train: str) -> dic
         "--verify": [*convert, "--verify", ckpt],
         "--verify --against": [*convert, "--verify", ckpt, "--against", hf_dir],
         "--to-hf": [*convert, "--to-hf", "--input", ckpt, "--output", str(tmp / "out_hf")],
-        "--to-hf --merge-lora": [*convert, "--to-hf", "--input", ckpt, "--output", str(tmp / "out_m"),
-                                 "--merge-lora", adapter],  # fmt: skip
+        "--to-hf --merge-lora": [
+            *convert,
+            "--to-hf",
+            "--input",
+            ckpt,
+            "--output",
+            str(tmp / "out_m"),
+            "--merge-lora",
+            adapter,
+        ],  # fmt: skip
         "tools.generate": [sys.executable, "-m", "tools.generate", "--checkpoint", ckpt, "--prompt", "1+1="],
-        "trainer (initial weights)": [sys.executable, "trainer.py",
-                                      *small_run(ckpt, tmp / "run", train, max_steps=1)],  # fmt: skip
+        "trainer (initial weights)": [
+            sys.executable,
+            "trainer.py",
+            *small_run(ckpt, tmp / "run", train, max_steps=1),
+        ],  # fmt: skip
     }
 
 
@@ -105,8 +116,16 @@ def test_planted_pickle_in_a_hugging_face_directory_is_refused(hf_models, sft_da
         "convert": [*convert, "--input", str(hf), "--output", str(tmp_path / "ckpt")],
         "conversion at load": [sys.executable, "trainer.py", *small_run(str(hf), tmp_path / "run", sft_data[0])],
         "tools.generate": [sys.executable, "-m", "tools.generate", "--checkpoint", str(hf), "--prompt", "1+1="],
-        "--to-hf --merge-lora": [*convert, "--to-hf", "--input", str(hf), "--output", str(tmp_path / "m"),
-                                 "--merge-lora", adapter],  # fmt: skip
+        "--to-hf --merge-lora": [
+            *convert,
+            "--to-hf",
+            "--input",
+            str(hf),
+            "--output",
+            str(tmp_path / "m"),
+            "--merge-lora",
+            adapter,
+        ],  # fmt: skip
     }
     for what, cmd in cases.items():
         assert_refused(run_cmd(cmd, timeout=300), marker, what)

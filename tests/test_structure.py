@@ -109,3 +109,20 @@ def test_model_maths_and_data_import_without_deepspeed():
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[0, 3, 6, 9, 13]"
+
+
+def test_model_code_knows_nothing_of_distribution():
+    """Inside models/, only the wiring (pipeline.py: DeepSpeed; tensor_parallel.py: TP collectives) imports
+    torch.distributed or DeepSpeed; layers, layout, sharding, loss, partition, LoRA and config do not."""
+    wiring = {"models.pipeline", "models.tensor_parallel"}
+    offenders = []
+    for path in python_files():
+        name = module_name(path)
+        if not name.startswith("models.") or name in wiring:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [f"{name}: {n}" for n in names if n.startswith(("torch.distributed", "deepspeed"))]
+    assert not offenders, offenders

@@ -13,7 +13,7 @@ import torch
 
 from checkpoint.pipeline_reader import load_hf_state_dict
 from tests.conftest import check, deepspeed_launch, read_jsonl, run_cmd
-from tests.reference import train_reference
+from tests.reference import reference_eval, train_reference
 from training.config import OptimConfig, TrainConfig
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
@@ -59,17 +59,40 @@ def overrides(cfg: TrainConfig, ckpt: str, out: str, num_stages: int, **extra) -
     return [f"{k}={v}" for k, v in args.items()]
 
 
-@pytest.mark.parametrize("variant,recompute", [("gqa", False), ("tied", False), ("gqa", True)])
-def test_pp2_dp2_matches_single_process_reference(
-    variant, recompute, hf_models, converted, tokenizer_dir, sft_data, tmp_path
-):
+# (model, activation_checkpointing, stages, TP, data.packing, model.loss_chunk_size)
+LAYOUTS = {
+    "gqa-pp2-dp2": ("gqa", "false", 2, 1, False, 0),
+    "tied-pp2-dp2": ("tied", "false", 2, 1, False, 0),
+    # Packed rows against the reference's unpacked rows; every 2nd block recomputed; loss 5 tokens at a time.
+    "gqa-pp2-dp2-packed-recompute2-chunked": ("gqa", "2", 2, 1, True, 5),
+    "gqa-pp2-tp2-chunked": ("gqa", "false", 2, 2, False, 7),  # chunks through the vocab-parallel loss
+    "tied-tp2-dp2-recompute": ("tied", "true", 1, 2, False, 0),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_training_matches_single_process_reference(layout, hf_models, converted, tokenizer_dir, sft_data, tmp_path):
+    """4 ranks as PP x TP x DP; every layout's steps equal one HF model trained on the same global batches
+    (with packing: the same rows, unpacked)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    variant, recompute, stages, tp, packing, chunk = LAYOUTS[layout]
     cfg = parity_cfg(sft_data[0])
+    cfg.data.packing = packing
+    if packing:
+        cfg.seq_length = 40  # room for several rows in each packed row
     out = str(tmp_path / "run")
-    extra = {"model.activation_checkpointing": str(recompute).lower()}
-    check(deepspeed_launch(4, *overrides(cfg, converted[variant], out, num_stages=2, **extra)))
-    ref_model, ref_losses, ref_norms = train_reference(hf_models[variant], tokenizer_dir, cfg, dp=2, steps=STEPS)
+    extra = {
+        "model.activation_checkpointing": recompute,
+        "tensor_parallel_size": tp,
+        "data.packing": str(packing).lower(),
+        "model.loss_chunk_size": chunk,
+    }
+    if packing:  # eval packs too: it must still score every eval row once, exactly
+        extra.update(eval_file=sft_data[1], do_eval="true", eval_micro_batch_size=3)
+    check(deepspeed_launch(4, *overrides(cfg, converted[variant], out, num_stages=stages, **extra)))
+    dp = 4 // (stages * tp)
+    ref_model, ref_losses, ref_norms = train_reference(hf_models[variant], tokenizer_dir, cfg, dp=dp, steps=STEPS)
 
     metrics = read_jsonl(f"{out}/metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
@@ -80,6 +103,18 @@ def test_pp2_dp2_matches_single_process_reference(
         torch.tensor([m["grad_norm"] for m in metrics]), torch.tensor(ref_norms), rtol=1e-4, atol=1e-6
     )
     assert all(n > cfg.optim.max_grad_norm for n in ref_norms[:2]), "clipping should be active in this test"
+
+    if packing:
+        results = json.load(open(f"{out}/eval_results.json"))
+        ref_loss, ref_tokens = reference_eval(ref_model, tokenizer_dir, sft_data[1], cfg)
+        assert results["eval_tokens"] == ref_tokens
+        assert results["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
+        report = json.load(open(f"{out}/data_report.json"))["train"]
+        assert report["rows_per_packed_row"] > 1.5 and report["padding_share_packed"] < report["padding_share_unpacked"]
+        metrics_tokens = [m["input_tokens"] for m in read_jsonl(f"{out}/metrics.jsonl")]
+        assert all(0 < n < 12 * cfg.seq_length for n in metrics_tokens)  # not padding: fewer than 12 full rows
+        print(f"packing: {report['rows_per_packed_row']:.2f} rows per packed row, padding "
+              f"{report['padding_share_unpacked']:.1%} -> {report['padding_share_packed']:.1%}")  # fmt: skip
 
     config = AutoConfig.from_pretrained(out)
     ours = load_hf_state_dict(out, config)
@@ -103,8 +138,8 @@ def test_pp2_dp2_matches_single_process_reference(
     moved = max(float((ours[k] - v).abs().max()) for k, v in load_hf_state_dict(converted[variant], config).items())
     assert moved > 1e-3, "weights should have changed"
     print(
-        f"training parity ({variant}, recompute={recompute}): max |weight diff| after {STEPS} steps = {worst:.3g}, "
-        f"weights moved {moved:.3g}"
+        f"training parity ({layout}, PP={stages} x TP={tp} x DP={dp}): max |weight diff| "
+        f"after {STEPS} steps = {worst:.3g}, weights moved {moved:.3g}"
     )
 
 
@@ -121,16 +156,18 @@ def interrupted_copy(full, part, at: int) -> None:
 
 
 def test_resume_matches_uninterrupted(converted, sft_data, tmp_path):
-    """N steps straight vs N/2, stop, resume with the same command: identical losses and weights."""
+    """N steps straight vs N/2, stop, resume with the same command: identical losses and weights. With packed
+    rows (the unpacked resume is also exact in test_faults.py), so the packed rows are rebuilt identically."""
     from transformers import AutoConfig
 
     cfg = parity_cfg(sft_data[0])
     cfg.max_steps = 6
+    common = {"save_steps": 3, "data.packing": "true", "seq_length": 40}
     full = str(tmp_path / "full")
-    check(deepspeed_launch(4, *overrides(cfg, converted["gqa"], full, num_stages=2, save_steps=3)))
+    check(deepspeed_launch(4, *overrides(cfg, converted["gqa"], full, num_stages=2, **common)))
     part = tmp_path / "part"
     interrupted_copy(full, part, 3)
-    check(deepspeed_launch(4, *overrides(cfg, converted["gqa"], str(part), num_stages=2, save_steps=3, resume="true")))
+    check(deepspeed_launch(4, *overrides(cfg, converted["gqa"], str(part), num_stages=2, resume="true", **common)))
 
     full_metrics, part_metrics = read_jsonl(f"{full}/metrics.jsonl"), read_jsonl(part / "metrics.jsonl")
     assert [m["step"] for m in part_metrics] == list(range(1, 7))

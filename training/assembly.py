@@ -7,9 +7,10 @@ and exit with the same one line (training/distributed.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch.distributed as dist
@@ -19,12 +20,14 @@ from checkpoint.names import LORA_FILE
 from checkpoint.saves import clean_stale, read_tag
 from data.collator import CausalLMCollator
 from data.dataset import PlaceholderDataset, TokenizedDataset
+from data.packing import PackedDataset
 from data.sampling import TrainPlan
 from data.sources import count_rows
 from models.config import check_preset, config_from_preset, load_hf_config
 from models.lora import add_lora
 from models.loss import CausalLMLoss
 from models.partition import stage_bounds
+from models.tensor_parallel import TensorParallel, parallelize_lora, vocab_parallel, vocab_parallel_cross_entropy
 from models.tokenizer import check_tokenizer_fits, load_tokenizer
 from training import checkpointing
 from training.config import TrainConfig, evaluating, validate, validate_layout
@@ -56,7 +59,8 @@ class Run:
     train_set: Any = None
     eval_set: Any = None
     collate: Any = None
-    loaded_files: list[str] = field(default_factory=list)
+    tp: TensorParallel = field(default_factory=TensorParallel)
+    loaded_layers: list[int] = field(default_factory=list)
     lora_base: str | None = None
 
     def dp_group(self):
@@ -139,18 +143,41 @@ def _load_data(run: Run) -> None:
         with agreed():
             if c.has_data and (c.rank == 0) == (turn == 0):
                 build()
+    if d.packing:
+        _pack(run)
     if not c.has_data:
         run.train_set = PlaceholderDataset(run.plan.num_rows)
         run.eval_set = PlaceholderDataset(run.num_eval_rows)
     if c.rank == 0:
         for name, ds in (("train", run.train_set), ("eval", run.eval_set)):
-            if isinstance(ds, TokenizedDataset) and ds.cache_file:
+            if isinstance(ds, (TokenizedDataset, PackedDataset)) and ds.cache_file:
                 how = "loaded from" if ds.from_cache else "tokenized and cached in"
                 log.info("%s data: %d rows %s %s", name, len(ds), how, ds.cache_file)
         lines = getattr(run.train_set, "no_target_lines", [])
         if lines:
             log.warning("%s: %d of %d rows have no target token within seq_length=%d (first: %s)",
                         cfg.train_file, len(lines), len(run.train_set), cfg.seq_length, lines[0])  # fmt: skip
+
+
+def _pack(run: Run) -> None:
+    """data.packing: data ranks pack their rows (the same packed rows everywhere, data/packing.py); every rank
+    learns the packed row counts from rank 0, and the step count follows from them."""
+    cfg, c = run.cfg, run.coords
+    counts = None
+    with agreed():
+        if c.has_data:
+            if cfg.do_train:
+                run.train_set = PackedDataset(run.train_set, cfg.seq_length)
+            if evaluating(cfg):
+                run.eval_set = PackedDataset(run.eval_set, cfg.seq_length)
+        if c.rank == 0:
+            counts = (len(run.train_set) if cfg.do_train else 0, len(run.eval_set) if evaluating(cfg) else 0)
+    num_train_rows, run.num_eval_rows = broadcast_object(counts)
+    run.plan = replace(run.plan, num_rows=num_train_rows)
+    if cfg.do_train and run.plan.steps_per_epoch == 0:
+        raise RunError(f"train_file {cfg.train_file}: {num_train_rows} packed rows give no full step of "
+                       f"{run.plan.rows_per_step} rows per DP rank x {c.dp} DP ranks")  # fmt: skip
+    run.total_steps = run.plan.total_steps(cfg.max_steps, cfg.num_train_epochs) if cfg.do_train else 0
 
 
 def _data_state(run: Run) -> dict:
@@ -163,6 +190,7 @@ def _data_state(run: Run) -> dict:
         "seed": cfg.seed,
         "seq_length": cfg.seq_length,
         "train_weights": list(cfg.data.train_weights) if cfg.data.train_weights else None,
+        "packing": cfg.data.packing,
         "train_rows_sha256": broadcast_object(digest),
     }
 
@@ -191,7 +219,7 @@ def _weights_source(run: Run, plan: checkpointing.ResumePlan) -> str | None:
 def assemble(cfg: TrainConfig) -> Run:
     """Build this rank's part of the run described by `cfg`. Collective; raises RunError (same on every rank)."""
     rank, world = init_distributed(cfg.dist_timeout_minutes)
-    coords = Coords(rank, world, cfg.num_stages)
+    coords = Coords(rank, world, cfg.num_stages, cfg.tensor_parallel_size)
     configure_logging(coords, cfg.log_all_ranks)
     with agreed():
         try:
@@ -214,7 +242,7 @@ def assemble(cfg: TrainConfig) -> Run:
     with agreed():
         model_config = load_model_config(cfg)
         try:
-            validate_layout(cfg, world, model_config.num_hidden_layers)
+            validate_layout(cfg, world, model_config)
             stage_bounds(model_config, cfg.num_stages, cfg.model.partition)
         except ValueError as e:
             raise _user_error(e) from None
@@ -233,35 +261,43 @@ def assemble(cfg: TrainConfig) -> Run:
         raise RunError(f"train_file {cfg.train_file}: {num_train_rows} rows give no full step of "
                        f"{plan.rows_per_step} rows per DP rank x {coords.dp} DP ranks")  # fmt: skip
     total = plan.total_steps(cfg.max_steps, cfg.num_train_epochs) if cfg.do_train else 0
-    run = Run(cfg, coords, model_config, plan, total, num_eval_rows, CausalLMLoss())
+    tp = TensorParallel(cfg.tensor_parallel_size, coords.tp_rank, cfg.model.vocab_pad_multiple)
+    cross_entropy = None
+    if vocab_parallel(model_config, tp):  # no rank holds [B, S, V] logits; padded rows never reach the loss
+        cross_entropy = functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=model_config.vocab_size)
+    loss_fn = CausalLMLoss(cross_entropy, cfg.model.loss_chunk_size)
+    run = Run(cfg, coords, model_config, plan, total, num_eval_rows, loss_fn, tp=tp)
     run.layout = checkpointing.saved_layout(cfg, coords, model_config)
     resume = checkpointing.plan_resume(cfg, coords, model_config)  # before any slow work: a bad resume fails now
     with agreed():
         if coords.has_data:
             run.tokenizer = _tokenizer(cfg, model_config.vocab_size)
     _load_data(run)
-    run.collate = CausalLMCollator(cfg.seq_length, _pad_id(run.tokenizer))
+    run.collate = CausalLMCollator(cfg.seq_length, _pad_id(run.tokenizer), cfg.data.packing)
     run.data_state = _data_state(run)
 
     source = _weights_source(run, resume)
-    module = build_module(cfg, coords, model_config, run.loss_fn, skip_init=cfg.model_name_or_path is not None)
+    module = build_module(cfg, coords, model_config, run.loss_fn, tp, skip_init=cfg.model_name_or_path is not None)
     with agreed():
         if source:
-            run.loaded_files = checkpointing.load_stage_weights(module, source)
+            run.loaded_layers = checkpointing.load_stage_weights(module, source, model_config, tp)
     module._synchronize_tied_weights()
     if source:
-        log.info("loaded %s: rank %d read %d layer files", source, rank, len(run.loaded_files))
+        log.info("loaded %s: rank %d read %d layer files", source, rank, len(run.loaded_layers))
     if cfg.lora.enabled:
         lo = cfg.lora
-        trainable = add_lora(module, lo.r, lo.alpha, lo.dropout, lo.target_modules, cfg.seed)
+        trainable = add_lora(module, lo.r, lo.alpha, lo.dropout, lo.target_modules, cfg.seed, tp.rank, tp.size)
+        parallelize_lora(module, tp)
         log.info("LoRA r=%d alpha=%g on %s: %d trainable parameters on rank %d", lo.r, lo.alpha,
                  lo.target_modules, trainable, rank)  # fmt: skip
         with agreed():
             if resume.moved:  # the adapter, saved per global layer like the weights
-                checkpointing.load_stage_weights(module, os.path.join(cfg.output_dir, resume.tag), trainable_only=True)
-    run.engine = initialize_engine(cfg, coords, module, max(total, 1), load_universal=bool(resume.universal_tag))
+                adapter = os.path.join(cfg.output_dir, resume.tag)
+                checkpointing.load_stage_weights(module, adapter, model_config, tp, trainable_only=True)
+    run.engine = initialize_engine(cfg, coords, module, max(run.total_steps, 1),
+                                   load_universal=bool(resume.universal_tag))  # fmt: skip
     if resume.tag:
-        run.step = checkpointing.resume(run.engine, cfg, resume, run.data_state)
+        run.step = checkpointing.resume(run.engine, cfg, resume, run.data_state, model_config, tp)
         with agreed():
             checkpointing.restore_rng(cfg, coords, resume)
         log.info("resumed from %s at step %d", os.path.join(cfg.output_dir, resume.tag), run.step)
@@ -296,11 +332,15 @@ def write_run_files(run: Run) -> None:
         shutil.copy2(generation, target)
     report = {}
     for name, ds in (("train", run.train_set), ("eval", run.eval_set)):
-        if isinstance(ds, TokenizedDataset):
+        if isinstance(ds, (TokenizedDataset, PackedDataset)):
             report[name] = r = ds.report()
             log.info("%s data %s: %d rows, %d tokens, %.1f%% of them targets, %d rows truncated to %d tokens, "
                      "%d rows without targets", name, r["file"], r["rows"], r["tokens"], 100 * r["target_share"],
                      r["truncated_rows"], cfg.seq_length, r["rows_without_targets"])  # fmt: skip
+            if "packed_rows" in r:
+                log.info("%s data packed: %d rows in %d rows of %d tokens (%.2f per row), padding %.1f%% -> %.1f%%",
+                         name, r["rows"], r["packed_rows"], cfg.seq_length, r["rows_per_packed_row"],
+                         100 * r["padding_share_unpacked"], 100 * r["padding_share_packed"])  # fmt: skip
     if report:
         with open(os.path.join(cfg.output_dir, "data_report.json"), "w") as f:
             json.dump(report, f, indent=2)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.errors import CheckpointError
-from checkpoint.layer_files import find_layer_file, load_layer_state
+from checkpoint.layer_files import checkpoint_tp_size, find_layer_file, load_layer_shard
 from checkpoint.manifest import build_manifest, checkpoint_files, write_manifest
 from checkpoint.names import engine_files, rng_file, staging_tag, step_tag
 from checkpoint.optimizer_reshape import OPTIMIZER_NAMES, gather_moved_state, load_moved_state, optimizer_param_names
@@ -30,8 +30,9 @@ from checkpoint.safe_load import check_pickles, load_pt
 from checkpoint.saves import newest_checkpoint, publish_checkpoint
 from checkpoint.staging import remove_tree
 from checkpoint.universal import check_movable, ensure_universal, layout_changed, read_layout, write_layout
-from models.layout import layer_file_name
+from models.layout import layer_file_name, param_tp_split, pipe_layers
 from models.partition import stage_bounds
+from models.tensor_parallel import TensorParallel
 from training.config import TrainConfig, resume_mode
 from training.distributed import agreed, broadcast_object
 from training.engine import resolve_precision, resolve_zero_stage
@@ -41,7 +42,8 @@ from training.topology import Coords
 log = logging.getLogger("trainer")
 
 # What decides which rows each step reads, in the order a mismatch is reported (see `check_data_state`).
-DATA_KEYS = ("seed", "global_batch_size", "seq_length", "train_weights", "num_train_rows", "train_rows_sha256")
+DATA_KEYS = ("seed", "global_batch_size", "seq_length", "train_weights", "packing", "num_train_rows",
+             "train_rows_sha256")  # fmt: skip
 
 
 @dataclass
@@ -61,7 +63,9 @@ def saved_layout(cfg: TrainConfig, coords: Coords, model_config) -> dict:
     """What a checkpoint records about the layout that saved it (checkpoint/universal.py)."""
     return {
         "num_stages": cfg.num_stages,
+        "tp_size": coords.tp,
         "dp_size": coords.dp,
+        "vocab_pad_multiple": cfg.model.vocab_pad_multiple,
         "stage_bounds": stage_bounds(model_config, cfg.num_stages, cfg.model.partition),
         "global_batch_size": coords.global_batch(cfg.micro_batch_size, cfg.gradient_accumulation_steps),
         "num_hidden_layers": model_config.num_hidden_layers,
@@ -110,47 +114,49 @@ def plan_resume(cfg: TrainConfig, coords: Coords, model_config) -> ResumePlan:
                 universal = ensure_universal(cfg.output_dir, plan.tag)
         plan.universal_tag = broadcast_object(universal)
         how = "optimizer state reshaped by parameter name" if plan.reshape else plan.universal_tag
-        log.info("resuming %s saved with PP=%d x DP=%d in PP=%d x DP=%d (%s)", os.path.join(cfg.output_dir, plan.tag),
-                 saved["num_stages"], saved["dp_size"], current["num_stages"], current["dp_size"], how)  # fmt: skip
+        log.info("resuming %s saved with PP=%d x TP=%d x DP=%d in PP=%d x TP=%d x DP=%d (%s)",
+                 os.path.join(cfg.output_dir, plan.tag), saved["num_stages"], saved.get("tp_size", 1), saved["dp_size"],
+                 current["num_stages"], current["tp_size"], current["dp_size"], how)  # fmt: skip
     return plan
 
 
-def load_stage_weights(module, step_dir: str, trainable_only: bool = False) -> list[str]:
-    """Load this stage's layer files from `step_dir`. Returns the files read.
+def load_stage_weights(module, step_dir: str, config, tp: TensorParallel, trainable_only: bool = False) -> list[int]:
+    """Load this stage's layers (this TP rank's shard of each) from `step_dir`. Returns the layer indices loaded.
 
     Every parameter must be in the files, or with `trainable_only` (a LoRA checkpoint, which holds
     the adapter only) every trainable one; a key the model lacks is an error either way. Only this
-    rank's own layers are opened, each once (memory-mapped, as plain tensor data: checkpoint/safe_load.py);
-    tied weights are then broadcast from the first stage that holds them.
+    stage's layers are opened, memory-mapped and as plain tensor data (checkpoint/safe_load.py): its own
+    TP rank's file when the checkpoint has this TP degree, else every shard of the layer, merged and split
+    again (checkpoint/layer_files.py). Tied weights are synchronised by the caller.
 
     NOTE: DeepSpeed's `load_state_dir` reads every layer file twice (once to check its metadata), which
-    doubles start-up I/O on large models.
+    doubles start-up I/O on large models, and cannot change the TP degree of HF-named weights.
 
     Raises:
         CheckpointError: a missing, unsafe or mismatched file, named.
     """
     if os.path.isdir(step_dir):  # the engine files are not read, but one that is unsafe means a tampered checkpoint
         check_pickles(step_dir, engine_files(os.listdir(step_dir)))
-    files = []
-    for i, layer in enumerate(module.forward_funcs):
-        if not hasattr(layer, "load_state_dict"):  # the tied LM head: a function of layer 0's module
+    layers = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings)
+    saved_tp = checkpoint_tp_size(step_dir)
+    loaded = []
+    for i, layer_module in enumerate(module.forward_funcs):
+        if not hasattr(layer_module, "load_state_dict"):  # the tied LM head: a function of layer 0's module
             continue
-        index = module._local_start + i
-        path = find_layer_file(step_dir, index)
-        if path is None:
-            raise CheckpointError(f"{os.path.join(step_dir, layer_file_name(index))}: layer file missing")
-        state = load_layer_state(path, mmap=True)
+        layer = layers[module._local_start + i]
+        state = load_layer_shard(step_dir, layer, config.vocab_size, saved_tp, tp.rank, tp.size, tp.vocab_multiple)
+        where = find_layer_file(step_dir, layer.index, 0) or os.path.join(step_dir, layer_file_name(layer.index))
         try:
-            missing, unexpected = layer.load_state_dict(state, strict=not trainable_only)
+            missing, unexpected = layer_module.load_state_dict(state, strict=not trainable_only)
         except RuntimeError as e:
             first = str(e).strip().splitlines()
-            raise CheckpointError(f"{path}: does not fit this model ({' '.join(first[:2])[:300]})") from None
-        trainable = {n for n, p in layer.named_parameters() if p.requires_grad}
+            raise CheckpointError(f"{where}: does not fit this model ({' '.join(first[:2])[:300]})") from None
+        trainable = {n for n, p in layer_module.named_parameters() if p.requires_grad}
         if unexpected or trainable & set(missing):
             bad = f"unexpected {unexpected[0]}" if unexpected else f"missing {sorted(trainable & set(missing))[0]}"
-            raise CheckpointError(f"{path}: does not fit this model ({bad})")
-        files.append(path)
-    return files
+            raise CheckpointError(f"{where}: does not fit this model ({bad})")
+        loaded.append(layer.index)
+    return loaded
 
 
 def check_data_state(saved: dict, now: dict, tag: str) -> None:
@@ -166,11 +172,11 @@ def check_data_state(saved: dict, now: dict, tag: str) -> None:
         raise RunError(f"resume: {key}={now.get(key)} but the checkpoint {tag} was saved with {saved[key]}")
 
 
-def resume(engine, cfg: TrainConfig, plan: ResumePlan, data_state: dict) -> int:
+def resume(engine, cfg: TrainConfig, plan: ResumePlan, data_state: dict, config, tp: TensorParallel) -> int:
     """Load `plan.tag` into `engine` (weights, optimizer, schedule, step) and check its data. Returns the step."""
     step_dir = os.path.join(cfg.output_dir, plan.tag)
     if plan.reshape:
-        client = _load_reshaped(engine, step_dir)
+        client = _load_reshaped(engine, step_dir, config, tp)
     else:
         path, client = engine.load_checkpoint(
             cfg.output_dir, tag=plan.universal_tag or plan.tag, load_module_strict=not cfg.lora.enabled
@@ -192,13 +198,17 @@ def restore_rng(cfg: TrainConfig, coords: Coords, plan: ResumePlan) -> None:
         log.warning("%s: missing, RNG states not restored", path)
 
 
-def _load_reshaped(engine, step_dir: str) -> dict:
+def _load_reshaped(engine, step_dir: str, config, tp: TensorParallel) -> dict:
     """ZeRO-0 optimizer state, LR schedule and step counters of this stage's parameters, by name."""
     names = optimizer_param_names(engine.module, engine.optimizer)
     if names is None:
         raise RunError(f"{step_dir}: ZeRO-0 optimizer state moves into a ZeRO-0 fp32 run only (deepspeed=fp32)")
-    saved = read_layout(step_dir)
-    moved = gather_moved_state(step_dir, saved["num_stages"], {n for g in names for n in g})
+
+    def rule_of(name: str) -> str:
+        return param_tp_split(name, config.num_hidden_layers, config.tie_word_embeddings)
+
+    moved = gather_moved_state(step_dir, read_layout(step_dir), {n for g in names for n in g}, rule_of, tp.rank,
+                               tp.size, config.vocab_size, tp.vocab_multiple)  # fmt: skip
     load_moved_state(engine, names, moved)
     return moved.client_state
 

@@ -14,7 +14,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from data.config import DataConfig
-from models.config import Choice, LoraSettings, ModelConfig
+from models.config import Choice, LoraSettings, ModelConfig, checkpoint_every
 
 RESUME_MODES = ("true", "false", "auto")
 
@@ -69,6 +69,7 @@ class TrainConfig:
     tokenizer_name_or_path: str | None = None  # default: model_name_or_path
     output_dir: str = "outputs/run"
     num_stages: int = 1
+    tensor_parallel_size: int = 1  # TP ranks per stage (adjacent ranks, one node): world = PP x TP x DP
     # NOTE: Any because omegaconf has no unions: a path (.jsonl, .json, .parquet, a datasets directory) or a list.
     train_file: Any = None
     eval_file: Any = None
@@ -135,6 +136,10 @@ def validate(cfg: TrainConfig) -> None:
     check_reporters(cfg.report_to)
     need(cfg.dist_timeout_minutes > 0, f"dist_timeout_minutes={cfg.dist_timeout_minutes} must be > 0")
     need(cfg.num_stages >= 1, f"num_stages={cfg.num_stages} must be >= 1")
+    need(cfg.tensor_parallel_size >= 1, f"tensor_parallel_size={cfg.tensor_parallel_size} must be >= 1")
+    need(cfg.model.vocab_pad_multiple >= 1, f"model.vocab_pad_multiple={cfg.model.vocab_pad_multiple} must be >= 1")
+    checkpoint_every(cfg.model)
+    need(cfg.model.loss_chunk_size >= 0, f"model.loss_chunk_size={cfg.model.loss_chunk_size} must be >= 0")
     need(cfg.seq_length >= 2, f"seq_length={cfg.seq_length} must be >= 2")
     need(cfg.micro_batch_size >= 1, f"micro_batch_size={cfg.micro_batch_size} must be >= 1")
     need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
@@ -158,14 +163,25 @@ def validate(cfg: TrainConfig) -> None:
     )
 
 
-def validate_layout(cfg: TrainConfig, world_size: int, num_layers: int) -> None:
-    """The PP x DP layout against the model and the launch. Raises ValueError naming the key."""
+def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
+    """The PP x TP x DP layout against the model and the launch. Raises ValueError naming the key."""
+    num_layers, tp = model_config.num_hidden_layers, cfg.tensor_parallel_size
     _need(
         cfg.num_stages <= num_layers,
         f"num_stages={cfg.num_stages} is larger than the model's {num_layers} decoder layers "
         "(every stage needs at least one)",
     )
+    split = f"num_stages={cfg.num_stages}" + (f" x tensor_parallel_size={tp}" if tp > 1 else "")
     _need(
-        world_size % cfg.num_stages == 0,
-        f"num_stages={cfg.num_stages} does not divide the world size {world_size} (PP x DP = world size)",
+        world_size % (cfg.num_stages * tp) == 0,
+        f"{split} does not divide the world size {world_size} (PP x TP x DP = world size)",
+    )
+    heads, kv = model_config.num_attention_heads, model_config.num_key_value_heads
+    _need(
+        heads % tp == 0 and kv % tp == 0,
+        f"tensor_parallel_size={tp} must divide num_attention_heads={heads} and num_key_value_heads={kv}",
+    )
+    _need(
+        model_config.intermediate_size % tp == 0,
+        f"tensor_parallel_size={tp} must divide intermediate_size={model_config.intermediate_size}",
     )

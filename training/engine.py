@@ -9,8 +9,13 @@ import torch
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from deepspeed.runtime.utils import clip_grad_norm_
 
-from models.layers import init_weights
+from checkpoint.universal import universal_info
+from models.config import checkpoint_every
+from models.layers import DecoderOptions, init_weights
+from models.layout import param_tp_split
 from models.pipeline import build_pipeline_module
+from models.sharding import REPLICA
+from models.tensor_parallel import TensorParallel
 from training.config import TrainConfig
 from training.topology import Coords
 
@@ -72,7 +77,6 @@ def deepspeed_config(cfg: TrainConfig, coords: Coords, load_universal: bool = Fa
         "gradient_clipping": cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"),
         "steps_per_print": ds.steps_per_print,
         "wall_clock_breakdown": ds.wall_clock_breakdown,
-        "pipeline": {"use_reentrant": False},  # non-reentrant activation checkpointing
         "zero_optimization": {"stage": zero_stage},
         "zero_allow_untested_optimizer": True,
     }
@@ -132,25 +136,28 @@ def make_optimizer(cfg: TrainConfig, named_params, total_steps: int):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-def build_module(cfg: TrainConfig, coords: Coords, model_config, loss_fn, skip_init: bool = True):
-    """Build this rank's pipeline stage (and nothing else).
+def build_module(cfg: TrainConfig, coords: Coords, model_config, loss_fn, tp: TensorParallel, skip_init: bool = True):
+    """Build this rank's pipeline stage (and nothing else; with tensor parallelism, its shard of it).
 
     Args:
         cfg: run config.
         coords: where this rank sits.
         model_config: transformers config of the model, attention implementation set.
         loss_fn: `CausalLMLoss`.
+        tp: this rank's tensor-parallel place; its group is set while the stage is built.
         skip_init: leave weights uninitialised because a checkpoint will overwrite them.
     """
-    topology = PipeModelDataParallelTopology(num_pp=cfg.num_stages, num_mp=1, num_dp=coords.dp)
+    topology = PipeModelDataParallelTopology(num_pp=cfg.num_stages, num_mp=coords.tp, num_dp=coords.dp)
     module = build_pipeline_module(
         model_config,
         topology,
+        tp,
         partition=cfg.model.partition,
-        activation_checkpointing=cfg.model.activation_checkpointing,
+        options=DecoderOptions(packed=cfg.data.packing, checkpoint_every=checkpoint_every(cfg.model)),
         loss_fn=loss_fn,
         skip_init=skip_init,
     )
+    module.universal_checkpoint_info = universal_info(model_config)  # saved with the engine state (ZeRO-1 moves)
     if not skip_init:
         init_weights(module, model_config.initializer_range)
         module._synchronize_tied_weights()
@@ -159,13 +166,16 @@ def build_module(cfg: TrainConfig, coords: Coords, model_config, loss_fn, skip_i
 
 def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int, load_universal: bool = False):
     """Wrap a built stage in DeepSpeed's PipelineEngine with AdamW and the LR schedule."""
-    # NOTE: DeepSpeed's fp32 gradient clipping sums norms over the model-parallel group, which in a
-    # pipeline is every stage, but only counts parameters flagged `model_parallel` on ranks other than
-    # its rank 0: without the flag, stages > 0 drop out of the norm. Tied copies stay unflagged
-    # (`ds_pipe_replicated`) so they count once. The bf16/ZeRO paths key on the tensor-parallel rank.
-    # Flagged here, after any LoRA injection, so adapter parameters count too.
-    for p in module.parameters():
-        p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
+    # NOTE: DeepSpeed sums gradient norms over its "model-parallel" group, which in a pipeline grid is every
+    # stage and TP rank, and counts a parameter there only if it is flagged `model_parallel` (fp32 path: except
+    # on that group's rank 0, which counts everything; bf16/ZeRO: except on TP rank 0). Flag every parameter
+    # split across TP ranks, and replicated ones on TP rank 0 only, so each counts exactly once; tied copies
+    # (`ds_pipe_replicated`) stay unflagged so they count once too. Flagged after any LoRA injection, so
+    # adapter parameters count as well.
+    for name, p in module.named_parameters():
+        config = module.llama_config
+        split = param_tp_split(name, config.num_hidden_layers, config.tie_word_embeddings) != REPLICA
+        p.model_parallel = not getattr(p, "ds_pipe_replicated", False) and (coords.tp_rank == 0 or split)
     optimizer, scheduler = make_optimizer(cfg, module.named_parameters(), total_steps)
     config = deepspeed_config(cfg, coords, load_universal)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config)

@@ -19,7 +19,7 @@ from data.sampling import eval_batches, eval_indices, eval_num_batches, train_ba
 from training import checkpointing
 from training.assembly import assemble
 from training.batches import LossScaledBatches
-from training.config import TrainConfig, evaluating
+from training.config import TrainConfig, evaluating, resume_mode
 from training.errors import RunError
 from training.logs import rank_log_path
 from training.reporting import StepReporter, truncate_metrics
@@ -53,7 +53,9 @@ class Trainer:
         self.stop_signal, self.stopped, self.reporter = None, False, None
         self.control_group = dist.new_group(backend="gloo")  # a CPU group for the stop flag, under NCCL too
         signal.signal(signal.SIGTERM, self._on_sigterm)
-        if self.state.step and self.state.coords.reporting:  # drop metrics of steps after the checkpoint
+        if resume_mode(cfg) != "false" and self.state.coords.reporting:
+            # Drop metrics of steps after the resumed checkpoint (all of them when a launch killed before its
+            # first save starts fresh): those steps are trained again.
             truncate_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"), self.state.step)
 
     # ---------------------------------------------------------------- train
@@ -71,8 +73,8 @@ class Trainer:
             if c.is_last:
                 data_iter = LossScaledBatches(data_iter, cfg.gradient_accumulation_steps, r.dp_group(), c.dp)
         tokens_per_step = c.global_batch(cfg.micro_batch_size, cfg.gradient_accumulation_steps) * cfg.seq_length
-        log.info("training steps %d..%d of %d (%d per epoch), PP=%d x DP=%d", r.step + 1, r.total_steps,
-                 r.total_steps, r.plan.steps_per_epoch, cfg.num_stages, c.dp)  # fmt: skip
+        log.info("training steps %d..%d of %d (%d per epoch), PP=%d x TP=%d x DP=%d", r.step + 1, r.total_steps,
+                 r.total_steps, r.plan.steps_per_epoch, cfg.num_stages, c.tp, c.dp)  # fmt: skip
         while r.step < r.total_steps:
             lr = r.engine.get_lr()[0]
             start = time.perf_counter()
@@ -80,7 +82,7 @@ class Trainer:
             seconds = time.perf_counter() - start
             r.step += 1
             if self.reporter is not None:
-                self._report(loss, lr, seconds, tokens_per_step, data_iter.step_tokens)
+                self._report(loss, lr, seconds, tokens_per_step, data_iter)
             if not math.isfinite(loss) and cfg.nonfinite_loss == "skip":
                 log.warning("loss is %s at step %d: update skipped (weights and optimizer state unchanged)",
                             loss, r.step)  # fmt: skip
@@ -98,7 +100,7 @@ class Trainer:
             if evaluating(cfg) and cfg.eval_steps and r.step % cfg.eval_steps == 0 and r.step < r.total_steps:
                 self.evaluate()
 
-    def _report(self, loss: float, lr: float, seconds: float, tokens_per_step: int, target_tokens: int) -> None:
+    def _report(self, loss: float, lr: float, seconds: float, tokens_per_step: int, batches: LossScaledBatches) -> None:
         r = self.state
         record = {
             "step": r.step,
@@ -106,8 +108,10 @@ class Trainer:
             "loss": loss,
             "lr": lr,
             "grad_norm": as_float(r.engine.get_global_grad_norm()),
-            "tokens_per_second": tokens_per_step / seconds,
-            "target_tokens": target_tokens,
+            "tokens_per_second": batches.step_input_tokens / seconds,  # tokens that are not padding
+            "padded_tokens_per_second": tokens_per_step / seconds,  # every position of every row
+            "target_tokens": batches.step_tokens,
+            "input_tokens": batches.step_input_tokens,
             "step_seconds": seconds,
         }
         self.reporter.step(record)

@@ -1,6 +1,7 @@
-"""Where a rank sits in the PP x DP grid, and the numbers that follow from it (the one place for them).
+"""Where a rank sits in the PP x DP x TP grid, and the numbers that follow from it (the one place for them).
 
-DeepSpeed's `PipeModelDataParallelTopology` orders ranks pipe-major: rank = stage * DP + dp_rank.
+DeepSpeed's `PipeModelDataParallelTopology` orders ranks pipe-major, then data, then model (tensor-parallel):
+rank = stage * (DP * TP) + dp_rank * TP + tp_rank, so the ranks of a TP group are adjacent (one node).
 """
 
 from __future__ import annotations
@@ -10,23 +11,28 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Coords:
-    """Where this rank sits: PP x DP with pipe as the outer axis (rank = stage * dp + dp_rank)."""
+    """This rank's place: pipeline stage, data-parallel replica and tensor-parallel rank."""
 
     rank: int
     world: int
     num_stages: int
+    tp: int = 1  # tensor-parallel ranks per stage and replica
 
     @property
     def dp(self) -> int:
-        return max(1, self.world // self.num_stages)  # >= 1 so logging works before the layout is validated
+        return max(1, self.world // (self.num_stages * self.tp))  # >= 1 so logging works before validation
 
     @property
     def stage(self) -> int:
-        return self.rank // self.dp
+        return self.rank // (self.dp * self.tp)
 
     @property
     def dp_rank(self) -> int:
-        return self.rank % self.dp
+        return (self.rank // self.tp) % self.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
 
     @property
     def is_first(self) -> bool:
@@ -38,12 +44,13 @@ class Coords:
 
     @property
     def has_data(self) -> bool:
+        """First and last stage: every TP rank of them reads the same (DP-indexed) batches."""
         return self.is_first or self.is_last
 
     @property
     def reporting(self) -> bool:
-        """The one rank that writes metrics and results: last stage, DP rank 0 (it has the loss)."""
-        return self.is_last and self.dp_rank == 0
+        """The one rank that writes metrics and results: last stage, DP rank 0, TP rank 0 (it has the loss)."""
+        return self.is_last and self.dp_rank == 0 and self.tp_rank == 0
 
     def global_batch(self, micro_batch_size: int, gradient_accumulation_steps: int) -> int:
         """Sequences per optimizer step over all DP ranks."""

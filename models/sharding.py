@@ -1,0 +1,64 @@
+"""How each weight splits across tensor-parallel ranks, and the pure tensor maths of splitting and merging.
+
+One rule per key (`models.layout.tp_split`), Megatron's split:
+
+    COLUMN  dim 0 in T contiguous blocks   q/k/v (by heads), gate/up (by rows), their biases, LoRA B of those
+    ROW     dim 1 in T contiguous blocks   o_proj, down_proj (by input columns), LoRA A of those
+    VOCAB   dim 0 of the vocabulary padded to `padded_vocab(V, T, multiple)`, then COLUMN; merged shards lose
+            the padding again (rows >= V), so a checkpoint of any T holds the same V real rows
+    REPLICA the whole tensor on every rank: norms, row-parallel biases, LoRA A of column layers, LoRA B of row layers
+
+Contiguous blocks are `torch.chunk`'s, so these shards are the ones DeepSpeed's universal checkpoint
+slices (its loader takes `full.chunk(T, dim)[rank]`). Merging then splitting goes through the whole
+tensor, so any degree that divides the heads converts to any other, not only multiples.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+COLUMN, ROW, VOCAB, REPLICA = "column", "row", "vocab", "replica"
+
+
+def padded_vocab(vocab_size: int, tp_size: int, multiple: int = 1) -> int:
+    """Rows of the embedding and LM head once padded to a multiple of `tp_size` (and of `multiple`)."""
+    step = math.lcm(tp_size, max(1, multiple))
+    return -(-vocab_size // step) * step
+
+
+def shard(full: torch.Tensor, rule: str, tp_rank: int, tp_size: int, vocab_size: int | None = None,
+          multiple: int = 1) -> torch.Tensor:  # fmt: skip
+    """This rank's shard of a whole tensor (a fresh contiguous tensor; the whole one can be freed)."""
+    if rule == REPLICA or (tp_size == 1 and rule != VOCAB):
+        return full.contiguous() if full.is_contiguous() else full.clone()
+    if rule == VOCAB:
+        rows = padded_vocab(vocab_size, tp_size, multiple)
+        full = full[:vocab_size]
+        if rows > full.shape[0]:
+            full = torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
+        rule = COLUMN
+    dim = 0 if rule == COLUMN else 1
+    if full.shape[dim] % tp_size:
+        raise ValueError(f"dimension {dim} of size {full.shape[dim]} does not split into {tp_size} equal shards")
+    return full.chunk(tp_size, dim)[tp_rank].clone()
+
+
+def merge(shards: list[torch.Tensor], rule: str, vocab_size: int | None = None) -> torch.Tensor:
+    """The whole tensor from every rank's shard, in rank order (VOCAB: the padding dropped)."""
+    if rule == REPLICA or len(shards) == 1 and rule != VOCAB:
+        return shards[0]
+    dim = 1 if rule == ROW else 0
+    whole = torch.cat(shards, dim) if len(shards) > 1 else shards[0]
+    return whole[:vocab_size] if rule == VOCAB else whole
+
+
+def merged_shape(shapes: list[tuple[int, ...]], rule: str, vocab_size: int | None = None) -> tuple[int, ...]:
+    """`merge(...)`'s shape from the shards' shapes alone (no data read)."""
+    first = list(shapes[0])
+    if rule == REPLICA:
+        return tuple(first)
+    dim = 1 if rule == ROW else 0
+    first[dim] = vocab_size if rule == VOCAB else sum(s[dim] for s in shapes)
+    return tuple(first)

@@ -1,0 +1,274 @@
+"""Tensor parallelism inside a pipeline stage: Megatron's split of every decoder block, and vocab-parallel
+embedding, LM head and cross-entropy. Wiring around HF's modules, as models/pipeline.py is:
+
+- A block is HF's own decoder layer built from `local_config` (heads / T, KV heads / T, intermediate / T,
+  explicit head_dim), so its q/k/v, gate/up hold this rank's rows and o_proj, down_proj its columns.
+- The input of the split region is copied (`copy_to_tp`: identity forward, gradient summed over TP
+  backward) once, after each RMSNorm, so q/k/v and gate/up share one gradient all-reduce.
+- o_proj and down_proj are row-parallel: their partial outputs are summed over TP (`reduce_from_tp`) and
+  their bias added once after the sum.
+- A replicated parameter used inside the split region (LoRA A of a column layer, a per-head norm) gets a
+  partial gradient on each rank: `sum_grad_over_tp` adds the partials, so every rank holds the same one.
+- Embedding and LM head hold V_padded / T vocabulary rows; the loss is computed on those shards without any
+  rank holding [B, S, V] logits, and padded rows are masked out of it.
+
+Stage outputs are therefore identical on every TP rank, which DeepSpeed's pipeline engine requires to
+partition them across the TP group for the stage-to-stage send.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from models.layers import (
+    DecoderLayerPipe,
+    DecoderOptions,
+    EmbeddingPipe,
+    LMHeadPipe,
+    layer_class_and_args,
+    tied_lm_head_forward,
+)
+from models.layout import DECODER, EMBED, LM_HEAD, TP_COLUMN_MODULES, TP_ROW_MODULES, PipeLayer
+from models.loss import IGNORE_INDEX
+from models.sharding import padded_vocab
+
+
+@dataclass
+class TensorParallel:
+    """This rank's place in its tensor-parallel group. `group` is set once the process group exists."""
+
+    size: int = 1
+    rank: int = 0
+    vocab_multiple: int = 1  # pad the vocabulary to a multiple of this (and of `size`)
+    group: Any = None
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.tp.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=tp.group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Enter a split region: identity forward, the gradient summed over TP ranks backward."""
+    return x if tp.size == 1 else _CopyToTP.apply(x, tp)
+
+
+def reduce_from_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Leave a split region: the partial results summed over TP ranks forward, identity backward."""
+    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
+
+
+def sum_grad_over_tp(param: nn.Parameter, tp: TensorParallel) -> None:
+    """A replicated parameter used inside a split region: sum its per-rank partial gradients."""
+    if tp.size == 1:
+        return
+
+    def hook(grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=tp.group)
+        return grad
+
+    param.register_hook(hook)
+
+
+def local_config(config, tp: TensorParallel):
+    """A copy of `config` describing this rank's shard of every block (same head_dim, fewer heads)."""
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv),
+                    ("intermediate_size", config.intermediate_size)):  # fmt: skip
+        if n % tp.size:
+            raise ValueError(f"{name}={n} does not split into tensor_parallel_size={tp.size} equal parts")
+    local = copy.deepcopy(config)
+    local.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    local.num_attention_heads, local.num_key_value_heads = heads // tp.size, kv // tp.size
+    local.intermediate_size = config.intermediate_size // tp.size
+    local._attn_implementation = config._attn_implementation
+    return local
+
+
+class RowParallelLinear(nn.Linear):
+    """Input columns sharded; partial outputs summed over TP, then the (replicated) bias added once."""
+
+    tp: TensorParallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        return out if self.bias is None else out + self.bias
+
+
+def _row_parallel(linear: nn.Linear, tp: TensorParallel) -> RowParallelLinear:
+    linear.__class__ = RowParallelLinear  # same parameters and state_dict keys, row-parallel forward
+    linear.tp = tp
+    return linear
+
+
+class TPDecoderLayerPipe(DecoderLayerPipe):
+    """HF's decoder block holding this rank's shard (Megatron's split); see the module docstring."""
+
+    def __init__(self, config, layer_idx: int, tp: TensorParallel, options: DecoderOptions | None = None):
+        super().__init__(local_config(config, tp), layer_idx, options)
+        self.tp = tp
+        _row_parallel(self.self_attn.o_proj, tp)
+        _row_parallel(self.mlp.down_proj, tp)
+        for norm in (self.input_layernorm, self.post_attention_layernorm):
+            norm.register_forward_hook(lambda _module, _inputs, out: copy_to_tp(out, self.tp))
+
+
+class VocabParallelEmbeddingPipe(EmbeddingPipe):
+    """Rows [rank * V_local, (rank + 1) * V_local) of the padded vocabulary; other ids look up zeros, and the
+    ranks' outputs are summed."""
+
+    def __init__(self, config, tp: TensorParallel):
+        nn.Embedding.__init__(self, padded_vocab(config.vocab_size, tp.size, tp.vocab_multiple) // tp.size,
+                              config.hidden_size)  # fmt: skip
+        self.tp, self.start = tp, tp.rank * self.num_embeddings
+        pad = config.pad_token_id
+        if pad is not None and self.start <= pad < self.start + self.num_embeddings:
+            self.padding_idx = pad - self.start  # as HF's embedding: no gradient into the pad row
+
+    def forward(self, inputs):
+        input_ids, position_ids = inputs  # [B, S], [B, S]
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)  # [B, S, H]
+        hidden = reduce_from_tp(hidden.masked_fill(outside[..., None], 0.0), self.tp)
+        if torch.is_grad_enabled() and not self.weight.requires_grad:
+            hidden.requires_grad_()  # a frozen embedding (LoRA) still hands the next stage a tensor with a gradient
+        return hidden, position_ids
+
+
+class VocabParallelLMHeadPipe(LMHeadPipe):
+    """This rank's V_local rows of the output projection: logits [B, S, V_local] for `VocabParallelLoss`."""
+
+    def __init__(self, config, tp: TensorParallel):
+        nn.Linear.__init__(self, config.hidden_size, padded_vocab(config.vocab_size, tp.size, tp.vocab_multiple)
+                           // tp.size, bias=False)  # fmt: skip
+        self.tp = tp
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(hidden, self.tp), self.weight)
+
+
+class TiedVocabParallelHead:
+    """`TiedLayerSpec.forward_fn` of a tied, vocab-parallel LM head: the embedding's local rows as output rows."""
+
+    def __init__(self, tp: TensorParallel):
+        self.tp = tp
+
+    def __call__(self, embedding: nn.Embedding, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(hidden, self.tp), embedding.weight)  # [B, S, V_local]
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy from vocab-sharded logits: the max, the sum of exponentials and the target's
+    logit are all-reduced; no rank forms the full-vocabulary logits (Megatron's vocab-parallel loss)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, tp, start, vocab_size):  # logits [N, V_local] fp32, target [N]
+        logits = logits.clone()
+        ids = torch.arange(start, start + logits.shape[-1], device=logits.device)
+        logits[:, ids >= vocab_size] = float("-inf")  # padded vocabulary rows never reach the loss
+        top = logits.max(dim=-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp.group)
+        logits -= top[:, None]
+        local = target - start
+        inside = (local >= 0) & (local < logits.shape[-1])
+        local = local.clamp(0, logits.shape[-1] - 1)
+        picked = logits.gather(1, local[:, None]).squeeze(1).masked_fill(~inside, 0.0)
+        dist.all_reduce(picked, group=tp.group)
+        exp = logits.exp_()
+        total = exp.sum(dim=-1)
+        dist.all_reduce(total, group=tp.group)
+        exp /= total[:, None]  # softmax over the whole vocabulary, this rank's columns
+        ctx.save_for_backward(exp, local, inside)
+        return total.log() - picked
+
+    @staticmethod
+    def backward(ctx, grad):  # grad [N]
+        softmax, local, inside = ctx.saved_tensors
+        out = softmax.clone()
+        out[torch.arange(out.shape[0], device=out.device), local] -= inside.to(out.dtype)
+        return out * grad[:, None], None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp: TensorParallel,
+                                 vocab_size: int) -> torch.Tensor:  # fmt: skip
+    """Summed cross-entropy over the labels that are not IGNORE_INDEX, from [..., V_local] logit shards."""
+    logits = logits.float().reshape(-1, logits.shape[-1])
+    labels = labels.reshape(-1)
+    keep = labels != IGNORE_INDEX
+    per_token = _VocabParallelCrossEntropy.apply(logits, labels.masked_fill(~keep, 0), tp,
+                                                 tp.rank * logits.shape[-1], vocab_size)  # fmt: skip
+    return (per_token * keep).sum()
+
+
+def vocab_parallel(config, tp: TensorParallel) -> bool:
+    """Whether embedding and head are vocab-parallel: split over TP ranks, or padded (`model.vocab_pad_multiple`)."""
+    return tp.size > 1 or padded_vocab(config.vocab_size, tp.size, tp.vocab_multiple) != config.vocab_size
+
+
+def tp_layer_class_and_args(
+    layer: PipeLayer, config, tp: TensorParallel, options: DecoderOptions | None = None
+) -> tuple[type[nn.Module], tuple]:
+    """`models.layers.layer_class_and_args` with this rank's shard of each layer."""
+    if layer.kind == DECODER and tp.size > 1:
+        return TPDecoderLayerPipe, (config, layer.block, tp, options)
+    if layer.kind == EMBED or (layer.kind == LM_HEAD and not layer.has_file):  # a tied head uses the embedding
+        return (VocabParallelEmbeddingPipe, (config, tp)) if vocab_parallel(config, tp) else (EmbeddingPipe, (config,))
+    if layer.kind == LM_HEAD and vocab_parallel(config, tp):
+        return VocabParallelLMHeadPipe, (config, tp)
+    return layer_class_and_args(layer, config, options)
+
+
+def tp_tied_head_forward(config, tp: TensorParallel):
+    """`TiedLayerSpec.forward_fn` of the tied LM head."""
+    return TiedVocabParallelHead(tp) if vocab_parallel(config, tp) else tied_lm_head_forward
+
+
+def parallelize_lora(module: nn.Module, tp: TensorParallel) -> None:
+    """The collectives of LoRA adapters on split layers (their shards come from models/lora.py).
+
+    Column layer: A is replicated and used inside the split region, so its gradient is summed over TP.
+    Row layer: A holds this rank's input columns, so A x is partial and summed over TP before B.
+    """
+    if tp.size == 1:
+        return
+    for layer in module.modules():
+        if not isinstance(layer, TPDecoderLayerPipe):
+            continue
+        for name in TP_COLUMN_MODULES + TP_ROW_MODULES:
+            target = layer.get_submodule(name)
+            if not hasattr(target, "lora_A"):
+                continue
+            for lora_a in target.lora_A.values():
+                if name in TP_COLUMN_MODULES:
+                    sum_grad_over_tp(lora_a.weight, tp)
+                else:
+                    lora_a.register_forward_hook(lambda _module, _inputs, out: reduce_from_tp(out, tp))

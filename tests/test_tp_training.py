@@ -1,0 +1,106 @@
+"""Tensor parallelism end to end on CPU ranks (gloo): resuming across TP and PP, LoRA under TP, and any
+checkpoint loading into TP=4. Parity of TP training steps with the single-process reference is in
+test_training.py (`-k single_process_reference`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from checkpoint.pipeline_reader import load_hf_state_dict
+from tests.conftest import check, deepspeed_launch, read_jsonl, run_cmd
+from tests.reference import train_reference
+from tests.test_lora import LORA, lora_overrides, peft_model
+from tests.test_training import interrupted_copy, overrides, parity_cfg
+
+pytestmark = pytest.mark.slow  # launches the trainer on several ranks
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16_zero1"])
+def test_resume_moves_across_tp_and_pp(precision, converted, sft_data, tmp_path):
+    """Saved with PP=2 x TP=2 at step 3 of 6, resumed as PP=2 x TP=1 (2 ranks) and PP=4 x TP=1 (4 ranks):
+    the loss curve, LR and (fp32) final weights continue the unmoved run's. fp32 (ZeRO-0) moves its Adam
+    moments by parameter name, merged and split across TP; bf16 + ZeRO-1 through DeepSpeed's universal
+    checkpoint with our split rules (checkpoint/universal.universal_info)."""
+    from transformers import AutoConfig
+
+    cfg = parity_cfg(sft_data[0])
+    cfg.max_steps = 6
+    ckpt, full = converted["tied"], tmp_path / "full"
+    extra = {"save_steps": 3, "deepspeed": precision}
+    check(deepspeed_launch(4, *overrides(cfg, ckpt, str(full), 2, tensor_parallel_size=2, **extra)))
+    expected = read_jsonl(full / "metrics.jsonl")
+    config = AutoConfig.from_pretrained(full)
+    final = load_hf_state_dict(str(full), config)  # the TP=2 shards merged
+    rel = (1e-5, 1e-4) if precision == "fp32" else (2e-3, 2e-2)  # bf16 rounding in another reduction order
+    for name, ranks, stages, partition in [("tp1_pp2", 2, 2, []), ("tp1_pp4", 4, 4, ["model.partition=[1,1,1,1]"])]:
+        part = tmp_path / name
+        interrupted_copy(full, part, 3)
+        args = overrides(cfg, ckpt, str(part), stages, resume="true", tensor_parallel_size=1, **extra)
+        proc = check(deepspeed_launch(ranks, *args, *partition))
+        assert "saved with PP=2 x TP=2 x DP=1" in proc.stdout + proc.stderr
+        got = read_jsonl(part / "metrics.jsonl")
+        assert [m["step"] for m in got] == list(range(1, 7))
+        for a, b in zip(expected[3:], got[3:], strict=True):
+            assert a["lr"] == b["lr"], (a, b)
+            assert b["loss"] == pytest.approx(a["loss"], rel=rel[0]), (name, a, b)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rel[1]), (name, a, b)
+        if precision == "fp32":  # without the Adam moments the first moved step would differ by about lr
+            moved = load_hf_state_dict(str(part), config)
+            worst = max(float((moved[k] - v).abs().max()) for k, v in final.items())
+            assert worst < 0.01 * cfg.learning_rate, (name, worst)
+            print(f"PP=2 x TP=2 -> {name}: max |weight diff| after 6 steps vs unmoved = {worst:.3g}")
+
+
+def test_lora_under_tp_matches_peft_reference(hf_models, converted, tokenizer_dir, sft_data, tmp_path):
+    """LoRA on column (q, v) and row (down) layers split over TP=2, PP=2: the PEFT reference's losses, grad norms
+    and adapters; the merged export equals PEFT's unmerged adapter model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.test_lora import adapter_state
+
+    cfg = parity_cfg(sft_data[0])
+    cfg.lora = LORA
+    run = tmp_path / "run"
+    check(deepspeed_launch(4, *overrides(cfg, converted["gqa"], str(run), 2, tensor_parallel_size=2),
+                           *lora_overrides()))  # fmt: skip
+    ref_model, ref_losses, ref_norms = train_reference(hf_models["gqa"], tokenizer_dir, cfg, dp=1, steps=4)
+    metrics = read_jsonl(run / "metrics.jsonl")
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]), torch.tensor(ref_losses), rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(torch.tensor([m["grad_norm"] for m in metrics]), torch.tensor(ref_norms), rtol=1e-4,
+                               atol=1e-6)  # fmt: skip
+    config = AutoConfig.from_pretrained(run)
+    ours = adapter_state(run, config)  # TP shards merged
+    ref = {f"base_model.model.{k}": v for k, v in ref_model.state_dict().items() if ".lora_" in k}
+    assert set(ours) == set(ref)
+    for key in ref:
+        torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=0.01 * cfg.learning_rate)
+    merged_dir = tmp_path / "merged"
+    check(run_cmd([sys.executable, "convert2ckpt.py", "--to-hf", "--input", str(run), "--output", str(merged_dir),
+                   "--merge-lora"]))  # fmt: skip
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
+    ids = torch.randint(3, 60, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, peft_model(hf_models["gqa"], ours)(ids).logits, rtol=1e-5,
+                                   atol=1e-5)  # fmt: skip
+
+
+def test_tp4_starts_from_hf_dir_t1_and_t2_checkpoints(hf_models, converted, sft_data, tmp_path):
+    """PP=1 x TP=4 evaluates the same model from a Hugging Face directory (converted at load), a TP=1 conversion
+    and a TP=2 conversion (each rank slices its share of every layer at load) as one rank at TP=1 does."""
+    hf, t1, t2 = hf_models["mha"], converted["mha"], tmp_path / "t2"
+    check(run_cmd([sys.executable, "convert2ckpt.py", "--input", hf, "--output", str(t2), "--tp", "2"]))
+    cfg = parity_cfg(sft_data[0])
+    common = {"do_train": "false", "do_eval": "true", "eval_file": sft_data[1]}
+    check(run_cmd([sys.executable, "trainer.py", *overrides(cfg, t1, str(tmp_path / "tp1"), 1, **common)]))
+    expected = json.load(open(tmp_path / "tp1" / "eval_results.json"))
+    for name, source in [("hf_dir", hf), ("t1", t1), ("t2", str(t2))]:
+        out = tmp_path / f"tp4_{name}"
+        check(deepspeed_launch(4, *overrides(cfg, source, str(out), 1, tensor_parallel_size=4, **common)))
+        got = json.load(open(out / "eval_results.json"))
+        assert got["eval_tokens"] == expected["eval_tokens"]
+        assert got["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-6), (name, got, expected)
