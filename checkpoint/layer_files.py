@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoint.errors import CheckpointError
-from checkpoint.names import LAYOUT_FILE, PIECE_FILE, engine_file
+from checkpoint.names import LAYOUT_FILE, PIECE_FILE
 from checkpoint.safe_load import load_pt
 from models.layout import LAYER_FILE_FORMATS, PipeLayer, layer_file_name, parse_layer_file_name, tp_split
 from models.sharding import VOCAB, merge, padded_vocab, shard
@@ -37,8 +37,8 @@ def find_layer_file(step_dir: str, index: int, tp_rank: int = 0) -> str | None:
 
 
 def checkpoint_tp_size(step_dir: str) -> int:
-    """The tensor-parallel degree a checkpoint was written with: `layout.json` (trainer saves), the engine
-    metadata of a conversion, or a piece's record; else what its layer 0 files show."""
+    """The tensor-parallel degree a checkpoint was written with: `layout.json` (trainer saves) or a piece's
+    record; else (a whole conversion) how many TP ranks' files layer 0 has. Reads no tensor file."""
     import json
 
     layout = os.path.join(step_dir, LAYOUT_FILE)
@@ -47,10 +47,6 @@ def checkpoint_tp_size(step_dir: str) -> int:
         if os.path.exists(path):
             with open(path) as f:
                 return int(json.load(f).get("tp_size", 1))
-    if os.path.exists(os.path.join(step_dir, engine_file(0))):
-        meta = load_pt(os.path.join(step_dir, engine_file(0)), mmap=True)
-        if isinstance(meta, dict) and meta.get("converted_from_hf"):
-            return int(meta.get("tp_size", 1))
     found = 0
     while find_layer_file(step_dir, 0, found) is not None:
         found += 1

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from models.families import FAMILIES
+
 
 class Choice(str, Enum):
     """A config value from a fixed set: compares equal to, formats and serialises as its string."""
@@ -32,19 +34,20 @@ class AttnImplementation(Choice):
 
 # Architecture fields a preset may set; checked against a checkpoint's config.json.
 ARCH_KEYS = (
+    "model_type",
     "vocab_size",
     "hidden_size",
     "intermediate_size",
     "num_hidden_layers",
     "num_attention_heads",
     "num_key_value_heads",
+    "head_dim",
     "max_position_embeddings",
     "rms_norm_eps",
     "rope_theta",
     "tie_word_embeddings",
 )
-CONFIG_CLASSES = {"llama": "LlamaConfig"}  # model_type -> transformers config class
-SUPPORTED_MODEL_TYPES = tuple(CONFIG_CLASSES)
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
 @dataclass
@@ -58,12 +61,14 @@ class ModelConfig:
 
     name: str = "from_checkpoint"
     source: str | None = None  # where the preset's numbers come from
+    model_type: str | None = None  # the family (models/families.py); None: llama
     vocab_size: int | None = None
     hidden_size: int | None = None
     intermediate_size: int | None = None
     num_hidden_layers: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
+    head_dim: int | None = None  # None: hidden_size / num_attention_heads
     max_position_embeddings: int | None = None
     rms_norm_eps: float | None = None
     rope_theta: float | None = None
@@ -111,14 +116,22 @@ def load_hf_config(path: str):
         raise ValueError(f"{file}: missing")
     try:
         with open(file) as f:
-            model_type = json.load(f).get("model_type")
+            raw = json.load(f)
+        model_type = raw.get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if model_type == "llama" and raw.get("sliding_window") is not None:
+        raise ValueError(
+            f"{file}: model_type='llama' with sliding_window={raw['sliding_window']}: LLaMA attention has no "
+            "sliding window and would silently drop it (a Mistral model relabelled? model_type should be 'mistral')"
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{file}: model_type={model_type!r} is not a LLaMA-family model {SUPPORTED_MODEL_TYPES}")
+        raise ValueError(
+            f"{file}: model_type={model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     # NOTE: the family's own config class, not AutoConfig: resolving AutoConfig imports transformers' whole
     # auto-mapping (seconds per process, and conversion runs one process per command).
-    return getattr(transformers, CONFIG_CLASSES[model_type]).from_pretrained(path)
+    return getattr(transformers, FAMILIES[model_type].config_class).from_pretrained(path)
 
 
 def preset_values(model: ModelConfig) -> dict:
@@ -135,11 +148,14 @@ def check_preset(config, model: ModelConfig, where: str) -> None:
 
 
 def config_from_preset(model: ModelConfig):
-    """A `LlamaConfig` built from a preset (training from scratch)."""
-    from transformers import LlamaConfig
+    """The family's transformers config built from a preset (training from scratch)."""
+    from transformers import AutoConfig
 
     preset = preset_values(model)
-    config = LlamaConfig(**{k: v for k, v in preset.items() if k != "rope_theta"})
+    model_type = preset.pop("model_type", "llama")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model.model_type={model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+    config = AutoConfig.for_model(model_type, **{k: v for k, v in preset.items() if k != "rope_theta"})
     if "rope_theta" in preset:
         config.rope_parameters["rope_theta"] = preset["rope_theta"]
     return config

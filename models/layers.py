@@ -1,4 +1,5 @@
-"""Pipeline layers: self-contained modules with a fixed tuple signature, built on transformers' LLaMA.
+"""Pipeline layers: self-contained modules with a fixed tuple signature, built on each family's transformers
+classes (models/families.py: LLaMA, Mistral, Qwen2, Qwen3).
 
 Data flow through one micro-batch (B = micro-batch size, S = sequence length, H = hidden size):
 
@@ -16,25 +17,26 @@ Packed rows (`data.packing`): several documents share a row and `position_ids` r
 one. Each decoder layer rebuilds the per-document causal mask from them (`document_mask`; flash-attn
 gets the equivalent `cu_seqlens`), so attention never crosses a document boundary.
 
-The modules subclass the transformers classes so their state_dict keys are the HF suffixes listed
-in `models.layout.KEY_TABLE`, and their maths is HF's own.
+The modules subclass the family's transformers classes so their state_dict keys are the HF suffixes
+listed in `models.layout.KEY_TABLE`, and their maths is HF's own.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from models.families import FAMILIES, family_of, sliding_window
 from models.layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
 
 
-class Fp32RotaryEmbedding(LlamaRotaryEmbedding):
-    """HF's rotary embedding whose `inv_freq` stays fp32 when the module is cast to bf16/fp16.
+class _Fp32Rotary:
+    """Mixin for HF's rotary embedding: `inv_freq` stays fp32 when the module is cast to bf16/fp16.
 
     NOTE: DeepSpeed casts the whole module (buffers included) to the training dtype; a bf16
     `inv_freq` shifts RoPE angles by whole radians at long positions.
@@ -46,6 +48,16 @@ class Fp32RotaryEmbedding(LlamaRotaryEmbedding):
         self.inv_freq = inv_freq.to(self.inv_freq.device)
         self.original_inv_freq = original.to(self.inv_freq.device)
         return self
+
+
+@functools.cache
+def rotary_class(model_type: str) -> type[nn.Module]:
+    """The family's own rotary embedding (`LlamaRotaryEmbedding`, ...) with an fp32 `inv_freq`."""
+    base = FAMILIES[model_type].hf_class("RotaryEmbedding")
+    return type(f"Fp32{base.__name__}", (_Fp32Rotary, base), {"__module__": __name__})
+
+
+Fp32RotaryEmbedding = rotary_class("llama")
 
 
 class EmbeddingPipe(nn.Embedding):
@@ -104,21 +116,37 @@ def flash_varlen_kwargs(position_ids: torch.Tensor) -> dict:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
-class DecoderLayerPipe(LlamaDecoderLayer):
-    """One HF LLaMA decoder block. Keys: the suffixes of HF `model.layers.{b}.*`.
+def attention_mask(position_ids: torch.Tensor, packed: bool, window: int | None) -> torch.Tensor:
+    """[B or 1, 1, S, S] bool, True where query i may attend key j: j <= i, within the same packed row
+    (`packed`), and i - j < `window` (a sliding window, as HF's sliding-window mask)."""
+    s = position_ids.shape[-1]
+    index = torch.arange(s, device=position_ids.device)
+    allowed = (index[None, :] <= index[:, None])[None, None]  # [1, 1, S, S]
+    if window is not None:
+        allowed = allowed & (index[:, None] - index[None, :] < window)[None, None]
+    if packed:
+        allowed = allowed & document_mask(position_ids)
+    return allowed
 
-    Unpacked rows are right-padded and padded positions carry ignored labels, so a plain causal
-    mask is exact for every scored token: no padding mask needs to cross stages. SDPA and flash-attn
-    get `attention_mask=None` and apply causality themselves (their fast path); eager attention
-    gets an additive mask built here. Packed rows get the per-document mask (see the module docstring).
+
+class DecoderPipe:
+    """Mixin that makes a family's HF decoder block a pipeline layer (see `decoder_layer_class`).
+
+    Keys: the suffixes of HF `model.layers.{b}.*`. Unpacked rows are right-padded and padded positions
+    carry ignored labels, so a plain causal mask is exact for every scored token: no padding mask
+    needs to cross stages. SDPA and flash-attn get `attention_mask=None` and apply causality themselves
+    (their fast path); eager attention gets an additive mask built here. Packed rows and sliding
+    windows (Mistral; Qwen2/3 layers marked "sliding_attention") get an explicit mask on SDPA and eager;
+    flash-attn gets `cu_seqlens` for packed rows and applies the window itself (HF passes it).
     """
 
     def __init__(self, config, layer_idx: int, options: DecoderOptions | None = None):
         super().__init__(config, layer_idx)
         self.attn_implementation = config._attn_implementation or "sdpa"
-        self.rotary_emb = Fp32RotaryEmbedding(config)  # non-persistent buffers only: no state_dict keys
+        self.rotary_emb = rotary_class(family_of(config).model_type)(config)  # non-persistent buffers: no keys
         self.options = options or DecoderOptions()
         self.recompute = self.options.recompute(layer_idx)
+        self.window = sliding_window(config, self.self_attn)
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, position_ids = inputs  # [B, S, H], [B, S]
@@ -129,24 +157,38 @@ class DecoderLayerPipe(LlamaDecoderLayer):
 
     def _block(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         cos_sin = self.rotary_emb(hidden, position_ids)  # 2 x [B, S, head_dim]
+        packed, seq = self.options.packed, hidden.shape[1]
+        window = self.window if self.window is not None and self.window < seq else None
         mask, extra = None, {}
-        if self.options.packed and self.attn_implementation == "flash_attention_2":
-            extra = flash_varlen_kwargs(position_ids)
-        elif self.options.packed:
-            mask = document_mask(position_ids)
+        if self.attn_implementation == "flash_attention_2":
+            extra = flash_varlen_kwargs(position_ids) if packed else {}
+        elif packed or window is not None:
+            mask = attention_mask(position_ids, packed, window)
             if self.attn_implementation == "eager":
                 mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
                     ~mask, torch.finfo(hidden.dtype).min
                 )
         elif self.attn_implementation == "eager":
-            mask = causal_additive_mask(hidden.shape[1], hidden.dtype, hidden.device)
+            mask = causal_additive_mask(seq, hidden.dtype, hidden.device)
         return super().forward(
             hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin, **extra
         )
 
 
-class NormPipe(LlamaRMSNorm):
-    """Final RMSNorm. Keys: `weight` = HF `model.norm.weight`. Drops `position_ids`."""
+@functools.cache
+def decoder_layer_class(model_type: str) -> type[nn.Module]:
+    """The pipeline layer of one decoder block of a family: `DecoderPipe` on the family's HF decoder layer."""
+    family = FAMILIES[model_type]
+    base = family.hf_class("DecoderLayer")
+    return type(f"{family.prefix}DecoderLayerPipe", (DecoderPipe, base), {"__module__": __name__})
+
+
+DecoderLayerPipe = decoder_layer_class("llama")
+
+
+class _NormPipe:
+    """Mixin: the family's final RMSNorm as a pipeline layer. Keys: `weight` = HF `model.norm.weight`.
+    Drops `position_ids`."""
 
     def __init__(self, config):
         super().__init__(config.hidden_size, eps=config.rms_norm_eps)
@@ -154,6 +196,16 @@ class NormPipe(LlamaRMSNorm):
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         hidden, _ = inputs
         return super().forward(hidden)
+
+
+@functools.cache
+def norm_class(model_type: str) -> type[nn.Module]:
+    family = FAMILIES[model_type]
+    base = family.hf_class("RMSNorm")
+    return type(f"{family.prefix}NormPipe", (_NormPipe, base), {"__module__": __name__})
+
+
+NormPipe = norm_class("llama")
 
 
 class LMHeadPipe(nn.Linear):
@@ -179,9 +231,10 @@ def layer_class_and_args(
     A tied LM head has no module of its own: callers build the embedding's class and apply
     `tied_lm_head_forward` (DeepSpeed's `TiedLayerSpec`).
     """
+    family = family_of(config).model_type
     if layer.kind == DECODER:
-        return DecoderLayerPipe, (config, layer.block, options)
-    cls = {EMBED: EmbeddingPipe, NORM: NormPipe, LM_HEAD: EmbeddingPipe if not layer.has_file else LMHeadPipe}
+        return decoder_layer_class(family), (config, layer.block, options)
+    cls = {EMBED: EmbeddingPipe, NORM: norm_class(family), LM_HEAD: EmbeddingPipe if not layer.has_file else LMHeadPipe}
     return cls[layer.kind], (config,)
 
 
@@ -202,5 +255,5 @@ def init_weights(module: nn.Module, initializer_range: float) -> None:
             m.weight.normal_(0.0, initializer_range)
             if m.padding_idx is not None:
                 m.weight[m.padding_idx].zero_()
-        elif isinstance(m, LlamaRMSNorm):
+        elif type(m).__name__.endswith("RMSNorm") or isinstance(m, _NormPipe):  # every family's, q/k norms too
             m.weight.fill_(1.0)

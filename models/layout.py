@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from models.families import family_of
 from models.sharding import COLUMN, REPLICA, ROW, VOCAB
 
 EMBED, DECODER, NORM, LM_HEAD = "embed", "decoder", "norm", "lm_head"
@@ -44,6 +45,9 @@ KEY_TABLE: dict[str, dict[str, str]] = {
         "mlp.gate_proj.bias": "model.layers.{}.mlp.gate_proj.bias",
         "mlp.up_proj.bias": "model.layers.{}.mlp.up_proj.bias",
         "mlp.down_proj.bias": "model.layers.{}.mlp.down_proj.bias",
+        # Qwen3: RMSNorm over head_dim on queries and keys.
+        "self_attn.q_norm.weight": "model.layers.{}.self_attn.q_norm.weight",
+        "self_attn.k_norm.weight": "model.layers.{}.self_attn.k_norm.weight",
     },
     NORM: {"weight": "model.norm.weight"},
     LM_HEAD: {"weight": "lm_head.weight"},
@@ -53,7 +57,25 @@ KEY_TABLE: dict[str, dict[str, str]] = {
 DROPPED_HF_KEYS: tuple[str, ...] = ("model.layers.{}.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq")
 
 _ATTN_BIAS = {k for k in KEY_TABLE[DECODER] if k.startswith("self_attn.") and k.endswith(".bias")}
+_QKV_BIAS = {k for k in _ATTN_BIAS if not k.startswith("self_attn.o_proj")}
 _MLP_BIAS = {k for k in KEY_TABLE[DECODER] if k.startswith("mlp.") and k.endswith(".bias")}
+_QK_NORM = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+
+
+def _optional_keys(config) -> set[str]:
+    """The optional decoder keys a model has, by its family (models/families.py) and config."""
+
+    family = family_of(config)
+    keys = set()
+    if family.attention_bias == "qkv" or (
+        family.attention_bias == "config" and getattr(config, "attention_bias", False)
+    ):
+        keys |= _QKV_BIAS if family.attention_bias == "qkv" else _ATTN_BIAS
+    if family.mlp_bias and getattr(config, "mlp_bias", False):
+        keys |= _MLP_BIAS
+    if family.qk_norm:
+        keys |= _QK_NORM
+    return keys
 
 
 def _template_regex(template: str) -> re.Pattern:
@@ -132,17 +154,14 @@ def parse_layer_file_name(name: str) -> tuple[int, int, str] | None:
 
 
 def layer_keys(layer: PipeLayer, config) -> dict[str, str]:
-    """{our key: HF key} for one layer file, given a `LlamaConfig`-like object."""
+    """{our key: HF key} for one layer file, given a transformers config of a supported family."""
     if not layer.has_file:
         return {}
     keys = KEY_TABLE[layer.kind]
     if layer.kind == DECODER:
-        keys = {
-            ours: tpl.format(layer.block)
-            for ours, tpl in keys.items()
-            if (ours not in _ATTN_BIAS or getattr(config, "attention_bias", False))
-            and (ours not in _MLP_BIAS or getattr(config, "mlp_bias", False))
-        }
+        optional = _ATTN_BIAS | _MLP_BIAS | _QK_NORM
+        present = _optional_keys(config)
+        keys = {ours: tpl.format(layer.block) for ours, tpl in keys.items() if ours not in optional or ours in present}
     return dict(keys)
 
 
@@ -170,7 +189,7 @@ def hf_key_to_layer(hf_key: str, num_layers: int, tie_word_embeddings: bool) -> 
             return num_layers + 1, ours
         # LM head: with tied embeddings it is the embedding's weight, stored once in layer 0.
         return None if tie_word_embeddings else (num_layers + 2, ours)
-    raise KeyError(f"{hf_key}: not a key of the LLaMA layout")
+    raise KeyError(f"{hf_key}: not a key of the supported decoder layouts")
 
 
 def linear_modules() -> list[str]:

@@ -19,6 +19,7 @@ partition them across the TP group for the stage-to-stage send.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,11 +28,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from models.families import family_of
 from models.layers import (
-    DecoderLayerPipe,
     DecoderOptions,
     EmbeddingPipe,
     LMHeadPipe,
+    decoder_layer_class,
     layer_class_and_args,
     tied_lm_head_forward,
 )
@@ -129,8 +131,10 @@ def _row_parallel(linear: nn.Linear, tp: TensorParallel) -> RowParallelLinear:
     return linear
 
 
-class TPDecoderLayerPipe(DecoderLayerPipe):
-    """HF's decoder block holding this rank's shard (Megatron's split); see the module docstring."""
+class TPDecoderPipe:
+    """Mixin: a family's pipeline decoder block holding this rank's shard (Megatron's split); see the module
+    docstring. Qwen3's per-head q/k norms are replicated but see only this rank's heads: their gradients
+    are summed over TP so they stay identical on every rank."""
 
     def __init__(self, config, layer_idx: int, tp: TensorParallel, options: DecoderOptions | None = None):
         super().__init__(local_config(config, tp), layer_idx, options)
@@ -139,6 +143,18 @@ class TPDecoderLayerPipe(DecoderLayerPipe):
         _row_parallel(self.mlp.down_proj, tp)
         for norm in (self.input_layernorm, self.post_attention_layernorm):
             norm.register_forward_hook(lambda _module, _inputs, out: copy_to_tp(out, self.tp))
+        if family_of(config).qk_norm:
+            for norm in (self.self_attn.q_norm, self.self_attn.k_norm):
+                sum_grad_over_tp(norm.weight, tp)
+
+
+@functools.cache
+def tp_decoder_layer_class(model_type: str) -> type[nn.Module]:
+    base = decoder_layer_class(model_type)
+    return type(f"TP{base.__name__}", (TPDecoderPipe, base), {"__module__": __name__})
+
+
+TPDecoderLayerPipe = tp_decoder_layer_class("llama")
 
 
 class VocabParallelEmbeddingPipe(EmbeddingPipe):
@@ -239,7 +255,7 @@ def tp_layer_class_and_args(
 ) -> tuple[type[nn.Module], tuple]:
     """`models.layers.layer_class_and_args` with this rank's shard of each layer."""
     if layer.kind == DECODER and tp.size > 1:
-        return TPDecoderLayerPipe, (config, layer.block, tp, options)
+        return tp_decoder_layer_class(family_of(config).model_type), (config, layer.block, tp, options)
     if layer.kind == EMBED or (layer.kind == LM_HEAD and not layer.has_file):  # a tied head uses the embedding
         return (VocabParallelEmbeddingPipe, (config, tp)) if vocab_parallel(config, tp) else (EmbeddingPipe, (config,))
     if layer.kind == LM_HEAD and vocab_parallel(config, tp):
@@ -261,7 +277,7 @@ def parallelize_lora(module: nn.Module, tp: TensorParallel) -> None:
     if tp.size == 1:
         return
     for layer in module.modules():
-        if not isinstance(layer, TPDecoderLayerPipe):
+        if not isinstance(layer, TPDecoderPipe):
             continue
         for name in TP_COLUMN_MODULES + TP_ROW_MODULES:
             target = layer.get_submodule(name)

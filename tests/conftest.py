@@ -18,12 +18,33 @@ sys.path.insert(0, str(REPO))
 from data.sources import write_jsonl  # noqa: E402
 from tools.tiny_models import make_hf_model, make_sp_tokenizer, tiny_config  # noqa: E402
 
-# name -> LlamaConfig overrides. vocab 64 >= every test tokenizer.
+# name -> tiny_config arguments (model_type and overrides). vocab 64 >= every test tokenizer.
 MODEL_VARIANTS = {
     "mha": dict(num_attention_heads=4, num_key_value_heads=4),
     "gqa": dict(num_attention_heads=4, num_key_value_heads=2),
     "tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # Llama 3.1/3.2: llama3 RoPE scaling, explicit head_dim (q/k/v wider than hidden), q/k/v/o and MLP biases.
+    "llama3": dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+    ),  # fmt: skip
+    # The other families, each with its own transformers classes (models/families.py).
+    "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=6),
 }
+FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral"]
 
 
 def addition_rows(seed: int = 0) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Single-process reference: train transformers.LlamaForCausalLM on the same global batches.
+"""Single-process reference: train the transformers model (AutoModelForCausalLM) on the same global batches.
 
 Independent of the pipeline code: HF computes the loss (its own label shift, mean over every
 target token of the global batch) and torch clips and steps. Only the choice of rows per step
@@ -41,10 +41,10 @@ def global_batch(dataset, plan: TrainPlan, step: int, seed: int, seq_length: int
 
 def train_reference(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, steps: int):
     """Returns (model, [loss per step], [grad norm per step])."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
     model.train()
     if cfg.lora.enabled:  # the same per-layer seeded adapters as the pipeline (models/lora.py)
         lo = cfg.lora

@@ -50,6 +50,31 @@ def copy(src: str, dst: Path) -> Path:
 # ---------------------------------------------------------------- conversion inputs
 
 
+def edit_config(src: Path, **changes) -> None:
+    conf = json.loads((src / "config.json").read_text())
+    conf.update(changes)
+    (src / "config.json").write_text(json.dumps(conf))
+
+
+@case
+def unsupported_model_type(t):
+    src = copy(t.hf["gqa"], t.tmp / "hf")
+    edit_config(src, model_type="gemma")
+    return (
+        convert_cmd(src, t.out),
+        "model_type='gemma' is not supported (supported: llama, mistral, qwen2, qwen3)",
+        t.out,
+        [src],
+    )
+
+
+@case
+def mistral_relabelled_as_llama(t):
+    src = copy(t.hf["mistral"], t.tmp / "hf")
+    edit_config(src, model_type="llama")
+    return convert_cmd(src, t.out), "model_type='llama' with sliding_window=6", t.out, [src]
+
+
 @case
 def missing_hf_shard(t):
     src = copy(t.hf["gqa"], t.tmp / "hf")

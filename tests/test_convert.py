@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from checkpoint.convert import convert_hf_to_pipeline
 from checkpoint.pipeline_reader import load_hf_state_dict
 from models.layout import DECODER, EMBED, LM_HEAD, NORM, layer_file_name, layer_keys, pipe_layers
-from tests.conftest import REPO, run_cmd
+from tests.conftest import FAMILY_VARIANTS, REPO, run_cmd
 from tools.tiny_models import make_hf_model, tiny_config
 
 
@@ -27,7 +27,7 @@ def hf_state(hf_dir: str) -> dict[str, torch.Tensor]:
     return state
 
 
-@pytest.mark.parametrize("variant", ["mha", "gqa", "tied"])
+@pytest.mark.parametrize("variant", ["mha", "gqa", "tied", *FAMILY_VARIANTS])
 def test_every_tensor_lands_once_in_its_file(variant, hf_models, converted):
     hf_dir, ckpt = hf_models[variant], converted[variant]
     from transformers import AutoConfig

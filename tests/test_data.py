@@ -146,8 +146,15 @@ LLAMA2 = (
     "{% else %}{% set text = m['content'] %}{% endif %}{{ bos_token + '[INST] ' + text + ' [/INST]' }}"
     "{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}"
 )
+# Llama-3's: header tokens around each role, every turn ended by <|eot_id|>.
+LLAMA3 = (
+    "{{ bos_token or '' }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+TEMPLATES = {"chatml": CHATML, "llama2": LLAMA2, "llama3": LLAMA3}
 # template -> (text before an answer's content inside its span, text after it): what the targets must be.
-ANSWER_SPANS = {"chatml": ("", "<|im_end|>\n"), "llama2": (" ", " {eos}")}
+ANSWER_SPANS = {"chatml": ("", "<|im_end|>\n"), "llama2": (" ", " {eos}"), "llama3": ("", "<|eot_id|>")}
 CONVERSATION = [
     {"role": "system", "content": "add numbers"},
     {"role": "user", "content": "12+30="},
@@ -163,22 +170,21 @@ def chat_tokenizers(tmp_path_factory):
     from tools.tiny_models import SAMPLE_TEXTS, make_bpe_tokenizer, make_sp_tokenizer
 
     texts = SAMPLE_TEXTS * 20 + ["<|im_start|>user\nhi<|im_end|>\n[INST] <<SYS>>\nsystem\n<</SYS>>\n\nx [/INST] y"] * 5
+    specials = ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
     root = tmp_path_factory.mktemp("chat_tokenizers")
     return {
         "sentencepiece": make_sp_tokenizer(str(root / "sp"), texts, vocab_size=320, byte_fallback=True),
-        "bpe": make_bpe_tokenizer(
-            str(root / "bpe"), texts, vocab_size=320, special_tokens=["<|im_start|>", "<|im_end|>"]
-        ),
+        "bpe": make_bpe_tokenizer(str(root / "bpe"), texts, vocab_size=320, special_tokens=specials),
     }
 
 
-@pytest.mark.parametrize("template", ["chatml", "llama2"])
+@pytest.mark.parametrize("template", list(TEMPLATES))
 @pytest.mark.parametrize("kind", ["sentencepiece", "bpe"])
 def test_chat_tokens_equal_inference_tokens_and_targets_are_the_answers(kind, template, chat_tokenizers):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(chat_tokenizers[kind])
-    tok.chat_template = CHATML if template == "chatml" else LLAMA2
+    tok.chat_template = TEMPLATES[template]
     ids, targets = encode_row({"messages": CONVERSATION}, tok, DataConfig())
     text = tok.apply_chat_template(CONVERSATION, tokenize=False)
     # The tokens trained on are the tokens inference produces for the same conversation.

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoint.export import export_pipeline_to_hf
-from tests.conftest import run_cmd
+from tests.conftest import FAMILY_VARIANTS, run_cmd
 
 
 def hf_state(hf_dir) -> dict[str, torch.Tensor]:
@@ -23,8 +23,9 @@ def hf_state(hf_dir) -> dict[str, torch.Tensor]:
     return state
 
 
-@pytest.mark.parametrize("variant", ["mha", "gqa", "tied"])
+@pytest.mark.parametrize("variant", ["mha", "gqa", "tied", *FAMILY_VARIANTS])
 def test_round_trip_is_bit_identical(variant, hf_models, converted, tmp_path):
+    """HF -> pipeline -> HF: every tensor bit-identical, and the export loads as the same family."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "hf"
@@ -41,6 +42,11 @@ def test_round_trip_is_bit_identical(variant, hf_models, converted, tmp_path):
     assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in original.values())
     model = AutoModelForCausalLM.from_pretrained(str(out))
     reference = AutoModelForCausalLM.from_pretrained(hf_models[variant])
+    assert type(model) is type(reference)
+    ignore = ("_name_or_path",)
+    assert {k: v for k, v in model.config.to_dict().items() if k not in ignore} == {
+        k: v for k, v in reference.config.to_dict().items() if k not in ignore
+    }
     ids = torch.randint(3, 60, (2, 12))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)

@@ -10,7 +10,7 @@ import torch
 
 from checkpoint.layer_files import find_layer_file, load_layer_state
 from models.config import LoraSettings
-from tests.conftest import check, deepspeed_launch, read_jsonl, run_cmd
+from tests.conftest import FAMILY_VARIANTS, check, deepspeed_launch, read_jsonl, run_cmd
 from tests.reference import train_reference
 from tests.test_training import interrupted_copy, overrides, parity_cfg
 
@@ -109,9 +109,10 @@ def test_lora_pipeline_training_matches_peft_reference_and_merges(
 
 
 @pytest.mark.slow
-def test_merge_peft_adapter_directory_into_checkpoint_or_hf(hf_models, converted, tmp_path):
+@pytest.mark.parametrize("variant", ["gqa", *FAMILY_VARIANTS])
+def test_merge_peft_adapter_directory_into_checkpoint_or_hf(variant, hf_models, converted, tmp_path):
     adapter_dir = tmp_path / "adapter"
-    model = peft_model(hf_models["gqa"])
+    model = peft_model(hf_models[variant])
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -123,7 +124,7 @@ def test_merge_peft_adapter_directory_into_checkpoint_or_hf(hf_models, converted
         expected = model(ids).logits
     from transformers import AutoModelForCausalLM
 
-    for name, source in [("from_ckpt", converted["gqa"]), ("from_hf", hf_models["gqa"])]:
+    for name, source in [("from_ckpt", converted[variant]), ("from_hf", hf_models[variant])]:
         out = tmp_path / name
         proc = run_cmd([sys.executable, "convert2ckpt.py", "--to-hf", "--input", source, "--output", str(out),
                         "--merge-lora", str(adapter_dir)])  # fmt: skip

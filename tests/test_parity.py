@@ -1,4 +1,4 @@
-"""Pipeline outputs equal transformers.LlamaForCausalLM on the same weights (fp32)."""
+"""Pipeline outputs equal the transformers model (every family) on the same weights (fp32)."""
 
 import json
 
@@ -9,7 +9,8 @@ from tests.conftest import check, torchrun
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 
-CASES = [("mha", "sdpa"), ("gqa", "sdpa"), ("tied", "sdpa"), ("gqa", "eager")]
+CASES = [("mha", "sdpa"), ("gqa", "sdpa"), ("tied", "sdpa"), ("gqa", "eager"), ("llama3", "sdpa"), ("qwen2", "sdpa"),
+         ("qwen3", "sdpa"), ("mistral", "sdpa"), ("mistral", "eager")]  # fmt: skip
 
 
 def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):

@@ -8,9 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models.layers import DecoderOptions, decoder_layer_class
 from models.layout import DECODER, EMBED, linear_modules, tp_split
 from models.loss import IGNORE_INDEX
 from models.sharding import COLUMN, REPLICA, ROW, VOCAB, merge, merged_shape, padded_vocab, shard
+from tools.tiny_models import tiny_config
 
 
 @pytest.mark.parametrize("rule", [COLUMN, ROW, VOCAB, REPLICA])
@@ -71,3 +73,69 @@ def test_vocab_parallel_cross_entropy_masks_padding_and_matches_torch(tmp_path):
         assert not logits.grad[..., 61:].any()  # padded columns get no gradient
     finally:
         dist.destroy_process_group()
+
+
+def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
+    """Rank `rank` of 2: its shard of one decoder block, the same input; saves output and merged-ready grads."""
+    import torch.distributed as dist
+
+    from models.tensor_parallel import TensorParallel, tp_decoder_layer_class
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        config = tiny_config(model_type, num_key_value_heads=2, head_dim=24, attention_bias=True)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        whole = decoder_layer_class(model_type)(config, 0, DecoderOptions())
+        with torch.no_grad():
+            for p in whole.parameters():
+                p.normal_(0, 0.2)
+        tp = TensorParallel(2, rank, group=dist.new_group([0, 1]))
+        layer = tp_decoder_layer_class(model_type)(config, 0, tp, DecoderOptions())
+        layer.load_state_dict({k: shard(v, tp_split(DECODER, k), rank, 2) for k, v in whole.state_dict().items()})
+        x = torch.randn(2, 7, config.hidden_size, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        position_ids = torch.arange(7).expand(2, 7)
+        y, _ = layer((x, position_ids))
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        grads = {k: p.grad for k, p in layer.named_parameters()}
+        torch.save({"y": y.detach(), "x_grad": x.grad, "grads": grads, "whole": whole.state_dict()}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tmp_path):
+    """TP=2 shards of a Qwen2 block (q/k/v biases split with their rows) and a Qwen3 block (per-head q/k norms,
+    replicated, their gradients summed over TP): output, input gradient and every parameter gradient equal
+    the whole block's (the norms' gradients identical on both ranks)."""
+    import torch.multiprocessing as mp
+
+    outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ctx = mp.get_context("spawn")
+    store = str(tmp_path / "store")
+    procs = [ctx.Process(target=_tp_block_worker, args=(r, store, model_type, outs[r])) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    ranks = [torch.load(o, weights_only=True) for o in outs]
+    config = tiny_config(model_type, num_key_value_heads=2, head_dim=24, attention_bias=True)
+    config._attn_implementation = "sdpa"
+    whole = decoder_layer_class(model_type)(config, 0, DecoderOptions())
+    whole.load_state_dict(ranks[0]["whole"])
+    x = torch.randn(2, 7, config.hidden_size, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    y, _ = whole((x, torch.arange(7).expand(2, 7)))
+    (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    for r in ranks:
+        torch.testing.assert_close(r["y"], y.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r["x_grad"], x.grad, rtol=1e-5, atol=1e-6)
+    keys = dict(whole.named_parameters())
+    assert (model_type == "qwen3") == ("self_attn.q_norm.weight" in keys)
+    for key, p in keys.items():
+        rule = tp_split(DECODER, key)
+        got = merge([r["grads"][key] for r in ranks], rule)
+        torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+        if key.endswith("norm.weight"):
+            assert torch.equal(ranks[0]["grads"][key], ranks[1]["grads"][key]), key

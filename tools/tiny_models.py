@@ -103,9 +103,10 @@ def make_bpe_tokenizer(out_dir: str, texts: list[str], vocab_size: int = 400, sp
     return out_dir
 
 
-def tiny_config(**overrides):
-    """A small LlamaConfig; override any field (e.g. num_key_value_heads, tie_word_embeddings)."""
-    from transformers import LlamaConfig
+def tiny_config(model_type: str = "llama", **overrides):
+    """A small config of a supported family (llama, mistral, qwen2, qwen3; transformers' own config class);
+    override any field (e.g. num_key_value_heads, tie_word_embeddings, head_dim, sliding_window)."""
+    from transformers import AutoConfig
 
     kwargs = dict(
         vocab_size=64,
@@ -121,7 +122,7 @@ def tiny_config(**overrides):
         eos_token_id=2,
     )
     kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
+    return AutoConfig.for_model(model_type, **kwargs)
 
 
 def make_hf_model(

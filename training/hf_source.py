@@ -1,13 +1,14 @@
 """Conversion at load time: `model_name_or_path` may be a Hugging Face model directory.
 
-The first DP rank of every pipeline stage converts exactly the layers its stage owns, all stages at
-the same time, into `output_dir/hf_converted/`; rank 0 then adds the engine metadata, `latest`,
-config/tokenizer files and the manifest, and renames the directory into place. Why this split:
-stages work in parallel and each reads only the shards its layers live in, DP replicas hold the
-same layers so one converter per stage is enough, and it needs nothing beyond the shared
-`output_dir` that checkpoints already require (no node-local assumptions). `conversion.json`
-records the source (path, file sizes and times); a later run with the same source reuses the
-files, a changed source is converted again.
+The first DP and TP rank of every pipeline stage converts exactly the layers its stage owns (whole,
+TP=1 files that each TP rank slices at load), all stages at the same time, into
+`output_dir/hf_converted/`; rank 0 then adds the engine metadata, `latest`, config/tokenizer files
+and the manifest, and renames the directory into place. Why this split: stages work in parallel and
+each reads only the shards its layers live in; DP replicas and TP ranks hold the same layers, so one
+converter per stage is enough (several writers of one file would race); and it needs nothing beyond
+the shared `output_dir` that checkpoints already require (no node-local assumptions).
+`conversion.json` records the source (path, file sizes and times); a later run with the same source
+reuses the files, a changed source is converted again.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def convert_on_load(hf_dir: str, output_dir: str, coords: Coords, bounds: list[i
     expected = all_layer_keys(read_model_config(hf_dir))  # rank 0 has validated everything already
     mine = [i for i in range(bounds[coords.stage], bounds[coords.stage + 1]) if i in expected]
     with agreed():
-        if coords.dp_rank == 0 and mine:
+        if coords.dp_rank == 0 and coords.tp_rank == 0 and mine:  # one writer per file (TP ranks slice at load)
             try:
                 convert_layers(hf_dir, os.path.join(tmp, TAG), mine, None)
             except (OSError, CheckpointError) as e:

@@ -22,10 +22,10 @@ rec = {"decoder_built": [], "files_loaded": [], "data_opens": [], "rows": {}}
 _init = layers_mod.DecoderLayerPipe.__init__
 
 
-def counting_init(self, config, layer_idx):
+def counting_init(self, config, layer_idx, *args, **kwargs):
     if torch.get_default_device().type != "meta":  # meta builds only count parameters
         rec["decoder_built"].append(layer_idx)
-    _init(self, config, layer_idx)
+    _init(self, config, layer_idx, *args, **kwargs)
 
 
 layers_mod.DecoderLayerPipe.__init__ = counting_init

@@ -1,0 +1,86 @@
+"""Each supported family's pipeline layers, on transformers' own classes, give transformers' logits bit for bit
+(single process, fast); the key table covers each family's keys exactly; other model types are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from models.config import load_hf_config
+from models.layers import DecoderOptions, build_layer, tied_lm_head_forward
+from models.layout import all_layer_keys, pipe_layers
+from tools.tiny_models import tiny_config
+
+FAMILY_CONFIGS = {
+    "llama-biases-head_dim": ("llama", dict(attention_bias=True, mlp_bias=True, head_dim=24)),
+    "llama3-rope": (
+        "llama",
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 4,
+            }
+        ),
+    ),  # fmt: skip
+    "mistral-window": ("mistral", dict(sliding_window=5)),
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
+    "qwen2-sliding-layers": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    "qwen3": ("qwen3", dict(head_dim=24)),
+    "qwen3-biases": ("qwen3", dict(attention_bias=True)),
+}
+
+
+def pipeline_logits(config, state: dict, ids: torch.Tensor) -> torch.Tensor:
+    layers = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings)
+    keys = all_layer_keys(config)
+    modules = []
+    for layer in layers:
+        if layer.has_file:
+            module = build_layer(layer, config, DecoderOptions())
+            module.load_state_dict({ours: state[hf] for ours, hf in keys[layer.index].items()})
+            modules.append(module.eval())
+    x = (ids, torch.arange(ids.shape[1]).expand_as(ids))
+    with torch.no_grad():
+        for module in modules:
+            x = module(x)
+        return tied_lm_head_forward(modules[0], x) if config.tie_word_embeddings else x
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_family_layers_equal_transformers_bit_for_bit(name, attn):
+    from transformers import AutoModelForCausalLM
+
+    model_type, overrides = FAMILY_CONFIGS[name]
+    config = tiny_config(model_type, num_hidden_layers=3, num_key_value_heads=2, **overrides)
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    state = hf.state_dict()
+    # The table's keys are exactly the model's (the tied head's weight lives in the embedding's file).
+    table = {hf_key for keys in all_layer_keys(config).values() for hf_key in keys.values()}
+    assert table == set(state) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    with torch.no_grad():
+        reference = hf(input_ids=ids).logits
+    assert torch.equal(pipeline_logits(config, state, ids), reference)
+    if "window" in name or "sliding" in name:  # the window matters at this length: ignoring it would show
+        full = tiny_config(model_type, num_hidden_layers=3, num_key_value_heads=2,
+                           **{k: v for k, v in overrides.items() if "window" not in k})  # fmt: skip
+        full._attn_implementation = attn
+        assert not torch.equal(pipeline_logits(full, state, ids), reference)
+
+
+def test_other_model_types_are_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    with pytest.raises(ValueError, match="model_type='mixtral' is not supported \\(supported: llama, mistral, qwen2"):
+        load_hf_config(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "sliding_window": 4096}))
+    with pytest.raises(ValueError, match="model_type='llama' with sliding_window=4096"):
+        load_hf_config(str(tmp_path))
