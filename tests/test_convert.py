@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from checkpoint.convert import convert_hf_to_pipeline
 from checkpoint.pipeline_reader import load_hf_state_dict
-from models.layout import DECODER, EMBED, LM_HEAD, NORM, layer_file_name, layer_keys, pipe_layers
+from models.layout import layer_file_name, layer_keys, pipe_layers
 from tests.conftest import FAMILY_VARIANTS, REPO, run_cmd
 from tools.tiny_models import make_hf_model, tiny_config
 
@@ -55,31 +55,34 @@ def test_every_tensor_lands_once_in_its_file(variant, hf_models, converted):
         assert os.path.exists(os.path.join(ckpt, name)), name
 
 
-def test_layer_modules_match_hf_at_70b_shapes():
-    """Shape-only conversion of LLaMA-2-70B on the meta device: our layer modules' keys and shapes are
-    exactly what the table maps from HF's LlamaForCausalLM, for every layer file."""
+@pytest.mark.parametrize("preset_name", ["llama2_70b", "qwen2_5_7b", "qwen3_8b"])
+def test_layer_modules_match_hf_at_preset_shapes(preset_name):
+    """Shape-only conversion of the shipped presets (LLaMA-2-70B, Qwen2.5-7B, Qwen3-8B) on the meta device:
+    our layer modules' keys and shapes are exactly what the table maps from the transformers model."""
     from omegaconf import OmegaConf
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from models.config import ARCH_KEYS
-    from models.layers import DecoderLayerPipe, EmbeddingPipe, LMHeadPipe, NormPipe
+    from models.config import ModelConfig, config_from_preset
+    from models.layers import build_layer
 
-    preset = OmegaConf.load(REPO / "conf" / "model" / "llama2_70b.yaml")  # the shipped preset, source cited there
-    config = LlamaConfig(**{k: preset[k] for k in ARCH_KEYS if k != "rope_theta"})
+    raw = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{preset_name}.yaml"))
+    raw.pop("defaults")
+    config = config_from_preset(ModelConfig(**raw))  # the shipped preset, source cited there
     with torch.device("meta"):
-        hf = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
-        builders = {EMBED: EmbeddingPipe, NORM: NormPipe, LM_HEAD: LMHeadPipe}
+        hf = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
         seen = set()
         for layer in pipe_layers(config.num_hidden_layers, tie_word_embeddings=False):
-            module = DecoderLayerPipe(config, layer.block) if layer.kind == DECODER else builders[layer.kind](config)
-            ours = {k: v.shape for k, v in module.state_dict().items()}
+            ours = {k: v.shape for k, v in build_layer(layer, config).state_dict().items()}
             keys = layer_keys(layer, config)
             assert set(ours) == set(keys)
             for k, hf_key in keys.items():
                 assert ours[k] == hf[hf_key], hf_key
                 seen.add(hf_key)
     assert seen == set(hf)
-    assert hf["model.layers.79.self_attn.k_proj.weight"] == (1024, 8192)  # GQA: 8 KV heads x 128
+    expected = {"llama2_70b": ("model.layers.79.self_attn.k_proj.weight", (1024, 8192)),  # GQA: 8 KV heads x 128
+                "qwen2_5_7b": ("model.layers.27.self_attn.k_proj.bias", (512,)),  # 4 KV heads x 128, biased
+                "qwen3_8b": ("model.layers.35.self_attn.q_norm.weight", (128,))}[preset_name]  # fmt: skip
+    assert hf[expected[0]] == expected[1]
 
 
 def test_bin_checkpoint_and_dtype_cast(tmp_path, hf_models, tokenizer_dir):
