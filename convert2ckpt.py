@@ -24,6 +24,7 @@ from checkpoint.convert import combine_pieces, convert_hf_to_pipeline
 from checkpoint.dtypes import DTYPES
 from checkpoint.errors import CheckpointError
 from checkpoint.layer_files import FORMATS
+from checkpoint.names import LATEST
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -169,8 +170,12 @@ def main(argv=None) -> int:
             from checkpoint.hf_reader import is_hf_dir
 
             layers = selected_layers(args)
-            if not is_hf_dir(args.input) and os.path.isdir(args.input) and "latest" in os.listdir(args.input):
+            if not is_hf_dir(args.input) and os.path.isdir(args.input) and LATEST in os.listdir(args.input):
                 from checkpoint.reshard import reshard_checkpoint
+
+                if args.dtype or args.workers != 1:  # resharding keeps the stored dtype and runs in one process
+                    raise CheckpointError("--dtype and --workers apply to a Hugging Face --input, not a pipeline "
+                                          "checkpoint (resharding keeps its dtype)")  # fmt: skip
 
                 reshard_checkpoint(args.input, args.output, args.tp, tp_ranks(args), layers, args.tag, args.format,
                                    args.force)  # fmt: skip

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from checkpoint.dtypes import DTYPES
 from checkpoint.names import CONVERTED_TAG
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,8 +51,7 @@ def build_model(path: str, layers: int, hidden: int, intermediate: int, vocab: i
         max_position_embeddings=4096,
     )
     torch.manual_seed(0)
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    torch.set_default_dtype(torch_dtype)  # built in the stored dtype: a 7B model fits in RAM once
+    torch.set_default_dtype(DTYPES[dtype])  # built in the stored dtype: a 7B model fits in RAM once
     try:
         model = LlamaForCausalLM(config)
     finally:
@@ -119,12 +119,18 @@ def main() -> None:
     for tp in [int(t) for t in args.tp.split(",") if t]:
         split = os.path.join(args.work, f"tp{tp}")
         for what, source in (("HF", hf), ("the TP=1 checkpoint", out)):
-            shutil.rmtree(split, ignore_errors=True)
-            subprocess.run(["sync"])
-            seconds, rss = child_peak_rss([sys.executable, "convert2ckpt.py", "--input", source, "--output", split,
-                                           "--tp", str(tp)])  # fmt: skip
+            times = []
+            for _ in range(args.repeat):  # timed like the conversions above: until the files are on disk
+                shutil.rmtree(split, ignore_errors=True)
+                subprocess.run(["sync"])
+                t = time.perf_counter()
+                _, rss = child_peak_rss([sys.executable, "convert2ckpt.py", "--input", source, "--output", split,
+                                         "--tp", str(tp)])  # fmt: skip
+                subprocess.run(["sync"])
+                times.append((time.perf_counter() - t, rss))
+            seconds, rss = statistics.median(t for t, _ in times), max(r for _, r in times)
             print(f"convert2ckpt.py --tp {tp} from {what}: {seconds:.1f}s ({size / seconds:.0f} MiB/s), "
-                  f"peak RSS {rss:.0f} MiB")  # fmt: skip
+                  f"{seconds / cp_seconds:.2f}x cp, peak RSS {rss:.0f} MiB")  # fmt: skip
         shutil.rmtree(split, ignore_errors=True)
     exported = os.path.join(args.work, "exported")
     shutil.rmtree(exported, ignore_errors=True)

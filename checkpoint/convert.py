@@ -27,7 +27,7 @@ from checkpoint.dtypes import DTYPES, dtype_name
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import iter_tensors, read_model_config, stored_dtype, validate
 from checkpoint.layer_files import find_layer_file, layer_path, save_layer_state, unchecked_zip_records
-from checkpoint.manifest import BackgroundDescriber, build_manifest, write_manifest
+from checkpoint.manifest import BackgroundDescriber, build_manifest, copy_verified, read_manifest, write_manifest
 from checkpoint.names import CONVERSION_RECORD, CONVERTED_TAG, LATEST, MODEL_SIDE_FILES, PIECE_FILE, engine_file
 from checkpoint.staging import staged_directory
 from models.layout import PipeLayer, all_layer_keys, hf_key_to_layer, layer_file_name, pipe_layers, tp_split
@@ -62,14 +62,16 @@ def check_tokenizer(hf_dir: str, vocab_size: int) -> int | None:
     return n
 
 
-def copy_side_files(src_dir: str, dst_dir: str, dtype: str | None) -> None:
-    """Copy config/tokenizer files (of an HF directory: everything but weights; of a trainer's output_dir:
-    the model files only, not its metrics and logs); record a cast dtype in config.json."""
-    run_dir = os.path.exists(os.path.join(src_dir, LATEST))
+def copy_side_files(src_dir: str, dst_dir: str, dtype: str | None, model_files_only: bool | None = None) -> None:
+    """Copy config/tokenizer files (of an HF directory: everything but weights; of a pipeline checkpoint or a
+    trainer's output_dir, or with `model_files_only`: the model files only, not metrics and logs); record a
+    cast dtype in config.json."""
+    if model_files_only is None:
+        model_files_only = os.path.exists(os.path.join(src_dir, LATEST))
     for name in sorted(os.listdir(src_dir)):
         src = os.path.join(src_dir, name)
         if os.path.isfile(src) and not name.endswith(WEIGHT_SUFFIXES) and not name.startswith(".") \
-                and name not in NOT_COPIED and (not run_dir or name in MODEL_SIDE_FILES):  # fmt: skip
+                and name not in NOT_COPIED and (not model_files_only or name in MODEL_SIDE_FILES):  # fmt: skip
             shutil.copy2(src, os.path.join(dst_dir, name))
     if dtype:
         record_dtype(os.path.join(dst_dir, "config.json"), dtype)
@@ -85,7 +87,7 @@ def record_dtype(config_path: str, dtype: str) -> None:
         json.dump(conf, f, indent=2)
 
 
-def engine_metadata(dtype: str, tp_size: int = 1) -> dict:
+def engine_metadata(dtype: str) -> dict:
     """What DeepSpeed's `load_checkpoint` reads from `mp_rank_00_model_states.pt`; weights live in layer files."""
     from importlib.metadata import version
 
@@ -102,17 +104,16 @@ def engine_metadata(dtype: str, tp_size: int = 1) -> dict:
         "ds_version": version("deepspeed"),  # NOTE: not `import deepspeed`: a second of start-up per conversion
         "converted_from_hf": True,
         "dtype": dtype,
-        "tp_size": tp_size,  # layer files per layer (checkpoint/layer_files.checkpoint_tp_size)
     }
 
 
-def finish_converted(root: str, side_files_from: str, dtype: str, cast: str | None = None, tp_size: int = 1,
+def finish_converted(root: str, side_files_from: str, dtype: str, cast: str | None = None,
                      known: dict[str, dict] | None = None) -> None:  # fmt: skip
     """Make `root` (whose `global_step0/` holds every layer file) a complete converted checkpoint:
     engine metadata, `latest`, config and tokenizer files, manifest (files in `known` are not hashed
     again). Used by conversion, `--combine`, resharding and conversion at load time."""
     step_dir = os.path.join(root, TAG)
-    torch.save(engine_metadata(dtype, tp_size), os.path.join(step_dir, engine_file(0)))
+    torch.save(engine_metadata(dtype), os.path.join(step_dir, engine_file(0)))
     with open(os.path.join(root, LATEST), "w") as f:
         f.write(TAG)
     copy_side_files(side_files_from, root, cast)
@@ -321,7 +322,7 @@ def convert_hf_to_pipeline(
         os.makedirs(step_dir)
         stats = _run_workers(hf_dir, step_dir, todo, dtype, workers, fmt, tp_size, tp_ranks)
         if whole:
-            finish_converted(tmp, hf_dir, out_dtype, dtype, tp_size, known=stats.manifest)
+            finish_converted(tmp, hf_dir, out_dtype, dtype, known=stats.manifest)
         else:
             finish_piece(tmp, hf_dir, todo, out_dtype, dtype, tp_size, tp_ranks, known=stats.manifest)
     stats.seconds = time.perf_counter() - start
@@ -384,11 +385,15 @@ def combine_pieces(pieces: list[str], out_dir: str, force: bool = False, log=pri
     with staged_directory(out_dir, force) as tmp:
         step_dir = os.path.join(tmp, TAG)
         os.makedirs(step_dir)
+        manifests = {piece: read_manifest(os.path.join(piece, TAG)) for piece in pieces}
+        known = {}
         for (index, tp_rank), piece in sorted(owner.items()):
             src = find_layer_file(os.path.join(piece, TAG), index, tp_rank)
-            if src is None:
-                raise CheckpointError(f"{os.path.join(piece, TAG)}: layer {index} missing from its piece")
-            shutil.copy2(src, step_dir)
-        finish_converted(tmp, pieces[0], dtypes.pop(), tp_size=tp_size)
+            entry = manifests[piece].get(os.path.basename(src)) if src else None
+            if entry is None:
+                raise CheckpointError(f"{os.path.join(piece, TAG)}: layer {index} missing from its piece or manifest")
+            copy_verified(src, step_dir, entry)  # pieces travel between machines: check them as they are copied
+            known[os.path.basename(src)] = entry
+        finish_converted(tmp, pieces[0], dtypes.pop(), known=known)
     log(f"combined {len(pieces)} pieces -> {out_dir}: {len(owner)} layer files")
     return out_dir

@@ -17,17 +17,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 
 import torch
 
-from checkpoint.convert import ConvertStats, record_dtype
+from checkpoint.convert import ConvertStats, copy_side_files
 from checkpoint.dtypes import DTYPES, element_size
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import read_model_config
 from checkpoint.lora_merge import adapters_from_checkpoint, adapters_from_peft
-from checkpoint.names import MODEL_SIDE_FILES
 from checkpoint.pipeline_reader import iter_hf_tensors, plan_hf_tensors
 from checkpoint.safetensors_writer import StreamingSafetensorsWriter
 from checkpoint.saves import read_tag
@@ -49,15 +47,6 @@ def parse_size(text: str) -> int:
             "(5GB, 500MB, 2GiB, 200KB) or a byte count"
         )
     return size
-
-
-def _write_side_files(ckpt_dir: str, out_dir: str, dtype: str | None) -> None:
-    for name in MODEL_SIDE_FILES:
-        src = os.path.join(ckpt_dir, name)
-        if os.path.isfile(src):
-            shutil.copy2(src, os.path.join(out_dir, name))
-    if dtype:
-        record_dtype(os.path.join(out_dir, "config.json"), dtype)
 
 
 @torch.inference_mode()
@@ -125,7 +114,7 @@ def export_pipeline_to_hf(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)
-        _write_side_files(ckpt_dir, tmp, dtype)
+        copy_side_files(ckpt_dir, tmp, dtype, model_files_only=True)
     stats.seconds = time.perf_counter() - start
     log(
         f"exported {os.path.join(ckpt_dir, tag)} -> {out_dir}: {len(stats.files)} shards, {stats.tensors} tensors, "

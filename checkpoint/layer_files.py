@@ -38,7 +38,9 @@ def find_layer_file(step_dir: str, index: int, tp_rank: int = 0) -> str | None:
 
 def checkpoint_tp_size(step_dir: str) -> int:
     """The tensor-parallel degree a checkpoint was written with: `layout.json` (trainer saves) or a piece's
-    record; else (a whole conversion) how many TP ranks' files layer 0 has. Reads no tensor file."""
+    record; else (a whole conversion) the highest TP rank among layer 0's files + 1, so a missing rank's
+    file is an error when a layer is read (`layer_shard_files`), never a silently narrower merge. Reads no
+    tensor file."""
     import json
 
     layout = os.path.join(step_dir, LAYOUT_FILE)
@@ -47,10 +49,8 @@ def checkpoint_tp_size(step_dir: str) -> int:
         if os.path.exists(path):
             with open(path) as f:
                 return int(json.load(f).get("tp_size", 1))
-    found = 0
-    while find_layer_file(step_dir, 0, found) is not None:
-        found += 1
-    return max(found, 1)
+    ranks = [parsed[1] for n in os.listdir(step_dir) if (parsed := parse_layer_file_name(n)) and parsed[0] == 0]
+    return max(ranks, default=0) + 1
 
 
 def layer_shard_file(step_dir: str, index: int, tp_rank: int) -> str:

@@ -74,9 +74,9 @@ def build_manifest(
 class BackgroundDescriber:
     """Manifest entries of files just written, computed in a thread while the caller writes the next one.
 
-    sha256 runs at a few hundred MB/s, about as slow as writing: overlapping the two (hashlib and file reads
-    release the GIL) instead of hashing every file again at the end is most of what makes conversion run
-    near disk speed. The file is read back from the page cache right after it was written.
+    sha256 runs at a few hundred MB/s, about as slow as writing: the two overlap (hashlib and file reads
+    release the GIL) instead of every file being hashed again at the end. The file is read back from the
+    page cache right after it was written.
     """
 
     def __init__(self):
@@ -92,6 +92,31 @@ class BackgroundDescriber:
         out = {name: future.result() for name, future in self.pending.items()}
         self.pool.shutdown()
         return out
+
+
+def read_manifest(step_dir: str) -> dict[str, dict]:
+    """{file name: entry} of step_dir's manifest. Raises CheckpointError naming it when missing or unreadable."""
+    path = os.path.join(step_dir, MANIFEST)
+    try:
+        with open(path) as f:
+            return json.load(f)["files"]
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (checkpoint has no manifest)") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: not a manifest ({type(e).__name__})") from None
+
+
+def copy_verified(src: str, dst_dir: str, entry: dict) -> None:
+    """Copy `src` into dst_dir, hashing it on the way; refuse (CheckpointError naming it) a file whose size or
+    sha256 differs from its manifest `entry` (damaged in transit). One read of the file."""
+    digest, size = hashlib.sha256(), 0
+    with open(src, "rb", buffering=0) as f, open(os.path.join(dst_dir, os.path.basename(src)), "wb") as out:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+            out.write(chunk)
+    if size != entry["size"] or digest.hexdigest() != entry["sha256"]:
+        raise CheckpointError(f"{src}: contents changed (size or sha256 differs from its manifest)")
 
 
 def verify_manifest(step_dir: str) -> list[str]:

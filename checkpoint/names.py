@@ -39,7 +39,6 @@ DELETING_PREFIX = ".deleting-"
 TAG_PATTERN = re.compile(r"global_step(\d+)")
 ENGINE_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 ZERO_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
-RNG_FILE = re.compile(r"rng_state_rank(\d+)\.pt")
 
 
 def step_tag(step: int) -> str:

@@ -77,7 +77,7 @@ def reshard_checkpoint(
             del state
         known = describer.entries()
         if whole:
-            finish_converted(tmp, ckpt_dir, dtype, tp_size=tp_size, known=known)
+            finish_converted(tmp, ckpt_dir, dtype, known=known)
         else:
             finish_piece(tmp, ckpt_dir, [layer.index for layer in todo], dtype, None, tp_size, tp_ranks, known=known)
     stats.seconds = time.perf_counter() - start

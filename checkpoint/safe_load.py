@@ -1,13 +1,13 @@
 """Loading `.pt` files that someone else may have made, without running their code.
 
-`torch.load(weights_only=False)` unpickles arbitrary objects, and unpickling calls whatever callable
-the file names: a downloaded checkpoint could run any code on `--inspect`. Every `.pt` file this
+A full unpickle (`torch.load` without `weights_only`) rebuilds arbitrary objects, and unpickling calls
+whatever callable the file names: a downloaded checkpoint could run any code on `--inspect`. Every `.pt` file this
 project reads itself goes through `load_pt`: `weights_only=True` (tensors, containers, numbers,
 strings) plus the few plain-data globals in `safe_globals()`. A file that names anything else is
 refused with one line naming the file and the global; nothing in it runs.
 
-NOTE: DeepSpeed's own `load_checkpoint` (a `resume` in the same layout) unpickles the engine files of
-a run directory with `weights_only=False`: resuming trusts that directory (README, "Security").
+NOTE: DeepSpeed's own `load_checkpoint` (a `resume` in the same layout) fully unpickles the engine files
+of a run directory: resuming trusts that directory (README, "Security").
 """
 
 from __future__ import annotations

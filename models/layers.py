@@ -6,7 +6,7 @@ Data flow through one micro-batch (B = micro-batch size, S = sequence length, H 
     (input_ids[B,S] long, position_ids[B,S] long)
       -> EmbeddingPipe    -> (hidden[B,S,H], position_ids)
       -> DecoderLayerPipe -> (hidden[B,S,H], position_ids)      x num_hidden_layers
-      -> NormPipe         -> hidden[B,S,H]
+      -> the final norm   -> hidden[B,S,H]
       -> LMHeadPipe       -> logits[B,S,V]
 
 Only `hidden` is a floating tensor, so it is the only tensor that crosses a stage boundary with a
@@ -50,14 +50,16 @@ class _Fp32Rotary:
         return self
 
 
+def on_family_class(mixin: type, model_type: str, hf_suffix: str, name: str) -> type[nn.Module]:
+    """A class `<Prefix><name>` that puts `mixin` in front of the family's transformers `<Prefix><hf_suffix>`."""
+    family = FAMILIES[model_type]
+    return type(family.prefix + name, (mixin, family.hf_class(hf_suffix)), {"__module__": mixin.__module__})
+
+
 @functools.cache
 def rotary_class(model_type: str) -> type[nn.Module]:
     """The family's own rotary embedding (`LlamaRotaryEmbedding`, ...) with an fp32 `inv_freq`."""
-    base = FAMILIES[model_type].hf_class("RotaryEmbedding")
-    return type(f"Fp32{base.__name__}", (_Fp32Rotary, base), {"__module__": __name__})
-
-
-Fp32RotaryEmbedding = rotary_class("llama")
+    return on_family_class(_Fp32Rotary, model_type, "RotaryEmbedding", "Fp32RotaryEmbedding")
 
 
 class EmbeddingPipe(nn.Embedding):
@@ -88,12 +90,6 @@ class DecoderOptions:
 
     def recompute(self, block: int) -> bool:
         return self.checkpoint_every > 0 and block % self.checkpoint_every == 0
-
-
-def causal_additive_mask(seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[1, 1, S, S] additive causal mask for eager attention (0 on and below the diagonal)."""
-    mask = torch.full((seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype, device=device)
-    return torch.triu(mask, diagonal=1)[None, None]
 
 
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
@@ -162,14 +158,12 @@ class DecoderPipe:
         mask, extra = None, {}
         if self.attn_implementation == "flash_attention_2":
             extra = flash_varlen_kwargs(position_ids) if packed else {}
-        elif packed or window is not None:
+        elif packed or window is not None or self.attn_implementation == "eager":
             mask = attention_mask(position_ids, packed, window)
-            if self.attn_implementation == "eager":
+            if self.attn_implementation == "eager":  # additive: 0 where allowed, the dtype's minimum elsewhere
                 mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
                     ~mask, torch.finfo(hidden.dtype).min
                 )
-        elif self.attn_implementation == "eager":
-            mask = causal_additive_mask(seq, hidden.dtype, hidden.device)
         return super().forward(
             hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin, **extra
         )
@@ -178,9 +172,7 @@ class DecoderPipe:
 @functools.cache
 def decoder_layer_class(model_type: str) -> type[nn.Module]:
     """The pipeline layer of one decoder block of a family: `DecoderPipe` on the family's HF decoder layer."""
-    family = FAMILIES[model_type]
-    base = family.hf_class("DecoderLayer")
-    return type(f"{family.prefix}DecoderLayerPipe", (DecoderPipe, base), {"__module__": __name__})
+    return on_family_class(DecoderPipe, model_type, "DecoderLayer", "DecoderLayerPipe")
 
 
 DecoderLayerPipe = decoder_layer_class("llama")
@@ -200,12 +192,8 @@ class _NormPipe:
 
 @functools.cache
 def norm_class(model_type: str) -> type[nn.Module]:
-    family = FAMILIES[model_type]
-    base = family.hf_class("RMSNorm")
-    return type(f"{family.prefix}NormPipe", (_NormPipe, base), {"__module__": __name__})
-
-
-NormPipe = norm_class("llama")
+    """The family's final RMSNorm as a pipeline layer (`_NormPipe` on the family's HF RMSNorm)."""
+    return on_family_class(_NormPipe, model_type, "RMSNorm", "NormPipe")
 
 
 class LMHeadPipe(nn.Linear):

@@ -64,13 +64,12 @@ _QK_NORM = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
 
 def _optional_keys(config) -> set[str]:
     """The optional decoder keys a model has, by its family (models/families.py) and config."""
-
     family = family_of(config)
     keys = set()
-    if family.attention_bias == "qkv" or (
-        family.attention_bias == "config" and getattr(config, "attention_bias", False)
-    ):
-        keys |= _QKV_BIAS if family.attention_bias == "qkv" else _ATTN_BIAS
+    if family.attention_bias == "qkv":
+        keys |= _QKV_BIAS
+    elif family.attention_bias == "config" and getattr(config, "attention_bias", False):
+        keys |= _ATTN_BIAS
     if family.mlp_bias and getattr(config, "mlp_bias", False):
         keys |= _MLP_BIAS
     if family.qk_norm:
@@ -227,7 +226,8 @@ def tp_split(kind: str, key: str) -> str:
 
 # The pipeline module's name for the tied embedding (DeepSpeed's TiedLayerSpec key "embed"); other
 # parameters are named "<layer index>.<key inside the layer>", e.g. "5.self_attn.q_proj.weight".
-TIED_PARAM = "tied_modules.embed.weight"
+TIED_KEY = "embed"
+TIED_PARAM = f"tied_modules.{TIED_KEY}.weight"
 
 
 def param_tp_split(name: str, num_layers: int, tie_word_embeddings: bool) -> str:

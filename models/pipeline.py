@@ -13,11 +13,9 @@ from collections.abc import Sequence
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from models.layers import DecoderOptions
-from models.layout import pipe_layers
+from models.layout import TIED_KEY, pipe_layers
 from models.partition import stage_bounds
 from models.tensor_parallel import TensorParallel, tp_layer_class_and_args, tp_tied_head_forward
-
-TIED_KEY = "embed"  # NOTE: models.layout.TIED_PARAM names its parameter
 
 
 def layer_specs(config, tp: TensorParallel, options: DecoderOptions | None = None) -> list[LayerSpec]:

@@ -150,11 +150,9 @@ class TPDecoderPipe:
 
 @functools.cache
 def tp_decoder_layer_class(model_type: str) -> type[nn.Module]:
+    """The family's pipeline decoder block holding this rank's shard: `TPDecoderPipe` on `decoder_layer_class`."""
     base = decoder_layer_class(model_type)
     return type(f"TP{base.__name__}", (TPDecoderPipe, base), {"__module__": __name__})
-
-
-TPDecoderLayerPipe = tp_decoder_layer_class("llama")
 
 
 class VocabParallelEmbeddingPipe(EmbeddingPipe):

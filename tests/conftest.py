@@ -18,6 +18,15 @@ sys.path.insert(0, str(REPO))
 from data.sources import write_jsonl  # noqa: E402
 from tools.tiny_models import make_hf_model, make_sp_tokenizer, tiny_config  # noqa: E402
 
+# Llama 3.1's RoPE scaling, with the original context shrunk so short test sequences reach the scaled band.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,
+}
 # name -> tiny_config arguments (model_type and overrides). vocab 64 >= every test tokenizer.
 MODEL_VARIANTS = {
     "mha": dict(num_attention_heads=4, num_key_value_heads=4),
@@ -30,15 +39,8 @@ MODEL_VARIANTS = {
         head_dim=32,
         attention_bias=True,
         mlp_bias=True,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8,
-        },
-    ),  # fmt: skip
+        rope_parameters=LLAMA3_ROPE,
+    ),
     # The other families, each with its own transformers classes (models/families.py).
     "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32),

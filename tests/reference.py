@@ -40,7 +40,8 @@ def global_batch(dataset, plan: TrainPlan, step: int, seed: int, seq_length: int
 
 
 def train_reference(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, steps: int):
-    """Returns (model, [loss per step], [grad norm per step])."""
+    """Returns (model, [loss per step], [grad norm per step]); `model.step_tokens` holds each step's tokens
+    that are not padding (what the trainer's metrics call input_tokens)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
@@ -57,9 +58,10 @@ def train_reference(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, 
     total = plan.total_steps(cfg.max_steps, cfg.num_train_epochs)
     optimizer, scheduler = make_optimizer(cfg, model.named_parameters(), total)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    losses, norms = [], []
+    losses, norms, step_tokens = [], [], []
     for step in range(steps):
         ids, mask, labels = global_batch(dataset, plan, step, cfg.seed, cfg.seq_length, pad_id)
+        step_tokens.append(int(mask.sum()))
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
@@ -68,6 +70,7 @@ def train_reference(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, 
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
+    model.step_tokens = step_tokens
     return model, losses, norms
 
 

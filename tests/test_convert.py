@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -83,6 +84,9 @@ def test_layer_modules_match_hf_at_preset_shapes(preset_name):
                 "qwen2_5_7b": ("model.layers.27.self_attn.k_proj.bias", (512,)),  # 4 KV heads x 128, biased
                 "qwen3_8b": ("model.layers.35.self_attn.q_norm.weight", (128,))}[preset_name]  # fmt: skip
     assert hf[expected[0]] == expected[1]
+    # The parameter counts the README and the memory estimate quote (the model cards say 7.61B and 8.19B).
+    total = sum(math.prod(shape) for shape in hf.values())
+    assert round(total / 1e9, 2) == {"llama2_70b": 68.98, "qwen2_5_7b": 7.62, "qwen3_8b": 8.19}[preset_name]
 
 
 def test_bin_checkpoint_and_dtype_cast(tmp_path, hf_models, tokenizer_dir):
@@ -182,6 +186,14 @@ def test_pieces_by_layers_and_stages_combine_into_one_checkpoint(tmp_path, hf_mo
     assert overlap.returncode == 2 and "layer 0 is also in" in overlap.stderr and not out.exists()
     short = run_cmd([sys.executable, "convert2ckpt.py", "--combine", str(a), "--output", str(out)])
     assert short.returncode == 2 and "lack layer files [3, 4, 5]" in short.stderr
+    damaged = tmp_path / "damaged"  # piece b after a bad copy between machines: one byte flipped
+    shutil.copytree(b, damaged)
+    victim = damaged / "global_step0" / "layer_04-model_00-model_states.pt"
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    bad = run_cmd([sys.executable, "convert2ckpt.py", "--combine", str(a), str(damaged), "--output", str(out)])
+    assert bad.returncode == 2 and f"{victim}: contents changed" in bad.stderr and not out.exists(), bad.stderr
     assert (
         run_cmd([sys.executable, "convert2ckpt.py", "--combine", str(a), str(b), "--output", str(out)]).returncode == 0
     )

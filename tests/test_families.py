@@ -11,23 +11,12 @@ import torch
 from models.config import load_hf_config
 from models.layers import DecoderOptions, build_layer, tied_lm_head_forward
 from models.layout import all_layer_keys, pipe_layers
+from tests.conftest import LLAMA3_ROPE
 from tools.tiny_models import tiny_config
 
 FAMILY_CONFIGS = {
     "llama-biases-head_dim": ("llama", dict(attention_bias=True, mlp_bias=True, head_dim=24)),
-    "llama3-rope": (
-        "llama",
-        dict(
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 4,
-            }
-        ),
-    ),  # fmt: skip
+    "llama3-rope": ("llama", dict(rope_parameters=LLAMA3_ROPE)),
     "mistral-window": ("mistral", dict(sliding_window=5)),
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen2-sliding-layers": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),

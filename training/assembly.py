@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -143,20 +143,20 @@ def _load_data(run: Run) -> None:
         with agreed():
             if c.has_data and (c.rank == 0) == (turn == 0):
                 build()
-    if d.packing:
-        _pack(run)
-    if not c.has_data:
-        run.train_set = PlaceholderDataset(run.plan.num_rows)
-        run.eval_set = PlaceholderDataset(run.num_eval_rows)
-    if c.rank == 0:
+    if c.rank == 0:  # about the rows as read (packing, below, groups them)
         for name, ds in (("train", run.train_set), ("eval", run.eval_set)):
-            if isinstance(ds, (TokenizedDataset, PackedDataset)) and ds.cache_file:
+            if isinstance(ds, TokenizedDataset) and ds.cache_file:
                 how = "loaded from" if ds.from_cache else "tokenized and cached in"
                 log.info("%s data: %d rows %s %s", name, len(ds), how, ds.cache_file)
         lines = getattr(run.train_set, "no_target_lines", [])
         if lines:
             log.warning("%s: %d of %d rows have no target token within seq_length=%d (first: %s)",
                         cfg.train_file, len(lines), len(run.train_set), cfg.seq_length, lines[0])  # fmt: skip
+    if d.packing:
+        _pack(run)
+    if not c.has_data:
+        run.train_set = PlaceholderDataset(run.plan.num_rows)
+        run.eval_set = PlaceholderDataset(run.num_eval_rows)
 
 
 def _pack(run: Run) -> None:
@@ -173,11 +173,16 @@ def _pack(run: Run) -> None:
         if c.rank == 0:
             counts = (len(run.train_set) if cfg.do_train else 0, len(run.eval_set) if evaluating(cfg) else 0)
     num_train_rows, run.num_eval_rows = broadcast_object(counts)
-    run.plan = replace(run.plan, num_rows=num_train_rows)
-    if cfg.do_train and run.plan.steps_per_epoch == 0:
-        raise RunError(f"train_file {cfg.train_file}: {num_train_rows} packed rows give no full step of "
-                       f"{run.plan.rows_per_step} rows per DP rank x {c.dp} DP ranks")  # fmt: skip
-    run.total_steps = run.plan.total_steps(cfg.max_steps, cfg.num_train_epochs) if cfg.do_train else 0
+    run.plan, run.total_steps = train_plan(cfg, c, num_train_rows, "packed rows")
+
+
+def train_plan(cfg: TrainConfig, coords: Coords, num_rows: int, what: str = "rows") -> tuple[TrainPlan, int]:
+    """(the plan of which rows each step reads, total optimizer steps); RunError if the rows make no full step."""
+    plan = TrainPlan(num_rows, coords.dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
+    if cfg.do_train and plan.steps_per_epoch == 0:
+        raise RunError(f"train_file {cfg.train_file}: {num_rows} {what} give no full step of "
+                       f"{plan.rows_per_step} rows per DP rank x {coords.dp} DP ranks")  # fmt: skip
+    return plan, plan.total_steps(cfg.max_steps, cfg.num_train_epochs) if cfg.do_train else 0
 
 
 def _data_state(run: Run) -> dict:
@@ -254,13 +259,9 @@ def assemble(cfg: TrainConfig) -> Run:
                 count_rows(cfg.eval_file) if evaluating(cfg) else 0,
             )
     num_train_rows, num_eval_rows = broadcast_object(counts)
-    plan = TrainPlan(num_train_rows, coords.dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
     if cfg.do_train and num_train_rows == 0:
         raise RunError(f"train_file {cfg.train_file}: empty dataset (no JSON rows)")
-    if cfg.do_train and plan.steps_per_epoch == 0:
-        raise RunError(f"train_file {cfg.train_file}: {num_train_rows} rows give no full step of "
-                       f"{plan.rows_per_step} rows per DP rank x {coords.dp} DP ranks")  # fmt: skip
-    total = plan.total_steps(cfg.max_steps, cfg.num_train_epochs) if cfg.do_train else 0
+    plan, total = train_plan(cfg, coords, num_train_rows)
     tp = TensorParallel(cfg.tensor_parallel_size, coords.tp_rank, cfg.model.vocab_pad_multiple)
     cross_entropy = None
     if vocab_parallel(model_config, tp):  # no rank holds [B, S, V] logits; padded rows never reach the loss

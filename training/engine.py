@@ -172,8 +172,8 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
     # split across TP ranks, and replicated ones on TP rank 0 only, so each counts exactly once; tied copies
     # (`ds_pipe_replicated`) stay unflagged so they count once too. Flagged after any LoRA injection, so
     # adapter parameters count as well.
+    config = module.llama_config
     for name, p in module.named_parameters():
-        config = module.llama_config
         split = param_tp_split(name, config.num_hidden_layers, config.tie_word_embeddings) != REPLICA
         p.model_parallel = not getattr(p, "ds_pipe_replicated", False) and (coords.tp_rank == 0 or split)
     optimizer, scheduler = make_optimizer(cfg, module.named_parameters(), total_steps)
