@@ -12,8 +12,9 @@ import os
 import torch
 
 from checkpoint.errors import CheckpointError
-from checkpoint.hf_reader import is_hf_dir, read_model_config
+from checkpoint.hf_reader import is_hf_dir, list_shards, read_model_config
 from checkpoint.names import LORA_FILE
+from checkpoint.safe_load import check_pickles
 from checkpoint.saves import read_tag
 
 
@@ -30,6 +31,8 @@ def load_causal_lm(path: str, tag: str | None = None, dtype: torch.dtype = torch
 
     if is_hf_dir(path):
         read_model_config(path)  # a supported model type, else a one-line error
+        shards, _ = list_shards(path)
+        check_pickles(path, [s for s in shards if not s.endswith(".safetensors")])  # refused by name, unread
         try:
             return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         except Exception as e:  # noqa: BLE001 - transformers raises many types for damaged or unsafe files
