@@ -1,10 +1,14 @@
 """Conversion and export time and peak memory on a model of a few GB, against `cp` of the same files.
 
     python -m benchmarks.convert_memory --work /tmp/convbench [--layers 16 --hidden 2048 --dtype bf16 --repeat 5]
+    python -m benchmarks.convert_memory --work /tmp/conv7b --layers 32 --hidden 4096 --intermediate 11008 \
+        --kv-heads 32 --repeat 3 --cold        # LLaMA-2-7B's shapes, 12.6 GiB, nothing in the page cache
 
 Builds (once) a random LLaMA checkpoint with save_pretrained (sharded safetensors), then runs
 `convert2ckpt.py` in a child process and reports its wall time and peak RSS (getrusage of the
 child), next to the RSS of a child that only imports the same libraries, and `cp -r` of the shards.
+`--cold` empties the page cache before every timed run (root only): each run reads the model, and
+its own code, from disk, as the first conversion of a downloaded model does.
 """
 
 from __future__ import annotations
@@ -34,6 +38,14 @@ def child_peak_rss(cmd: list[str]) -> tuple[float, float]:
     out = subprocess.run([sys.executable, "-c", probe, *cmd], check=True, capture_output=True, text=True, cwd=REPO)
     seconds, rss = out.stdout.split()
     return float(seconds), float(rss)
+
+
+def settle(cold: bool) -> None:
+    """Flush what earlier runs wrote; with `cold`, also empty the page cache (timed runs then read from disk)."""
+    subprocess.run(["sync"], check=True)
+    if cold:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
 
 
 def build_model(path: str, layers: int, hidden: int, intermediate: int, vocab: int, dtype: str, heads: int,
@@ -70,6 +82,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=None, help="attention heads (default hidden / 128)")
     p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default hidden / 512)")
     p.add_argument("--repeat", type=int, default=5, help="runs of cp and of each conversion (medians reported)")
+    p.add_argument("--cold", action="store_true", help="drop the page cache before every timed run (root)")
     p.add_argument("--workers", default="1", help="comma-separated worker counts to time, e.g. 1,2,4")
     p.add_argument("--tp", default="", help="comma-separated tensor-parallel degrees to time (HF -> --tp T, and "
                    "the converted TP=1 checkpoint resharded to T), e.g. 2,8")  # fmt: skip
@@ -86,14 +99,14 @@ def main() -> None:
     runs, cp_times = {}, []
     for _ in range(args.repeat):  # cp and conversion interleaved, each timed to its data on disk (sync)
         shutil.rmtree(copy, ignore_errors=True)
-        subprocess.run(["sync"])
+        settle(args.cold)
         t = time.perf_counter()
         subprocess.run(["cp", "-r", hf, copy], check=True)
         subprocess.run(["sync"])
         cp_times.append(time.perf_counter() - t)
         for workers in [int(w) for w in args.workers.split(",")]:
             shutil.rmtree(out, ignore_errors=True)
-            subprocess.run(["sync"])
+            settle(args.cold)
             cmd = [sys.executable, "convert2ckpt.py", "--input", hf, "--output", out, "--workers", str(workers)]
             t = time.perf_counter()
             seconds, rss = child_peak_rss(cmd)
@@ -109,7 +122,8 @@ def main() -> None:
     print(f"model on disk: {size:.0f} MiB ({shape}, {conf.get('dtype') or conf.get('torch_dtype')})")
     print(f"largest layer file: {largest_layer:.0f} MiB; imports alone: {import_seconds:.1f}s, "
           f"peak RSS {import_rss:.0f} MiB")  # fmt: skip
-    print(f"medians of {args.repeat} runs, each timed until its files are on disk (sync):")
+    cache = "page cache emptied before each run" if args.cold else "page cache warm"
+    print(f"medians of {args.repeat} runs, each timed until its files are on disk (sync), {cache}:")
     for workers, (seconds, rss) in runs.items():
         speedup = runs[min(runs)][0] / seconds
         print(
@@ -122,7 +136,7 @@ def main() -> None:
             times = []
             for _ in range(args.repeat):  # timed like the conversions above: until the files are on disk
                 shutil.rmtree(split, ignore_errors=True)
-                subprocess.run(["sync"])
+                settle(args.cold)
                 t = time.perf_counter()
                 _, rss = child_peak_rss([sys.executable, "convert2ckpt.py", "--input", source, "--output", split,
                                          "--tp", str(tp)])  # fmt: skip
@@ -134,7 +148,7 @@ def main() -> None:
         shutil.rmtree(split, ignore_errors=True)
     exported = os.path.join(args.work, "exported")
     shutil.rmtree(exported, ignore_errors=True)
-    subprocess.run(["sync"])
+    settle(args.cold)
     cmd = [sys.executable, "convert2ckpt.py", "--to-hf", "--input", out, "--output", exported]
     seconds, rss = child_peak_rss(cmd)
     print(f"convert2ckpt.py --to-hf (export back): {seconds:.1f}s ({size / seconds:.0f} MiB/s), peak RSS {rss:.0f} MiB")

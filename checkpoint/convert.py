@@ -19,10 +19,12 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from checkpoint.buffer_pool import BufferPool
 from checkpoint.dtypes import DTYPES, dtype_name
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import iter_tensors, read_model_config, stored_dtype, validate
@@ -30,6 +32,7 @@ from checkpoint.layer_files import find_layer_file, layer_path, save_layer_state
 from checkpoint.manifest import BackgroundDescriber, build_manifest, copy_verified, read_manifest, write_manifest
 from checkpoint.names import CONVERSION_RECORD, CONVERTED_TAG, LATEST, MODEL_SIDE_FILES, PIECE_FILE, engine_file
 from checkpoint.staging import staged_directory
+from models.config import ConfigFields, differing_field, read_config_fields
 from models.layout import PipeLayer, all_layer_keys, hf_key_to_layer, layer_file_name, pipe_layers, tp_split
 from models.sharding import shard
 from models.tokenizer import check_tokenizer_fits, has_tokenizer, load_tokenizer
@@ -154,10 +157,12 @@ def write_layer(step_dir: str, layer: PipeLayer, state: dict[str, torch.Tensor],
 
 
 def convert_layers(hf_dir: str, step_dir: str, todo: list[int], dtype: str | None, fmt: str = "pt",
-                   tp_size: int = 1, tp_ranks: list[int] | None = None) -> ConvertStats:  # fmt: skip
+                   tp_size: int = 1, tp_ranks: list[int] | None = None, config=None,
+                   between_layers: Callable[[], None] | None = None) -> ConvertStats:  # fmt: skip
     """Write the layer files of `todo` (pipeline layer indices), reading only the tensors they need; with
-    `tp_size` > 1 each layer is split the moment it is complete (TP ranks `tp_ranks`, default all)."""
-    config = read_model_config(hf_dir)
+    `tp_size` > 1 each layer is split the moment it is complete (TP ranks `tp_ranks`, default all).
+    `config`: the model's (default: read from hf_dir); `between_layers` runs after each layer (it may raise)."""
+    config = config or read_model_config(hf_dir)
     n_layers, tied = config.num_hidden_layers, config.tie_word_embeddings
     layers = pipe_layers(n_layers, tied)
     expected = all_layer_keys(config)
@@ -165,12 +170,15 @@ def convert_layers(hf_dir: str, step_dir: str, todo: list[int], dtype: str | Non
     stats = ConvertStats()
     pending: dict[int, dict[str, torch.Tensor]] = {}
     pending_bytes = 0
-    describer = BackgroundDescriber()
+    describer, pool = BackgroundDescriber(), BufferPool()
     with torch.inference_mode(), unchecked_zip_records():
-        for name, tensor, _ in iter_tensors(hf_dir, wanted):
+        for name, tensor, _ in iter_tensors(hf_dir, wanted, alloc=pool.take):
             index, ours = hf_key_to_layer(name, n_layers, tied)
-            if dtype and tensor.is_floating_point():
-                tensor = tensor.to(DTYPES[dtype])
+            if dtype and tensor.is_floating_point() and tensor.dtype != DTYPES[dtype]:
+                cast = pool.take(tensor.numel() * DTYPES[dtype].itemsize).view(DTYPES[dtype]).view(tensor.shape)
+                cast.copy_(tensor)
+                pool.give(tensor)
+                tensor = cast
             tensor = _own_storage(tensor)
             pending.setdefault(index, {})[ours] = tensor
             pending_bytes += tensor.numel() * tensor.element_size()
@@ -180,12 +188,16 @@ def convert_layers(hf_dir: str, step_dir: str, todo: list[int], dtype: str | Non
                 layer = pending.pop(index)
                 paths = write_layer(step_dir, layers[index], layer, fmt, config.vocab_size, tp_size, tp_ranks)
                 pending_bytes -= sum(t.numel() * t.element_size() for t in layer.values())
+                for t in layer.values():
+                    pool.give(t)
                 stats.bytes_written += sum(os.path.getsize(path) for path in paths)
                 stats.layers_written += 1
                 stats.files += [os.path.basename(path) for path in paths]
                 for path in paths:
                     describer.add(path)
                 del layer
+                if between_layers:
+                    between_layers()
     stats.manifest = describer.entries()
     if pending:  # duplicates across shards or a key listed twice would land here
         raise CheckpointError(f"{hf_dir}: layers {sorted(pending)} incomplete after reading every shard")
@@ -213,9 +225,11 @@ def _run_workers(
     fmt: str,
     tp_size: int = 1,
     tp_ranks: list[int] | None = None,
+    config=None,
+    between_layers: Callable[[], None] | None = None,
 ) -> ConvertStats:
     if workers <= 1:
-        return convert_layers(hf_dir, step_dir, todo, dtype, fmt, tp_size, tp_ranks)
+        return convert_layers(hf_dir, step_dir, todo, dtype, fmt, tp_size, tp_ranks, config, between_layers)
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
@@ -223,7 +237,7 @@ def _run_workers(
     ctx = mp.get_context("spawn")  # NOTE: no forked copies of torch/OMP state
     groups = _split(todo, workers)
     with ProcessPoolExecutor(max_workers=len(groups), mp_context=ctx) as pool:
-        jobs = [(hf_dir, step_dir, g, dtype, fmt, tp_size, tp_ranks) for g in groups]
+        jobs = [(hf_dir, step_dir, g, dtype, fmt, tp_size, tp_ranks, config) for g in groups]
         for part in pool.map(convert_layers, *zip(*jobs)):
             stats.layers_written += part.layers_written
             stats.tensors += part.tensors
@@ -262,8 +276,13 @@ def plan_conversion(hf_dir: str):
     """
     config = read_model_config(hf_dir)
     check_tokenizer(hf_dir, config.vocab_size)
+    return config, check_keys(hf_dir, config)
+
+
+def check_keys(hf_dir: str, config) -> dict[int, dict[str, str]]:
+    """Every shard complete, every HF key with a home and every home with a key. Returns {layer index:
+    {ours: HF key}}. Raises CheckpointError naming the shard or the first missing key."""
     n_layers, tied = config.num_hidden_layers, config.tie_word_embeddings
-    # Every HF key must have a home and every home a key.
     where = validate(hf_dir)
     expected = all_layer_keys(config)
     for name, shard_file in where.items():
@@ -274,7 +293,47 @@ def plan_conversion(hf_dir: str):
     missing = [hf for keys in expected.values() for hf in keys.values() if hf not in where]
     if missing:
         raise CheckpointError(f"{hf_dir}: {len(missing)} LLaMA tensors missing from the checkpoint, e.g. {missing[0]}")
-    return config, expected
+    return expected
+
+
+class SourceCheck:
+    """transformers' reading of config.json and the tokenizer check, in a thread while the layers are written.
+
+    Importing transformers takes 2-3 s, and the layer files need only a few numbers of config.json
+    (`ConfigFields`, read at once). The thread's result gates publishing: a tokenizer that does not fit
+    or a config transformers refuses stops the conversion (checked after every layer), and a field read
+    differently from transformers would be refused by name, so nothing is ever published on a reading
+    of config.json that transformers does not share.
+    """
+
+    def __init__(self, hf_dir: str):
+        import threading
+
+        self.hf_dir, self.config, self.error = hf_dir, None, None
+        self.thread = threading.Thread(target=self._run, name="source-check", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.config = read_model_config(self.hf_dir)
+            check_tokenizer(self.hf_dir, self.config.vocab_size)
+        except CheckpointError as e:
+            self.error = e
+        except Exception as e:  # noqa: BLE001 - re-raised in the caller's thread
+            self.error = CheckpointError(f"{self.hf_dir}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def result(self, light: ConfigFields | None = None):
+        """transformers' config, once the checks passed; `light` must read the file the same way."""
+        self.thread.join()
+        self.raise_if_failed()
+        differs = light and differing_field(light, self.config)
+        if differs:
+            raise CheckpointError(f"{os.path.join(self.hf_dir, 'config.json')}: read as {differs}; not converted")
+        return self.config
 
 
 def convert_hf_to_pipeline(
@@ -310,7 +369,13 @@ def convert_hf_to_pipeline(
     start = time.perf_counter()
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype}: expected one of {sorted(DTYPES)}")
-    config, expected = plan_conversion(hf_dir)
+    try:
+        light = read_config_fields(hf_dir)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    source = SourceCheck(hf_dir)
+    config = light or source.result()
+    expected = check_keys(hf_dir, config)
     check_tp(config, tp_size, tp_ranks)
     whole = layers is None and (tp_ranks is None or sorted(tp_ranks) == list(range(tp_size)))
     todo = sorted(expected) if layers is None else sorted(layers)
@@ -320,7 +385,11 @@ def convert_hf_to_pipeline(
     with staged_directory(out_dir, force) as tmp:
         step_dir = os.path.join(tmp, TAG)
         os.makedirs(step_dir)
-        stats = _run_workers(hf_dir, step_dir, todo, dtype, workers, fmt, tp_size, tp_ranks)
+        if workers > 1:  # worker processes: the checks first (the parent only waits for them)
+            source.result(light)
+        stats = _run_workers(hf_dir, step_dir, todo, dtype, workers, fmt, tp_size, tp_ranks, config,
+                             source.raise_if_failed)  # fmt: skip
+        source.result(light)  # before anything is published
         if whole:
             finish_converted(tmp, hf_dir, out_dtype, dtype, known=stats.manifest)
         else:

@@ -103,14 +103,8 @@ def checkpoint_every(model: ModelConfig) -> int:
     raise ValueError(f"model.activation_checkpointing={value!r} must be true, false or k >= 0 (every k-th block)")
 
 
-def load_hf_config(path: str):
-    """The transformers config in `path`/config.json (an HF model dir or a pipeline checkpoint).
-
-    Raises:
-        ValueError: missing, not JSON, or a model type this project does not support; names the file.
-    """
-    import transformers
-
+def _read_config_json(path: str) -> dict:
+    """config.json of `path` as JSON, refused (ValueError naming the file) unless a supported family."""
     file = os.path.join(path, "config.json")
     if not os.path.exists(file):
         raise ValueError(f"{file}: missing")
@@ -118,7 +112,7 @@ def load_hf_config(path: str):
         with open(file) as f:
             raw = json.load(f)
         model_type = raw.get("model_type")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise ValueError(f"{file}: not valid JSON ({e})") from None
     if model_type == "llama" and raw.get("sliding_window") is not None:
         raise ValueError(
@@ -129,9 +123,72 @@ def load_hf_config(path: str):
         raise ValueError(
             f"{file}: model_type={model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    return raw
+
+
+def load_hf_config(path: str):
+    """The transformers config in `path`/config.json (an HF model dir or a pipeline checkpoint).
+
+    Raises:
+        ValueError: missing, not JSON, or a model type this project does not support; names the file.
+    """
+    model_type = _read_config_json(path)["model_type"]
+    import transformers
+
     # NOTE: the family's own config class, not AutoConfig: resolving AutoConfig imports transformers' whole
     # auto-mapping (seconds per process, and conversion runs one process per command).
     return getattr(transformers, FAMILIES[model_type].config_class).from_pretrained(path)
+
+
+@dataclass(frozen=True)
+class ConfigFields:
+    """The numbers of config.json that converting weights needs, read without importing transformers.
+
+    Importing transformers' config machinery costs 2-3 s per process, as long as converting a 1.6 GB
+    model; conversion reads these fields at once and checks them against transformers' own reading of
+    the file (`differing_field`) before its output is published. A default is what every supported
+    family's config class assumes when the file leaves the key out (tests/test_families.py holds them
+    to transformers); keys without a default must be in the file.
+    """
+
+    model_type: str
+    vocab_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+
+def read_config_fields(path: str) -> ConfigFields | None:
+    """`ConfigFields` of `path`/config.json; None when a key without a default is missing or not plainly typed
+    (then only transformers knows what the file means). Raises ValueError as `load_hf_config` does."""
+    from dataclasses import MISSING, fields
+
+    raw = _read_config_json(path)
+    values = {}
+    for f in fields(ConfigFields):
+        if f.name not in raw or raw[f.name] is None:
+            if f.default is MISSING:
+                return None
+            continue
+        value, kind = raw[f.name], type(f.default) if f.default is not MISSING else None
+        if f.name != "model_type" and type(value) is not (kind or int):  # bool is not int here
+            return None
+        values[f.name] = value
+    return ConfigFields(**values)
+
+
+def differing_field(light: ConfigFields, config) -> str | None:
+    """The first field `light` reads differently from the transformers config of the same file, else None."""
+    from dataclasses import fields
+
+    for f in fields(ConfigFields):
+        if getattr(light, f.name) != getattr(config, f.name, f.default):
+            return f"{f.name}={getattr(light, f.name)!r} (transformers reads {getattr(config, f.name, f.default)!r})"
+    return None
 
 
 def preset_values(model: ModelConfig) -> dict:

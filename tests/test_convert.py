@@ -125,6 +125,57 @@ def test_streaming_holds_about_one_layer(tmp_path):
     assert stats.peak_pending_bytes < total / 5
 
 
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+def test_recycled_read_buffers_never_mix_tensors(tmp_path, dtype):
+    """Conversion reads into buffers recycled from layers already written (checkpoint/buffer_pool.py): every
+    tensor of every layer still equals Hugging Face's (cast or not) bit for bit, with many layers and shards."""
+    from transformers import AutoConfig
+
+    config = tiny_config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=6)
+    src = make_hf_model(str(tmp_path / "hf"), config, max_shard_size="300KB")
+    convert_hf_to_pipeline(src, str(tmp_path / "ckpt"), dtype=dtype, log=lambda *_: None)
+    got = load_hf_state_dict(str(tmp_path / "ckpt"), AutoConfig.from_pretrained(str(tmp_path / "ckpt")))
+    shards = [f"{src}/{f}" for f in sorted(os.listdir(src)) if f.endswith(".safetensors")]
+    want = {k: v for shard in shards for k, v in load_file(shard).items()}
+    assert len(os.listdir(src)) > 10 and got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v.to(torch.bfloat16) if dtype else v), k
+
+
+def test_buffer_pool_reuses_only_its_own_buffers_within_the_peak():
+    from checkpoint.buffer_pool import BufferPool
+
+    pool = BufferPool()
+    a, b = pool.take(1000), pool.take(400)
+    a_ptr = a.data_ptr()
+    pool.give(a.view(torch.int32)[10:])  # any view of a lent buffer returns it
+    pool.give(torch.empty(1000, dtype=torch.uint8))  # not the pool's: ignored
+    c = pool.take(1000)
+    assert c.data_ptr() == a_ptr and c.numel() == 1000 and c.untyped_storage().nbytes() == 1000
+    pool.give(c)
+    pool.give(b)
+    assert (pool.lent_bytes, pool.free_bytes, pool.peak_lent_bytes) == (0, 1400, 1400)
+    d = pool.take(1200)  # a new size: free buffers go until the pool and the loans fit in the most ever lent
+    assert pool.free_bytes + pool.lent_bytes <= pool.peak_lent_bytes and d.numel() == 1200
+
+
+def test_a_config_reading_transformers_does_not_share_is_never_published(tmp_path, hf_models, monkeypatch):
+    """Conversion writes from config.json fields read without transformers and checks them against transformers'
+    reading before publishing: a difference (a wrong default, say) is refused by name and nothing is written."""
+    import dataclasses
+
+    import checkpoint.convert as convert
+    from checkpoint.errors import CheckpointError
+    from models.config import read_config_fields
+
+    real = read_config_fields(hf_models["gqa"])
+    wrong = dataclasses.replace(real, num_key_value_heads=real.num_key_value_heads + 1)
+    monkeypatch.setattr(convert, "read_config_fields", lambda path: wrong)
+    with pytest.raises(CheckpointError, match=r"config.json: read as num_key_value_heads=\d+ \(transformers reads"):
+        convert_hf_to_pipeline(hf_models["gqa"], str(tmp_path / "ckpt"), log=lambda *_: None)
+    assert os.listdir(tmp_path) == []
+
+
 def _expect_error(args: list[str], fragment: str, out_dir: str | None = None):
     proc = run_cmd([sys.executable, "convert2ckpt.py", *args])
     assert proc.returncode == 2, proc.stderr

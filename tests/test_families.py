@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from models.config import load_hf_config
+from models.config import ConfigFields, differing_field, load_hf_config, read_config_fields
 from models.layers import DecoderOptions, build_layer, tied_lm_head_forward
 from models.layout import all_layer_keys, pipe_layers
 from tests.conftest import LLAMA3_ROPE
@@ -73,3 +74,19 @@ def test_other_model_types_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "sliding_window": 4096}))
     with pytest.raises(ValueError, match="model_type='llama' with sliding_window=4096"):
         load_hf_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_config_fields_read_without_transformers_equal_transformers_reading(model_type, tmp_path):
+    """What conversion reads of config.json before transformers is imported equals transformers' own reading,
+    for every family, with each key that has a default left out of the file (the defaults are transformers')."""
+    config = tiny_config(model_type, num_key_value_heads=2, tie_word_embeddings=True)
+    config.save_pretrained(tmp_path)
+    full = json.loads((tmp_path / "config.json").read_text())
+    optional = [f.name for f in dataclasses.fields(ConfigFields) if f.default is not dataclasses.MISSING]
+    for left_out in [None, *optional]:
+        (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in full.items() if k != left_out}))
+        light = read_config_fields(str(tmp_path))
+        assert light is not None and differing_field(light, load_hf_config(str(tmp_path))) is None, left_out
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in full.items() if k != "num_hidden_layers"}))
+    assert read_config_fields(str(tmp_path)) is None  # no default: only transformers knows (it assumes 32)
