@@ -27,15 +27,15 @@ import torch
 from checkpoint.buffer_pool import BufferPool
 from checkpoint.dtypes import DTYPES, dtype_name
 from checkpoint.errors import CheckpointError
-from checkpoint.hf_reader import iter_tensors, read_model_config, stored_dtype, validate
+from checkpoint.hf_reader import iter_tensors, read_model_config, stored_dtype
 from checkpoint.layer_files import find_layer_file, layer_path, save_layer_state, unchecked_zip_records
 from checkpoint.manifest import BackgroundDescriber, build_manifest, copy_verified, read_manifest, write_manifest
 from checkpoint.names import CONVERSION_RECORD, CONVERTED_TAG, LATEST, MODEL_SIDE_FILES, PIECE_FILE, engine_file
+from checkpoint.source_checks import SourceCheck, check_keys
 from checkpoint.staging import staged_directory
-from models.config import ConfigFields, differing_field, read_config_fields
+from models.config import read_config_fields
 from models.layout import PipeLayer, all_layer_keys, hf_key_to_layer, layer_file_name, pipe_layers, tp_split
 from models.sharding import shard
-from models.tokenizer import check_tokenizer_fits, has_tokenizer, load_tokenizer
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 NOT_COPIED = (PIECE_FILE, CONVERSION_RECORD)  # records of how a directory was made, not model files
@@ -51,18 +51,6 @@ class ConvertStats:
     seconds: float = 0.0
     files: list[str] = field(default_factory=list)
     manifest: dict[str, dict] = field(default_factory=dict)  # entries of the files written, described meanwhile
-
-
-def check_tokenizer(hf_dir: str, vocab_size: int) -> int | None:
-    """len(tokenizer) must not exceed the embedding rows. Returns len(tokenizer), None if there is none."""
-    if not has_tokenizer(hf_dir):
-        return None
-    try:
-        n = len(load_tokenizer(hf_dir, setting="tokenizer"))
-        check_tokenizer_fits(n, vocab_size, hf_dir)
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
-    return n
 
 
 def copy_side_files(src_dir: str, dst_dir: str, dtype: str | None, model_files_only: bool | None = None) -> None:
@@ -266,74 +254,6 @@ def parse_layer_range(text: str, valid: list[int]) -> list[int]:
             f"--layers {text}: no pipeline layer {bad[0]} in this model (layer files: {valid[0]}..{valid[-1]})"
         )
     return sorted(layers)
-
-
-def plan_conversion(hf_dir: str):
-    """Every check before a conversion writes anything. Returns (config, {layer index: {ours: HF key}}).
-
-    Raises:
-        CheckpointError: config, tokenizer, shards or keys do not fit the LLaMA layout.
-    """
-    config = read_model_config(hf_dir)
-    check_tokenizer(hf_dir, config.vocab_size)
-    return config, check_keys(hf_dir, config)
-
-
-def check_keys(hf_dir: str, config) -> dict[int, dict[str, str]]:
-    """Every shard complete, every HF key with a home and every home with a key. Returns {layer index:
-    {ours: HF key}}. Raises CheckpointError naming the shard or the first missing key."""
-    n_layers, tied = config.num_hidden_layers, config.tie_word_embeddings
-    where = validate(hf_dir)
-    expected = all_layer_keys(config)
-    for name, shard_file in where.items():
-        try:
-            hf_key_to_layer(name, n_layers, tied)
-        except KeyError as e:
-            raise CheckpointError(f"{os.path.join(hf_dir, shard_file)}: {e.args[0]}") from None
-    missing = [hf for keys in expected.values() for hf in keys.values() if hf not in where]
-    if missing:
-        raise CheckpointError(f"{hf_dir}: {len(missing)} LLaMA tensors missing from the checkpoint, e.g. {missing[0]}")
-    return expected
-
-
-class SourceCheck:
-    """transformers' reading of config.json and the tokenizer check, in a thread while the layers are written.
-
-    Importing transformers takes 2-3 s, and the layer files need only a few numbers of config.json
-    (`ConfigFields`, read at once). The thread's result gates publishing: a tokenizer that does not fit
-    or a config transformers refuses stops the conversion (checked after every layer), and a field read
-    differently from transformers would be refused by name, so nothing is ever published on a reading
-    of config.json that transformers does not share.
-    """
-
-    def __init__(self, hf_dir: str):
-        import threading
-
-        self.hf_dir, self.config, self.error = hf_dir, None, None
-        self.thread = threading.Thread(target=self._run, name="source-check", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.config = read_model_config(self.hf_dir)
-            check_tokenizer(self.hf_dir, self.config.vocab_size)
-        except CheckpointError as e:
-            self.error = e
-        except Exception as e:  # noqa: BLE001 - re-raised in the caller's thread
-            self.error = CheckpointError(f"{self.hf_dir}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-
-    def raise_if_failed(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def result(self, light: ConfigFields | None = None):
-        """transformers' config, once the checks passed; `light` must read the file the same way."""
-        self.thread.join()
-        self.raise_if_failed()
-        differs = light and differing_field(light, self.config)
-        if differs:
-            raise CheckpointError(f"{os.path.join(self.hf_dir, 'config.json')}: read as {differs}; not converted")
-        return self.config
 
 
 def convert_hf_to_pipeline(
