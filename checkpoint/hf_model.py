@@ -2,7 +2,8 @@
 
 A pipeline checkpoint (what the trainer saves or convert2ckpt.py writes; a LoRA run's adapters are
 merged in on load) is read one layer file at a time into a model built on the meta device, so the
-weights are held once. A Hugging Face directory loads with `from_pretrained`.
+weights are held once. A Hugging Face directory is read shard by shard with the reader conversion uses
+(`.bin` shards through the safe loader, so a planted pickle is refused by name and never run).
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ import os
 import torch
 
 from checkpoint.errors import CheckpointError
-from checkpoint.hf_reader import is_hf_dir, list_shards, read_model_config
+from checkpoint.hf_reader import is_hf_dir, iter_tensors, read_model_config
 from checkpoint.names import LORA_FILE
-from checkpoint.safe_load import check_pickles
 from checkpoint.saves import read_tag
 
 
@@ -29,24 +29,19 @@ def load_causal_lm(path: str, tag: str | None = None, dtype: torch.dtype = torch
     from checkpoint.lora_merge import adapters_from_checkpoint
     from checkpoint.pipeline_reader import iter_hf_tensors
 
-    if is_hf_dir(path):
-        read_model_config(path)  # a supported model type, else a one-line error
-        shards, _ = list_shards(path)
-        check_pickles(path, [s for s in shards if not s.endswith(".safetensors")])  # refused by name, unread
-        try:
-            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-        except Exception as e:  # noqa: BLE001 - transformers raises many types for damaged or unsafe files
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise CheckpointError(f"{path}: cannot load ({type(e).__name__}: {first})") from None
-    config = read_model_config(path)
-    tag = read_tag(path, tag)
-    weights_dir, adapters = path, None
-    if os.path.exists(os.path.join(path, LORA_FILE)):  # a LoRA run: base weights + its adapters
-        weights_dir, adapters = adapters_from_checkpoint(path, tag, config)
-        tag = None
+    config = read_model_config(path)  # a supported model type, else a one-line error
+    if is_hf_dir(path):  # conversion's streaming reader: .bin shards go through the safe loader
+        tensors = ((name, tensor) for name, tensor, _ in iter_tensors(path))
+    else:
+        tag = read_tag(path, tag)
+        weights_dir, adapters = path, None
+        if os.path.exists(os.path.join(path, LORA_FILE)):  # a LoRA run: base weights + its adapters
+            weights_dir, adapters = adapters_from_checkpoint(path, tag, config)
+            tag = None
+        tensors = iter_hf_tensors(weights_dir, config, tag, adapters)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    state = {k: v.to(dtype) for k, v in iter_hf_tensors(weights_dir, config, tag, adapters)}
+    state = {k: v.to(dtype) for k, v in tensors}  # strict=False below: old checkpoints' extra buffers ignored
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()

@@ -26,6 +26,8 @@ def test_generation_from_pipeline_checkpoint_matches_hf(hf_models, converted):
         want = reference.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
         got = ours.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
         torch.testing.assert_close(ours(ids).logits, reference(ids).logits, rtol=0, atol=0)
+        # An HF directory goes through the same streaming reader (not from_pretrained): the same model exactly.
+        torch.testing.assert_close(load_model(hf_models["tied"])(ids).logits, reference(ids).logits, rtol=0, atol=0)
     assert torch.equal(got, want)
     cli = [sys.executable, "-m", "tools.generate", "--prompt", "1+2=", "--max-new-tokens", "6", "--checkpoint"]
     from_ckpt, from_hf = run_cmd([*cli, converted["gqa"]]), run_cmd([*cli, hf_models["gqa"]])

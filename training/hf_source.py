@@ -56,12 +56,13 @@ def convert_on_load(hf_dir: str, output_dir: str, coords: Coords, bounds: list[i
             plan_conversion(hf_dir)  # every check of convert2ckpt.py, before anything is written
             shutil.rmtree(tmp, ignore_errors=True)  # left over from an interrupted conversion
             os.makedirs(os.path.join(tmp, TAG))
-    expected = all_layer_keys(read_model_config(hf_dir))  # rank 0 has validated everything already
+    config = read_model_config(hf_dir)  # rank 0 has validated everything already
+    expected = all_layer_keys(config)
     mine = [i for i in range(bounds[coords.stage], bounds[coords.stage + 1]) if i in expected]
     with agreed():
         if coords.dp_rank == 0 and coords.tp_rank == 0 and mine:  # one writer per file (TP ranks slice at load)
             try:
-                convert_layers(hf_dir, os.path.join(tmp, TAG), mine, None)
+                convert_layers(hf_dir, os.path.join(tmp, TAG), mine, None, config=config)
             except (OSError, CheckpointError) as e:
                 raise CheckpointError(f"stage {coords.stage}: {e}") from None
     with agreed():
