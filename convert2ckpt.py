@@ -80,18 +80,21 @@ def tp_ranks(args) -> list[int] | None:
 def export_to_hf(args) -> None:
     """--to-hf; a Hugging Face --input (only with --merge-lora ADAPTER_DIR) is converted to a temp checkpoint first."""
     import shutil
-    import tempfile
 
     from checkpoint.export import export_pipeline_to_hf
     from checkpoint.hf_reader import is_hf_dir
+    from checkpoint.outputs import HF_EXPORT, check_output
+    from checkpoint.staging import make_unique_dir
 
+    adapter = args.merge_lora if isinstance(args.merge_lora, str) else None
+    check_output(args.output, HF_EXPORT, args.force, [("input", args.input), ("adapter", adapter)])
     source, tmp = args.input, None
     if is_hf_dir(args.input):
         if not isinstance(args.merge_lora, str):
             raise CheckpointError(f"{args.input}: a Hugging Face directory; --to-hf takes a pipeline checkpoint")
         parent = os.path.dirname(os.path.abspath(args.output))
         os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".merge-base-", dir=parent)
+        tmp = make_unique_dir(parent, ".merge-base-")
         source = os.path.join(tmp, "ckpt")
         convert_hf_to_pipeline(args.input, source, log=lambda *_: None)
     try:

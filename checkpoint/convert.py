@@ -31,6 +31,7 @@ from checkpoint.hf_reader import iter_tensors, read_model_config, stored_dtype
 from checkpoint.layer_files import find_layer_file, layer_path, save_layer_state, unchecked_zip_records
 from checkpoint.manifest import BackgroundDescriber, build_manifest, copy_verified, read_manifest, write_manifest
 from checkpoint.names import CONVERSION_RECORD, CONVERTED_TAG, LATEST, MODEL_SIDE_FILES, PIECE_FILE, engine_file
+from checkpoint.outputs import PIPELINE, check_output
 from checkpoint.source_checks import SourceCheck, check_keys
 from checkpoint.staging import staged_directory
 from models.config import read_config_fields
@@ -287,6 +288,7 @@ def convert_hf_to_pipeline(
         CheckpointError: bad input; nothing has been written to `out_dir`.
     """
     start = time.perf_counter()
+    check_output(out_dir, PIPELINE, force, [("input", hf_dir)])
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype}: expected one of {sorted(DTYPES)}")
     try:
@@ -302,7 +304,7 @@ def convert_hf_to_pipeline(
     if set(todo) - set(expected):
         raise CheckpointError(f"{hf_dir}: no layer file {sorted(set(todo) - set(expected))} in this model")
     out_dtype = dtype or dtype_name(stored_dtype(hf_dir))
-    with staged_directory(out_dir, force) as tmp:
+    with staged_directory(out_dir, force, PIPELINE, "convert", [hf_dir]) as tmp:
         step_dir = os.path.join(tmp, TAG)
         os.makedirs(step_dir)
         if workers > 1:  # worker processes: the checks first (the parent only waits for them)
@@ -341,6 +343,7 @@ def _arch(config) -> dict:
 def combine_pieces(pieces: list[str], out_dir: str, force: bool = False, log=print) -> str:
     """Join pieces written with `--layers`, `--stages` or `--tp-ranks` (possibly on several machines) into one
     checkpoint; every layer file of every tensor-parallel rank must be in exactly one piece."""
+    check_output(out_dir, PIPELINE, force, [("piece", p) for p in pieces])
     config = read_model_config(pieces[0])
     expected = set(all_layer_keys(config))
     owner: dict[tuple[int, int], str] = {}  # (layer index, TP rank) -> piece
@@ -371,7 +374,7 @@ def combine_pieces(pieces: list[str], out_dir: str, force: bool = False, log=pri
         raise CheckpointError(f"pieces {pieces} lack layer files {what}")
     if len(dtypes) > 1:
         raise CheckpointError(f"pieces were written with different dtypes {sorted(dtypes)}")
-    with staged_directory(out_dir, force) as tmp:
+    with staged_directory(out_dir, force, PIPELINE, "--combine", pieces) as tmp:
         step_dir = os.path.join(tmp, TAG)
         os.makedirs(step_dir)
         manifests = {piece: read_manifest(os.path.join(piece, TAG)) for piece in pieces}

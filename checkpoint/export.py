@@ -26,6 +26,7 @@ from checkpoint.dtypes import DTYPES, element_size
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import read_model_config
 from checkpoint.lora_merge import adapters_from_checkpoint, adapters_from_peft
+from checkpoint.outputs import HF_EXPORT, check_output
 from checkpoint.pipeline_reader import iter_hf_tensors, plan_hf_tensors
 from checkpoint.safetensors_writer import StreamingSafetensorsWriter
 from checkpoint.saves import read_tag
@@ -69,6 +70,8 @@ def export_pipeline_to_hf(
         CheckpointError: bad input; nothing is left in `out_dir`.
     """
     start = time.perf_counter()
+    adapter_dir = merge_lora if isinstance(merge_lora, str) else None
+    check_output(out_dir, HF_EXPORT, force, [("input", ckpt_dir), ("adapter", adapter_dir)])
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype}: expected one of {sorted(DTYPES)}")
     config = read_model_config(ckpt_dir)
@@ -78,6 +81,7 @@ def export_pipeline_to_hf(
     weights_dir, weights_tag, adapters = ckpt_dir, tag, None
     if merge_lora is True:
         weights_dir, adapters = adapters_from_checkpoint(ckpt_dir, tag, config)
+        check_output(out_dir, HF_EXPORT, force, [("LoRA base checkpoint", weights_dir)])
         weights_tag = read_tag(weights_dir)
     elif merge_lora:
         adapters = adapters_from_peft(merge_lora, config)
@@ -101,7 +105,9 @@ def export_pipeline_to_hf(
     total = sum(math.prod(shape) * element_size(dt) for _, shape, dt in plan)
 
     stats = ConvertStats()
-    with staged_directory(out_dir, force) as tmp:
+    command = "--to-hf" + (" --merge-lora" if merge_lora else "")
+    sources = [p for p in (ckpt_dir, weights_dir, adapter_dir) if p]
+    with staged_directory(out_dir, force, HF_EXPORT, command, sorted(set(sources))) as tmp:
         tensors = iter_hf_tensors(weights_dir, config, weights_tag, adapters)
         for name, shard in zip(names, shards):
             with StreamingSafetensorsWriter(os.path.join(tmp, name), shard, metadata={"format": "pt"}) as writer:

@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from checkpoint.errors import CheckpointError
 from checkpoint.layer_files import checkpoint_tp_size, load_layer_whole
 from checkpoint.names import LORA_FILE
+from checkpoint.safe_load import load_pt
 from models.layout import DECODER, DECODER_PREFIX, decoder_index, hf_decoder_module, pipe_layers
 from models.lora import LORA_A, LORA_B, LoraDelta
 
@@ -94,9 +95,11 @@ def adapters_from_peft(adapter_dir: str, config) -> dict[int, dict[str, LoraDelt
     """{layer index: {module: LoraDelta}} of a PEFT LoRA adapter directory, scaled as PEFT scales it."""
     conf_path = os.path.join(adapter_dir, "adapter_config.json")
     weights = os.path.join(adapter_dir, "adapter_model.safetensors")
-    for path in (conf_path, weights):
-        if not os.path.exists(path):
-            raise CheckpointError(f"{path}: missing (not a PEFT adapter directory)")
+    legacy = os.path.join(adapter_dir, "adapter_model.bin")  # PEFT's format before safetensors
+    if not os.path.exists(conf_path):
+        raise CheckpointError(f"{conf_path}: missing (not a PEFT adapter directory)")
+    if not os.path.exists(weights) and not os.path.exists(legacy):
+        raise CheckpointError(f"{weights}: missing, and no adapter_model.bin either (not a PEFT adapter directory)")
     try:
         with open(conf_path) as f:
             conf = json.load(f)
@@ -104,7 +107,14 @@ def adapters_from_peft(adapter_dir: str, config) -> dict[int, dict[str, LoraDelt
         raise CheckpointError(f"{conf_path}: not valid JSON ({e})") from None
     check_plain_lora(conf, conf_path)
     factors: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(weights).items():
+    if os.path.exists(weights):
+        state = load_file(weights)
+    else:  # plain tensor data only, through the safe loader: a pickle that names anything else is refused
+        weights = legacy
+        state = load_pt(legacy, what="PEFT adapter")
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise CheckpointError(f"{legacy}: not a PEFT adapter state dict (a dict of tensors)")
+    for key, tensor in state.items():
         m = PEFT_KEY.fullmatch(key)
         if not m or int(m.group(1)) >= config.num_hidden_layers:
             raise CheckpointError(f"{weights}: {key} is not a LoRA weight of this model's decoder layers")

@@ -6,7 +6,7 @@ CKPT_DIR/global_stepN/                          one checkpoint (a "step director
     mp_rank_XX_model_states.pt                  DeepSpeed engine state of model-parallel rank XX
     [bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt   ZeRO optimizer shard of DP rank D
     rng_state_rankR.pt, layout.json, manifest.json
-CKPT_DIR/lora.json, piece.json, conversion.json, hf_converted/
+CKPT_DIR/lora.json, piece.json, conversion.json, hf_converted/, .convert2ckpt.json
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ PIECE_FILE = "piece.json"
 CONVERSION_RECORD = "conversion.json"
 CONVERTED_DIR = "hf_converted"  # conversion at load time: output_dir/hf_converted
 CONVERTED_TAG = "global_step0"  # the one tag of a converted checkpoint
+WRITER_FILE = ".convert2ckpt.json"  # which convert2ckpt command wrote a directory (checkpoint/outputs.py)
 
 # Files that make a directory loadable with AutoModelForCausalLM / AutoTokenizer (weights aside).
 MODEL_SIDE_FILES = (

@@ -19,6 +19,7 @@ from checkpoint.hf_reader import read_model_config
 from checkpoint.layer_files import checkpoint_tp_size, load_layer_whole, unchecked_zip_records
 from checkpoint.manifest import BackgroundDescriber
 from checkpoint.names import LORA_FILE, engine_files
+from checkpoint.outputs import PIPELINE, check_output
 from checkpoint.safe_load import check_pickles
 from checkpoint.saves import read_tag
 from checkpoint.staging import staged_directory
@@ -42,6 +43,7 @@ def reshard_checkpoint(
         CheckpointError: bad input (a LoRA run, a degree that does not divide the heads); nothing written.
     """
     start = time.perf_counter()
+    check_output(out_dir, PIPELINE, force, [("input", ckpt_dir)])
     config = read_model_config(ckpt_dir)
     if os.path.exists(os.path.join(ckpt_dir, LORA_FILE)):
         raise CheckpointError(
@@ -59,7 +61,7 @@ def reshard_checkpoint(
         todo = [layer for layer in todo if layer.index in layers]
     whole = layers is None and (tp_ranks is None or sorted(tp_ranks) == list(range(tp_size)))
     stats, dtype = ConvertStats(), None
-    with staged_directory(out_dir, force) as tmp:
+    with staged_directory(out_dir, force, PIPELINE, "--tp", [ckpt_dir]) as tmp:
         out_step = os.path.join(tmp, TAG)
         os.makedirs(out_step)
         describer = BackgroundDescriber()

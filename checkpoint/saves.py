@@ -64,17 +64,32 @@ def read_latest(output_dir: str) -> str | None:
 
 def newest_checkpoint(output_dir: str) -> str | None:
     """The tag to resume: `latest`, or a newer published checkpoint if a crash came before `latest` moved."""
+    return choose_checkpoint(output_dir)[0]
+
+
+def choose_checkpoint(output_dir: str) -> tuple[str | None, str | None]:
+    """(the tag to resume, or None; why, when it is not the one `latest` names, else None).
+
+    `latest` wins when it names a published checkpoint at least as new as every other; a newer published one
+    (a crash between its rename and the `latest` update) or, when `latest` names a missing directory, the
+    newest published one is taken instead, and the reason says so.
+    """
     latest = read_latest(output_dir)
     complete = complete_checkpoints(output_dir)
-    if latest and not complete:  # a checkpoint written by other tools (a converted model dir)
-        return latest
+    exists = bool(latest) and os.path.isdir(os.path.join(output_dir, latest))
     if not complete:
-        return None
+        if latest and not exists:
+            return None, f"'latest' names {latest}, which is missing, and no complete checkpoint is left"
+        return latest, None  # None, or a checkpoint written by other tools (a tag that is not global_stepN)
     step, tag = complete[-1]
     m = TAG_PATTERN.fullmatch(latest or "")
-    if latest and os.path.isdir(os.path.join(output_dir, latest)) and (not m or int(m.group(1)) >= step):
-        return latest
-    return tag
+    if exists and (not m or int(m.group(1)) >= step):
+        return latest, None
+    if latest is None:
+        return tag, f"no 'latest' file; {tag} is the newest complete checkpoint"
+    if not exists:
+        return tag, f"'latest' names {latest}, which is missing; {tag} is the newest complete checkpoint"
+    return tag, f"'latest' names {latest} but {tag} is complete and newer (a save interrupted before 'latest' moved)"
 
 
 def read_tag(ckpt_dir: str, tag: str | None = None) -> str:

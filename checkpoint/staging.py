@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 
 from checkpoint.errors import CheckpointError
-from checkpoint.names import DELETING_PREFIX, LATEST, TAG_PATTERN
+from checkpoint.names import DELETING_PREFIX
+from checkpoint.outputs import check_output, write_writer
 
 
 def fsync_dir(path: str) -> None:
@@ -49,10 +50,20 @@ def remove_tree(path: str) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _holds_checkpoint(path: str) -> bool:
-    return os.path.isdir(path) and (
-        os.path.exists(os.path.join(path, LATEST)) or any(TAG_PATTERN.match(n) for n in os.listdir(path))
-    )
+def make_unique_dir(parent: str, prefix: str) -> str:
+    """Create a new directory `parent/prefix<random>` with the mode `mkdir` gives under the umask.
+
+    NOTE: not `tempfile.mkdtemp`, whose directories are 0700 whatever the umask: renamed into place they
+    would keep teammates on a shared cluster out of a converted model.
+    """
+    for _ in range(100):
+        path = os.path.join(parent, f"{prefix}{secrets.token_hex(4)}")
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{parent}: no free name for {prefix}*")
 
 
 def publish_staged(tmp: str, out_dir: str) -> None:
@@ -60,7 +71,7 @@ def publish_staged(tmp: str, out_dir: str) -> None:
     out_dir = os.path.abspath(out_dir)
     old = None
     if os.path.exists(out_dir):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(out_dir))
+        old = make_unique_dir(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.old-")
         os.rename(out_dir, os.path.join(old, "x"))
     os.rename(tmp, out_dir)
     if old:
@@ -68,19 +79,19 @@ def publish_staged(tmp: str, out_dir: str) -> None:
 
 
 @contextlib.contextmanager
-def staged_directory(out_dir: str, force: bool = False) -> Iterator[str]:
+def staged_directory(out_dir: str, force: bool, kind: str, command: str, inputs: list[str]) -> Iterator[str]:
     """Yield a fresh temporary directory beside `out_dir`; on success it becomes `out_dir`.
 
-    Refuses an existing, non-empty `out_dir` unless `force` (which replaces it only after the new one
-    is complete). On any exception the temporary directory is removed and `out_dir` is untouched.
+    An existing, non-empty `out_dir` is replaced only with `force` and only if it is a previous output of
+    the same `kind` (checkpoint/outputs.py), and only after the new one is complete. The output records
+    which `command` wrote it from which `inputs`. On any exception the temporary directory is removed and
+    `out_dir` is untouched.
 
     Raises:
-        CheckpointError: `out_dir` exists (without `force`) or its parent is not writable.
+        CheckpointError: `out_dir` exists and may not be replaced, or its parent is not writable.
     """
     out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)) and not force:
-        what = "already holds a checkpoint" if _holds_checkpoint(out_dir) else "exists and is not empty"
-        raise CheckpointError(f"{out_dir}: output {what}; pass --force to replace it")
+    check_output(out_dir, kind, force, [("input", p) for p in inputs])
     parent = os.path.dirname(out_dir)
     try:
         os.makedirs(parent, exist_ok=True)
@@ -88,9 +99,10 @@ def staged_directory(out_dir: str, force: bool = False) -> Iterator[str]:
         raise CheckpointError(f"{parent}: cannot create ({e.strerror})") from None
     if not os.access(parent, os.W_OK):
         raise CheckpointError(f"{parent}: not writable")
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    tmp = make_unique_dir(parent, f".{os.path.basename(out_dir)}.tmp-")
     try:
         yield tmp
+        write_writer(tmp, kind, command, inputs)
         publish_staged(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -17,11 +17,10 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 
 from checkpoint.errors import CheckpointError
 from checkpoint.names import LAYOUT_FILE
-from checkpoint.staging import write_text_atomic
+from checkpoint.staging import make_unique_dir, write_text_atomic
 
 LAYOUT_KEYS = ("num_stages", "dp_size", "stage_bounds", "tp_size", "vocab_pad_multiple")
 
@@ -69,7 +68,7 @@ def ensure_universal(ckpt_dir: str, tag: str) -> str:
     target = os.path.join(ckpt_dir, universal)
     if os.path.isdir(target):
         return universal
-    tmp = tempfile.mkdtemp(prefix=f".{universal}.tmp-", dir=ckpt_dir)
+    tmp = make_unique_dir(ckpt_dir, f".{universal}.tmp-")
     out = os.path.join(tmp, "out")
     cmd = [
         sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",

@@ -88,16 +88,21 @@ def encode_messages(messages, tokenizer) -> tuple[list[int], list[bool]]:
     """
     if not isinstance(messages, list) or not messages:
         raise KeyError("'messages' must be a non-empty list of {role, content} objects")
-    for m in messages:
+    for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise KeyError("every message needs a string 'role' and a string 'content'")
+        check_unicode(m["content"], f"messages[{i}].content")
     if not getattr(tokenizer, "chat_template", None):
         raise KeyError("rows with 'messages' need a tokenizer with a chat template (tokenizer_config.json)")
 
     def render(turns, generation_prompt=False) -> str:
         if not turns:
             return ""
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
+        try:
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as e:  # noqa: BLE001 - jinja's TemplateError, or what the template itself raises
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise KeyError(f"the tokenizer's chat template refused this conversation: {reason}") from None
 
     text = render(messages)
     spans = []  # [start, end) character spans of the assistant turns in `text`
@@ -128,25 +133,56 @@ def encode_messages(messages, tokenizer) -> tuple[list[int], list[bool]]:
     return list(ids), [is_target(start, end) for start, end in offsets]
 
 
+def check_unicode(text: str, key: str) -> None:
+    """KeyError when `text` cannot be encoded as UTF-8 (a lone surrogate such as "\\ud800" from a JSON escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise KeyError(f"'{key}' is not valid Unicode (a lone surrogate \\u{ord(text[e.start]):04x} at character "
+                       f"{e.start})") from None  # fmt: skip
+
+
+def row_kind(row: dict, cfg: DataConfig) -> str:
+    """'messages', 'pair' or 'text': which of the row kinds `row` is (a key set to null counts as absent).
+    A row with keys of two kinds is ambiguous: KeyError."""
+    kinds = []
+    if row.get(cfg.messages_key) is not None:
+        kinds.append(("messages", f"'{cfg.messages_key}'"))
+    if row.get(cfg.prompt_key) is not None or row.get(cfg.response_key) is not None:
+        kinds.append(("pair", f"'{cfg.prompt_key}'/'{cfg.response_key}'"))
+    if row.get(cfg.text_key) is not None:
+        kinds.append(("text", f"'{cfg.text_key}'"))
+    if len(kinds) > 1:
+        raise KeyError(f"row has both {kinds[0][1]} and {kinds[1][1]}: a row is one kind (text, prompt/response "
+                       "or messages); drop the other keys")  # fmt: skip
+    if not kinds:
+        raise KeyError(
+            f"row has neither a string '{cfg.text_key}' nor '{cfg.prompt_key}'/'{cfg.response_key}' "
+            f"nor '{cfg.messages_key}'"
+        )
+    return kinds[0][0]
+
+
 def encode_row(row: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[bool]]:
     """Token ids and, per token, whether it is a target (predicted from the tokens before it)."""
-    if cfg.messages_key in row:
+    kind = row_kind(row, cfg)
+    if kind == "messages":
         return encode_messages(row[cfg.messages_key], tokenizer)
-    if cfg.prompt_key in row or cfg.response_key in row:
+    if kind == "pair":
         prompt, response = row.get(cfg.prompt_key), row.get(cfg.response_key)
         if not isinstance(prompt, str) or not isinstance(response, str):
             raise KeyError(f"rows with '{cfg.prompt_key}' need string '{cfg.prompt_key}' and '{cfg.response_key}'")
+        check_unicode(prompt, cfg.prompt_key)
+        check_unicode(response, cfg.response_key)
         p = tokenizer(prompt)["input_ids"]
         r = tokenizer(response, add_special_tokens=False)["input_ids"]
         if cfg.add_eos_to_response and tokenizer.eos_token_id is not None:
             r = r + [tokenizer.eos_token_id]
         return p + r, [False] * len(p) + [True] * len(r)
-    text = row.get(cfg.text_key)
+    text = row[cfg.text_key]
     if not isinstance(text, str):
-        raise KeyError(
-            f"row has neither a string '{cfg.text_key}' nor '{cfg.prompt_key}'/'{cfg.response_key}' "
-            f"nor '{cfg.messages_key}'"
-        )
+        raise KeyError(f"'{cfg.text_key}' must be a string, got {type(text).__name__}")
+    check_unicode(text, cfg.text_key)
     ids = tokenizer(text)["input_ids"]
     return ids, [True] * len(ids)
 

@@ -43,25 +43,39 @@ def _check_format(path: str) -> None:
 
 
 def read_jsonl(path: str) -> list[tuple[int, dict]]:
-    """[(line number, row)] for every non-blank line."""
+    """[(line number, row)] for every non-blank line. A UTF-8 byte-order mark (Windows tools write one) is skipped."""
     rows = []
     try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-                rows.append((lineno, row))
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                row = parse_jsonl_line(raw, path, lineno)
+                if row is not None:
+                    rows.append((lineno, row))
     except OSError as e:
         raise DataError(f"{path}: cannot read data file ({e.strerror})") from None
     if not rows:
         raise DataError(f"{path}: empty dataset (no rows)")
     return rows
+
+
+def parse_jsonl_line(raw: bytes, path: str, lineno: int) -> dict | None:
+    """One JSONL line (bytes) as a row, None when blank; DataError naming file and line otherwise."""
+    if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        where = f"byte 0x{raw[e.start]:02x} at column {e.start + 1}"
+        raise DataError(f"{path}:{lineno}: not UTF-8 text ({where}); save the file as UTF-8") from None
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+    return row
 
 
 def write_jsonl(path: str, rows: list[dict]) -> str:
@@ -106,11 +120,15 @@ def read_source(path: str) -> list[tuple[str, dict]]:
         return [(f"{path}:{lineno}", row) for lineno, row in read_jsonl(path)]
     if path.endswith(".json"):
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig") as f:
                 data = json.load(f)
         except json.JSONDecodeError as e:
             msg = f"{path}: not valid JSON ({e.msg} at line {e.lineno}); JSON lines go in a .jsonl file"
             raise DataError(msg) from None
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+        except OSError as e:
+            raise DataError(f"{path}: cannot read data file ({e.strerror})") from None
         if isinstance(data, dict) and isinstance(data.get("data"), list):
             data = data["data"]
         if not isinstance(data, list):

@@ -1,14 +1,8 @@
-"""The bad-input catalogue: every case gives a one-line error naming the problem and the file or key,
-exits non-zero, leaves no output that looks complete, and leaves its inputs untouched.
-
-Each case builds its own inputs under tmp_path and returns (command, expected fragment, output
-path, input paths[, ranks]). The inputs are hashed before and after the command. A multi-rank case
-expects the one-line error once per rank (every rank learns of a failure on any rank) and no traceback.
-"""
+"""The bad-input catalogue, inputs that are wrong (tests/catalogue.py is the harness and says what each case
+must show; tests/test_bad_outputs.py holds the commands that would destroy or mix what the user has)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -18,33 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, free_port, run_cmd, small_run
+from tests.catalogue import Catalogue, Inputs, convert_cmd, copy, run_args, run_case, trainer_cmd
+from tests.conftest import REPO, free_port, run_cmd
 
 pytestmark = pytest.mark.slow
 
-CASES = {}
-
-
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
-
-
-def trainer_cmd(*overrides: str, script: str = "trainer.py") -> list[str]:
-    return [sys.executable, script, *overrides]
-
-
-def run_args(ckpt: str, out: Path, train: str, **extra) -> list[str]:
-    return small_run(ckpt, out, train, **{"max_steps": 2, **extra})
-
-
-def convert_cmd(src: Path | str, out: Path) -> list[str]:
-    return [sys.executable, "convert2ckpt.py", "--input", str(src), "--output", str(out)]
-
-
-def copy(src: str, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
+CASES = Catalogue()
+case = CASES.case
 
 
 # ---------------------------------------------------------------- conversion inputs
@@ -302,6 +276,72 @@ def missing_train_file(t):
     return trainer_cmd(*run_args(t.ckpt, t.out, missing)), f"{missing}: cannot read", t.out, [t.ckpt]
 
 
+@case
+def lone_surrogate_in_jsonl(t):
+    data = t.tmp / "surrogate.jsonl"
+    data.write_text('{"text": "one two"}\n{"text": "three \\ud800 four"}\n')
+    cmd = trainer_cmd(*run_args(t.ckpt, t.out, str(data)))
+    return cmd, f"{data}:2: 'text' is not valid Unicode (a lone surrogate \\ud800", t.out, [t.ckpt, data]
+
+
+@case
+def jsonl_bytes_not_utf8(t):
+    data = t.tmp / "latin1.jsonl"
+    data.write_bytes('{"text": "one two"}\n{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    cmd = trainer_cmd(*run_args(t.ckpt, t.out, str(data)))
+    return cmd, f"{data}:2: not UTF-8 text (byte 0xe9 at column 14)", t.out, [t.ckpt, data]
+
+
+@case
+def row_with_text_and_prompt(t):
+    data = t.tmp / "both.jsonl"
+    data.write_text('{"text": "one two"}\n{"text": "three", "prompt": "1+1=", "response": "2"}\n')
+    cmd = trainer_cmd(*run_args(t.ckpt, t.out, str(data)))
+    return cmd, f"{data}:2: row has both 'prompt'/'response' and 'text'", t.out, [t.ckpt, data]
+
+
+@case
+def chat_template_that_raises(t):
+    """A `tool` turn under a template that allows only alternating user/assistant turns (Llama-2 style)."""
+    ckpt = copy(t.ckpt, t.tmp / "ckpt")
+    conf = json.loads((ckpt / "tokenizer_config.json").read_text())
+    conf["chat_template"] = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    )
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(conf))
+    data = t.tmp / "chat.jsonl"
+    turns = [{"role": "user", "content": "1+1="}, {"role": "tool", "content": "2"},
+             {"role": "assistant", "content": "2"}]  # fmt: skip
+    good = [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]
+    data.write_text(json.dumps({"messages": good}) + "\n" + json.dumps({"messages": turns}) + "\n" * 2)
+    cmd = trainer_cmd(*run_args(str(ckpt), t.out, str(data)))
+    fragment = f"{data}:2: the tokenizer's chat template refused this conversation: Conversation roles must alternate"
+    return cmd, fragment, t.out, [ckpt, data]
+
+
+# ---------------------------------------------------------------- numeric settings (one line each, before any step)
+
+
+@case
+def learning_rate_inf_with_skip(t):
+    cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, learning_rate="inf", nonfinite_loss="skip"))
+    return cmd, "learning_rate=inf must be a finite number in [0, inf]", t.out, [t.ckpt]
+
+
+@case
+def negative_warmup_ratio(t):
+    cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, **{"optim.warmup_ratio": -0.5}))
+    return cmd, "optim.warmup_ratio=-0.5 must be a finite number in [0, 1]", t.out, [t.ckpt]
+
+
+@case
+def adam_beta1_above_one(t):
+    cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, **{"optim.beta1": 1.5}))
+    return cmd, "optim.beta1=1.5 must be a finite number in [0, 1)", t.out, [t.ckpt]
+
+
 # ---------------------------------------------------------------- while saving
 
 
@@ -319,57 +359,17 @@ def disk_full_during_save(t):
 # ---------------------------------------------------------------- the test
 
 
-def digest(paths) -> dict[str, str]:
-    out = {}
-    for root in paths:
-        root = Path(root)
-        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-        for p in files:
-            out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
-
-
-def looks_complete(out: Path | None, inputs) -> list[str]:
-    """Output the failed command left that a user could mistake for a result."""
-    if out is None or not out.exists():
-        return []
-    protected = {Path(p).name for p in inputs}
-    names = [n for n in os.listdir(out) if n not in protected]
-    return [n for n in names if n.startswith("global_step") or n in ("latest", "model.safetensors.index.json")]
-
-
-class Inputs:
-    def __init__(self, tmp_path, hf_models, converted, sft_data):
-        self.tmp, self.hf, self.out = tmp_path, hf_models, tmp_path / "out"
-        self.ckpt, self.mha_ckpt, self.train = converted["gqa"], converted["mha"], sft_data[0]
-        self.env = {}
-
-
 def test_catalogue_is_large_enough():
     assert len(CASES) >= 15
 
 
 def test_readme_counts_the_catalogue():
+    from tests.test_bad_outputs import CASES as OUTPUT_CASES
+
     readme = (REPO / "README.md").read_text()
-    assert f"`tests/test_bad_inputs.py` is the catalogue ({len(CASES)} cases)" in readme
+    assert f"the catalogue ({len(CASES) + len(OUTPUT_CASES)} cases)" in readme
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input(name, hf_models, converted, sft_data, tmp_path, monkeypatch):
-    t = Inputs(tmp_path, hf_models, converted, sft_data)
-    cmd, fragment, out, inputs, *rest = CASES[name](t)
-    ranks = rest[0] if rest else 1
-    before = digest(inputs)
-    for key, value in t.env.items():
-        monkeypatch.setenv(key, value)
-    proc = run_cmd(cmd, timeout=300)
-    assert proc.returncode != 0, proc.stdout[-2000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if fragment in line]  # the message is one line
-    assert errors and (ranks == 1 or len(errors) == ranks), proc.stderr[-3000:]  # once on every rank
-    assert all(line == errors[0] for line in errors), errors
-    assert digest(inputs) == before, "inputs changed"
-    assert not looks_complete(out, inputs), os.listdir(out)
-    if out is not None and out.exists():
-        assert not [n for n in os.listdir(out) if n.startswith((".saving-", ".tmp"))], os.listdir(out)
-    print(f"{name}: {errors[-1]}")
+    run_case(CASES[name], Inputs(tmp_path, hf_models, converted, sft_data), monkeypatch)

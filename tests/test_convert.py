@@ -191,13 +191,37 @@ def _expect_error(args: list[str], fragment: str, out_dir: str | None = None):
 def test_existing_output_is_refused_unless_forced(tmp_path, hf_models, converted):
     """(The other conversion errors are in tests/test_bad_inputs.py.)"""
     before = sorted(os.listdir(os.path.join(converted["gqa"], "global_step0")))
-    _expect_error(["--input", hf_models["gqa"], "--output", converted["gqa"]], "already holds a checkpoint")
+    _expect_error(["--input", hf_models["gqa"], "--output", converted["gqa"]], "already holds a pipeline checkpoint")
     assert sorted(os.listdir(os.path.join(converted["gqa"], "global_step0"))) == before
     forced = tmp_path / "forced"
     shutil.copytree(converted["gqa"], forced)
     proc = run_cmd([sys.executable, "convert2ckpt.py", "--input", hf_models["mha"], "--output", str(forced), "--force"])
     assert proc.returncode == 0, proc.stderr
     assert json.load(open(forced / "config.json"))["num_key_value_heads"] == 4
+
+
+def test_outputs_follow_the_umask(tmp_path, hf_models):
+    """Converted and exported directories and files get the modes `cp` and `save_pretrained` would give them
+    (they were 0700, from a temporary directory renamed into place: teammates could not read them)."""
+    import convert2ckpt
+
+    src = tmp_path / "hf"
+    shutil.copytree(hf_models["gqa"], src)
+    for path in src.iterdir():
+        path.chmod(0o664)
+    old = os.umask(0o002)
+    try:
+        ckpt, out, tp2 = (str(tmp_path / n) for n in ("ckpt", "out", "tp2"))
+        assert convert2ckpt.main(["--input", str(src), "--output", ckpt]) == 0
+        assert convert2ckpt.main(["--to-hf", "--input", ckpt, "--output", out]) == 0
+        assert convert2ckpt.main(["--input", ckpt, "--output", tp2, "--tp", "2"]) == 0
+    finally:
+        os.umask(old)
+    for name in ("ckpt", "out", "tp2"):
+        root = tmp_path / name
+        modes = {str(p): p.stat().st_mode & 0o777 for p in [root, *root.rglob("*")]}
+        wrong = {p: oct(m) for p, m in modes.items() if m != (0o775 if os.path.isdir(p) else 0o664)}
+        assert not wrong and len(modes) > 5, wrong
 
 
 def test_old_rotary_buffers_are_dropped(tmp_path, hf_models):

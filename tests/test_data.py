@@ -269,6 +269,29 @@ def test_every_format_gives_the_same_samples(tokenizer, tmp_path):
     assert len(TokenizedDataset([paths["jsonl"], paths["parquet"]], tokenizer, 16, DataConfig())) == 24
 
 
+def test_byte_order_marks_nulls_and_ambiguous_rows(tokenizer, tmp_path):
+    """A UTF-8 BOM (Windows tools) is read; a key set to null is absent (Parquet files that mix row kinds
+    have every column in every row); a row of two kinds is refused naming its line."""
+    rows = [{"text": "the quick brown fox"}, {"prompt": "1+1=", "response": "2"}]
+    plain = write_formats(rows, tmp_path)
+    expected = [(ids.tolist(), t.tolist()) for ids, t in TokenizedDataset(plain["jsonl"], tokenizer, 16, DataConfig())]
+    for fmt in ("jsonl", "json"):
+        bom = tmp_path / f"bom.{fmt}"
+        bom.write_bytes(b"\xef\xbb\xbf" + open(plain[fmt], "rb").read())
+        got = [(ids.tolist(), t.tolist()) for ids, t in TokenizedDataset(str(bom), tokenizer, 16, DataConfig())]
+        assert got == expected, fmt
+    nulls = tmp_path / "nulls"
+    nulls.mkdir()
+    full = write_formats([{k: r.get(k) for k in ("text", "prompt", "response")} for r in rows], nulls)
+    for fmt, path in full.items():  # every column in every row: null where a row has no such key
+        got = [(ids.tolist(), t.tolist()) for ids, t in TokenizedDataset(path, tokenizer, 16, DataConfig())]
+        assert got == expected, fmt
+    path = tmp_path / "both.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "b", "messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(DataError, match=r"both.jsonl:2: row has both 'messages' and 'text'"):
+        TokenizedDataset(str(path), tokenizer, 16, DataConfig())
+
+
 def test_weighted_mixture_keeps_total_and_repeats_evenly(tokenizer, tmp_path):
     from data.sources import mixture
 

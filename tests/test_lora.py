@@ -140,6 +140,7 @@ PEFT_SETTINGS = {
     "rank_pattern": {"rank_pattern": {"q_proj": 2, "model.layers.1.mlp.down_proj": 6}},
     "rslora": {"use_rslora": True},
     "all_three": {"rank_pattern": {"v_proj": 8}, "alpha_pattern": {"layers.2.self_attn.q_proj": 3}, "use_rslora": True},
+    "adapter_model.bin": {},  # PEFT's older format (torch.save), read through the safe loader
 }
 
 
@@ -160,7 +161,9 @@ def test_peft_adapter_settings_merge_exactly(setting, hf_models, converted, tmp_
         for name, p in model.named_parameters():
             if ".lora_" in name:
                 p.normal_(0, 0.1)
-    model.save_pretrained(str(tmp_path / "adapter"))
+    legacy = setting == "adapter_model.bin"
+    model.save_pretrained(str(tmp_path / "adapter"), safe_serialization=not legacy)
+    assert (tmp_path / "adapter" / setting).exists() or not legacy
     expected = model.merge_and_unload().state_dict()
     export_pipeline_to_hf(converted["gqa"], str(tmp_path / "merged"), merge_lora=str(tmp_path / "adapter"),
                           log=lambda *_: None)  # fmt: skip

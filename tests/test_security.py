@@ -132,6 +132,14 @@ def test_planted_pickle_in_a_hugging_face_directory_is_refused(hf_models, sft_da
     for what, cmd in cases.items():
         assert_refused(run_cmd(cmd, timeout=300), marker, what, "pytorch_model.bin")
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "run" / "hf_converted").exists()
+    # A PEFT adapter in the older .bin format is read through the same safe loader.
+    legacy = tmp_path / "legacy_adapter"
+    shutil.copytree(adapter, legacy, ignore=shutil.ignore_patterns("*.safetensors"))
+    planted = {**load_file(f"{adapter}/adapter_model.safetensors"), "x": Payload(marker)}
+    torch.save(planted, legacy / "adapter_model.bin")
+    cmd = [*convert, "--to-hf", "--input", hf_models["gqa"], "--output", str(tmp_path / "m2"), "--merge-lora",
+           str(legacy)]  # fmt: skip
+    assert_refused(run_cmd(cmd, timeout=300), marker, "--merge-lora adapter_model.bin", "adapter_model.bin")
 
 
 def test_resume_loads_our_own_files_safely(converted, sft_data, tmp_path):

@@ -35,6 +35,7 @@ from training.distributed import agreed, broadcast_object, init_distributed
 from training.engine import build_module, describe_auto_precision, initialize_engine, resolve_precision
 from training.errors import RunError
 from training.logs import configure_logging, log_to_file
+from training.run_dir import check_paths, prepare_output_dir
 from training.topology import Coords
 
 log = logging.getLogger("trainer")
@@ -231,6 +232,14 @@ def assemble(cfg: TrainConfig) -> Run:
             validate(cfg)
         except ValueError as e:
             raise _user_error(e) from None
+        check_paths(cfg)
+        if rank == 0:
+            try:
+                prepare_output_dir(cfg)
+            except OSError as e:
+                why = e.strerror or e
+                raise RunError(f"output_dir {cfg.output_dir}: cannot move the earlier run aside ({why})") from None
+    with agreed():
         try:
             os.makedirs(cfg.output_dir, exist_ok=True)
         except OSError as e:

@@ -27,7 +27,7 @@ from checkpoint.manifest import build_manifest, checkpoint_files, write_manifest
 from checkpoint.names import engine_files, rng_file, staging_tag, step_tag
 from checkpoint.optimizer_reshape import OPTIMIZER_NAMES, gather_moved_state, load_moved_state, optimizer_param_names
 from checkpoint.safe_load import check_pickles, load_pt
-from checkpoint.saves import newest_checkpoint, publish_checkpoint
+from checkpoint.saves import choose_checkpoint, publish_checkpoint
 from checkpoint.staging import remove_tree
 from checkpoint.universal import check_movable, ensure_universal, layout_changed, read_layout, write_layout
 from models.layout import layer_file_name, param_tp_split, pipe_layers
@@ -37,6 +37,7 @@ from training.config import TrainConfig, resume_mode
 from training.distributed import agreed, broadcast_object
 from training.engine import resolve_precision, resolve_zero_stage
 from training.errors import RunError
+from training.run_dir import check_resume_from, roll_back
 from training.topology import Coords
 
 log = logging.getLogger("trainer")
@@ -75,11 +76,17 @@ def saved_layout(cfg: TrainConfig, coords: Coords, model_config) -> dict:
 
 
 def find_resume_tag(cfg: TrainConfig) -> str | None:
-    """resume=true: the newest complete checkpoint in output_dir, or an error; auto: it or None."""
+    """resume_from: that complete checkpoint; resume=true: the newest complete one, or an error; auto: it or None.
+    When the checkpoint taken is not the one `latest` names, one log line says which and why."""
+    if cfg.resume_from:
+        check_resume_from(cfg.output_dir, cfg.resume_from)
+        return cfg.resume_from
     mode = resume_mode(cfg)
     if mode == "false":
         return None
-    tag = newest_checkpoint(cfg.output_dir)
+    tag, why = choose_checkpoint(cfg.output_dir)
+    if why:
+        log.warning("resume: %s; loading %s", why, tag or "nothing")
     if tag is None and mode == "true":
         raise RunError(
             f"resume=true but output_dir {cfg.output_dir} holds no checkpoint (use resume=auto to start fresh)"
@@ -107,6 +114,10 @@ def plan_resume(cfg: TrainConfig, coords: Coords, model_config) -> ResumePlan:
                     "checkpoint does not handle frozen weights); train LoRA with deepspeed=fp32 to move it, or "
                     "resume it as saved"
                 )
+    if cfg.resume_from:
+        with agreed():
+            if coords.rank == 0:
+                roll_back(cfg.output_dir, cfg.resume_from)
     if plan.tag and (plan.reshape or layout_changed(saved, current)):
         universal = None
         with agreed():

@@ -8,6 +8,8 @@ global, and `validate` only reads it.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +90,8 @@ class TrainConfig:
     eval_steps: int = 0  # 0: evaluate only at the end
     # NOTE: a string, not an Enum: omegaconf reads `resume=true` as a boolean before an Enum could see it.
     resume: str = "false"  # true: continue from the newest checkpoint in output_dir; auto: if there is one
+    resume_from: str | None = None  # global_stepN: resume this (older) checkpoint on purpose; newer ones move aside
+    overwrite_output_dir: bool = False  # a fresh run into an output_dir with checkpoints moves the earlier run aside
     nonfinite_loss: NonFinite = NonFinite.stop
     keep_last_n: int = 0  # keep only the newest N checkpoints (never the one `latest` names); 0: keep all
     logging_steps: int = 1
@@ -111,8 +115,8 @@ def register_configs() -> None:
 
 
 def resume_mode(cfg: TrainConfig) -> str:
-    """`resume` as one of RESUME_MODES ("True" from a YAML boolean reads as "true")."""
-    return str(cfg.resume).lower()
+    """`resume` as one of RESUME_MODES ("True" from a YAML boolean reads as "true"); `resume_from` means true."""
+    return "true" if cfg.resume_from else str(cfg.resume).lower()
 
 
 def evaluating(cfg: TrainConfig) -> bool:
@@ -125,16 +129,60 @@ def _need(ok: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def _finite(value, key: str, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = False):
+    """`key`=`value` must be a finite number in the range; ValueError naming both otherwise."""
+    lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
+    bounds = f"{lo}{low:g}, {'inf' if math.isinf(high) else f'{high:g}'}{hi}"
+    ok = isinstance(value, int | float) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    _need(ok, f"{key}={value} must be a finite number in {bounds}")
+
+
+def validate_numbers(cfg: TrainConfig) -> None:
+    """Every numeric setting finite and in range, so none trains into NaN weights or a wrong schedule."""
+    o = cfg.optim
+    _finite(cfg.learning_rate, "learning_rate", 0)
+    _finite(o.weight_decay, "optim.weight_decay", 0)
+    _finite(o.beta1, "optim.beta1", 0, 1, high_open=True)
+    _finite(o.beta2, "optim.beta2", 0, 1, high_open=True)
+    _finite(o.eps, "optim.eps", 0, low_open=True)
+    _finite(o.max_grad_norm, "optim.max_grad_norm", 0)
+    _finite(o.warmup_ratio, "optim.warmup_ratio", 0, 1)
+    _finite(o.min_lr_ratio, "optim.min_lr_ratio", 0, 1)
+    _need(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    _finite(cfg.dist_timeout_minutes, "dist_timeout_minutes", 0, low_open=True)
+    _need(cfg.max_steps >= -1, f"max_steps={cfg.max_steps} must be -1 (use num_train_epochs) or a step count")
+    _need(cfg.num_train_epochs >= 1 or cfg.max_steps > 0, f"num_train_epochs={cfg.num_train_epochs} must be >= 1")
+    for key in ("save_steps", "eval_steps"):
+        _need(getattr(cfg, key) >= 0, f"{key}={getattr(cfg, key)} must be >= 0")
+    _need(cfg.logging_steps >= 1, f"logging_steps={cfg.logging_steps} must be >= 1")
+    _need(cfg.eval_micro_batch_size is None or cfg.eval_micro_batch_size >= 1,
+          f"eval_micro_batch_size={cfg.eval_micro_batch_size} must be >= 1")  # fmt: skip
+    _need(0 <= cfg.deepspeed.initial_scale_power <= 32,
+          f"deepspeed.initial_scale_power={cfg.deepspeed.initial_scale_power} must be in [0, 32]")  # fmt: skip
+    for key in ("tokenize_workers", "num_workers"):
+        _need(getattr(cfg.data, key) >= 0, f"data.{key}={getattr(cfg.data, key)} must be >= 0")
+    for i, w in enumerate(cfg.data.train_weights or []):
+        _finite(w, f"data.train_weights[{i}]", 0)
+    if cfg.lora.enabled:
+        _finite(cfg.lora.alpha, "lora.alpha", 0, low_open=True)
+        _finite(cfg.lora.dropout, "lora.dropout", 0, 1, high_open=True)
+
+
 def validate(cfg: TrainConfig) -> None:
     """Checks that need more than types. Raises ValueError naming the key; changes nothing."""
     from models.lora import check_target_modules
     from training.reporting import check_reporters
 
     need = _need
-    need(resume_mode(cfg) in RESUME_MODES, f"resume={cfg.resume} must be true, false or auto")
+    need(str(cfg.resume).lower() in RESUME_MODES, f"resume={cfg.resume} must be true, false or auto")
+    need(cfg.resume_from is None or re.fullmatch(r"global_step\d+", cfg.resume_from) is not None,
+         f"resume_from={cfg.resume_from} must name a checkpoint like global_step500")  # fmt: skip
+    need(not cfg.overwrite_output_dir or (str(cfg.resume).lower() == "false" and not cfg.resume_from),
+         "overwrite_output_dir=true starts a fresh run; it cannot be combined with resume or resume_from")  # fmt: skip
+    validate_numbers(cfg)
     need(cfg.keep_last_n >= 0, f"keep_last_n={cfg.keep_last_n} must be >= 0")
     check_reporters(cfg.report_to)
-    need(cfg.dist_timeout_minutes > 0, f"dist_timeout_minutes={cfg.dist_timeout_minutes} must be > 0")
     need(cfg.num_stages >= 1, f"num_stages={cfg.num_stages} must be >= 1")
     need(cfg.tensor_parallel_size >= 1, f"tensor_parallel_size={cfg.tensor_parallel_size} must be >= 1")
     need(cfg.model.vocab_pad_multiple >= 1, f"model.vocab_pad_multiple={cfg.model.vocab_pad_multiple} must be >= 1")
@@ -143,7 +191,6 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.seq_length >= 2, f"seq_length={cfg.seq_length} must be >= 2")
     need(cfg.micro_batch_size >= 1, f"micro_batch_size={cfg.micro_batch_size} must be >= 1")
     need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
-    need(cfg.learning_rate >= 0, f"learning_rate={cfg.learning_rate} must be >= 0")
     need(cfg.deepspeed.zero_stage in (None, 0, 1), "deepspeed.zero_stage must be 0 or 1 with pipeline parallelism")
     need(not cfg.do_train or cfg.train_file is not None, "do_train=true needs train_file")
     weights = cfg.data.train_weights

@@ -1,0 +1,165 @@
+"""What a launch does with output_dir: which checkpoint `latest` leads to and why, fresh runs never mixed with
+earlier ones, rollbacks to an older step, and every numeric setting checked before a step is taken."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from checkpoint.saves import choose_checkpoint
+from tests.conftest import check, read_jsonl, run_cmd, small_run
+from training.config import TrainConfig, validate
+from training.errors import RunError
+from training.run_dir import check_resume_from, prepare_output_dir, roll_back
+
+
+def make_steps(out: Path, steps, latest=None) -> None:
+    for step in steps:
+        (out / f"global_step{step}").mkdir(parents=True)
+        (out / f"global_step{step}" / "weights").write_text(str(step))
+    if latest:
+        (out / "latest").write_text(latest)
+
+
+@pytest.mark.parametrize(
+    "steps,latest,tag,why",
+    [
+        ((1, 2), "global_step2", "global_step2", None),
+        ((1, 2), "global_step1", "global_step2", "'latest' names global_step1 but global_step2 is complete and newer"),
+        ((1, 2), "global_step3", "global_step2", "'latest' names global_step3, which is missing; global_step2 is"),
+        ((1,), None, "global_step1", "no 'latest' file; global_step1 is the newest complete checkpoint"),
+        ((), "global_step3", None, "'latest' names global_step3, which is missing, and no complete checkpoint"),
+        ((), None, None, None),
+    ],
+)
+def test_which_checkpoint_latest_leads_to_and_why(tmp_path, steps, latest, tag, why):
+    make_steps(tmp_path, steps, latest)
+    got_tag, got_why = choose_checkpoint(str(tmp_path))
+    assert got_tag == tag
+    assert (got_why is None) if why is None else got_why.startswith(why), got_why
+
+
+def cfg_for(out: Path, **kw) -> TrainConfig:
+    return TrainConfig(output_dir=str(out), model_name_or_path=str(out.parent / "model"), train_file="t.jsonl", **kw)
+
+
+def test_fresh_run_refuses_checkpoints_and_overwrite_moves_the_run_aside(tmp_path):
+    out = tmp_path / "run"
+    make_steps(out, (2, 3), "global_step3")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    for cache in ("data_cache", "hf_converted"):
+        (out / cache).mkdir()
+        (out / cache / "x").write_text(cache)
+    with pytest.raises(RunError, match=r"holds checkpoints of an earlier run \(global_step2, global_step3\)"):
+        prepare_output_dir(cfg_for(out))
+    prepare_output_dir(cfg_for(out, resume="auto"))  # resuming is what the checkpoints are for
+    assert sorted(os.listdir(out)) == ["data_cache", "global_step2", "global_step3", "hf_converted", "latest",
+                                       "metrics.jsonl"]  # fmt: skip
+    prepare_output_dir(cfg_for(out, overwrite_output_dir=True))
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.earlier-")]
+    assert sorted(os.listdir(out)) == ["data_cache", "hf_converted"]  # the keyed caches come along
+    assert sorted(os.listdir(aside)) == ["global_step2", "global_step3", "latest", "metrics.jsonl"]
+    assert (aside / "global_step3" / "weights").read_text() == "3"
+
+
+def test_fresh_run_moves_an_earlier_runs_metrics_aside(tmp_path):
+    """A run stopped before its first save left metrics: a fresh run never appends to them."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    prepare_output_dir(cfg_for(out))
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.earlier-")]
+    assert not (out / "metrics.jsonl").exists() and (aside / "metrics.jsonl").read_text().count("step") == 2
+
+
+def test_resume_from_checks_completeness_and_rolls_back(tmp_path):
+    make_steps(tmp_path, (1, 2, 3), "global_step3")
+    (tmp_path / "global_step1" / "manifest.json").write_text(json.dumps({"files": {"weights": {"size": 1}}}))
+    (tmp_path / "global_step2" / "manifest.json").write_text(json.dumps({"files": {"gone": {"size": 1}}}))
+    with pytest.raises(RunError, match="global_step2/gone is missing or resized"):
+        check_resume_from(str(tmp_path), "global_step2")
+    with pytest.raises(RunError, match=r"is not a complete checkpoint \(complete ones: global_step1, global_step2, g"):
+        check_resume_from(str(tmp_path), "global_step7")
+    check_resume_from(str(tmp_path), "global_step1")
+    assert roll_back(str(tmp_path), "global_step1") == ["global_step2", "global_step3"]
+    (aside,) = tmp_path.glob("rolled_back-*")
+    assert sorted(os.listdir(aside)) == ["global_step2", "global_step3"]
+    assert choose_checkpoint(str(tmp_path)) == ("global_step1", None)
+
+
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("learning_rate", float("inf"), "learning_rate=inf must be a finite number in [0, inf]"),
+        ("learning_rate", -1e-4, "learning_rate=-0.0001 must be"),
+        ("optim.beta1", 1.5, "optim.beta1=1.5 must be a finite number in [0, 1)"),
+        ("optim.beta2", 1.0, "optim.beta2=1.0 must be a finite number in [0, 1)"),
+        ("optim.eps", 0.0, "optim.eps=0.0 must be a finite number in (0, inf]"),
+        ("optim.weight_decay", -0.1, "optim.weight_decay=-0.1 must be"),
+        ("optim.max_grad_norm", float("nan"), "optim.max_grad_norm=nan must be"),
+        ("optim.warmup_ratio", -0.5, "optim.warmup_ratio=-0.5 must be a finite number in [0, 1]"),
+        ("optim.warmup_ratio", 1.5, "optim.warmup_ratio=1.5 must be"),
+        ("optim.warmup_steps", -1, "optim.warmup_steps=-1 must be >= 0"),
+        ("optim.min_lr_ratio", 2.0, "optim.min_lr_ratio=2.0 must be"),
+        ("dist_timeout_minutes", 0.0, "dist_timeout_minutes=0.0 must be"),
+        ("logging_steps", 0, "logging_steps=0 must be >= 1"),
+        ("max_steps", -2, "max_steps=-2 must be -1"),
+        ("save_steps", -1, "save_steps=-1 must be >= 0"),
+        ("lora.alpha", float("inf"), "lora.alpha=inf must be"),
+        ("lora.dropout", 1.0, "lora.dropout=1.0 must be"),
+        ("data.train_weights", [1.0, float("nan")], "data.train_weights[1]=nan must be"),
+        ("resume_from", "step5", "resume_from=step5 must name a checkpoint like global_step500"),
+        ("overwrite_output_dir", True, "overwrite_output_dir=true starts a fresh run"),
+    ],
+)
+def test_every_numeric_setting_is_checked_before_training(key, value, message):
+    cfg = TrainConfig(model_name_or_path="m", train_file=["a.jsonl", "b.jsonl"])
+    cfg.lora.enabled = key.startswith("lora.")
+    if key == "overwrite_output_dir":
+        cfg.resume = "auto"
+    owner, _, name = key.rpartition(".")
+    setattr(getattr(cfg, owner) if owner else cfg, name, value)
+    with pytest.raises(ValueError) as e:
+        validate(cfg)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+@pytest.mark.slow
+def test_rollback_and_overwrite_on_real_runs(converted, sft_data, tmp_path):
+    """resume_from=global_step1 after 3 saved steps retrains steps 2-3 exactly (bit-identical losses and
+    weights), moves the abandoned checkpoints aside and logs why; overwrite_output_dir=true then starts over."""
+    from checkpoint.layer_files import load_layer_state
+
+    out = tmp_path / "run"
+    args = small_run(converted["gqa"], out, sft_data[0], max_steps=3, save_steps=1, learning_rate=3e-3)
+
+    def weights(step_dir: Path) -> dict:
+        files = sorted(step_dir.glob("layer_*"))
+        return {f"{f.name}:{k}": v for f in files for k, v in load_layer_state(str(f)).items()}
+
+    def curve(metrics: list[dict]) -> list[tuple]:
+        return [(m["step"], m["loss"], m["lr"], m["grad_norm"]) for m in metrics]
+
+    check(run_cmd([sys.executable, "trainer.py", *args]))
+    first, first_weights = read_jsonl(out / "metrics.jsonl"), weights(out / "global_step3")
+    (out / "latest").write_text("global_step1")  # and a stale `latest`: resume=auto says which it takes
+    auto = run_cmd([sys.executable, "trainer.py", *args, "resume=auto", "max_steps=3"])
+    assert "'latest' names global_step1 but global_step3 is complete and newer" in check(auto).stderr
+    proc = check(run_cmd([sys.executable, "trainer.py", *args, "resume_from=global_step1"]))
+    assert "resume_from=global_step1: moved the newer checkpoints global_step2, global_step3" in proc.stderr
+    again = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in again] == [1, 2, 3] and curve(again) == curve(first)
+    assert weights(out / "global_step3").keys() == first_weights.keys()
+    assert all((weights(out / "global_step3")[k] == v).all() for k, v in first_weights.items())
+    (aside,) = out.glob("rolled_back-*")
+    assert sorted(os.listdir(aside)) == ["global_step2", "global_step3"]
+
+    check(run_cmd([sys.executable, "trainer.py", *args, "max_steps=1", "overwrite_output_dir=true"]))
+    (earlier,) = tmp_path.glob("run.earlier-*")
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1]
+    assert read_jsonl(earlier / "metrics.jsonl") == again and (earlier / "global_step3").is_dir()
+    assert sorted(n for n in os.listdir(out) if n.startswith("global_step")) == ["global_step1"]
