@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -50,6 +51,7 @@ def build(work: str, layers: int, hidden: int, heads: int, rows: int, seed: int 
 
 
 def trainer_run(hf: str, data: str, out: str, stages: int, args) -> list[dict]:
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run each time (the trainer refuses to mix runs)
     overrides = [f"model_name_or_path={hf}", f"output_dir={out}", f"train_file={data}", "do_eval=false",
                  f"num_stages={stages}", f"seq_length={args.seq}", f"micro_batch_size={args.mbs}",
                  f"gradient_accumulation_steps={args.ga}", f"max_steps={args.steps}", "deepspeed=fp32",

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Subset
 
 
 @dataclass(frozen=True)
@@ -45,13 +45,16 @@ class TrainPlan:
             )
         return divmod(step, self.steps_per_epoch)
 
-    def epoch_indices(self, epoch: int, dp_rank: int, seed: int, skip_steps: int = 0) -> list[int]:
-        """This rank's row indices for `epoch`, cut to whole steps, after skipping `skip_steps`."""
-        sampler = DistributedSampler(
-            range(self.num_rows), num_replicas=self.dp_size, rank=dp_rank, shuffle=True, seed=seed, drop_last=True
-        )
-        sampler.set_epoch(epoch)
-        indices = list(sampler)[: self.steps_per_epoch * self.rows_per_step]
+    def epoch_indices(self, epoch: int, dp_rank: int, seed: int, skip_steps: int = 0) -> torch.Tensor:
+        """This rank's row indices for `epoch`, cut to whole steps, after skipping `skip_steps`.
+
+        Exactly `DistributedSampler(shuffle=True, drop_last=True, seed=seed)` after `set_epoch(epoch)`, kept as
+        one int64 tensor (the sampler makes a Python list of every row)."""
+        generator = torch.Generator()
+        generator.manual_seed(seed + epoch)
+        usable = (self.num_rows // self.dp_size) * self.dp_size
+        indices = torch.randperm(self.num_rows, generator=generator)[:usable][dp_rank :: self.dp_size]
+        indices = indices[: self.steps_per_epoch * self.rows_per_step]
         return indices[skip_steps * self.rows_per_step :]
 
 
@@ -80,11 +83,13 @@ def eval_num_batches(num_rows: int, dp_size: int, micro_batch_size: int, micro_b
     return max(1, math.ceil(num_rows / (dp_size * micro_batch_size * micro_batches)))
 
 
-def eval_indices(num_rows: int, dp_size: int, dp_rank: int, micro_batch_size: int, micro_batches: int) -> list[int]:
+def eval_indices(num_rows: int, dp_size: int, dp_rank: int, micro_batch_size: int,
+                 micro_batches: int) -> torch.Tensor:  # fmt: skip
     """This rank's eval rows, padded with -1 so all ranks run the same number of micro-batches."""
     total = eval_num_batches(num_rows, dp_size, micro_batch_size, micro_batches) * dp_size
     total *= micro_batch_size * micro_batches
-    everything = list(range(num_rows)) + [-1] * (total - num_rows)
+    everything = torch.full((total,), -1, dtype=torch.long)
+    everything[:num_rows] = torch.arange(num_rows)
     return everything[dp_rank::dp_size]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from data.dataset import TokenizedDataset
-from data.packing import PackedDataset
+from data.packing import BlockDataset, PackedDataset, arranged
 from data.sampling import TrainPlan
 from models.lora import add_lora
 from models.loss import IGNORE_INDEX
@@ -20,13 +20,14 @@ from training.engine import make_optimizer
 
 def global_batch(dataset, plan: TrainPlan, step: int, seed: int, seq_length: int, pad_id: int):
     """Rows of optimizer step `step` over all DP ranks, as HF inputs (unshifted labels). With packing, the
-    rows inside the step's packed rows, each in an HF row of its own (what packing must reproduce)."""
+    rows inside the step's packed rows, each in an HF row of its own (what packing must reproduce); with
+    concatenation, each piece of a document that a block holds."""
     epoch, skip = plan.position(step)
     indices = []
     for r in range(plan.dp_size):
         indices += plan.epoch_indices(epoch, r, seed, skip)[: plan.rows_per_step]
     rows = [dataset[i] for i in indices]
-    if isinstance(dataset, PackedDataset):
+    if isinstance(dataset, (PackedDataset, BlockDataset)):
         rows = [row for packed in rows for row in packed]
     ids = torch.full((len(rows), seq_length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), seq_length), dtype=torch.long)
@@ -51,9 +52,9 @@ def train_reference(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, 
         lo = cfg.lora
         add_lora(model, lo.r, lo.alpha, lo.dropout, lo.target_modules, cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    dataset = TokenizedDataset(cfg.train_file, tokenizer, cfg.seq_length, cfg.data)
-    if cfg.data.packing:
-        dataset = PackedDataset(dataset, cfg.seq_length)
+    d = cfg.data
+    dataset = TokenizedDataset(cfg.train_file, tokenizer, cfg.seq_length, d, concat=d.concatenate)
+    dataset = arranged(dataset, d.packing, d.concatenate, cfg.seq_length, train=True)
     plan = TrainPlan(len(dataset), dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
     total = plan.total_steps(cfg.max_steps, cfg.num_train_epochs)
     optimizer, scheduler = make_optimizer(cfg, model.named_parameters(), total)
@@ -76,13 +77,21 @@ def train_reference(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, 
 
 @torch.no_grad()
 def reference_eval(model, tokenizer_dir: str, eval_file: str, cfg: TrainConfig) -> tuple[float, int]:
-    """(mean loss over every target token of eval_file, token count), one unpadded row at a time."""
+    """(mean loss over every target token of eval_file, token count), one unpadded row (with concatenation: one
+    piece of a document in a block) at a time."""
     from transformers import AutoTokenizer
 
-    dataset = TokenizedDataset(eval_file, AutoTokenizer.from_pretrained(tokenizer_dir), cfg.seq_length, cfg.data)
+    d = cfg.data
+    dataset = TokenizedDataset(eval_file, AutoTokenizer.from_pretrained(tokenizer_dir), cfg.seq_length, d,
+                               concat=d.concatenate)  # fmt: skip
+    if d.concatenate:
+        blocks = BlockDataset(dataset, cfg.seq_length, drop_last=False)
+        pieces = [piece for b in range(len(blocks)) for piece in blocks[b]]
+    else:
+        pieces = [dataset[i] for i in range(len(dataset))]
     model.eval()
     total, tokens = 0.0, 0
-    for ids, targets in dataset:
+    for ids, targets in pieces:
         labels = torch.where(targets, ids, IGNORE_INDEX)[1:]
         logits = model(input_ids=ids[None]).logits[0, :-1].float()
         total += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))

@@ -61,11 +61,12 @@ def test_packed_collator_restarts_positions_and_never_labels_across_rows():
 
 def test_pack_rows_best_fit_is_deterministic_and_fits():
     lengths = [7, 3, 5, 2, 8, 1, 4, 6, 2, 2]
-    bins = pack_rows(lengths, 10)
+    order, starts = pack_rows(lengths, 10)
+    bins = [order[starts[b] : starts[b + 1]].tolist() for b in range(len(starts) - 1)]
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))  # every row exactly once
     assert all(sum(lengths[i] for i in b) <= 10 for b in bins)
     assert len(bins) == 4  # 40 tokens in 4 rows of 10: no room wasted
-    assert bins == pack_rows(lengths, 10)
+    assert bins == [[4, 3], [0, 1], [7, 6], [2, 8, 9, 5]]  # best fit: each row into the fullest row it fits
     with pytest.raises(ValueError, match="row 4 has 8 tokens, more than seq_length=7"):
         pack_rows(lengths, 7)
 
@@ -74,7 +75,7 @@ def test_truncation_and_bad_rows(tmp_path, tokenizer):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"text": "the quick brown fox jumps over the lazy dog"}) + "\n\n")
     ds = TokenizedDataset(str(path), tokenizer, 4, DataConfig())
-    assert len(ds) == 1 and len(ds[0][0]) == 4 and ds.truncated == 1
+    assert len(ds) == 1 and len(ds[0][0]) == 4 and ds.report()["truncated_rows"] == 1
     assert count_rows(str(path)) == 1
     path.write_text('{"text": "ok"}\n{"text": broken\n')
     with pytest.raises(DataError, match=r"d.jsonl:2: not valid JSON"):
@@ -89,23 +90,29 @@ def test_truncation_and_bad_rows(tmp_path, tokenizer):
 
 @pytest.mark.parametrize("rows,dp,mbs,gas", [(100, 1, 2, 2), (100, 2, 3, 2), (101, 3, 2, 1), (64, 4, 4, 1)])
 def test_train_plan_disjoint_cover_and_resume(rows, dp, mbs, gas):
+    from torch.utils.data import DistributedSampler
+
     plan = TrainPlan(rows, dp, mbs, gas)
     for epoch in range(2):
-        per_rank = [plan.epoch_indices(epoch, r, seed=3) for r in range(dp)]
+        per_rank = [plan.epoch_indices(epoch, r, seed=3).tolist() for r in range(dp)]
         assert all(len(p) == plan.steps_per_epoch * mbs * gas for p in per_rank)
+        for r in range(dp):  # the order DistributedSampler gives, kept as one tensor instead of a Python list
+            sampler = DistributedSampler(range(rows), num_replicas=dp, rank=r, shuffle=True, seed=3, drop_last=True)
+            sampler.set_epoch(epoch)
+            assert per_rank[r] == list(sampler)[: len(per_rank[r])]
         flat = [i for p in per_rank for i in p]
         assert len(set(flat)) == len(flat)  # disjoint across DP ranks
         assert rows - len(flat) < dp * mbs * gas  # together they cover all but a partial step
         # Resuming at any step of the epoch continues with exactly the rows not yet consumed.
         for skip in range(plan.steps_per_epoch):
-            assert plan.epoch_indices(epoch, 0, 3, skip) == per_rank[0][skip * mbs * gas :]
-    assert plan.epoch_indices(0, 0, 3) != plan.epoch_indices(1, 0, 3)  # reshuffled per epoch
+            assert plan.epoch_indices(epoch, 0, 3, skip).tolist() == per_rank[0][skip * mbs * gas :]
+    assert plan.epoch_indices(0, 0, 3).tolist() != plan.epoch_indices(1, 0, 3).tolist()  # reshuffled per epoch
     assert plan.position(plan.steps_per_epoch + 1) == (1, 1)
 
 
 @pytest.mark.parametrize("rows,dp,mbs,mb", [(37, 2, 3, 2), (5, 4, 1, 1), (1, 2, 4, 3), (64, 4, 4, 4)])
 def test_eval_sees_every_row_exactly_once(rows, dp, mbs, mb):
-    per_rank = [eval_indices(rows, dp, r, mbs, mb) for r in range(dp)]
+    per_rank = [eval_indices(rows, dp, r, mbs, mb).tolist() for r in range(dp)]
     assert len({len(p) for p in per_rank}) == 1 and len(per_rank[0]) % (mbs * mb) == 0
     assert sorted(i for p in per_rank for i in p if i != -1) == list(range(rows))
 
@@ -256,7 +263,7 @@ def test_every_format_gives_the_same_samples(tokenizer, tmp_path):
     for fmt, path in paths.items():
         assert count_rows(path) == 12, fmt
         ds = TokenizedDataset(path, tokenizer, 16, DataConfig())
-        samples[fmt] = [(ids.tolist(), t.tolist()) for ids, t in ds.samples]
+        samples[fmt] = [(ids.tolist(), t.tolist()) for ids, t in (ds[i] for i in range(len(ds)))]
     assert samples["json"] == samples["jsonl"] == samples["parquet"] == samples["datasets"]
     import datasets
 
@@ -293,16 +300,18 @@ def test_byte_order_marks_nulls_and_ambiguous_rows(tokenizer, tmp_path):
 
 
 def test_weighted_mixture_keeps_total_and_repeats_evenly(tokenizer, tmp_path):
-    from data.sources import mixture
+    from data.sources import mixture_index
 
-    picks = mixture([30, 10], [1.0, 3.0], seed=5)
-    assert len(picks) == 40 and sum(s == 0 for s, _ in picks) == 10
-    from_b = [i for s, i in picks if s == 1]
-    assert sorted(from_b) == sorted(list(range(10)) * 3)  # each row of the small source exactly 3 times
-    assert mixture([30, 10], [1.0, 3.0], seed=5) == picks and mixture([30, 10], [1.0, 3.0], seed=6) != picks
-    assert mixture([3, 2], None, 0) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    picks = mixture_index([30, 10], [1.0, 3.0], seed=5)
+    assert len(picks) == 40 and int((picks < 30).sum()) == 10 and len(set(picks[picks < 30].tolist())) == 10
+    from_b = picks[picks >= 30] - 30
+    assert sorted(from_b.tolist()) == sorted(list(range(10)) * 3)  # each row of the small source exactly 3 times
+    assert all(sorted(from_b[k * 10 : (k + 1) * 10].tolist()) == list(range(10)) for k in range(3))  # no early repeat
+    assert (mixture_index([30, 10], [1.0, 3.0], seed=5) == picks).all()
+    assert not (mixture_index([30, 10], [1.0, 3.0], seed=6) == picks).all()
+    assert mixture_index([3, 2], None, 0) is None  # the sources concatenated
     with pytest.raises(DataError, match="one weight >= 0 per train file"):
-        mixture([3, 2], [1.0], 0)
+        mixture_index([3, 2], [1.0], 0)
 
 
 @pytest.mark.slow
@@ -327,29 +336,3 @@ def test_trainer_mixes_parquet_and_datasets_dir(converted, tmp_path):
     assert not (out / "eval_results.json").exists()  # no eval_file given and do_eval unset: no evaluation
     bad = run_cmd([sys.executable, "trainer.py", *args[:-1], "data.train_weights=[1]"], timeout=300)
     assert bad.returncode == 2 and "data.train_weights has 1 entries for 2 train files" in bad.stderr
-
-
-def test_tokenized_rows_are_cached_and_workers_agree(tokenizer, tmp_path, monkeypatch):
-    from data import dataset as dataset_mod
-
-    rows = [{"prompt": f"{a}+{a}=", "response": str(2 * a)} for a in range(40)]
-    path = write_formats(rows, tmp_path)["jsonl"]
-    cache = str(tmp_path / "cache")
-    first = TokenizedDataset(path, tokenizer, 16, DataConfig(), cache_dir=cache, workers=2)
-    serial = TokenizedDataset(path, tokenizer, 16, DataConfig())
-    assert not first.from_cache and [s[0].tolist() for s in first.samples] == [s[0].tolist() for s in serial.samples]
-
-    def no_tokenizing(*_):
-        raise AssertionError("tokenized again")
-
-    monkeypatch.setattr(dataset_mod, "encode_row", no_tokenizing)
-    again = TokenizedDataset(path, tokenizer, 16, DataConfig(), cache_dir=cache)
-    assert again.from_cache and len(again) == 40
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(again.samples, first.samples))
-    # Another seq_length, or the file changed: another key, tokenized anew.
-    with pytest.raises(AssertionError, match="tokenized again"):
-        TokenizedDataset(path, tokenizer, 12, DataConfig(), cache_dir=cache)
-    with open(path, "a") as f:
-        f.write(json.dumps({"text": "one more"}) + "\n")
-    with pytest.raises(AssertionError, match="tokenized again"):
-        TokenizedDataset(path, tokenizer, 16, DataConfig(), cache_dir=cache)

@@ -98,11 +98,11 @@ def test_resume_refuses_a_different_data_order():
     from training.errors import RunError
 
     saved = {"seed": 1, "global_batch_size": 8, "seq_length": 16, "train_weights": None, "num_train_rows": 40,
-             "train_rows_sha256": "a" * 64}  # fmt: skip
+             "train_data_fingerprint": "a" * 64}  # fmt: skip
     check_data_state(saved, dict(saved), "global_step3")
     check_data_state({"seed": 1, "num_train_rows": 40}, dict(saved), "global_step3")  # older saves: fewer keys
     for key, value, message in [
-        ("train_rows_sha256", "b" * 64, "the tokenized training rows differ"),
+        ("train_data_fingerprint", "b" * 64, "the tokenized training rows differ"),
         ("seq_length", 32, "seq_length=32 but the checkpoint global_step3 was saved with 16"),
         ("global_batch_size", 4, "global_batch_size=4"),
         ("train_weights", [1.0, 3.0], "train_weights=[1.0, 3.0]"),

@@ -28,6 +28,9 @@ LAYERS = {
     "benchmarks": 4,
     "tests": 5,
 }
+# Entry points that live inside a package because their command names it (`python -m data.prepare`): they
+# compose the trainer's config, so they sit where trainer.py sits.
+ENTRY_POINTS = {"data.prepare": 3}
 MAX_LINES = 400
 
 
@@ -59,7 +62,7 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def package(module: str) -> str:
-    return module.split(".")[0]
+    return module if module in ENTRY_POINTS else module.split(".")[0]
 
 
 def test_imports_only_run_downward():
@@ -67,7 +70,7 @@ def test_imports_only_run_downward():
     for module, targets in import_graph().items():
         for target in targets:
             a, b = package(module), package(target)
-            if a != b and LAYERS[b] >= LAYERS[a]:
+            if a != b and {**LAYERS, **ENTRY_POINTS}[b] >= {**LAYERS, **ENTRY_POINTS}[a]:
                 upward.append(f"{module} -> {target}")
     assert not upward, upward
 

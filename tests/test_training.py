@@ -60,18 +60,20 @@ def overrides(cfg: TrainConfig, ckpt: str, out: str, num_stages: int, **extra) -
     return [f"{k}={v}" for k, v in args.items()]
 
 
-# (model, activation_checkpointing, stages, TP, data.packing, model.loss_chunk_size)
+# (model, activation_checkpointing, stages, TP, rows arranged: "", "packing" or "concatenate", model.loss_chunk_size)
 LAYOUTS = {
-    "gqa-pp2-dp2": ("gqa", "false", 2, 1, False, 0),
-    "tied-pp2-dp2": ("tied", "false", 2, 1, False, 0),
+    "gqa-pp2-dp2": ("gqa", "false", 2, 1, "", 0),
+    "tied-pp2-dp2": ("tied", "false", 2, 1, "", 0),
     # Packed rows against the reference's unpacked rows; every 2nd block recomputed; loss 5 tokens at a time.
-    "gqa-pp2-dp2-packed-recompute2-chunked": ("gqa", "2", 2, 1, True, 5),
-    "gqa-pp2-tp2-chunked": ("gqa", "false", 2, 2, False, 7),  # chunks through the vocab-parallel loss
-    "tied-tp2-dp2-recompute": ("tied", "true", 1, 2, False, 0),
+    "gqa-pp2-dp2-packed-recompute2-chunked": ("gqa", "2", 2, 1, "packing", 5),
+    # Documents end to end in blocks (data.concatenate) against each block's pieces run as rows of their own.
+    "tied-pp2-dp2-concatenated": ("tied", "false", 2, 1, "concatenate", 0),
+    "gqa-pp2-tp2-chunked": ("gqa", "false", 2, 2, "", 7),  # chunks through the vocab-parallel loss
+    "tied-tp2-dp2-recompute": ("tied", "true", 1, 2, "", 0),
     # The other families: Qwen3's per-head q/k norms under TP, Qwen2's biases (tied), Mistral's sliding window.
-    "qwen3-pp2-tp2": ("qwen3", "false", 2, 2, False, 0),
-    "qwen2-tp2-dp2-recompute": ("qwen2", "true", 1, 2, False, 0),
-    "mistral-pp2-dp2": ("mistral", "false", 2, 1, False, 0),
+    "qwen3-pp2-tp2": ("qwen3", "false", 2, 2, "", 0),
+    "qwen2-tp2-dp2-recompute": ("qwen2", "true", 1, 2, "", 0),
+    "mistral-pp2-dp2": ("mistral", "false", 2, 1, "", 0),
 }
 
 
@@ -81,19 +83,21 @@ def test_training_matches_single_process_reference(layout, hf_models, converted,
     (with packing: the same rows, unpacked)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    variant, recompute, stages, tp, packing, chunk = LAYOUTS[layout]
+    variant, recompute, stages, tp, arrangement, chunk = LAYOUTS[layout]
     cfg = parity_cfg(sft_data[0])
-    cfg.data.packing = packing
-    if packing:
-        cfg.seq_length = 40  # room for several rows in each packed row
+    packing = bool(arrangement)
+    if arrangement:
+        setattr(cfg.data, arrangement, True)
+        cfg.seq_length = 40  # room for several rows in each packed row or block
     out = str(tmp_path / "run")
     extra = {
         "model.activation_checkpointing": recompute,
         "tensor_parallel_size": tp,
-        "data.packing": str(packing).lower(),
         "model.loss_chunk_size": chunk,
     }
-    if packing:  # eval packs too: it must still score every eval row once, exactly
+    if arrangement:
+        extra[f"data.{arrangement}"] = "true"
+    if packing:  # eval packs too: it must still score every eval row (or block) once, exactly
         extra.update(eval_file=sft_data[1], do_eval="true", eval_micro_batch_size=3)
     check(deepspeed_launch(4, *overrides(cfg, converted[variant], out, num_stages=stages, **extra)))
     dp = 4 // (stages * tp)
@@ -119,9 +123,14 @@ def test_training_matches_single_process_reference(layout, hf_models, converted,
         assert results["eval_tokens"] == ref_tokens
         assert results["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
         report = json.load(open(f"{out}/data_report.json"))["train"]
-        assert report["rows_per_packed_row"] > 1.5 and report["padding_share_packed"] < report["padding_share_unpacked"]
-        print(f"packing: {report['rows_per_packed_row']:.2f} rows per packed row, padding "
-              f"{report['padding_share_unpacked']:.1%} -> {report['padding_share_packed']:.1%}")  # fmt: skip
+        if arrangement == "packing":
+            assert report["rows_per_packed_row"] > 1.5
+            assert report["padding_share_packed"] < report["padding_share_unpacked"]
+            print(f"packing: {report['rows_per_packed_row']:.2f} rows per packed row, padding "
+                  f"{report['padding_share_unpacked']:.1%} -> {report['padding_share_packed']:.1%}")  # fmt: skip
+        else:  # no padding at all: every block is full
+            assert report["padding_share_packed"] == 0 and report["blocks"] == report["tokens"] // cfg.seq_length
+            assert report["tokens_dropped"] == report["tokens"] % cfg.seq_length
 
     config = AutoConfig.from_pretrained(out)
     ours = load_hf_state_dict(out, config)

@@ -117,7 +117,8 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
         params = sum(counts[bounds[stage] : bounds[stage + 1]])
         own = range(bounds[stage], bounds[stage + 1])
         in_flight = min(pp - stage, cfg.gradient_accumulation_steps)  # 1F1B: stage s holds pp - s micro-batches
-        kept, live = stage_activation_bytes(config, own, b, s, tp, act_bytes, attn, cfg.data.packing, every)
+        packed = cfg.data.documents_share_rows
+        kept, live = stage_activation_bytes(config, own, b, s, tp, act_bytes, attn, packed, every)
         activations = in_flight * kept + live
         vocab = padded_vocab(config.vocab_size, tp, cfg.model.vocab_pad_multiple) // tp  # vocab-parallel head
         chunk = min(cfg.model.loss_chunk_size or b * s, b * s)

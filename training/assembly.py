@@ -19,10 +19,9 @@ from checkpoint.hf_reader import is_hf_dir
 from checkpoint.names import LORA_FILE
 from checkpoint.saves import clean_stale, read_tag
 from data.collator import CausalLMCollator
-from data.dataset import PlaceholderDataset, TokenizedDataset
-from data.packing import PackedDataset
+from data.dataset import PlaceholderDataset, TokenizedDataset, cache_root
+from data.packing import BlockDataset, PackedDataset, arranged
 from data.sampling import TrainPlan
-from data.sources import count_rows
 from models.config import check_preset, config_from_preset, load_hf_config
 from models.lora import add_lora
 from models.loss import CausalLMLoss
@@ -31,7 +30,7 @@ from models.tensor_parallel import TensorParallel, parallelize_lora, vocab_paral
 from models.tokenizer import check_tokenizer_fits, load_tokenizer
 from training import checkpointing
 from training.config import TrainConfig, evaluating, validate, validate_layout
-from training.distributed import agreed, broadcast_object, init_distributed
+from training.distributed import agreed, broadcast_object, init_distributed, rank0_works
 from training.engine import build_module, describe_auto_precision, initialize_engine, resolve_precision
 from training.errors import RunError
 from training.logs import configure_logging, log_to_file
@@ -48,10 +47,11 @@ class Run:
     cfg: TrainConfig
     coords: Coords
     model_config: Any
-    plan: TrainPlan
-    total_steps: int
-    num_eval_rows: int
     loss_fn: CausalLMLoss
+    plan: TrainPlan | None = None  # set once the data is loaded
+    total_steps: int = 0
+    num_eval_rows: int = 0
+    ephemeral_data: bool = False  # data.cache_dir="": the stores are removed after the run
     engine: Any = None
     step: int = 0
     data_state: dict = field(default_factory=dict)  # what decides the data order (checkpointing.DATA_KEYS)
@@ -127,54 +127,59 @@ def _pad_id(tokenizer) -> int:
 
 
 def _load_data(run: Run) -> None:
-    """Tokenized datasets on the first and last stage (rank 0 tokenizes and fills the cache first; the
-    other data ranks then load the cache); the row counts alone on middle stages."""
-    cfg, c, d = run.cfg, run.coords, run.cfg.data
-    cache = d.cache_dir if d.cache_dir is not None else os.path.join(cfg.output_dir, "data_cache")
-    common = dict(cache_dir=cache or None, workers=d.tokenize_workers)
+    """Tokenized datasets on the first and last stage, the row counts alone on middle stages, then the step plan.
 
-    def build():
+    Rank 0 finds or builds the tokenized stores (data/store.py) while every other rank waits in short
+    collectives (a long build never hits dist_timeout_minutes); the other data ranks then memory-map them.
+    Packed rows or blocks (data.packing, data.concatenate) are arranged the same way on every data rank, and
+    every rank learns the row counts from rank 0."""
+    cfg, c, d = run.cfg, run.coords, run.cfg.data
+    cache, run.ephemeral_data = cache_root(d.cache_dir, cfg.output_dir)
+
+    def load(build: bool, beat=None) -> None:
+        common = dict(cache_dir=cache, workers=d.tokenize_workers, concat=d.concatenate, build=build, beat=beat,
+                      log=log.info)  # fmt: skip
         if cfg.do_train:
             run.train_set = TokenizedDataset(cfg.train_file, run.tokenizer, cfg.seq_length, d, d.train_weights,
                                              cfg.seed, **common)  # fmt: skip
         if evaluating(cfg):
             run.eval_set = TokenizedDataset(cfg.eval_file, run.tokenizer, cfg.seq_length, d, **common)
 
-    for turn in (0, 1):  # rank 0 first, then the other data ranks (from the cache)
-        with agreed():
-            if c.has_data and (c.rank == 0) == (turn == 0):
-                build()
-    if c.rank == 0:  # about the rows as read (packing, below, groups them)
-        for name, ds in (("train", run.train_set), ("eval", run.eval_set)):
-            if isinstance(ds, TokenizedDataset) and ds.cache_file:
-                how = "loaded from" if ds.from_cache else "tokenized and cached in"
-                log.info("%s data: %d rows %s %s", name, len(ds), how, ds.cache_file)
-        lines = getattr(run.train_set, "no_target_lines", [])
-        if lines:
-            log.warning("%s: %d of %d rows have no target token within seq_length=%d (first: %s)",
-                        cfg.train_file, len(lines), len(run.train_set), cfg.seq_length, lines[0])  # fmt: skip
-    if d.packing:
-        _pack(run)
+    rank0_works(lambda beat: load(True, beat), f"waiting for rank 0 to find or build the tokenized data in {cache}")
+    counts = None
+    with agreed():
+        if c.has_data and c.rank != 0:
+            load(build=False)
+        if c.rank == 0:
+            _log_rows(run)
+        if c.has_data:
+            if cfg.do_train:
+                run.train_set = arranged(run.train_set, d.packing, d.concatenate, cfg.seq_length, train=True)
+            if evaluating(cfg):
+                run.eval_set = arranged(run.eval_set, d.packing, d.concatenate, cfg.seq_length, train=False)
+        if c.rank == 0:
+            counts = (len(run.train_set) if cfg.do_train else 0, len(run.eval_set) if evaluating(cfg) else 0)
+    num_train_rows, run.num_eval_rows = broadcast_object(counts)
+    what = "blocks" if d.concatenate else "packed rows" if d.packing else "rows"
+    run.plan, run.total_steps = train_plan(cfg, c, num_train_rows, what)
     if not c.has_data:
         run.train_set = PlaceholderDataset(run.plan.num_rows)
         run.eval_set = PlaceholderDataset(run.num_eval_rows)
 
 
-def _pack(run: Run) -> None:
-    """data.packing: data ranks pack their rows (the same packed rows everywhere, data/packing.py); every rank
-    learns the packed row counts from rank 0, and the step count follows from them."""
-    cfg, c = run.cfg, run.coords
-    counts = None
-    with agreed():
-        if c.has_data:
-            if cfg.do_train:
-                run.train_set = PackedDataset(run.train_set, cfg.seq_length)
-            if evaluating(cfg):
-                run.eval_set = PackedDataset(run.eval_set, cfg.seq_length)
-        if c.rank == 0:
-            counts = (len(run.train_set) if cfg.do_train else 0, len(run.eval_set) if evaluating(cfg) else 0)
-    num_train_rows, run.num_eval_rows = broadcast_object(counts)
-    run.plan, run.total_steps = train_plan(cfg, c, num_train_rows, "packed rows")
+def _log_rows(run: Run) -> None:
+    """Rank 0: where the rows come from, and rows that teach nothing."""
+    cfg = run.cfg
+    for name, ds in (("train", run.train_set), ("eval", run.eval_set)):
+        if isinstance(ds, TokenizedDataset):
+            how = "found" if ds.from_cache else "built"
+            log.info("%s data: %d rows, tokenized store %s %s", name, len(ds), how, ", ".join(ds.store_dirs))
+    if isinstance(run.train_set, TokenizedDataset):
+        missing = run.train_set.report()["rows_without_targets"]
+        if missing:
+            first = (run.train_set.no_target_examples or ["?"])[0]
+            log.warning("%s: %d of %d rows have no target token within seq_length=%d (first: %s)",
+                        cfg.train_file, missing, len(run.train_set), cfg.seq_length, first)  # fmt: skip
 
 
 def train_plan(cfg: TrainConfig, coords: Coords, num_rows: int, what: str = "rows") -> tuple[TrainPlan, int]:
@@ -187,7 +192,7 @@ def train_plan(cfg: TrainConfig, coords: Coords, num_rows: int, what: str = "row
 
 
 def _data_state(run: Run) -> dict:
-    """What decides which rows each step reads, the same on every rank (rank 0 hashes the tokenized rows)."""
+    """What decides which rows each step reads, the same on every rank (the stores' fingerprints, from rank 0)."""
     cfg = run.cfg
     digest = run.train_set.fingerprint() if run.coords.rank == 0 and cfg.do_train else None
     return {
@@ -197,7 +202,8 @@ def _data_state(run: Run) -> dict:
         "seq_length": cfg.seq_length,
         "train_weights": list(cfg.data.train_weights) if cfg.data.train_weights else None,
         "packing": cfg.data.packing,
-        "train_rows_sha256": broadcast_object(digest),
+        "concatenate": cfg.data.concatenate,
+        "train_data_fingerprint": broadcast_object(digest),
     }
 
 
@@ -260,30 +266,19 @@ def assemble(cfg: TrainConfig) -> Run:
             stage_bounds(model_config, cfg.num_stages, cfg.model.partition)
         except ValueError as e:
             raise _user_error(e) from None
-    counts = None
-    with agreed():
-        if rank == 0:  # a line count, no parsing
-            counts = (
-                count_rows(cfg.train_file) if cfg.do_train else 0,
-                count_rows(cfg.eval_file) if evaluating(cfg) else 0,
-            )
-    num_train_rows, num_eval_rows = broadcast_object(counts)
-    if cfg.do_train and num_train_rows == 0:
-        raise RunError(f"train_file {cfg.train_file}: empty dataset (no JSON rows)")
-    plan, total = train_plan(cfg, coords, num_train_rows)
     tp = TensorParallel(cfg.tensor_parallel_size, coords.tp_rank, cfg.model.vocab_pad_multiple)
     cross_entropy = None
     if vocab_parallel(model_config, tp):  # no rank holds [B, S, V] logits; padded rows never reach the loss
         cross_entropy = functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=model_config.vocab_size)
     loss_fn = CausalLMLoss(cross_entropy, cfg.model.loss_chunk_size)
-    run = Run(cfg, coords, model_config, plan, total, num_eval_rows, loss_fn, tp=tp)
+    run = Run(cfg, coords, model_config, loss_fn, tp=tp)
     run.layout = checkpointing.saved_layout(cfg, coords, model_config)
     resume = checkpointing.plan_resume(cfg, coords, model_config)  # before any slow work: a bad resume fails now
     with agreed():
         if coords.has_data:
             run.tokenizer = _tokenizer(cfg, model_config.vocab_size)
     _load_data(run)
-    run.collate = CausalLMCollator(cfg.seq_length, _pad_id(run.tokenizer), cfg.data.packing)
+    run.collate = CausalLMCollator(cfg.seq_length, _pad_id(run.tokenizer), cfg.data.documents_share_rows)
     run.data_state = _data_state(run)
 
     source = _weights_source(run, resume)
@@ -342,7 +337,7 @@ def write_run_files(run: Run) -> None:
         shutil.copy2(generation, target)
     report = {}
     for name, ds in (("train", run.train_set), ("eval", run.eval_set)):
-        if isinstance(ds, (TokenizedDataset, PackedDataset)):
+        if isinstance(ds, (TokenizedDataset, PackedDataset, BlockDataset)):
             report[name] = r = ds.report()
             log.info("%s data %s: %d rows, %d tokens, %.1f%% of them targets, %d rows truncated to %d tokens, "
                      "%d rows without targets", name, r["file"], r["rows"], r["tokens"], 100 * r["target_share"],
@@ -351,6 +346,9 @@ def write_run_files(run: Run) -> None:
                 log.info("%s data packed: %d rows in %d rows of %d tokens (%.2f per row), padding %.1f%% -> %.1f%%",
                          name, r["rows"], r["packed_rows"], cfg.seq_length, r["rows_per_packed_row"],
                          100 * r["padding_share_unpacked"], 100 * r["padding_share_packed"])  # fmt: skip
+            if "blocks" in r:
+                log.info("%s data concatenated: %d documents in %d blocks of %d tokens, %d tokens of a partial block "
+                         "dropped", name, r["rows"], r["blocks"], cfg.seq_length, r["tokens_dropped"])  # fmt: skip
     if report:
         with open(os.path.join(cfg.output_dir, "data_report.json"), "w") as f:
             json.dump(report, f, indent=2)

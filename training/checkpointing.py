@@ -43,8 +43,8 @@ from training.topology import Coords
 log = logging.getLogger("trainer")
 
 # What decides which rows each step reads, in the order a mismatch is reported (see `check_data_state`).
-DATA_KEYS = ("seed", "global_batch_size", "seq_length", "train_weights", "packing", "num_train_rows",
-             "train_rows_sha256")  # fmt: skip
+DATA_KEYS = ("seed", "global_batch_size", "seq_length", "train_weights", "packing", "concatenate", "num_train_rows",
+             "train_data_fingerprint")  # fmt: skip
 
 
 @dataclass
@@ -175,7 +175,7 @@ def check_data_state(saved: dict, now: dict, tag: str) -> None:
     for key in DATA_KEYS:
         if key not in saved or saved[key] == now.get(key):
             continue
-        if key == "train_rows_sha256":
+        if key == "train_data_fingerprint":
             raise RunError(
                 f"resume: the tokenized training rows differ from those the checkpoint {tag} was saved with "
                 "(train_file contents, tokenizer or data settings changed), so the data order would not continue"

@@ -200,6 +200,9 @@ def validate(cfg: TrainConfig) -> None:
         f"data.train_weights has {len(weights or [])} entries for {len(files)} train files",
     )
     need(cfg.do_eval is not True or cfg.eval_file is not None, "do_eval=true needs eval_file")
+    need(not (cfg.data.packing and cfg.data.concatenate),
+         "data.packing=true and data.concatenate=true: choose one (packing places whole rows, concatenation cuts "
+         "the document stream into blocks)")  # fmt: skip
     if cfg.lora.enabled:
         need(cfg.lora.r >= 1, f"lora.r={cfg.lora.r} must be >= 1")
         need(cfg.model_name_or_path is not None, "lora.enabled=true needs model_name_or_path")

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -21,6 +23,9 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from training.errors import USER_ERRORS, RunError
+
+log = logging.getLogger("trainer")
+_CONTROL: list = []  # the gloo group for small CPU collectives (made once per process group)
 
 
 def _free_port() -> int:
@@ -52,6 +57,7 @@ def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int]:
     if not dist.is_initialized():
         deepspeed.init_distributed(timeout=timeout, verbose=False)
         release_shm_buffers()
+        _CONTROL[:] = [dist.new_group(backend="gloo")]
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return dist.get_rank(), dist.get_world_size()
@@ -100,3 +106,42 @@ def broadcast_object(value, src: int = 0):
     box = [value]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def control_group():
+    """A gloo group over every rank for small CPU collectives (the stop flag, heartbeats), under NCCL too."""
+    if not _CONTROL:
+        _CONTROL.append(dist.new_group(backend="gloo"))
+    return _CONTROL[0]
+
+
+def _pulse(state: int) -> int:
+    flag = torch.tensor([state], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control_group())
+    return int(flag.item())
+
+
+def rank0_works(work: Callable[[Callable[[], None]], None], waiting: str, interval: float = 5.0) -> None:
+    """Rank 0 runs `work(beat)` (however long: tokenizing a corpus) while every other rank waits in short
+    collectives, so no wait runs into `dist_timeout_minutes`; `work` calls `beat()` often (it pulses at most
+    every `interval` seconds). A one-line failure reaches every rank as with `agreed()`."""
+    error = None
+    if dist.get_rank() == 0:
+        last = time.monotonic()
+
+        def beat() -> None:
+            nonlocal last
+            if time.monotonic() - last >= interval:
+                _pulse(0)
+                last = time.monotonic()
+
+        try:
+            work(beat)
+        except USER_ERRORS as e:
+            error = str(e)
+        _pulse(1)
+    else:
+        log.info(waiting)
+        while _pulse(0) == 0:
+            pass
+    agree(error)

@@ -153,7 +153,7 @@ def build_module(cfg: TrainConfig, coords: Coords, model_config, loss_fn, tp: Te
         topology,
         tp,
         partition=cfg.model.partition,
-        options=DecoderOptions(packed=cfg.data.packing, checkpoint_every=checkpoint_every(cfg.model)),
+        options=DecoderOptions(packed=cfg.data.documents_share_rows, checkpoint_every=checkpoint_every(cfg.model)),
         loss_fn=loss_fn,
         skip_init=skip_init,
     )

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import time
 
@@ -20,6 +21,7 @@ from training import checkpointing
 from training.assembly import assemble
 from training.batches import LossScaledBatches
 from training.config import TrainConfig, evaluating, resume_mode
+from training.distributed import control_group
 from training.errors import RunError
 from training.logs import rank_log_path
 from training.reporting import StepReporter, truncate_metrics
@@ -51,7 +53,6 @@ class Trainer:
         self.state = assemble(cfg)
         self.last_saved_step = self.state.step if self.state.step else None
         self.stop_signal, self.stopped, self.reporter = None, False, None
-        self.control_group = dist.new_group(backend="gloo")  # a CPU group for the stop flag, under NCCL too
         signal.signal(signal.SIGTERM, self._on_sigterm)
         if resume_mode(cfg) != "false" and self.state.coords.reporting:
             # Drop metrics of steps after the resumed checkpoint (all of them when a launch killed before its
@@ -137,7 +138,7 @@ class Trainer:
     def _stop_requested(self) -> bool:
         """Whether any rank got SIGTERM; every rank takes part so that all stop after the same step."""
         flag = torch.tensor([1 if self.stop_signal else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control_group())
         self.stopped = bool(flag.item())
         return self.stopped
 
@@ -212,3 +213,7 @@ class Trainer:
                     lines.append(f"  {name}: {os.path.join(out, name)}")
             print("\n".join(lines), flush=True)
         dist.barrier()
+        if r.ephemeral_data and r.coords.rank == 0:  # data.cache_dir="": the stores lived for this run only
+            from data.dataset import cache_root
+
+            shutil.rmtree(cache_root("", cfg.output_dir)[0], ignore_errors=True)

@@ -1,0 +1,172 @@
+"""Rows -> token ids and target masks, exactly as inference tokenizes them.
+
+Rows are `{"text": ...}` (loss on every next token), `{"prompt": ..., "response": ...}` (loss on the
+response tokens only) or `{"messages": [...]}` (a chat through the tokenizer's template, loss on the
+assistant turns). Text and prompts are tokenized the way the tokenizer does by default (its own BOS/EOS
+handling); a response is tokenized without special tokens and followed by EOS (`data.add_eos_to_response`)
+so the model learns where an answer ends.
+
+`encode_row` is the rule; `encode_rows` applies it to a chunk of rows with one batched tokenizer call per
+row kind (the fast tokenizer is several times faster on a list than called per row) and gives exactly
+`encode_row`'s ids and targets (tests/test_data.py holds them equal for both tokenizer kinds).
+"""
+
+from __future__ import annotations
+
+from data.config import DataConfig
+from data.errors import DataError
+
+
+def encode_messages(messages, tokenizer) -> tuple[list[int], list[bool]]:
+    """A chat rendered with the tokenizer's chat template; targets: the assistant turns only.
+
+    The whole conversation is rendered once and tokenized once, exactly as inference tokenizes it
+    (`tokenizer(rendered, add_special_tokens=False)`, what `apply_chat_template(tokenize=True)` does),
+    so training sees the token sequence serving produces. Each assistant turn's target is the text the
+    template writes after the assistant header: the conversation up to that turn rendered with
+    `add_generation_prompt=True` is its context, the rendering including the turn ends it. A token is a
+    target when its characters (the tokenizer's offsets) fall inside such a span; a token straddling a
+    boundary belongs to the span it overlaps. Templates must render a conversation's prefix as a prefix
+    of the whole (every common one does); one that does not is reported, as is a tokenizer without offsets.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise KeyError("'messages' must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise KeyError("every message needs a string 'role' and a string 'content'")
+        check_unicode(m["content"], f"messages[{i}].content")
+    if not getattr(tokenizer, "chat_template", None):
+        raise KeyError("rows with 'messages' need a tokenizer with a chat template (tokenizer_config.json)")
+
+    def render(turns, generation_prompt=False) -> str:
+        if not turns:
+            return ""
+        try:
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as e:  # noqa: BLE001 - jinja's TemplateError, or what the template itself raises
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise KeyError(f"the tokenizer's chat template refused this conversation: {reason}") from None
+
+    text = render(messages)
+    spans = []  # [start, end) character spans of the assistant turns in `text`
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        context, upto = render(messages[:i], generation_prompt=True), render(messages[: i + 1])
+        if not (upto.startswith(context) and text.startswith(upto)):
+            raise KeyError("the chat template does not render a conversation's start as a prefix of the whole")
+        if len(upto) > len(context):
+            spans.append((len(context), len(upto)))
+    if not spans:
+        raise KeyError("conversation has no assistant turn to learn from")
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, TypeError, ValueError):
+        raise KeyError(
+            f"chat rows need a tokenizer with character offsets (a fast tokenizer, tokenizer.json); "
+            f"{type(tokenizer).__name__} has none"
+        ) from None
+    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+
+    def is_target(start: int, end: int) -> bool:
+        if start == end:  # zero-width (e.g. a trimmed offset): the span its position falls in
+            return any(s <= start < e for s, e in spans)
+        return any(start < e and end > s for s, e in spans)
+
+    return list(ids), [is_target(start, end) for start, end in offsets]
+
+
+def check_unicode(text: str, key: str) -> None:
+    """KeyError when `text` cannot be encoded as UTF-8 (a lone surrogate such as "\\ud800" from a JSON escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise KeyError(f"'{key}' is not valid Unicode (a lone surrogate \\u{ord(text[e.start]):04x} at character "
+                       f"{e.start})") from None  # fmt: skip
+
+
+def row_kind(row: dict, cfg: DataConfig) -> str:
+    """'messages', 'pair' or 'text': which of the row kinds `row` is (a key set to null counts as absent).
+    A row with keys of two kinds is ambiguous: KeyError."""
+    kinds = []
+    if row.get(cfg.messages_key) is not None:
+        kinds.append(("messages", f"'{cfg.messages_key}'"))
+    if row.get(cfg.prompt_key) is not None or row.get(cfg.response_key) is not None:
+        kinds.append(("pair", f"'{cfg.prompt_key}'/'{cfg.response_key}'"))
+    if row.get(cfg.text_key) is not None:
+        kinds.append(("text", f"'{cfg.text_key}'"))
+    if len(kinds) > 1:
+        raise KeyError(f"row has both {kinds[0][1]} and {kinds[1][1]}: a row is one kind (text, prompt/response "
+                       "or messages); drop the other keys")  # fmt: skip
+    if not kinds:
+        raise KeyError(
+            f"row has neither a string '{cfg.text_key}' nor '{cfg.prompt_key}'/'{cfg.response_key}' "
+            f"nor '{cfg.messages_key}'"
+        )
+    return kinds[0][0]
+
+
+def encode_row(row: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[bool]]:
+    """Token ids and, per token, whether it is a target (predicted from the tokens before it). KeyError: a bad row."""
+    kind = row_kind(row, cfg)
+    if kind == "messages":
+        return encode_messages(row[cfg.messages_key], tokenizer)
+    _check_strings(row, kind, cfg)
+    if kind == "pair":
+        p = tokenizer(row[cfg.prompt_key])["input_ids"]
+        r = tokenizer(row[cfg.response_key], add_special_tokens=False)["input_ids"]
+        if cfg.add_eos_to_response and tokenizer.eos_token_id is not None:
+            r = r + [tokenizer.eos_token_id]
+        return p + r, [False] * len(p) + [True] * len(r)
+    ids = tokenizer(row[cfg.text_key])["input_ids"]
+    return ids, [True] * len(ids)
+
+
+def encode_rows(rows: list[tuple[str, dict]], tokenizer, cfg: DataConfig) -> list[tuple[list[int], list[bool]]]:
+    """`encode_row` of every (location, row), text and prompt/response rows tokenized in batches.
+
+    Raises:
+        DataError: a bad row, naming its location.
+    """
+    kinds = []
+    for where, row in rows:
+        try:
+            kinds.append(row_kind(row, cfg))
+            _check_strings(row, kinds[-1], cfg)
+        except KeyError as e:
+            raise DataError(f"{where}: {e.args[0]}") from None
+    out: list = [None] * len(rows)
+    text = [i for i, k in enumerate(kinds) if k == "text"]
+    if text:
+        ids = tokenizer([rows[i][1][cfg.text_key] for i in text], return_attention_mask=False)["input_ids"]
+        for i, row_ids in zip(text, ids, strict=True):
+            out[i] = (row_ids, [True] * len(row_ids))
+    pairs = [i for i, k in enumerate(kinds) if k == "pair"]
+    if pairs:
+        prompts = tokenizer([rows[i][1][cfg.prompt_key] for i in pairs], return_attention_mask=False)["input_ids"]
+        responses = tokenizer([rows[i][1][cfg.response_key] for i in pairs], add_special_tokens=False,
+                              return_attention_mask=False)["input_ids"]  # fmt: skip
+        eos = [tokenizer.eos_token_id] if cfg.add_eos_to_response and tokenizer.eos_token_id is not None else []
+        for i, p, r in zip(pairs, prompts, responses, strict=True):
+            out[i] = (p + r + eos, [False] * len(p) + [True] * (len(r) + len(eos)))
+    for i, kind in enumerate(kinds):
+        if kind == "messages":
+            try:
+                out[i] = encode_messages(rows[i][1][cfg.messages_key], tokenizer)
+            except KeyError as e:
+                raise DataError(f"{rows[i][0]}: {e.args[0]}") from None
+    return out
+
+
+def _check_strings(row: dict, kind: str, cfg: DataConfig) -> None:
+    """The checks `encode_row` makes before tokenizing a text or prompt/response row (KeyError)."""
+    if kind == "pair":
+        prompt, response = row.get(cfg.prompt_key), row.get(cfg.response_key)
+        if not isinstance(prompt, str) or not isinstance(response, str):
+            raise KeyError(f"rows with '{cfg.prompt_key}' need string '{cfg.prompt_key}' and '{cfg.response_key}'")
+        check_unicode(prompt, cfg.prompt_key)
+        check_unicode(response, cfg.response_key)
+    elif kind == "text":
+        if not isinstance(row[cfg.text_key], str):
+            raise KeyError(f"'{cfg.text_key}' must be a string, got {type(row[cfg.text_key]).__name__}")
+        check_unicode(row[cfg.text_key], cfg.text_key)

@@ -1,0 +1,76 @@
+"""Command-line overrides, checked before hydra composes them (trainer.py and `python -m data.prepare` share it)."""
+
+from __future__ import annotations
+
+import difflib
+import os
+
+from omegaconf import OmegaConf
+
+from training.config import TrainConfig
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def check_overrides(args: list[str], conf_dir: str) -> str | None:
+    """A one-line problem with a command-line override (unknown key, wrong type, unknown preset), or None.
+
+    Hydra reports these as multi-line messages after composing; checking first gives the key, the
+    reason and a close match.
+    """
+    schema = OmegaConf.structured(TrainConfig)
+    keys = [k for k, _ in _dotted(OmegaConf.to_container(schema))]
+    groups = {g for g in os.listdir(conf_dir) if os.path.isdir(os.path.join(conf_dir, g))}
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        if key.startswith(("hydra", "+", "~")):
+            continue
+        if key in groups and not ("." in value or value.startswith("{")):
+            presets = sorted(f[:-5] for f in os.listdir(os.path.join(conf_dir, key)) if f.endswith(".yaml"))
+            if value not in presets and value != "null":
+                return f"{key}={value}: unknown preset (conf/{key}/ has {', '.join(presets)})"
+            continue
+        sweep = ("," in value and not value.startswith(("[", "{", "'", '"'))) or value.startswith(
+            ("range(", "choice(", "interval(", "glob(")
+        )  # a multirun sweep (`-m learning_rate=1e-4,3e-4`): hydra checks each value
+        if sweep and (key in keys or key in groups):
+            continue
+        try:
+            OmegaConf.merge(schema, OmegaConf.from_dotlist([arg]))
+        except Exception as e:  # noqa: BLE001 - omegaconf's key, type and grammar errors
+            if key not in keys and not any(k.startswith(key + ".") for k in keys):
+                close = difflib.get_close_matches(key, keys, n=1)
+                return f"{key}: unknown config key" + (f" (did you mean {close[0]}?)" if close else "")
+            reason = str(e).strip().splitlines()[0]
+            return f"{arg}: {reason}"
+    return None
+
+
+def _dotted(tree: dict, prefix: str = ""):
+    for k, v in tree.items():
+        yield prefix + k, v
+        if isinstance(v, dict):
+            yield from _dotted(v, prefix + k + ".")
+
+
+def compose_config(overrides: list[str], conf_dir: str = CONF_DIR) -> TrainConfig:
+    """The run config `trainer.py OVERRIDES` would get (conf/ + overrides, typed), without starting a run.
+
+    Raises:
+        ValueError: one line naming the override or key.
+    """
+    from hydra import compose, initialize_config_dir
+
+    from training.config import register_configs
+
+    register_configs()
+    problem = check_overrides(overrides, conf_dir)
+    if problem:
+        raise ValueError(problem)
+    try:
+        with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
+            return OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+    except Exception as e:  # noqa: BLE001 - hydra and omegaconf raise many types
+        raise ValueError((str(e).strip().splitlines() or [type(e).__name__])[0]) from None
