@@ -88,19 +88,23 @@ def export_to_hf(args) -> None:
 
     adapter = args.merge_lora if isinstance(args.merge_lora, str) else None
     check_output(args.output, HF_EXPORT, args.force, [("input", args.input), ("adapter", adapter)])
-    source, tmp = args.input, None
-    if is_hf_dir(args.input):
-        if not isinstance(args.merge_lora, str):
-            raise CheckpointError(f"{args.input}: a Hugging Face directory; --to-hf takes a pipeline checkpoint")
-        parent = os.path.dirname(os.path.abspath(args.output))
+    if not is_hf_dir(args.input):
+        export_pipeline_to_hf(args.input, args.output, args.tag, args.dtype, args.max_shard_size, args.force,
+                              merge_lora=args.merge_lora)  # fmt: skip
+        return
+    if adapter is None:
+        raise CheckpointError(f"{args.input}: a Hugging Face directory; --to-hf takes a pipeline checkpoint")
+    parent = os.path.dirname(os.path.abspath(args.output))
+    tmp = None
+    try:
         os.makedirs(parent, exist_ok=True)
         tmp = make_unique_dir(parent, ".merge-base-")
         source = os.path.join(tmp, "ckpt")
         convert_hf_to_pipeline(args.input, source, log=lambda *_: None)
-    try:
-        export_pipeline_to_hf(
-            source, args.output, args.tag, args.dtype, args.max_shard_size, args.force, merge_lora=args.merge_lora
-        )
+        export_pipeline_to_hf(source, args.output, args.tag, args.dtype, args.max_shard_size, args.force,
+                              merge_lora=adapter, recorded_input=args.input)  # fmt: skip
+    except OSError as e:
+        raise CheckpointError(f"{e.filename or parent}: cannot write ({e.strerror or e})") from None
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -112,7 +116,7 @@ def selected_layers(args) -> list[int] | None:
         return None
     from checkpoint.convert import parse_layer_range
     from checkpoint.hf_reader import read_model_config
-    from models.layout import all_layer_keys
+    from models.key_table import all_layer_keys
     from models.partition import stage_bounds
 
     config = read_model_config(args.input)
@@ -131,23 +135,19 @@ def selected_layers(args) -> list[int] | None:
 
 
 def verify(ckpt_dir: str, tag: str | None, against: str | None) -> int:
-
     from checkpoint.compare import compare_with_hf
-    from checkpoint.manifest import unsafe_files, verify_manifest
-    from checkpoint.saves import read_tag
+    from checkpoint.manifest import verify_manifest
+    from checkpoint.pipeline_reader import PipelineCheckpoint
 
-    tag = read_tag(ckpt_dir, tag)
-    step_dir = os.path.join(ckpt_dir, tag)
-    if not os.path.isdir(step_dir):
-        raise CheckpointError(f"{step_dir}: no such checkpoint")
-    problems = verify_manifest(step_dir)
-    problems += unsafe_files(step_dir, skip={os.path.basename(p.split(":")[0]) for p in problems})
-    for line in problems:
-        print(f"convert2ckpt: verify: {line}", file=sys.stderr)
+    ckpt = PipelineCheckpoint(ckpt_dir, tag, scan=False)  # the scan below reports every unsafe file, as data
+    problems = verify_manifest(ckpt.step_dir)
+    problems += ckpt.unsafe_files(skip={p.path for p in problems})
+    for problem in problems:
+        print(f"convert2ckpt: verify: {problem}", file=sys.stderr)
     if not problems:
-        print(f"{os.path.join(ckpt_dir, tag)}: every file matches manifest.json")
+        print(f"{ckpt.step_dir}: every file matches manifest.json")
     if against and not problems:
-        diff = compare_with_hf(ckpt_dir, tag, against)
+        diff = compare_with_hf(ckpt_dir, ckpt.tag, against)
         print(f"max |logit difference| against {against}: {diff:.3g}")
         if diff > 1e-3:
             print(f"convert2ckpt: verify: logits differ from {against} by {diff:.3g}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Fine-tune a LLaMA-family model with DeepSpeed pipeline parallelism (PP x DP).
+"""Fine-tune a LLaMA-family model (Llama, Mistral, Qwen2, Qwen3) with DeepSpeed pipeline x tensor x data parallelism.
 
     deepspeed --num_gpus N trainer.py model_name_or_path=CKPT num_stages=2 train_file=... [overrides]
     torchrun --nproc_per_node N trainer.py ...        # works as well

@@ -6,23 +6,20 @@ memory) and through the Hugging Face model loaded whole, in fp32 with eager atte
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import read_model_config
-from checkpoint.layer_files import checkpoint_tp_size, load_layer_whole
+from checkpoint.pipeline_reader import PipelineCheckpoint
+from models.key_table import EMBED, pipe_layers
 from models.layers import build_layer, tied_lm_head_forward
-from models.layout import EMBED, pipe_layers
 
 
 @torch.inference_mode()
-def probe_logits_streamed(ckpt_dir: str, config, tag: str, input_ids: torch.Tensor) -> torch.Tensor:
+def probe_logits_streamed(ckpt: PipelineCheckpoint, input_ids: torch.Tensor) -> torch.Tensor:
     """Logits of the checkpoint on `input_ids`, building and loading one pipeline layer at a time."""
+    config = ckpt.config
     config._attn_implementation = "eager"
-    step_dir = os.path.join(ckpt_dir, tag)
-    saved_tp = checkpoint_tp_size(step_dir)
     position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
     x, embedding = (input_ids, position_ids), None
     for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):
@@ -30,7 +27,7 @@ def probe_logits_streamed(ckpt_dir: str, config, tag: str, input_ids: torch.Tens
             x = tied_lm_head_forward(embedding, x)
             continue
         module = build_layer(layer, config)
-        module.load_state_dict(load_layer_whole(step_dir, layer, config.vocab_size, saved_tp), strict=True)
+        module.load_state_dict(ckpt.load_whole(layer), strict=True)
         module.float().eval()
         x = module(x)
         if layer.kind == EMBED:
@@ -42,13 +39,14 @@ def compare_with_hf(ckpt_dir: str, tag: str, hf_dir: str, seq_len: int = 16) -> 
     """Max |logit difference| between the checkpoint and the HF model on a fixed probe batch (fp32)."""
     from transformers import AutoModelForCausalLM
 
-    config = read_model_config(ckpt_dir)
+    ckpt = PipelineCheckpoint(ckpt_dir, tag)
+    config = ckpt.config
     hf_config = read_model_config(hf_dir)
     if (hf_config.num_hidden_layers, hf_config.hidden_size) != (config.num_hidden_layers, config.hidden_size):
         raise CheckpointError(f"{hf_dir}: a different model size than {ckpt_dir}")
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (2, seq_len), generator=generator)
-    ours = probe_logits_streamed(ckpt_dir, config, tag, ids)
+    ours = probe_logits_streamed(ckpt, ids)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     with torch.inference_mode():
         ref = model(ids).logits

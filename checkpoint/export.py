@@ -21,16 +21,14 @@ import time
 
 import torch
 
-from checkpoint.convert import ConvertStats, copy_side_files
 from checkpoint.dtypes import DTYPES, element_size
 from checkpoint.errors import CheckpointError
-from checkpoint.hf_reader import read_model_config
 from checkpoint.lora_merge import adapters_from_checkpoint, adapters_from_peft
 from checkpoint.outputs import HF_EXPORT, check_output
-from checkpoint.pipeline_reader import iter_hf_tensors, plan_hf_tensors
+from checkpoint.pipeline_reader import PipelineCheckpoint
 from checkpoint.safetensors_writer import StreamingSafetensorsWriter
-from checkpoint.saves import read_tag
 from checkpoint.staging import staged_directory
+from checkpoint.writer import ConvertStats, copy_side_files
 
 
 def parse_size(text: str) -> int:
@@ -60,8 +58,12 @@ def export_pipeline_to_hf(
     force: bool = False,
     log=print,
     merge_lora: bool | str | None = None,
+    recorded_input: str | None = None,
 ) -> ConvertStats:
     """Export `ckpt_dir/<tag>` (default: the tag in `latest`) as a Hugging Face model directory.
+
+    `recorded_input`: what the output's `.convert2ckpt.json` names as the input (default `ckpt_dir`; the
+    Hugging Face directory when `ckpt_dir` is a temporary conversion of it).
 
     `merge_lora=True` merges the adapters a LoRA run trained (its base comes from `lora.json`);
     a directory path merges that PEFT adapter, scaled per module as PEFT does (checkpoint/lora_merge.py).
@@ -74,22 +76,18 @@ def export_pipeline_to_hf(
     check_output(out_dir, HF_EXPORT, force, [("input", ckpt_dir), ("adapter", adapter_dir)])
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype}: expected one of {sorted(DTYPES)}")
-    config = read_model_config(ckpt_dir)
-    tag = read_tag(ckpt_dir, tag)
-    if not os.path.isdir(os.path.join(ckpt_dir, tag)):
-        raise CheckpointError(f"{os.path.join(ckpt_dir, tag)}: no such checkpoint")
-    weights_dir, weights_tag, adapters = ckpt_dir, tag, None
+    ckpt = PipelineCheckpoint(ckpt_dir, tag)
+    weights, adapters = ckpt, None
     if merge_lora is True:
-        weights_dir, adapters = adapters_from_checkpoint(ckpt_dir, tag, config)
-        check_output(out_dir, HF_EXPORT, force, [("LoRA base checkpoint", weights_dir)])
-        weights_tag = read_tag(weights_dir)
+        weights, adapters = adapters_from_checkpoint(ckpt)
+        check_output(out_dir, HF_EXPORT, force, [("LoRA base checkpoint", weights.ckpt_dir)])
     elif merge_lora:
-        adapters = adapters_from_peft(merge_lora, config)
+        adapters = adapters_from_peft(merge_lora, ckpt.config)
     limit = parse_size(max_shard_size)
     # Plan every shard before reading any data: names, shapes and dtypes from memory-mapped layer files.
     plan = [
         (key, shape, DTYPES[dtype] if dtype and stored.is_floating_point else stored)
-        for key, shape, stored in plan_hf_tensors(weights_dir, config, weights_tag)
+        for key, shape, stored in weights.plan_hf_tensors()
     ]
     shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
     shard_bytes = 0
@@ -106,9 +104,10 @@ def export_pipeline_to_hf(
 
     stats = ConvertStats()
     command = "--to-hf" + (" --merge-lora" if merge_lora else "")
-    sources = [p for p in (ckpt_dir, weights_dir, adapter_dir) if p]
+    base = weights.ckpt_dir if merge_lora is True else None
+    sources = [p for p in (recorded_input or ckpt_dir, base, adapter_dir) if p]
     with staged_directory(out_dir, force, HF_EXPORT, command, sorted(set(sources))) as tmp:
-        tensors = iter_hf_tensors(weights_dir, config, weights_tag, adapters)
+        tensors = weights.iter_hf_tensors(adapters)
         for name, shard in zip(names, shards):
             with StreamingSafetensorsWriter(os.path.join(tmp, name), shard, metadata={"format": "pt"}) as writer:
                 for _, _, want in shard:
@@ -123,7 +122,7 @@ def export_pipeline_to_hf(
         copy_side_files(ckpt_dir, tmp, dtype, model_files_only=True)
     stats.seconds = time.perf_counter() - start
     log(
-        f"exported {os.path.join(ckpt_dir, tag)} -> {out_dir}: {len(stats.files)} shards, {stats.tensors} tensors, "
+        f"exported {ckpt.step_dir} -> {out_dir}: {len(stats.files)} shards, {stats.tensors} tensors, "
         f"{stats.bytes_written / 2**20:.1f} MiB in {stats.seconds:.1f}s"
     )
     return stats

@@ -15,7 +15,6 @@ import torch
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import is_hf_dir, iter_tensors, read_model_config
 from checkpoint.names import LORA_FILE
-from checkpoint.saves import read_tag
 
 
 def load_causal_lm(path: str, tag: str | None = None, dtype: torch.dtype = torch.float32):
@@ -27,18 +26,16 @@ def load_causal_lm(path: str, tag: str | None = None, dtype: torch.dtype = torch
     from transformers import AutoModelForCausalLM
 
     from checkpoint.lora_merge import adapters_from_checkpoint
-    from checkpoint.pipeline_reader import iter_hf_tensors
+    from checkpoint.pipeline_reader import PipelineCheckpoint
 
     config = read_model_config(path)  # a supported model type, else a one-line error
     if is_hf_dir(path):  # conversion's streaming reader: .bin shards go through the safe loader
         tensors = ((name, tensor) for name, tensor, _ in iter_tensors(path))
     else:
-        tag = read_tag(path, tag)
-        weights_dir, adapters = path, None
+        weights, adapters = PipelineCheckpoint(path, tag, config), None
         if os.path.exists(os.path.join(path, LORA_FILE)):  # a LoRA run: base weights + its adapters
-            weights_dir, adapters = adapters_from_checkpoint(path, tag, config)
-            tag = None
-        tensors = iter_hf_tensors(weights_dir, config, tag, adapters)
+            weights, adapters = adapters_from_checkpoint(weights)
+        tensors = weights.iter_hf_tensors(adapters)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     state = {k: v.to(dtype) for k, v in tensors}  # strict=False below: old checkpoints' extra buffers ignored

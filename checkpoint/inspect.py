@@ -11,38 +11,29 @@ import json
 import os
 from collections import Counter
 
-from checkpoint.errors import CheckpointError
-from checkpoint.hf_reader import read_model_config
 from checkpoint.layer_files import layer_tensor_specs
-from checkpoint.names import ZERO_FILE, engine_file, engine_files
-from checkpoint.safe_load import check_pickles, load_pt
-from checkpoint.saves import read_tag
+from checkpoint.names import ZERO_FILE, engine_file
+from checkpoint.pipeline_reader import PipelineCheckpoint
+from checkpoint.safe_load import load_pt
 from checkpoint.universal import read_layout
-from models.layout import parse_layer_file_name, pipe_layers
+from models.key_table import parse_layer_file_name
 
 
 def describe(ckpt_dir: str, tag: str | None = None) -> dict:
     """Everything `--inspect` prints, as a dict."""
-    config = read_model_config(ckpt_dir)
-    tag = read_tag(ckpt_dir, tag)
-    step_dir = os.path.join(ckpt_dir, tag)
-    if not os.path.isdir(step_dir):
-        raise CheckpointError(f"{step_dir}: no such checkpoint")
-    names = sorted(os.listdir(step_dir))
+    ckpt = PipelineCheckpoint(ckpt_dir, tag)  # its engine files' pickles scanned: none is unsafe
+    config, step_dir, names = ckpt.config, ckpt.step_dir, ckpt.names
     layer_files = {n: parsed for n in names if (parsed := parse_layer_file_name(n))}
     zero_files = [m for n in names if (m := ZERO_FILE.fullmatch(n))]
-    expected = [
-        layer.index for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings) if layer.has_file
-    ]
     tp_ranks = sorted({tp for _, tp, _ in layer_files.values()}) or [0]
     held = {(index, tp) for index, tp, _ in layer_files.values()}
-    missing = sorted({i for i in expected for tp in range(max(tp_ranks) + 1) if (i, tp) not in held})
+    missing = sorted({layer.index for layer in ckpt.layers for tp in range(max(tp_ranks) + 1)
+                      if (layer.index, tp) not in held})  # fmt: skip
     dtypes: Counter = Counter()
     for i, name in enumerate(layer_files):  # every file is opened (memory-mapped: metadata only): none is unsafe
         specs = layer_tensor_specs(os.path.join(step_dir, name))
         if i < 3:  # the dtype from a few files is enough
             dtypes.update(str(dtype).removeprefix("torch.") for _, dtype in specs.values())
-    check_pickles(step_dir, engine_files(names))
     engine = {}
     if engine_file(0) in names:
         engine = load_pt(os.path.join(step_dir, engine_file(0)), mmap=True)

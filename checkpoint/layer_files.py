@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from checkpoint.errors import CheckpointError
 from checkpoint.names import LAYOUT_FILE, PIECE_FILE
 from checkpoint.safe_load import load_pt
-from models.layout import LAYER_FILE_FORMATS, PipeLayer, layer_file_name, parse_layer_file_name, tp_split
+from models.key_table import LAYER_FILE_FORMATS, PipeLayer, layer_file_name, parse_layer_file_name, tp_split
 from models.sharding import VOCAB, merge, padded_vocab, shard
 
 FORMATS = LAYER_FILE_FORMATS

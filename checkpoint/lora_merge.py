@@ -23,10 +23,10 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoint.errors import CheckpointError
-from checkpoint.layer_files import checkpoint_tp_size, load_layer_whole
 from checkpoint.names import LORA_FILE
+from checkpoint.pipeline_reader import PipelineCheckpoint
 from checkpoint.safe_load import load_pt
-from models.layout import DECODER, DECODER_PREFIX, decoder_index, hf_decoder_module, pipe_layers
+from models.key_table import DECODER, DECODER_PREFIX, decoder_index, hf_decoder_module
 from models.lora import LORA_A, LORA_B, LoraDelta
 
 # PEFT's saved key of a decoder module's factor: "base_model.model." + the HF module name + ".lora_A.weight".
@@ -67,20 +67,19 @@ def check_plain_lora(conf: dict, where: str) -> None:
         )
 
 
-def adapters_from_checkpoint(ckpt_dir: str, tag: str, config) -> tuple[str, dict[int, dict[str, LoraDelta]]]:
-    """(base checkpoint dir, {layer index: {module: LoraDelta}}) of a LoRA training run."""
-    path = os.path.join(ckpt_dir, LORA_FILE)
+def adapters_from_checkpoint(run) -> tuple[PipelineCheckpoint, dict[int, dict[str, LoraDelta]]]:
+    """(the base checkpoint, opened, {layer index: {module: LoraDelta}}) of a LoRA training run's checkpoint `run`
+    (a `PipelineCheckpoint`; its layer files hold the adapters only, `lora.json` names the base)."""
+    path = os.path.join(run.ckpt_dir, LORA_FILE)
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: missing; --merge-lora without a directory needs a LoRA training run")
     with open(path) as f:
         info = json.load(f)
     adapters = {}
-    step_dir = os.path.join(ckpt_dir, tag)
-    saved_tp = checkpoint_tp_size(step_dir)
-    for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):
+    for layer in run.layers:
         if layer.kind != DECODER:
             continue
-        state = load_layer_whole(step_dir, layer, config.vocab_size, saved_tp)  # TP shards merged
+        state = run.load_whole(layer)  # TP shards merged
         deltas = {}
         for key, a in state.items():
             if key.endswith(LORA_A):
@@ -88,7 +87,7 @@ def adapters_from_checkpoint(ckpt_dir: str, tag: str, config) -> tuple[str, dict
                 scale = lora_scale(info["alpha"], a.shape[0], info.get("use_rslora", False))
                 deltas[module] = LoraDelta(a, state[module + LORA_B], scale)
         adapters[layer.index] = deltas
-    return info["base"], adapters
+    return PipelineCheckpoint(info["base"]), adapters
 
 
 def adapters_from_peft(adapter_dir: str, config) -> dict[int, dict[str, LoraDelta]]:

@@ -17,10 +17,9 @@ import json
 import os
 
 from checkpoint.dtypes import dtype_name
-from checkpoint.errors import CheckpointError
+from checkpoint.errors import CheckpointError, Problem
 from checkpoint.layer_files import is_layer_file, layer_tensor_specs
 from checkpoint.names import MANIFEST
-from checkpoint.safe_load import check_pickles
 from checkpoint.staging import write_text_atomic
 
 CHUNK = 16 * 2**20
@@ -119,38 +118,28 @@ def copy_verified(src: str, dst_dir: str, entry: dict) -> None:
         raise CheckpointError(f"{src}: contents changed (size or sha256 differs from its manifest)")
 
 
-def verify_manifest(step_dir: str) -> list[str]:
-    """Problems found, one line each naming the file; empty when the checkpoint matches its manifest."""
+def verify_manifest(step_dir: str) -> list[Problem]:
+    """Problems found (`Problem`: the file and the reason); empty when the checkpoint matches its manifest."""
     path = os.path.join(step_dir, MANIFEST)
-    if not os.path.exists(path):
-        return [f"{path}: missing (checkpoint has no manifest)"]
-    with open(path) as f:
-        listed = json.load(f)["files"]
+    try:
+        listed = read_manifest(step_dir)
+    except CheckpointError as e:
+        return [Problem(path, str(e).removeprefix(f"{path}: "))]
+    if not isinstance(listed, dict) or not all(isinstance(v, dict) and {"size", "sha256"} <= set(v)
+                                               for v in listed.values()):  # fmt: skip
+        return [Problem(path, "not a manifest (entries without size and sha256)")]
     problems = []
     for name, want in listed.items():
         file = os.path.join(step_dir, name)
         if not os.path.exists(file):
-            problems.append(f"{file}: missing")
+            problems.append(Problem(file, "missing"))
             continue
         size = os.path.getsize(file)
         if size != want["size"]:
-            problems.append(f"{file}: size {size} but the manifest says {want['size']}")
+            problems.append(Problem(file, f"size {size} but the manifest says {want['size']}"))
         elif sha256_file(file) != want["sha256"]:
-            problems.append(f"{file}: contents changed (sha256 differs from the manifest)")
+            problems.append(Problem(file, "contents changed (sha256 differs from the manifest)"))
     for name in checkpoint_files(step_dir):
         if name not in listed and not name.startswith("."):
-            problems.append(f"{os.path.join(step_dir, name)}: not listed in the manifest")
-    return problems
-
-
-def unsafe_files(step_dir: str, skip: set[str] = frozenset()) -> list[str]:
-    """Problems, one line each: every `.pt` file of the checkpoint (but `skip`) is scanned for the globals
-    it names, and one that names anything beyond plain data is reported, never unpickled."""
-    problems = []
-    for name in checkpoint_files(step_dir):
-        if name.endswith(".pt") and name not in skip:
-            try:
-                check_pickles(step_dir, [name])
-            except CheckpointError as e:
-                problems.append(str(e))
+            problems.append(Problem(os.path.join(step_dir, name), "not listed in the manifest"))
     return problems

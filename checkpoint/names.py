@@ -1,4 +1,4 @@
-"""Every name inside a checkpoint directory, in one place (layer file names live in models/layout.py).
+"""Every name inside a checkpoint directory, in one place (layer file names live in models/key_table.py).
 
 CKPT_DIR/latest                                 the tag to load ("global_stepN")
 CKPT_DIR/global_stepN/                          one checkpoint (a "step directory")

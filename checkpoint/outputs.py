@@ -25,11 +25,13 @@ HF_EXPORT = "Hugging Face export"  # --to-hf, with or without --merge-lora
 KINDS = (PIPELINE, HF_EXPORT)
 
 
-def _real(path: str) -> str:
+def real_path(path: str) -> str:
+    """`path` absolute with every symlink resolved."""
     return os.path.realpath(os.path.abspath(path))
 
 
-def _inside(path: str, parent: str) -> bool:
+def is_within(path: str, parent: str) -> bool:
+    """Whether resolved `path` lies strictly inside resolved `parent`."""
     return os.path.commonpath([path, parent]) == parent and path != parent
 
 
@@ -39,16 +41,16 @@ def check_not_overlapping(output: str, inputs: list[tuple[str, str]]) -> None:
     Raises:
         CheckpointError: one line naming both paths.
     """
-    out = _real(output)
+    out = real_path(output)
     for what, path in inputs:
         if not path:
             continue
-        src = _real(path)
+        src = real_path(path)
         if out == src:
             raise CheckpointError(f"--output {output} is the {what} {path}; write to a new directory")
-        if _inside(src, out):
+        if is_within(src, out):
             raise CheckpointError(f"--output {output} contains the {what} {path}; write to a new directory")
-        if _inside(out, src):
+        if is_within(out, src):
             raise CheckpointError(f"--output {output} is inside the {what} {path}; write to a new directory")
 
 
@@ -98,6 +100,8 @@ def check_replaceable(output: str, kind: str, force: bool) -> None:
     if not os.listdir(out):
         return
     record = read_writer(out)
+    if record is not None and ({"metrics.jsonl", "train_config.yaml"} & set(os.listdir(out))):
+        record = None  # a training run used it as its output_dir since: it is the run now
     if record is not None and record.get("kind") == kind:
         if not force:
             raise CheckpointError(f"{out}: output already holds a {kind} written by convert2ckpt; "

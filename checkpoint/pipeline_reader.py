@@ -1,8 +1,10 @@
-"""Read a pipeline checkpoint back into Hugging Face key names, one layer at a time.
+"""One way into a saved pipeline checkpoint: `PipelineCheckpoint` opens a directory once.
 
-A layer written by several tensor-parallel ranks (`layer_XX-model_YY`) is merged into whole tensors on
-the way (checkpoint/layer_files.py): export, generation and `--verify --against` see one model whatever
-the TP degree of the run that saved it.
+It resolves the tag (checkpoint/saves.py's rule), the tensor-parallel degree and the layer files, scans the
+engine files' pickles once, and reports problems as data (`Problem`: a path and a reason, never a string
+callers parse). Export, resharding, `--inspect`, `--verify`, generation, the LoRA merge and the trainer's
+initial load all read through it. A layer written by several tensor-parallel ranks (`layer_XX-model_YY`) is
+merged into whole tensors on the way (checkpoint/layer_files.py), or sliced for a rank of another degree.
 """
 
 from __future__ import annotations
@@ -12,81 +14,154 @@ from collections.abc import Iterator
 
 import torch
 
-from checkpoint.errors import CheckpointError
-from checkpoint.layer_files import checkpoint_tp_size, layer_shard_files, layer_tensor_specs, load_layer_whole
+from checkpoint.errors import CheckpointError, Problem
+from checkpoint.hf_reader import read_model_config
+from checkpoint.layer_files import (
+    checkpoint_tp_size,
+    find_layer_file,
+    layer_shard_files,
+    layer_tensor_specs,
+    load_layer_shard,
+    load_layer_whole,
+)
 from checkpoint.names import engine_files
 from checkpoint.safe_load import check_pickles
 from checkpoint.saves import read_tag
-from models.layout import EMBED, KEY_TABLE, LM_HEAD, all_layer_keys, layer_file_name, pipe_layers, tp_split
+from models.key_table import (
+    EMBED,
+    KEY_TABLE,
+    LM_HEAD,
+    PipeLayer,
+    all_layer_keys,
+    layer_file_name,
+    pipe_layers,
+    tp_split,
+)
 from models.sharding import merged_shape
 
 
-def _layers(ckpt_dir: str, config, tag: str | None):
-    """(step dir, its TP degree, pipeline layer, {our key: HF key}) per layer that has files, in layer order."""
-    step_dir = os.path.join(ckpt_dir, read_tag(ckpt_dir, tag))
-    if not os.path.isdir(step_dir):
-        raise CheckpointError(f"{step_dir}: no such checkpoint")
-    check_pickles(step_dir, engine_files(os.listdir(step_dir)))  # unneeded here, but unsafe means tampered
-    saved_tp = checkpoint_tp_size(step_dir)
-    keys = all_layer_keys(config)
-    for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):
-        if layer.has_file:
-            layer_shard_files(step_dir, layer.index, saved_tp)  # every shard is there, else the missing one named
-            yield step_dir, saved_tp, layer, keys[layer.index]
-
-
-def _check_keys(step_dir: str, index: int, found, keys: dict[str, str]) -> None:
-    if set(found) != set(keys):
-        diff = sorted(set(found) ^ set(keys))
-        path = os.path.join(step_dir, layer_file_name(index))
-        raise CheckpointError(f"{path}: keys {diff} do not match the layout of this model")
-
-
-def plan_hf_tensors(ckpt_dir: str, config, tag: str | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(HF key, shape, dtype) of every weight in `iter_hf_tensors` order; reads no tensor data."""
-    plan = []
-    for step_dir, saved_tp, layer, keys in _layers(ckpt_dir, config, tag):
-        specs = [layer_tensor_specs(f) for f in layer_shard_files(step_dir, layer.index, saved_tp)]
-        _check_keys(step_dir, layer.index, specs[0], keys)
-        for ours, hf in keys.items():
-            shape = merged_shape([s[ours][0] for s in specs], tp_split(layer.kind, ours), config.vocab_size)
-            plan.append((hf, shape, specs[0][ours][1]))
-    return plan
-
-
-def iter_layer_states(ckpt_dir: str, config, tag: str | None = None):
-    """Yield (layer index, {our key: HF key}, {our key: whole tensor}) one layer at a time."""
-    for step_dir, saved_tp, layer, keys in _layers(ckpt_dir, config, tag):
-        state = load_layer_whole(step_dir, layer, config.vocab_size, saved_tp)
-        _check_keys(step_dir, layer.index, state, keys)
-        yield layer.index, keys, state
-
-
-def iter_hf_tensors(
-    ckpt_dir: str, config, tag: str | None = None, adapters: dict | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF key, tensor) for every weight of the checkpoint, reading one layer at a time.
-
-    With tied embeddings `lm_head.weight` is not yielded (HF re-ties it on load).
+class PipelineCheckpoint:
+    """A pipeline checkpoint (converted or saved by the trainer) at `ckpt_dir/<tag>`, opened once.
 
     Args:
-        ckpt_dir: pipeline checkpoint.
-        config: its transformers config.
-        tag: default: the one in `latest`.
-        adapters: {layer index: {module: LoraDelta}} merged into the weights on the way.
+        ckpt_dir: the checkpoint (or run) directory.
+        tag: `global_stepN`; None: `latest`, or a newer complete checkpoint (checkpoint/saves.read_tag).
+        config: the model's transformers config (default: read from `ckpt_dir`).
+        scan: refuse an engine file whose pickle names anything but plain data (it is not read, but one that
+            is unsafe means a tampered checkpoint).
+    Raises:
+        CheckpointError: no such checkpoint, or (with `scan`) an unsafe file, named.
     """
-    from models.lora import merge_adapter
 
-    for index, keys, state in iter_layer_states(ckpt_dir, config, tag):
-        if adapters and index in adapters:
-            state = merge_adapter(state, adapters[index])
-        for ours, hf in keys.items():
-            yield hf, state.pop(ours)
+    def __init__(self, ckpt_dir: str, tag: str | None = None, config=None, scan: bool = True):
+        self.ckpt_dir = ckpt_dir
+        self.config = config if config is not None else read_model_config(ckpt_dir)
+        self.tag = read_tag(ckpt_dir, tag)
+        self.step_dir = os.path.join(ckpt_dir, self.tag)
+        if not os.path.isdir(self.step_dir):
+            raise CheckpointError(f"{self.step_dir}: no such checkpoint")
+        self.names = sorted(os.listdir(self.step_dir))
+        self.tp_size = checkpoint_tp_size(self.step_dir)
+        layers = pipe_layers(self.config.num_hidden_layers, self.config.tie_word_embeddings)
+        self.layers: list[PipeLayer] = [layer for layer in layers if layer.has_file]
+        self.keys = all_layer_keys(self.config)  # {layer index: {our key: HF key}}
+        if scan:
+            check_pickles(self.step_dir, engine_files(self.names))
+
+    @classmethod
+    def at(cls, step_dir: str, config=None, scan: bool = True) -> PipelineCheckpoint:
+        """The checkpoint whose step directory is `step_dir` (`.../global_stepN`)."""
+        step_dir = os.path.abspath(step_dir)
+        return cls(os.path.dirname(step_dir), os.path.basename(step_dir), config, scan)
+
+    # ------------------------------------------------------------------ files
+
+    def layer_files(self, index: int) -> list[str]:
+        """Layer `index`'s files, one per TP rank (CheckpointError names a missing one)."""
+        return layer_shard_files(self.step_dir, index, self.tp_size)
+
+    def layer_file(self, index: int) -> str:
+        """The path messages name for layer `index` (its TP rank 0 file)."""
+        return find_layer_file(self.step_dir, index, 0) or os.path.join(self.step_dir, layer_file_name(index))
+
+    def missing_files(self) -> list[Problem]:
+        """Layer files that should be there and are not (every layer, every TP rank)."""
+        missing = []
+        for layer in self.layers:
+            for tp_rank in range(self.tp_size):
+                if find_layer_file(self.step_dir, layer.index, tp_rank) is None:
+                    path = os.path.join(self.step_dir, layer_file_name(layer.index, tp_rank))
+                    missing.append(Problem(path, "layer file missing"))
+        return missing
+
+    def unsafe_files(self, skip: set[str] = frozenset()) -> list[Problem]:
+        """Every `.pt` file of the step directory but `skip` (paths), scanned: those naming more than plain data."""
+        problems = []
+        for name in self.names:
+            path = os.path.join(self.step_dir, name)
+            if name.endswith(".pt") and path not in skip and os.path.isfile(path):
+                try:
+                    check_pickles(self.step_dir, [name])
+                except CheckpointError as e:
+                    problems.append(Problem(path, str(e).removeprefix(f"{path}: ")))
+        return problems
+
+    # ------------------------------------------------------------------ tensors
+
+    def load_whole(self, layer: PipeLayer) -> dict[str, torch.Tensor]:
+        """A layer's whole tensors (TP shards merged, the vocabulary without padding); memory-mapped files."""
+        return load_layer_whole(self.step_dir, layer, self.config.vocab_size, self.tp_size)
+
+    def load_shard(self, layer: PipeLayer, tp_rank: int = 0, tp_size: int = 1,
+                   vocab_multiple: int = 1) -> dict[str, torch.Tensor]:  # fmt: skip
+        """TP rank `tp_rank` of `tp_size`'s share of a layer: its own file when the degree matches, else merged
+        and split again."""
+        return load_layer_shard(self.step_dir, layer, self.config.vocab_size, self.tp_size, tp_rank, tp_size,
+                                vocab_multiple)  # fmt: skip
+
+    def _check_keys(self, index: int, found) -> None:
+        if set(found) != set(self.keys[index]):
+            diff = sorted(set(found) ^ set(self.keys[index]))
+            raise CheckpointError(f"{self.layer_file(index)}: keys {diff} do not match the key table of this model")
+
+    def plan_hf_tensors(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(HF key, shape, dtype) of every weight in `iter_hf_tensors` order; reads no tensor data."""
+        plan = []
+        for layer in self.layers:
+            specs = [layer_tensor_specs(f) for f in self.layer_files(layer.index)]
+            self._check_keys(layer.index, specs[0])
+            for ours, hf in self.keys[layer.index].items():
+                shape = merged_shape([s[ours][0] for s in specs], tp_split(layer.kind, ours), self.config.vocab_size)
+                plan.append((hf, shape, specs[0][ours][1]))
+        return plan
+
+    def iter_layer_states(self) -> Iterator[tuple[int, dict[str, str], dict[str, torch.Tensor]]]:
+        """(layer index, {our key: HF key}, {our key: whole tensor}) one layer at a time."""
+        for layer in self.layers:
+            self.layer_files(layer.index)  # every shard is there, else the missing one named
+            state = self.load_whole(layer)
+            self._check_keys(layer.index, state)
+            yield layer.index, self.keys[layer.index], state
+
+    def iter_hf_tensors(self, adapters: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF key, tensor) of every weight, one layer in memory at a time; `adapters` ({layer index: {module:
+        LoraDelta}}) merged in on the way. With tied embeddings `lm_head.weight` is not yielded (HF re-ties it)."""
+        from models.lora import merge_adapter
+
+        for index, keys, state in self.iter_layer_states():
+            if adapters and index in adapters:
+                state = merge_adapter(state, adapters[index])
+            for ours, hf in keys.items():
+                yield hf, state.pop(ours)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model in HF key names (for small models and tests)."""
+        state = dict(self.iter_hf_tensors())
+        if self.config.tie_word_embeddings:
+            state.setdefault(KEY_TABLE[LM_HEAD]["weight"], state[KEY_TABLE[EMBED]["weight"]])
+        return state
 
 
-def load_hf_state_dict(ckpt_dir: str, config, tag: str | None = None) -> dict[str, torch.Tensor]:
-    """The whole model in HF key names (for small models and tests)."""
-    state = dict(iter_hf_tensors(ckpt_dir, config, tag))
-    if config.tie_word_embeddings:
-        state.setdefault(KEY_TABLE[LM_HEAD]["weight"], state[KEY_TABLE[EMBED]["weight"]])
-    return state
+def load_hf_state_dict(ckpt_dir: str, config=None, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The whole model of a pipeline checkpoint in HF key names (for small models and tests)."""
+    return PipelineCheckpoint(ckpt_dir, tag, config).hf_state_dict()

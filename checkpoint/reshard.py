@@ -12,18 +12,16 @@ from __future__ import annotations
 import os
 import time
 
-from checkpoint.convert import TAG, ConvertStats, check_tp, finish_converted, finish_piece, write_layer
 from checkpoint.dtypes import dtype_name
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import read_model_config
-from checkpoint.layer_files import checkpoint_tp_size, load_layer_whole, unchecked_zip_records
+from checkpoint.layer_files import unchecked_zip_records
 from checkpoint.manifest import BackgroundDescriber
-from checkpoint.names import LORA_FILE, engine_files
+from checkpoint.names import LORA_FILE
 from checkpoint.outputs import PIPELINE, check_output
-from checkpoint.safe_load import check_pickles
-from checkpoint.saves import read_tag
+from checkpoint.pipeline_reader import PipelineCheckpoint
 from checkpoint.staging import staged_directory
-from models.layout import pipe_layers
+from checkpoint.writer import TAG, ConvertStats, check_tp, finish_converted, finish_piece, write_layer
 
 
 def reshard_checkpoint(
@@ -51,12 +49,9 @@ def reshard_checkpoint(
             "convert that"
         )
     check_tp(config, tp_size, tp_ranks)
-    step_dir = os.path.join(ckpt_dir, read_tag(ckpt_dir, tag))
-    if not os.path.isdir(step_dir):
-        raise CheckpointError(f"{step_dir}: no such checkpoint")
-    check_pickles(step_dir, engine_files(os.listdir(step_dir)))
-    saved_tp = checkpoint_tp_size(step_dir)
-    todo = [layer for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings) if layer.has_file]
+    ckpt = PipelineCheckpoint(ckpt_dir, tag, config)
+    step_dir, saved_tp = ckpt.step_dir, ckpt.tp_size
+    todo = list(ckpt.layers)
     if layers is not None:
         todo = [layer for layer in todo if layer.index in layers]
     whole = layers is None and (tp_ranks is None or sorted(tp_ranks) == list(range(tp_size)))
@@ -66,7 +61,7 @@ def reshard_checkpoint(
         os.makedirs(out_step)
         describer = BackgroundDescriber()
         for layer in todo:
-            state = load_layer_whole(step_dir, layer, config.vocab_size, saved_tp)
+            state = ckpt.load_whole(layer)
             dtype = dtype or dtype_name(next(iter(state.values())).dtype)
             with unchecked_zip_records():
                 paths = write_layer(out_step, layer, state, fmt, config.vocab_size, tp_size, tp_ranks)

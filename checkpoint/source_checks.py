@@ -13,7 +13,7 @@ import threading
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import read_model_config, validate
 from models.config import ConfigFields, differing_field
-from models.layout import all_layer_keys, hf_key_to_layer
+from models.key_table import all_layer_keys, hf_key_to_layer
 from models.tokenizer import check_tokenizer_fits, has_tokenizer, load_tokenizer
 
 
@@ -33,7 +33,7 @@ def plan_conversion(hf_dir: str):
     """Every check before a conversion writes anything. Returns (config, {layer index: {ours: HF key}}).
 
     Raises:
-        CheckpointError: config, tokenizer, shards or keys do not fit the LLaMA layout.
+        CheckpointError: config, tokenizer, shards or keys do not fit the key table (models/key_table.py).
     """
     config = read_model_config(hf_dir)
     check_tokenizer(hf_dir, config.vocab_size)
@@ -53,7 +53,7 @@ def check_keys(hf_dir: str, config) -> dict[int, dict[str, str]]:
             raise CheckpointError(f"{os.path.join(hf_dir, shard_file)}: {e.args[0]}") from None
     missing = [hf for keys in expected.values() for hf in keys.values() if hf not in where]
     if missing:
-        raise CheckpointError(f"{hf_dir}: {len(missing)} LLaMA tensors missing from the checkpoint, e.g. {missing[0]}")
+        raise CheckpointError(f"{hf_dir}: {len(missing)} tensors of the model missing, e.g. {missing[0]}")
     return expected
 
 

@@ -1,4 +1,4 @@
-"""Moving a training checkpoint to another PP x DP layout with its optimizer state.
+"""Moving a training checkpoint to another PP x TP x DP layout with its optimizer state.
 
 Every save records its layout (`layout.json` in the tag directory). When `resume=true` finds a
 checkpoint saved with another layout, it is converted once with DeepSpeed's own universal
@@ -95,7 +95,7 @@ def universal_info(config) -> dict:
 
     from deepspeed.checkpoint import constants as c
 
-    from models.layout import TIED_PARAM, layer_keys, pipe_layers, tp_split
+    from models.key_table import TIED_PARAM, layer_keys, pipe_layers, tp_split
     from models.sharding import REPLICA, ROW, VOCAB
 
     rules = {}

@@ -19,12 +19,10 @@ import torch
 from torch.utils.data import Dataset
 
 from data.config import DataConfig
-from data.encode import encode_row
 from data.errors import DataError
-from data.sources import count_rows, mixture_index, paths_of
-from data.store import Store, open_or_build
-
-__all__ = ["DataError", "TokenizedDataset", "PlaceholderDataset", "count_rows", "encode_row"]
+from data.sources import mixture_index, paths_of
+from data.store import Store
+from data.store_builder import open_or_build
 
 
 class TokenizedDataset(Dataset):
@@ -59,7 +57,7 @@ class TokenizedDataset(Dataset):
         self.from_cache = not any(built for _, built in opened)
         self.starts = np.cumsum([0] + [s.rows for s in self.stores])
         self.index = mixture_index([s.rows for s in self.stores], weights, seed)
-        if len(self) and not self.row_array("row_targets").any():
+        if len(self) and not any(np.asarray(s.row_targets).any() for s in self.stores):
             raise DataError(
                 f"{path}: none of the {len(self)} rows has a target token within seq_length={seq_length} "
                 "(prompts that fill seq_length, or empty responses)"
@@ -116,6 +114,9 @@ class TokenizedDataset(Dataset):
             "target_share": target_tokens / tokens if tokens else 0.0,
             "truncated_rows": int((self.row_array("full_lengths") > lengths).sum()),
             "rows_without_targets": int((targets == 0).sum()),
+            # characters the tokenizer dropped or replaced by an unknown token (not byte-level, no byte fallback)
+            "rows_with_lost_characters": int(self.row_array("lost_characters").sum(dtype=np.int64)),
+            "lost_character_examples": [w for s in self.stores for w in s.meta["lost_character_examples"]][:5],
         }
 
     def fingerprint(self) -> str:

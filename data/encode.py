@@ -67,6 +67,7 @@ def encode_messages(messages, tokenizer) -> tuple[list[int], list[bool]]:
             f"{type(tokenizer).__name__} has none"
         ) from None
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    check_offsets(text, offsets)
 
     def is_target(start: int, end: int) -> bool:
         if start == end:  # zero-width (e.g. a trimmed offset): the span its position falls in
@@ -74,6 +75,57 @@ def encode_messages(messages, tokenizer) -> tuple[list[int], list[bool]]:
         return any(start < e and end > s for s, e in spans)
 
     return list(ids), [is_target(start, end) for start, end in offsets]
+
+
+def check_offsets(text: str, offsets) -> None:
+    """KeyError unless the tokens' character offsets cover every character of `text` but whitespace.
+
+    A tokenizer that drops characters it cannot encode (sentencepiece without byte fallback drops the `[`
+    and `]` of "[INST]") returns offsets that no longer match the text, and targets found by offset would
+    land on the wrong tokens."""
+    covered = bytearray(len(text))
+    for start, end in offsets:
+        if not 0 <= start <= end <= len(text):
+            raise KeyError(_DROPPED.format(where=f"an offset ({start}, {end}) beyond the text"))
+        covered[start:end] = b"\x01" * (end - start)
+    missing = [i for i, c in enumerate(text) if not covered[i] and not c.isspace()]
+    if missing:
+        raise KeyError(_DROPPED.format(where=f"{text[missing[0]]!r} at character {missing[0]}"))
+
+
+_DROPPED = ("the tokenizer does not represent every character of this conversation ({where}): its offsets do not "
+            "match the text, so the chat targets cannot be placed; use a tokenizer with byte fallback")  # fmt: skip
+
+
+def lossy_tokenizer(tokenizer) -> bool:
+    """Whether the tokenizer can drop or replace characters (an unknown token): not byte-level BPE (Llama-3,
+    Qwen, GPT-2) and not a vocabulary with byte fallback (Llama-2's sentencepiece). Those rows are checked."""
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return True
+    spec = json.loads(backend.to_str())
+
+    def byte_level(node) -> bool:
+        if isinstance(node, dict):
+            return node.get("type") == "ByteLevel" or any(byte_level(v) for v in node.values())
+        return isinstance(node, list) and any(byte_level(v) for v in node)
+
+    model = spec.get("model") or {}
+    vocab = model.get("vocab") or {}
+    pieces = set(vocab) if isinstance(vocab, dict) else {entry[0] for entry in vocab}
+    # NOTE: transformers' sentencepiece conversion sets byte_fallback even for a vocabulary without the 256 byte
+    # pieces, and a character then falls back to bytes that do not exist: it is dropped.
+    fallback = model.get("byte_fallback") and all(f"<0x{b:02X}>" in pieces for b in range(256))
+    return not (fallback or byte_level(spec.get("pre_tokenizer")))
+
+
+def lost_characters(texts: list[str], ids: list[list[int]], tokenizer) -> list[bool]:
+    """Per text: does decoding its ids lose or replace a character (whitespace aside)?"""
+    decode = tokenizer.batch_decode
+    decoded = decode(ids, skip_special_tokens=True)
+    return ["".join(a.split()) != "".join(b.split()) for a, b in zip(texts, decoded, strict=True)]
 
 
 def check_unicode(text: str, key: str) -> None:
@@ -122,8 +174,12 @@ def encode_row(row: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[b
     return ids, [True] * len(ids)
 
 
-def encode_rows(rows: list[tuple[str, dict]], tokenizer, cfg: DataConfig) -> list[tuple[list[int], list[bool]]]:
+def encode_rows(rows: list[tuple[str, dict]], tokenizer, cfg: DataConfig,
+                lost: list[bool] | None = None) -> list[tuple[list[int], list[bool]]]:  # fmt: skip
     """`encode_row` of every (location, row), text and prompt/response rows tokenized in batches.
+
+    With `lost` (a list), it receives per row whether the tokenizer lost or replaced one of the row's
+    characters (`lost_characters`; chat rows that would are refused by `check_offsets`).
 
     Raises:
         DataError: a bad row, naming its location.
@@ -136,11 +192,15 @@ def encode_rows(rows: list[tuple[str, dict]], tokenizer, cfg: DataConfig) -> lis
         except KeyError as e:
             raise DataError(f"{where}: {e.args[0]}") from None
     out: list = [None] * len(rows)
+    lost_by_row: dict[int, bool] = {}
     text = [i for i, k in enumerate(kinds) if k == "text"]
     if text:
         ids = tokenizer([rows[i][1][cfg.text_key] for i in text], return_attention_mask=False)["input_ids"]
         for i, row_ids in zip(text, ids, strict=True):
             out[i] = (row_ids, [True] * len(row_ids))
+        if lost is not None:
+            flags = lost_characters([rows[i][1][cfg.text_key] for i in text], ids, tokenizer)
+            lost_by_row.update(zip(text, flags, strict=True))
     pairs = [i for i, k in enumerate(kinds) if k == "pair"]
     if pairs:
         prompts = tokenizer([rows[i][1][cfg.prompt_key] for i in pairs], return_attention_mask=False)["input_ids"]
@@ -149,12 +209,18 @@ def encode_rows(rows: list[tuple[str, dict]], tokenizer, cfg: DataConfig) -> lis
         eos = [tokenizer.eos_token_id] if cfg.add_eos_to_response and tokenizer.eos_token_id is not None else []
         for i, p, r in zip(pairs, prompts, responses, strict=True):
             out[i] = (p + r + eos, [False] * len(p) + [True] * (len(r) + len(eos)))
+        if lost is not None:
+            texts = [rows[i][1][k] for k in (cfg.prompt_key, cfg.response_key) for i in pairs]
+            flags = lost_characters(texts, prompts + responses, tokenizer)
+            lost_by_row.update((i, a or b) for i, a, b in zip(pairs, flags[: len(pairs)], flags[len(pairs) :]))
     for i, kind in enumerate(kinds):
         if kind == "messages":
             try:
                 out[i] = encode_messages(rows[i][1][cfg.messages_key], tokenizer)
             except KeyError as e:
                 raise DataError(f"{rows[i][0]}: {e.args[0]}") from None
+    if lost is not None:
+        lost[:] = [lost_by_row.get(i, False) for i in range(len(rows))]
     return out
 
 

@@ -40,7 +40,7 @@ def pack_rows(lengths: Sequence[int] | np.ndarray, capacity: int) -> tuple[np.nd
     heaps: dict[int, list[int]] = {}  # free room -> heap of packed-row indices with exactly that room
     rooms: list[int] = []  # sorted free-room amounts that have a packed row
     opened = 0
-    for i, n in enumerate(lengths[sorted_rows].tolist()):
+    for i, n in _in_slices(lengths[sorted_rows]):
         at = bisect.bisect_left(rooms, n)
         if at < len(rooms):
             room = rooms[at]
@@ -60,6 +60,12 @@ def pack_rows(lengths: Sequence[int] | np.ndarray, capacity: int) -> tuple[np.nd
     by_row = np.argsort(placed, kind="stable")  # placement order kept inside each packed row
     starts = np.concatenate([[0], np.cumsum(np.bincount(placed, minlength=opened))]).astype(np.int64)
     return sorted_rows[by_row].astype(np.int64), starts
+
+
+def _in_slices(values: np.ndarray, size: int = 65536):
+    """(index, value) of an array as Python ints, converted a slice at a time (no list of every row)."""
+    for start in range(0, len(values), size):
+        yield from enumerate(values[start : start + size].tolist(), start)
 
 
 class PackedDataset(Dataset):

@@ -22,7 +22,7 @@ from data.errors import DataError
 def main(argv: list[str] | None = None) -> int:
     from models.tokenizer import load_tokenizer
     from training.cli import compose_config
-    from training.config import evaluating
+    from training.config import evaluating, validate
 
     overrides = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("-h", "--help")]
     if argv is None and len(overrides) != len(sys.argv) - 1:
@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = compose_config(overrides)
+        validate(cfg)
         d = cfg.data
         if d.cache_dir == "":
             raise ValueError("data.cache_dir='' keeps tokenized data only for one run: nothing to prepare")

@@ -84,17 +84,6 @@ def parse_jsonl_line(raw: bytes, path: str, lineno: int) -> dict | None:
     return row
 
 
-def _jsonl_rows(path: str) -> Iterator[tuple[str, dict]]:
-    try:
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                row = parse_jsonl_line(raw, path, lineno)
-                if row is not None:
-                    yield f"{path}:{lineno}", row
-    except OSError as e:
-        raise DataError(f"{path}: cannot read data file ({e.strerror})") from None
-
-
 def _json_rows(path: str) -> Iterator[tuple[str, dict]]:
     try:
         with open(path, encoding="utf-8-sig") as f:
@@ -172,43 +161,42 @@ def iter_chunks(path: str, size: int) -> Iterator[list[tuple[str, dict]] | Jsonl
     """The rows of one source in chunks of `size` rows (the last chunk of each file may be shorter): JSONL files
     as raw lines (`JsonlLines`), other formats as parsed (location, row) pairs."""
     if os.path.isdir(path) and _is_datasets_dir(path):
-        files = [path]
-    else:
-        files = shard_files(path)
-    for file in files:
-        if file.endswith(".jsonl"):
-            try:
-                with open(file, "rb") as f:
-                    lines = []
-                    for n, raw in enumerate(f, 1):
-                        if raw.strip():
-                            lines.append((n, raw))
-                            if len(lines) == size:
-                                yield JsonlLines(file, lines)
-                                lines = []
-                    if lines:
-                        yield JsonlLines(file, lines)
-            except OSError as e:
-                raise DataError(f"{file}: cannot read data file ({e.strerror})") from None
+        yield from _chunked(_datasets_rows(path), size)
+        return
+    for file in shard_files(path):
+        if not file.endswith(".jsonl"):
+            yield from _chunked(_json_rows(file) if file.endswith(".json") else _parquet_rows(file), size)
             continue
-        chunk = []
-        for item in iter_rows(file):
-            chunk.append(item)
-            if len(chunk) == size:
-                yield chunk
-                chunk = []
-        if chunk:
+        try:
+            with open(file, "rb") as f:
+                lines = []
+                for n, raw in enumerate(f, 1):
+                    if raw.strip():
+                        lines.append((n, raw))
+                        if len(lines) == size:
+                            yield JsonlLines(file, lines)
+                            lines = []
+                if lines:
+                    yield JsonlLines(file, lines)
+        except OSError as e:
+            raise DataError(f"{file}: cannot read data file ({e.strerror})") from None
+
+
+def _chunked(rows: Iterator[tuple[str, dict]], size: int) -> Iterator[list[tuple[str, dict]]]:
+    chunk = []
+    for item in rows:
+        chunk.append(item)
+        if len(chunk) == size:
             yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def iter_rows(path: str) -> Iterator[tuple[str, dict]]:
     """(location for messages, row) of one source, in order, streamed (see the module docstring)."""
-    if os.path.isdir(path) and _is_datasets_dir(path):
-        yield from _datasets_rows(path)
-        return
-    for file in shard_files(path):
-        reader = _jsonl_rows if file.endswith(".jsonl") else _json_rows if file.endswith(".json") else _parquet_rows
-        yield from reader(file)
+    for chunk in iter_chunks(path, BATCH_ROWS):
+        yield from chunk.rows() if isinstance(chunk, JsonlLines) else chunk
 
 
 def count_source(path: str) -> int:

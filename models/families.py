@@ -50,6 +50,11 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+def hf_classes(suffix: str) -> tuple[type, ...]:
+    """transformers' `<Prefix><suffix>` class of every family (for isinstance checks)."""
+    return tuple(family.hf_class(suffix) for family in FAMILIES.values())
+
+
 def family_of(config) -> Family:
     """The family of a transformers config (KeyError for a model type not in FAMILIES)."""
     return FAMILIES[getattr(config, "model_type", None) or "llama"]

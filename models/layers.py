@@ -5,7 +5,7 @@ Data flow through one micro-batch (B = micro-batch size, S = sequence length, H 
 
     (input_ids[B,S] long, position_ids[B,S] long)
       -> EmbeddingPipe    -> (hidden[B,S,H], position_ids)
-      -> DecoderLayerPipe -> (hidden[B,S,H], position_ids)      x num_hidden_layers
+      -> the family's decoder layer (DecoderPipe) -> (hidden[B,S,H], position_ids)   x num_hidden_layers
       -> the final norm   -> hidden[B,S,H]
       -> LMHeadPipe       -> logits[B,S,V]
 
@@ -18,7 +18,7 @@ one. Each decoder layer rebuilds the per-document causal mask from them (`docume
 gets the equivalent `cu_seqlens`), so attention never crosses a document boundary.
 
 The modules subclass the family's transformers classes so their state_dict keys are the HF suffixes
-listed in `models.layout.KEY_TABLE`, and their maths is HF's own.
+listed in `models.key_table.KEY_TABLE`, and their maths is HF's own.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.families import FAMILIES, family_of, sliding_window
-from models.layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
+from models.families import FAMILIES, family_of, hf_classes, sliding_window
+from models.key_table import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
 
 
 class _Fp32Rotary:
@@ -175,9 +175,6 @@ def decoder_layer_class(model_type: str) -> type[nn.Module]:
     return on_family_class(DecoderPipe, model_type, "DecoderLayer", "DecoderLayerPipe")
 
 
-DecoderLayerPipe = decoder_layer_class("llama")
-
-
 class _NormPipe:
     """Mixin: the family's final RMSNorm as a pipeline layer. Keys: `weight` = HF `model.norm.weight`.
     Drops `position_ids`."""
@@ -243,5 +240,5 @@ def init_weights(module: nn.Module, initializer_range: float) -> None:
             m.weight.normal_(0.0, initializer_range)
             if m.padding_idx is not None:
                 m.weight[m.padding_idx].zero_()
-        elif type(m).__name__.endswith("RMSNorm") or isinstance(m, _NormPipe):  # every family's, q/k norms too
+        elif isinstance(m, hf_classes("RMSNorm")):  # every family's, our final norm and q/k norms included
             m.weight.fill_(1.0)

@@ -1,6 +1,6 @@
 """LoRA adapters on the decoder layers (through `peft`), and merging them back: W + (alpha / r) * B @ A.
 
-Adapters are injected into each `DecoderLayerPipe` after its base weights are loaded; every other
+Adapters are injected into each decoder layer (models/layers.DecoderPipe) after its base weights are loaded; every other
 parameter is frozen. Keys inside a layer follow peft: the base `self_attn.q_proj.weight` becomes
 `self_attn.q_proj.base_layer.weight`, with `self_attn.q_proj.lora_A.default.weight` [r, in] and
 `self_attn.q_proj.lora_B.default.weight` [out, r] beside it.
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.layout import DECODER, linear_modules, tp_split
+from models.families import hf_classes
+from models.key_table import DECODER, linear_modules, tp_split
 from models.sharding import ROW, shard
 
 ADAPTER = "default"
@@ -46,7 +47,7 @@ def add_lora(module: nn.Module, r: int, alpha: float, dropout: float, target_mod
     for p in module.parameters():
         p.requires_grad_(False)
     for layer in module.modules():
-        if type(layer).__name__.endswith(("DecoderLayer", "DecoderLayerPipe")):  # ours, or HF's (the reference)
+        if isinstance(layer, hf_classes("DecoderLayer")):  # ours (built on HF's) or HF's own (the reference)
             with torch.random.fork_rng(devices=[]):  # injection draws random numbers: keep the global stream
                 inject_adapter_in_model(config, layer, adapter_name=ADAPTER)
             _init_adapters(layer, seed, tp_rank, tp_size)

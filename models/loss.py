@@ -72,7 +72,9 @@ class CausalLMLoss:
     target token adds exactly 0.
 
     `totals()` returns the (summed loss, token count) seen since the last `reset()`: the exact
-    token-weighted figures for metrics and evaluation.
+    token-weighted figures for evaluation. They accumulate as tensors on the logits' device, so a
+    training micro-batch costs no device-to-host copy (a GPU pipeline never stalls on them); only
+    `totals()` reads them back.
 
     Args:
         cross_entropy: (logits, labels) -> cross-entropy summed over non-ignored labels; default torch's.
@@ -88,11 +90,13 @@ class CausalLMLoss:
         self.reset()
 
     def reset(self) -> None:
-        self.loss_sum = 0.0
-        self.tokens = 0
+        self.loss_sum: torch.Tensor | None = None  # fp64 [] on the logits' device
+        self.tokens: torch.Tensor | None = None  # int64 []
 
     def totals(self) -> tuple[float, int]:
-        return self.loss_sum, self.tokens
+        if self.loss_sum is None:
+            return 0.0, 0
+        return float(self.loss_sum), int(self.tokens)
 
     def __call__(self, logits: torch.Tensor, labels_and_scale) -> torch.Tensor:
         labels, scale = labels_and_scale  # [B, S] long, [] float
@@ -100,6 +104,9 @@ class CausalLMLoss:
             loss_sum = chunked_cross_entropy(logits, labels, self.chunk, self.cross_entropy)
         else:
             loss_sum = self.cross_entropy(logits, labels)
-        self.loss_sum += float(loss_sum.detach())
-        self.tokens += int((labels != IGNORE_INDEX).sum())
+        counted = (labels != IGNORE_INDEX).sum()
+        if self.loss_sum is None:
+            self.loss_sum, self.tokens = loss_sum.detach().double(), counted
+        else:
+            self.loss_sum, self.tokens = self.loss_sum + loss_sum.detach().double(), self.tokens + counted
         return loss_sum * scale.to(loss_sum.device)

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from models.key_table import LM_HEAD, num_pipe_layers, pipe_layers, stage_bounds_from_blocks
 from models.layers import build_layer
-from models.layout import LM_HEAD, num_pipe_layers, pipe_layers, stage_bounds_from_blocks
 
 PARTITION_METHODS = ("parameters", "uniform")
 

@@ -1,7 +1,7 @@
 """The wiring between model code and DeepSpeed: the LayerSpec list and the PipelineModule.
 
 Each rank builds only the layers of its own stage (DeepSpeed builds `specs[start:stop]`), with
-stage bounds from `models.partition` (computed from the config alone), and with tensor parallelism
+stage bounds the run computed once (`models.partition.stage_bounds`, from the config alone), and with tensor parallelism
 only its shard of each (models/tensor_parallel.py).
 """
 
@@ -12,14 +12,13 @@ from collections.abc import Sequence
 
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
+from models.key_table import TIED_KEY, pipe_layers
 from models.layers import DecoderOptions
-from models.layout import TIED_KEY, pipe_layers
-from models.partition import stage_bounds
 from models.tensor_parallel import TensorParallel, tp_layer_class_and_args, tp_tied_head_forward
 
 
 def layer_specs(config, tp: TensorParallel, options: DecoderOptions | None = None) -> list[LayerSpec]:
-    """One spec per entry of `models.layout.pipe_layers`, in the same order."""
+    """One spec per entry of `models.key_table.pipe_layers`, in the same order."""
     specs = []
     for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):
         cls, args = tp_layer_class_and_args(layer, config, tp, options)
@@ -32,14 +31,14 @@ def layer_specs(config, tp: TensorParallel, options: DecoderOptions | None = Non
     return specs
 
 
-class LlamaPipelineModule(PipelineModule):
+class PipelineStageModule(PipelineModule):
     """`PipelineModule` whose stage bounds come from `stage_bounds` instead of building every layer."""
 
     def __init__(self, config, bounds: list[int], tp: TensorParallel, options: DecoderOptions, **kwargs):
         # NOTE: set before nn.Module.__init__ on purpose: PipelineModule.__init__ partitions and
         # builds immediately, and plain attributes are allowed before Module's own fields exist.
         self._precomputed_bounds = list(bounds)
-        self.llama_config = config
+        self.model_config = config
         self._tp = tp
         super().__init__(layers=layer_specs(config, tp, options), partition_method="precomputed", **kwargs)
 
@@ -61,18 +60,18 @@ def build_pipeline_module(
     config,
     topology,
     tp: TensorParallel,
-    partition: str | Sequence[int] = "parameters",
+    bounds: Sequence[int],
     options: DecoderOptions | None = None,
     loss_fn=None,
     skip_init: bool = True,
-) -> LlamaPipelineModule:
+) -> PipelineStageModule:
     """Build this rank's stage of the pipeline.
 
     Args:
         config: transformers config of the model, with `_attn_implementation` set.
         topology: a DeepSpeed `ProcessTopology` with `pipe`, `data` and `model` (tensor-parallel) axes.
         tp: this rank's tensor-parallel place (size 1: no tensor parallelism).
-        partition: see `models.partition.stage_bounds`.
+        bounds: stage s builds pipeline layers bounds[s]..bounds[s + 1] - 1 (`models.partition.stage_bounds`).
         options: packed rows, and which decoder blocks recompute in backward (`models.layers.DecoderOptions`;
             each block checkpoints itself, so DeepSpeed's own interval stays 0).
         loss_fn: `models.loss.CausalLMLoss` or any callable (logits, labels) -> loss.
@@ -80,10 +79,9 @@ def build_pipeline_module(
     """
     from transformers.initialization import no_init_weights
 
-    bounds = stage_bounds(config, topology.get_dim("pipe"), partition)
     ctx = no_init_weights() if skip_init else contextlib.nullcontext()
     with ctx:
-        return LlamaPipelineModule(
+        return PipelineStageModule(
             config,
             bounds,
             tp,

@@ -1,6 +1,6 @@
 """How each weight splits across tensor-parallel ranks, and the pure tensor maths of splitting and merging.
 
-One rule per key (`models.layout.tp_split`), Megatron's split:
+One rule per key (`models.key_table.tp_split`), Megatron's split:
 
     COLUMN  dim 0 in T contiguous blocks   q/k/v (by heads), gate/up (by rows), their biases, LoRA B of those
     ROW     dim 1 in T contiguous blocks   o_proj, down_proj (by input columns), LoRA A of those
@@ -20,6 +20,19 @@ import math
 import torch
 
 COLUMN, ROW, VOCAB, REPLICA = "column", "row", "vocab", "replica"
+
+
+TP_DIVIDES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def tp_indivisible(config, tp_size: int) -> tuple[str, int] | None:
+    """The one rule for a tensor-parallel degree: it must divide the heads, the KV heads (GQA) and the MLP width.
+    Returns the first (config field, value) it does not divide, or None."""
+    for name in TP_DIVIDES:
+        value = getattr(config, name)
+        if tp_size < 1 or value % tp_size:
+            return name, value
+    return None
 
 
 def padded_vocab(vocab_size: int, tp_size: int, multiple: int = 1) -> int:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.families import family_of
+from models.key_table import DECODER, EMBED, LM_HEAD, TP_COLUMN_MODULES, TP_ROW_MODULES, PipeLayer
 from models.layers import (
     DecoderOptions,
     EmbeddingPipe,
@@ -37,9 +38,8 @@ from models.layers import (
     layer_class_and_args,
     tied_lm_head_forward,
 )
-from models.layout import DECODER, EMBED, LM_HEAD, TP_COLUMN_MODULES, TP_ROW_MODULES, PipeLayer
 from models.loss import IGNORE_INDEX
-from models.sharding import padded_vocab
+from models.sharding import padded_vocab, tp_indivisible
 
 
 @dataclass
@@ -103,10 +103,9 @@ def sum_grad_over_tp(param: nn.Parameter, tp: TensorParallel) -> None:
 def local_config(config, tp: TensorParallel):
     """A copy of `config` describing this rank's shard of every block (same head_dim, fewer heads)."""
     heads, kv = config.num_attention_heads, config.num_key_value_heads
-    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv),
-                    ("intermediate_size", config.intermediate_size)):  # fmt: skip
-        if n % tp.size:
-            raise ValueError(f"{name}={n} does not split into tensor_parallel_size={tp.size} equal parts")
+    bad = tp_indivisible(config, tp.size)
+    if bad:
+        raise ValueError(f"{bad[0]}={bad[1]} does not split into tensor_parallel_size={tp.size} equal parts")
     local = copy.deepcopy(config)
     local.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     local.num_attention_heads, local.num_key_value_heads = heads // tp.size, kv // tp.size

@@ -7,4 +7,5 @@ bash scripts/setup.sh
 . .venv/bin/activate
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 ruff check .
+ruff format --check .
 python -m pytest tests "$@"

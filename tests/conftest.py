@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from data.sources import write_jsonl  # noqa: E402
+from demo.arithmetic import addition_rows  # noqa: E402, F401 - the demo's task, shared with the tests
 from tools.tiny_models import make_hf_model, make_sp_tokenizer, tiny_config  # noqa: E402
 
 # Llama 3.1's RoPE scaling, with the original context shrunk so short test sequences reach the scaled band.
@@ -49,11 +50,29 @@ MODEL_VARIANTS = {
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral"]
 
 
-def addition_rows(seed: int = 0) -> list[dict]:
-    """Two-digit sums as prompt/response rows (the demo's task), shuffled with `seed`."""
-    rows = [{"prompt": f"{a}+{b}=", "response": str(a + b)} for a in range(100) for b in range(100)]
-    random.Random(seed).shuffle(rows)
-    return rows
+LAUNCHER = str(Path(sys.executable).parent / "deepspeed")  # the `deepspeed` launcher of this environment
+
+
+def hf_state(hf_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face directory's safetensors shards."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for name in sorted(os.listdir(hf_dir)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(hf_dir, name)))
+    return state
+
+
+def one_error_line(proc: subprocess.CompletedProcess, fragment: str, prefix: str = "") -> str:
+    """The command failed with one error line holding `fragment` (and starting with `prefix`), no traceback.
+    Returns that line."""
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if fragment in line]
+    assert lines and all(line == lines[0] for line in lines), proc.stderr[-3000:]
+    assert lines[0].startswith(prefix), lines[0]
+    return lines[0]
 
 
 def free_port() -> int:
@@ -82,8 +101,7 @@ def torchrun(script: str, nprocs: int, *args: str, timeout: int = 600) -> subpro
 
 def deepspeed_launch(nprocs: int, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """The real user path: `deepspeed --num_gpus N trainer.py overrides...`."""
-    launcher = str(Path(sys.executable).parent / "deepspeed")
-    cmd = [launcher, "--num_gpus", str(nprocs), "--master_port", str(free_port()), "trainer.py", *overrides]
+    cmd = [LAUNCHER, "--num_gpus", str(nprocs), "--master_port", str(free_port()), "trainer.py", *overrides]
     return run_cmd(cmd, timeout)
 
 

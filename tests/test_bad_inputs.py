@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.catalogue import Catalogue, Inputs, convert_cmd, copy, run_args, run_case, trainer_cmd
-from tests.conftest import REPO, free_port, run_cmd
+from tests.conftest import LAUNCHER, REPO, free_port, run_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -112,6 +112,14 @@ def flipped_byte_in_checkpoint(t):
     return [sys.executable, "convert2ckpt.py", "--verify", str(ckpt)], layer.name, None, [ckpt]
 
 
+@case
+def corrupt_manifest(t):
+    ckpt = copy(t.ckpt, t.tmp / "ckpt")
+    (ckpt / "global_step0" / "manifest.json").write_text('{"files": {"layer_00')
+    cmd = [sys.executable, "convert2ckpt.py", "--verify", str(ckpt)]
+    return cmd, "manifest.json: not a manifest (JSONDecodeError)", None, [ckpt]
+
+
 # ---------------------------------------------------------------- run configuration
 
 
@@ -134,10 +142,16 @@ def tensor_parallel_not_dividing_the_world(t):
 
 @case
 def tensor_parallel_not_dividing_kv_heads(t):
-    launcher = str(Path(sys.executable).parent / "deepspeed")  # 4 ranks: every one of them says it
-    cmd = [launcher, "--num_gpus", "4", "--master_port", str(free_port()), "trainer.py",
-           *run_args(t.ckpt, t.out, t.train, tensor_parallel_size=4)]  # fmt: skip
-    return cmd, "tensor_parallel_size=4 must divide num_attention_heads=4 and num_key_value_heads=2", t.out, [t.ckpt], 4
+    cmd = [
+        LAUNCHER,
+        "--num_gpus",
+        "4",
+        "--master_port",
+        str(free_port()),
+        "trainer.py",
+        *run_args(t.ckpt, t.out, t.train, tensor_parallel_size=4),
+    ]  # fmt: skip  (4 ranks: each says it)
+    return cmd, "tensor_parallel_size=4 must divide num_key_value_heads=2", t.out, [t.ckpt], 4
 
 
 @case
@@ -255,8 +269,7 @@ def bad_json_row_on_four_ranks(t):
     """Rank 0 finds the bad row while tokenizing; ranks 1-3 learn of it and exit with the same line."""
     data = t.tmp / "bad.jsonl"
     data.write_text('{"text": "one two"}\n{"text": "three\n' + '{"text": "four"}\n' * 30)
-    launcher = str(Path(sys.executable).parent / "deepspeed")
-    cmd = [launcher, "--num_gpus", "4", "--master_port", str(free_port()), "trainer.py",
+    cmd = [LAUNCHER, "--num_gpus", "4", "--master_port", str(free_port()), "trainer.py",
            *run_args(t.ckpt, t.out, str(data), num_stages=2)]  # fmt: skip
     return cmd, f"{data}:2: not valid JSON", t.out, [t.ckpt, data], 4
 
@@ -340,6 +353,15 @@ def negative_warmup_ratio(t):
 def adam_beta1_above_one(t):
     cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, **{"optim.beta1": 1.5}))
     return cmd, "optim.beta1=1.5 must be a finite number in [0, 1)", t.out, [t.ckpt]
+
+
+@case
+def data_cache_dir_not_writable(t):
+    blocker = t.tmp / "a_file"
+    blocker.write_text("not a directory")
+    cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, **{"data.cache_dir": str(blocker / "cache")}))
+    return cmd, f"{blocker / 'cache'}: cannot write the tokenized store of {t.train} (Not a directory)", t.out, [
+        t.ckpt, blocker]  # fmt: skip
 
 
 # ---------------------------------------------------------------- while saving

@@ -15,17 +15,9 @@ from safetensors.torch import load_file
 
 from checkpoint.convert import convert_hf_to_pipeline
 from checkpoint.pipeline_reader import load_hf_state_dict
-from models.layout import layer_file_name, layer_keys, pipe_layers
-from tests.conftest import FAMILY_VARIANTS, REPO, run_cmd
+from models.key_table import layer_file_name, layer_keys, pipe_layers
+from tests.conftest import FAMILY_VARIANTS, REPO, hf_state, one_error_line, run_cmd
 from tools.tiny_models import make_hf_model, tiny_config
-
-
-def hf_state(hf_dir: str) -> dict[str, torch.Tensor]:
-    state = {}
-    for name in os.listdir(hf_dir):
-        if name.endswith(".safetensors"):
-            state.update(load_file(os.path.join(hf_dir, name)))
-    return state
 
 
 @pytest.mark.parametrize("variant", ["mha", "gqa", "tied", *FAMILY_VARIANTS])
@@ -179,9 +171,7 @@ def test_a_config_reading_transformers_does_not_share_is_never_published(tmp_pat
 def _expect_error(args: list[str], fragment: str, out_dir: str | None = None):
     proc = run_cmd([sys.executable, "convert2ckpt.py", *args])
     assert proc.returncode == 2, proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("convert2ckpt: error:") and fragment in last, proc.stderr
-    assert "Traceback" not in proc.stderr
+    one_error_line(proc, fragment, prefix="convert2ckpt: error:")
     if out_dir:
         assert not os.path.exists(out_dir)
         assert not [n for n in os.listdir(os.path.dirname(out_dir)) if ".tmp-" in n]

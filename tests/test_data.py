@@ -9,9 +9,12 @@ import torch
 
 from data.collator import CausalLMCollator
 from data.config import DataConfig
-from data.dataset import DataError, TokenizedDataset, count_rows, encode_row
+from data.dataset import TokenizedDataset
+from data.encode import encode_row
+from data.errors import DataError
 from data.packing import pack_rows
 from data.sampling import TrainPlan, eval_indices
+from data.sources import count_rows
 from models.loss import IGNORE_INDEX, CausalLMLoss
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -70,6 +71,57 @@ def test_warmup_then_cosine_to_min_ratio():
     assert s(10) == pytest.approx(1.0) and s(110) == pytest.approx(0.1) and s(60) == pytest.approx(0.55)
     assert WarmupDecay(100, 0, "linear", 0.0)(50) == pytest.approx(0.5)
     assert WarmupDecay(100, 0, "constant", 0.0)(99) == 1.0
+
+
+@pytest.mark.parametrize(
+    "change,expected",
+    [
+        ({}, []),
+        ({"max_steps": 5}, ["max_steps/num_train_epochs (total steps): 3 -> 5"]),
+        ({"max_steps": -1, "num_train_epochs": 2}, ["max_steps/num_train_epochs (total steps): 3 -> 8"]),
+        ({"optim.warmup_steps": 2}, ["warmup steps: 1 -> 2"]),
+        ({"optim.warmup_ratio": 1.0, "optim.warmup_steps": 0}, ["warmup steps: 1 -> 3"]),
+        ({"optim.lr_scheduler": "linear"}, ["optim.lr_scheduler: cosine -> linear"]),
+        ({"optim.min_lr_ratio": 0.5}, ["optim.min_lr_ratio: 0.1 -> 0.5"]),
+        ({"learning_rate": 1e-3}, ["learning_rate: 0.002 -> 0.001"]),
+    ],
+)
+def test_resume_follows_the_new_schedule_settings(change, expected):
+    """A checkpoint saved after 3 steps of a 3-step run, resumed with other schedule settings: the remaining
+    steps use exactly the rates an uninterrupted run with the new settings uses (the restored schedule used to
+    keep the old total and floor), and the changes are named."""
+    from omegaconf import OmegaConf
+
+    from training.config import TrainConfig
+    from training.engine import follow_new_schedule, make_optimizer
+
+    def configured(values: dict) -> TrainConfig:
+        base = {"learning_rate": 2e-3, "max_steps": 3, "optim": {"warmup_steps": 1}}
+        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), base, OmegaConf.from_dotlist(
+            [f"{k}={v}" for k, v in values.items()]))  # fmt: skip
+        return OmegaConf.to_object(cfg)
+
+    def lrs(cfg: TrainConfig, total: int, steps: int, state=None):
+        params = [torch.nn.Parameter(torch.zeros(2, 2))]
+        optimizer, scheduler = make_optimizer(cfg, [("w", params[0])], total)
+        if state is not None:  # what a resume restores: both state dicts, then our correction
+            optimizer.load_state_dict(state[0])
+            scheduler.load_state_dict(state[1])
+            follow = follow_new_schedule(scheduler, cfg, total)
+        out = []
+        for _ in range(steps):
+            out.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return out, (optimizer.state_dict(), scheduler.state_dict()), follow if state is not None else None
+
+    old = configured({})
+    _, state, _ = lrs(old, 3, 3)
+    new = configured(change)
+    total = new.max_steps if new.max_steps > 0 else 4 * new.num_train_epochs  # 4 steps an epoch
+    uninterrupted, _, _ = lrs(new, total, total)
+    resumed, _, changes = lrs(new, total, total - 3, state)
+    assert resumed == uninterrupted[3:] and changes == expected
 
 
 @pytest.mark.parametrize("cuda,bf16,expected", [(True, True, "bf16"), (True, False, "fp16"), (False, False, "fp32")])

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from models.config import ConfigFields, differing_field, load_hf_config, read_config_fields
+from models.key_table import all_layer_keys, pipe_layers
 from models.layers import DecoderOptions, build_layer, tied_lm_head_forward
-from models.layout import all_layer_keys, pipe_layers
 from tests.conftest import LLAMA3_ROPE
 from tools.tiny_models import tiny_config
 

@@ -18,11 +18,9 @@ import torch
 from checkpoint.layer_files import load_layer_state
 from checkpoint.manifest import verify_manifest
 from checkpoint.saves import newest_checkpoint
-from tests.conftest import REPO, check, deepspeed_launch, free_port, read_jsonl, small_run, subprocess_env
+from tests.conftest import LAUNCHER, REPO, check, deepspeed_launch, free_port, read_jsonl, small_run, subprocess_env
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
-
-LAUNCHER = str(Path(sys.executable).parent / "deepspeed")
 
 
 def run_args(ckpt: str, out: Path, train: str, **extra) -> list[str]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.key_table import pipe_layers
 from models.layers import DecoderOptions, build_layer
-from models.layout import pipe_layers
 from models.partition import layer_param_counts, stage_bounds
 from tools.memory_estimate import stage_activation_bytes
 from tools.tiny_models import tiny_config

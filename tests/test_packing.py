@@ -7,9 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from data.collator import CausalLMCollator
-from models.layers import DecoderLayerPipe, DecoderOptions, document_mask, flash_varlen_kwargs
+from models.layers import DecoderOptions, decoder_layer_class, document_mask, flash_varlen_kwargs
 from models.loss import IGNORE_INDEX, CausalLMLoss, chunked_cross_entropy, summed_cross_entropy
 from tools.tiny_models import tiny_config
+
+LlamaDecoderPipe = decoder_layer_class("llama")  # the pipeline layer of a LLaMA decoder block
 
 
 def rows(seed: int, lengths: list[int], vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -28,7 +30,7 @@ def stack(config, options: DecoderOptions, state: dict) -> torch.nn.ModuleList:
 
     hf = LlamaForCausalLM(config)
     hf.load_state_dict(state)
-    blocks = torch.nn.ModuleList(DecoderLayerPipe(config, i, options) for i in range(config.num_hidden_layers))
+    blocks = torch.nn.ModuleList(LlamaDecoderPipe(config, i, options) for i in range(config.num_hidden_layers))
     for i, block in enumerate(blocks):
         block.load_state_dict(hf.model.layers[i].state_dict())
     return hf, blocks
@@ -118,15 +120,33 @@ def test_chunked_cross_entropy_equals_the_plain_loss(dtype):
     assert loss.totals()[1] == int((labels != IGNORE_INDEX).sum())
 
 
+def test_the_loss_reads_nothing_back_to_the_host(monkeypatch):
+    """A training micro-batch's loss makes no device-to-host copy (on a GPU each one stalls the pipeline): the
+    totals stay tensors until `totals()` reads them once, for evaluation."""
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(2, 5, 11, generator=g), torch.randint(0, 11, (2, 5), generator=g)
+    labels[0, :2] = IGNORE_INDEX
+    expected = float(summed_cross_entropy(logits, labels))
+    for chunk in (0, 3):
+        loss = CausalLMLoss(chunk=chunk)
+        with monkeypatch.context() as m:
+            for name in ("item", "__float__", "__int__", "tolist"):
+                m.setattr(torch.Tensor, name, lambda *_, n=name: pytest.fail(f"the loss read a value back ({n})"))
+            for _ in range(2):
+                loss(logits, (labels, torch.tensor(1.0)))
+        total, tokens = loss.totals()
+        assert tokens == 2 * 8 and total == pytest.approx(2 * expected, rel=1e-6)
+
+
 def test_recomputed_block_equals_the_stored_one():
     """A decoder block recomputed in backward (activation_checkpointing) gives the same output and gradients."""
     torch.manual_seed(0)
     config = tiny_config()
     config._attn_implementation = "sdpa"
-    plain = DecoderLayerPipe(config, 0, DecoderOptions())
-    recompute = DecoderLayerPipe(config, 0, DecoderOptions(checkpoint_every=2))
+    plain = LlamaDecoderPipe(config, 0, DecoderOptions())
+    recompute = LlamaDecoderPipe(config, 0, DecoderOptions(checkpoint_every=2))
     recompute.load_state_dict(plain.state_dict())
-    assert recompute.recompute and not DecoderLayerPipe(config, 1, DecoderOptions(checkpoint_every=2)).recompute
+    assert recompute.recompute and not LlamaDecoderPipe(config, 1, DecoderOptions(checkpoint_every=2)).recompute
     hidden = torch.randn(2, 8, config.hidden_size)
     position_ids = torch.arange(8).expand(2, 8)
     outs = []

@@ -39,10 +39,10 @@ def test_bf16_sdpa_matches_hf_on_gpu(hf_models):
     """bf16 SDPA decoder layer on GPU vs HF's bf16 model: same kernels, so tight agreement."""
     from transformers import LlamaForCausalLM
 
-    from models.layers import DecoderLayerPipe
+    from models.layers import decoder_layer_class
 
     hf = LlamaForCausalLM.from_pretrained(hf_models["gqa"], dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
-    layer = DecoderLayerPipe(hf.config, 0).cuda().to(torch.bfloat16)
+    layer = decoder_layer_class("llama")(hf.config, 0).cuda().to(torch.bfloat16)
     layer.load_state_dict(hf.model.layers[0].state_dict())
     x = torch.randn(2, 32, hf.config.hidden_size, device="cuda", dtype=torch.bfloat16)
     pos = torch.arange(32, device="cuda").expand(2, 32)

@@ -76,6 +76,29 @@ def test_fresh_run_moves_an_earlier_runs_metrics_aside(tmp_path):
     assert not (out / "metrics.jsonl").exists() and (aside / "metrics.jsonl").read_text().count("step") == 2
 
 
+def test_a_symlinked_output_dir_moves_what_it_points_at(tmp_path):
+    """output_dir -> /scratch/run: the run there is renamed aside and the link keeps pointing at the new run."""
+    real, link = tmp_path / "scratch" / "run", tmp_path / "home" / "run"
+    make_steps(real, (2,), "global_step2")
+    (real / "data_cache").mkdir()
+    link.parent.mkdir()
+    link.symlink_to(real)
+    prepare_output_dir(cfg_for(link, overwrite_output_dir=True))
+    assert link.is_symlink() and os.path.realpath(link) == str(real)
+    assert sorted(os.listdir(real)) == ["data_cache"]
+    (aside,) = (tmp_path / "scratch").glob("run.earlier-*")
+    assert sorted(os.listdir(aside)) == ["global_step2", "latest"]
+
+
+def test_output_dir_may_not_be_an_input(tmp_path):
+    shards = tmp_path / "corpus"
+    shards.mkdir()
+    for out, key in ((shards, "train_file"), (tmp_path / "model", "model_name_or_path")):
+        cfg = TrainConfig(output_dir=str(out), model_name_or_path=str(tmp_path / "model"), train_file=str(shards))
+        with pytest.raises(RunError, match=f"output_dir {out} is {key}: a run writes config.json"):
+            prepare_output_dir(cfg)
+
+
 def test_resume_from_checks_completeness_and_rolls_back(tmp_path):
     make_steps(tmp_path, (1, 2, 3), "global_step3")
     (tmp_path / "global_step1" / "manifest.json").write_text(json.dumps({"files": {"weights": {"size": 1}}}))
@@ -131,7 +154,8 @@ def test_every_numeric_setting_is_checked_before_training(key, value, message):
 @pytest.mark.slow
 def test_rollback_and_overwrite_on_real_runs(converted, sft_data, tmp_path):
     """resume_from=global_step1 after 3 saved steps retrains steps 2-3 exactly (bit-identical losses and
-    weights), moves the abandoned checkpoints aside and logs why; overwrite_output_dir=true then starts over."""
+    weights), moves the abandoned checkpoints aside and logs why; resumed with max_steps=5 the schedule is the
+    5-step one's; overwrite_output_dir=true then starts over."""
     from checkpoint.layer_files import load_layer_state
 
     out = tmp_path / "run"
@@ -157,6 +181,17 @@ def test_rollback_and_overwrite_on_real_runs(converted, sft_data, tmp_path):
     assert all((weights(out / "global_step3")[k] == v).all() for k, v in first_weights.items())
     (aside,) = out.glob("rolled_back-*")
     assert sorted(os.listdir(aside)) == ["global_step2", "global_step3"]
+
+    # Resumed with max_steps=5, steps 4-5 follow the 5-step schedule (they kept the 3-step one's floor before).
+    longer = check(run_cmd([sys.executable, "trainer.py", *args, "resume=auto", "max_steps=5"]))
+    assert "the LR schedule follows this run's settings from step 3 on" in longer.stderr
+    assert "max_steps/num_train_epochs (total steps): 3 -> 5" in longer.stderr
+    five = tmp_path / "five"
+    check(run_cmd([sys.executable, "trainer.py", *small_run(converted["gqa"], five, sft_data[0], max_steps=5,
+                                                             learning_rate=3e-3)]))  # fmt: skip
+    again = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in again] == [1, 2, 3, 4, 5]
+    assert [m["lr"] for m in again[3:]] == [m["lr"] for m in read_jsonl(five / "metrics.jsonl")[3:]]
 
     check(run_cmd([sys.executable, "trainer.py", *args, "max_steps=1", "overwrite_output_dir=true"]))
     (earlier,) = tmp_path.glob("run.earlier-*")

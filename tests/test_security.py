@@ -98,6 +98,13 @@ def test_planted_pickle_in_a_checkpoint_is_refused_everywhere(where, converted, 
     adapter = peft_adapter(hf_models["gqa"], tmp_path / "adapter")
     for what, cmd in commands(str(ckpt), tmp_path, hf_models["gqa"], adapter, sft_data[0]).items():
         assert_refused(run_cmd(cmd, timeout=300), marker, f"{where}, {what}", planted.name)
+    # `--verify --against` stops at the scan above; the comparison itself must refuse the file too.
+    from checkpoint.compare import compare_with_hf
+    from checkpoint.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=f"{planted.name}: refused"):
+        compare_with_hf(str(ckpt), "global_step0", hf_models["gqa"])
+    assert not marker.exists()
     assert not (tmp_path / "out_hf").exists() and not (tmp_path / "run" / "latest").exists()
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from data import store as store_mod
+from data import store_builder
 from data.collator import CausalLMCollator
 from data.config import DataConfig
 from data.dataset import TokenizedDataset
@@ -102,6 +103,75 @@ def test_a_directory_of_shards_is_one_source(tokenizer_dir, tmp_path):
         TokenizedDataset(str(shards), tok, 16, DataConfig())
 
 
+def test_characters_the_tokenizer_cannot_represent(tokenizer_dir, chat_tokenizers, tmp_path):
+    """A sentencepiece tokenizer without byte fallback drops characters it does not know (the brackets of
+    "[INST]"): such rows are counted in the report, and a chat row, whose targets are placed by character
+    offsets that no longer match the text, is refused naming its line. Byte fallback loses nothing."""
+    from transformers import AutoTokenizer
+
+    from data.encode import lossy_tokenizer
+
+    lossy = AutoTokenizer.from_pretrained(tokenizer_dir)  # vocabulary 60, no byte fallback
+    exact = AutoTokenizer.from_pretrained(chat_tokenizers["sentencepiece"])  # byte fallback
+    assert lossy_tokenizer(lossy) and not lossy_tokenizer(exact) and not lossy_tokenizer(
+        AutoTokenizer.from_pretrained(chat_tokenizers["bpe"]))  # fmt: skip
+    assert lossy("[the] dog", add_special_tokens=False)["input_ids"] == lossy("the dog", add_special_tokens=False)[
+        "input_ids"]  # fmt: skip
+    rows = [{"text": "the lazy dog"}, {"text": "[the] lazy dog"}, {"prompt": "1+1=", "response": "2"},
+            {"prompt": "{1+1}=", "response": "2"}]  # fmt: skip
+    path = write_jsonl(str(tmp_path / "rows.jsonl"), rows)
+    report = TokenizedDataset(path, lossy, 16, DataConfig()).report()
+    assert report["rows_with_lost_characters"] == 2
+    assert report["lost_character_examples"] == [f"{path}:2", f"{path}:4"]
+    assert TokenizedDataset(path, exact, 16, DataConfig()).report()["rows_with_lost_characters"] == 0
+    lossy.chat_template = LLAMA2
+    chat = write_jsonl(str(tmp_path / "chat.jsonl"), [{"messages": CONVERSATION}])
+    with pytest.raises(DataError, match=r"chat.jsonl:1: the tokenizer does not represent every character of this "
+                                        r"conversation \('.' at character \d+\)"):  # fmt: skip
+        TokenizedDataset(chat, lossy, 256, DataConfig())
+
+
+def test_a_build_waits_for_another_builder_and_a_dead_worker_is_one_line(tokenizer_dir, tmp_path, monkeypatch):
+    """A second process building the same store waits on its lock while still beating (no rank times out);
+    a tokenizer worker that dies is a one-line error that keeps the finished parts."""
+    import fcntl
+    import threading
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    path = write_jsonl(str(tmp_path / "rows.jsonl"), [{"text": f"the lazy dog {i}"} for i in range(50)])
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    name, _ = store_mod.store_key(path, tok, DataConfig(), 16, False)
+    beats, result = [], {}
+    with open(cache / f"{name}.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        thread = threading.Thread(target=lambda: result.update(ds=TokenizedDataset(
+            path, tok, 16, DataConfig(), cache_dir=str(cache), beat=lambda: beats.append(1))))  # fmt: skip
+        thread.start()
+        time.sleep(1.5)
+        assert thread.is_alive() and beats  # waiting, and beating while it waits
+        fcntl.flock(held, fcntl.LOCK_UN)
+    thread.join(60)
+    assert len(result["ds"]) == 50
+
+    monkeypatch.setattr(store_mod, "CHUNK_ROWS", 10)
+    real = store_builder.encode_rows
+
+    def dies_on_the_third_chunk(rows, *args):  # runs in the forked worker (the module is inherited patched)
+        if rows[0][0].endswith(":21"):
+            os._exit(1)
+        return real(rows, *args)
+
+    monkeypatch.setattr(store_builder, "encode_rows", dies_on_the_third_chunk)
+    with pytest.raises(DataError) as e:
+        TokenizedDataset(path, tok, 16, DataConfig(add_eos_to_response=False), cache_dir=str(cache), workers=2)
+    assert "a tokenizer worker process died" in str(e.value) and "\n" not in str(e.value)
+    (partial,) = cache.glob("*.partial")
+    assert {p.name for p in partial.glob("part-*")} >= {"part-000000", "part-000001"}
+
+
 def test_store_is_found_again_and_rebuilt_when_its_inputs_change(tokenizer_dir, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
@@ -115,7 +185,7 @@ def test_store_is_found_again_and_rebuilt_when_its_inputs_change(tokenizer_dir, 
     def no_tokenizing(*_):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr(store_mod, "encode_rows", no_tokenizing)
+    monkeypatch.setattr(store_builder, "encode_rows", no_tokenizing)
     again = TokenizedDataset(path, tok, 16, DataConfig(), cache_dir=cache)
     assert again.from_cache and rows_of(again) == rows_of(first) and again.fingerprint() == first.fingerprint()
     for change in ("seq_length", "file", "setting"):  # each is another key: tokenized anew
@@ -175,7 +245,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_store(tokenizer_dir, tmp_path, mo
     def full(file, *_):
         raise OSError(errno.ENOSPC, "No space left on device", str(file))
 
-    monkeypatch.setattr(store_mod.np, "save", full)
+    monkeypatch.setattr(store_builder.np, "save", full)
     with pytest.raises(DataError) as e:
         TokenizedDataset(path, AutoTokenizer.from_pretrained(tokenizer_dir), 16, DataConfig(),
                          cache_dir=str(tmp_path / "cache"))  # fmt: skip

@@ -104,7 +104,7 @@ def test_model_maths_and_data_import_without_deepspeed():
     """Partitioning, the loss, the layout table and the data pipeline need no DeepSpeed (nor a process group)."""
     code = (
         "import sys; sys.modules['deepspeed'] = None\n"
-        "import models.partition, models.loss, models.layout, data.collator, data.dataset, data.sampling\n"
+        "import models.partition, models.loss, models.key_table, data.collator, data.dataset, data.sampling\n"
         "from tools.tiny_models import tiny_config\n"
         "print(models.partition.stage_bounds(tiny_config(num_hidden_layers=10), 4, [2, 3, 3, 2]))\n"
     )

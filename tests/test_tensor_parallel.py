@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models.key_table import DECODER, EMBED, linear_modules, tp_split
 from models.layers import DecoderOptions, decoder_layer_class
-from models.layout import DECODER, EMBED, linear_modules, tp_split
 from models.loss import IGNORE_INDEX
 from models.sharding import COLUMN, REPLICA, ROW, VOCAB, merge, merged_shape, padded_vocab, shard
 from tools.tiny_models import tiny_config

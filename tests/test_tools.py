@@ -67,7 +67,8 @@ def test_metrics_reach_tensorboard_and_wandb_offline(converted, sft_data, tmp_pa
             f"eval_file={sft_data[1]}", "seq_length=16", "micro_batch_size=4", "max_steps=3", "deepspeed=fp32",
             "report_to=[tensorboard,wandb]"]  # fmt: skip
     env = {**subprocess_env(), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    proc = subprocess.run([sys.executable, "trainer.py", *args], cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "trainer.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [m["loss"] for m in read_jsonl(out / "metrics.jsonl")]
     events = EventAccumulator(str(out / "tensorboard"))
@@ -79,7 +80,7 @@ def test_metrics_reach_tensorboard_and_wandb_offline(converted, sft_data, tmp_pa
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), os.listdir(out / "wandb")
 
     bad = subprocess.run([sys.executable, "trainer.py", *args[:-1], "report_to=[mlflow]"], cwd=REPO, env=env,
-                         capture_output=True, text=True)  # fmt: skip
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
     assert bad.returncode == 2 and "report_to: unknown reporter 'mlflow'" in bad.stderr
 
 

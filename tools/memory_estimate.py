@@ -69,7 +69,7 @@ def stage_activation_bytes(config, layers: range, b: int, s: int, tp: int, act_b
     """(bytes kept per micro-batch in flight, bytes of the one block being recomputed) for the pipeline layers
     `layers` of a stage; `every`: recompute every k-th block (0: none), keeping only its input. The final
     norm and the LM head's input count on the last stage; the loss's logits are `Estimate.logits`."""
-    from models.layout import EMBED, NORM, block_of, pipe_layers
+    from models.key_table import EMBED, NORM, block_of, pipe_layers
 
     n = config.num_hidden_layers
     per_layer = layer_activation_bytes(config, b, s, tp, act_bytes, attn, packed)

@@ -34,7 +34,7 @@ from training.distributed import agreed, broadcast_object, init_distributed, ran
 from training.engine import build_module, describe_auto_precision, initialize_engine, resolve_precision
 from training.errors import RunError
 from training.logs import configure_logging, log_to_file
-from training.run_dir import check_paths, prepare_output_dir
+from training.run_dir import check_paths, prepare_output_dir, roll_back
 from training.topology import Coords
 
 log = logging.getLogger("trainer")
@@ -48,6 +48,7 @@ class Run:
     coords: Coords
     model_config: Any
     loss_fn: CausalLMLoss
+    bounds: list[int]  # stage s holds pipeline layers bounds[s]..bounds[s + 1] - 1 (computed once)
     plan: TrainPlan | None = None  # set once the data is loaded
     total_steps: int = 0
     num_eval_rows: int = 0
@@ -180,6 +181,12 @@ def _log_rows(run: Run) -> None:
             first = (run.train_set.no_target_examples or ["?"])[0]
             log.warning("%s: %d of %d rows have no target token within seq_length=%d (first: %s)",
                         cfg.train_file, missing, len(run.train_set), cfg.seq_length, first)  # fmt: skip
+    for name, ds in (("train", run.train_set), ("eval", run.eval_set)):
+        report = ds.report() if isinstance(ds, TokenizedDataset) else {}
+        if report.get("rows_with_lost_characters"):
+            log.warning("%s data: %d rows hold characters the tokenizer drops or replaces by an unknown token "
+                        "(first: %s); see data_report.json", name, report["rows_with_lost_characters"],
+                        report["lost_character_examples"][0])  # fmt: skip
 
 
 def train_plan(cfg: TrainConfig, coords: Coords, num_rows: int, what: str = "rows") -> tuple[TrainPlan, int]:
@@ -219,8 +226,7 @@ def _weights_source(run: Run, plan: checkpointing.ResumePlan) -> str | None:
     if is_hf_dir(path):
         from training.hf_source import convert_on_load
 
-        bounds = stage_bounds(run.model_config, cfg.num_stages, cfg.model.partition)
-        path, reused = convert_on_load(path, cfg.output_dir, c, bounds)
+        path, reused = convert_on_load(path, cfg.output_dir, c, run.bounds)
         log.info("%s %s as %s", "reusing the conversion of" if reused else "converted", cfg.model_name_or_path, path)
     run.lora_base = os.path.abspath(path)
     with agreed():
@@ -263,7 +269,7 @@ def assemble(cfg: TrainConfig) -> Run:
         model_config = load_model_config(cfg)
         try:
             validate_layout(cfg, world, model_config)
-            stage_bounds(model_config, cfg.num_stages, cfg.model.partition)
+            bounds = stage_bounds(model_config, cfg.num_stages, cfg.model.partition)  # once per run
         except ValueError as e:
             raise _user_error(e) from None
     tp = TensorParallel(cfg.tensor_parallel_size, coords.tp_rank, cfg.model.vocab_pad_multiple)
@@ -271,9 +277,9 @@ def assemble(cfg: TrainConfig) -> Run:
     if vocab_parallel(model_config, tp):  # no rank holds [B, S, V] logits; padded rows never reach the loss
         cross_entropy = functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=model_config.vocab_size)
     loss_fn = CausalLMLoss(cross_entropy, cfg.model.loss_chunk_size)
-    run = Run(cfg, coords, model_config, loss_fn, tp=tp)
-    run.layout = checkpointing.saved_layout(cfg, coords, model_config)
-    resume = checkpointing.plan_resume(cfg, coords, model_config)  # before any slow work: a bad resume fails now
+    run = Run(cfg, coords, model_config, loss_fn, bounds, tp=tp)
+    run.layout = checkpointing.saved_layout(cfg, coords, model_config, bounds)
+    resume = checkpointing.plan_resume(cfg, coords, run.layout)  # before slow work: a bad resume fails now
     with agreed():
         if coords.has_data:
             run.tokenizer = _tokenizer(cfg, model_config.vocab_size)
@@ -282,7 +288,8 @@ def assemble(cfg: TrainConfig) -> Run:
     run.data_state = _data_state(run)
 
     source = _weights_source(run, resume)
-    module = build_module(cfg, coords, model_config, run.loss_fn, tp, skip_init=cfg.model_name_or_path is not None)
+    module = build_module(cfg, coords, model_config, run.loss_fn, tp, bounds,
+                          skip_init=cfg.model_name_or_path is not None)  # fmt: skip
     with agreed():
         if source:
             run.loaded_layers = checkpointing.load_stage_weights(module, source, model_config, tp)
@@ -302,9 +309,12 @@ def assemble(cfg: TrainConfig) -> Run:
     run.engine = initialize_engine(cfg, coords, module, max(run.total_steps, 1),
                                    load_universal=bool(resume.universal_tag))  # fmt: skip
     if resume.tag:
-        run.step = checkpointing.resume(run.engine, cfg, resume, run.data_state, model_config, tp)
+        run.step = checkpointing.resume(run.engine, cfg, resume, run.data_state, model_config, tp,
+                                        max(run.total_steps, 1))  # fmt: skip
         with agreed():
             checkpointing.restore_rng(cfg, coords, resume)
+            if cfg.resume_from and rank == 0:  # only once the resume is known to work: newer steps move aside
+                roll_back(cfg.output_dir, cfg.resume_from)
         log.info("resumed from %s at step %d", os.path.join(cfg.output_dir, resume.tag), run.step)
     if rank == 0:
         write_run_files(run)

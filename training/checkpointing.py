@@ -4,7 +4,7 @@
   only its own stage's files (`load_stage_weights`).
 - Save: crash-safe (checkpoint/saves.py): every rank writes into `.saving-<tag>`, then rank 0 publishes.
 - Resume in the same layout: DeepSpeed's `load_checkpoint`, plus per-rank RNG states.
-- Resume in another PP x DP layout: ZeRO-1 state through DeepSpeed's universal checkpoint (converted
+- Resume in another PP x TP x DP layout: ZeRO-1 state through DeepSpeed's universal checkpoint (converted
   once by rank 0), ZeRO-0 state reshaped by parameter name (checkpoint/optimizer_reshape.py).
 - Every checkpoint records what decides the data order (`data` in the engine's client state); a resume
   whose data, seed or global batch differ is refused, naming what changed.
@@ -22,22 +22,21 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.errors import CheckpointError
-from checkpoint.layer_files import checkpoint_tp_size, find_layer_file, load_layer_shard
 from checkpoint.manifest import build_manifest, checkpoint_files, write_manifest
-from checkpoint.names import engine_files, rng_file, staging_tag, step_tag
+from checkpoint.names import rng_file, staging_tag, step_tag
 from checkpoint.optimizer_reshape import OPTIMIZER_NAMES, gather_moved_state, load_moved_state, optimizer_param_names
-from checkpoint.safe_load import check_pickles, load_pt
+from checkpoint.pipeline_reader import PipelineCheckpoint
+from checkpoint.safe_load import load_pt
 from checkpoint.saves import choose_checkpoint, publish_checkpoint
 from checkpoint.staging import remove_tree
 from checkpoint.universal import check_movable, ensure_universal, layout_changed, read_layout, write_layout
-from models.layout import layer_file_name, param_tp_split, pipe_layers
-from models.partition import stage_bounds
+from models.key_table import param_tp_split, pipe_layers
 from models.tensor_parallel import TensorParallel
 from training.config import TrainConfig, resume_mode
 from training.distributed import agreed, broadcast_object
-from training.engine import resolve_precision, resolve_zero_stage
+from training.engine import follow_new_schedule, resolve_precision, resolve_zero_stage
 from training.errors import RunError
-from training.run_dir import check_resume_from, roll_back
+from training.run_dir import check_resume_from
 from training.topology import Coords
 
 log = logging.getLogger("trainer")
@@ -60,14 +59,14 @@ class ResumePlan:
         return bool(self.universal_tag or self.reshape)
 
 
-def saved_layout(cfg: TrainConfig, coords: Coords, model_config) -> dict:
-    """What a checkpoint records about the layout that saved it (checkpoint/universal.py)."""
+def saved_layout(cfg: TrainConfig, coords: Coords, model_config, bounds: list[int]) -> dict:
+    """What a checkpoint records about the PP x TP x DP layout that saved it (checkpoint/universal.py)."""
     return {
         "num_stages": cfg.num_stages,
         "tp_size": coords.tp,
         "dp_size": coords.dp,
         "vocab_pad_multiple": cfg.model.vocab_pad_multiple,
-        "stage_bounds": stage_bounds(model_config, cfg.num_stages, cfg.model.partition),
+        "stage_bounds": list(bounds),
         "global_batch_size": coords.global_batch(cfg.micro_batch_size, cfg.gradient_accumulation_steps),
         "num_hidden_layers": model_config.num_hidden_layers,
         "precision": resolve_precision(cfg.deepspeed.precision),
@@ -96,14 +95,14 @@ def find_resume_tag(cfg: TrainConfig) -> str | None:
     return tag
 
 
-def plan_resume(cfg: TrainConfig, coords: Coords, model_config) -> ResumePlan:
+def plan_resume(cfg: TrainConfig, coords: Coords, current: dict) -> ResumePlan:
     """Collective. Find the checkpoint to resume; if it was saved in another layout, choose how its optimizer
-    state moves (and, for ZeRO-1, have rank 0 convert it to a universal checkpoint once)."""
+    state moves (and, for ZeRO-1, have rank 0 convert it to a universal checkpoint once). `current`: this run's
+    layout record (`saved_layout`)."""
     plan = ResumePlan()
     with agreed():
         plan.tag = find_resume_tag(cfg)
         saved = read_layout(os.path.join(cfg.output_dir, plan.tag)) if plan.tag else None
-        current = saved_layout(cfg, coords, model_config)
         if layout_changed(saved, current):
             where = os.path.join(cfg.output_dir, plan.tag)
             check_movable(saved, current, where)
@@ -114,10 +113,6 @@ def plan_resume(cfg: TrainConfig, coords: Coords, model_config) -> ResumePlan:
                     "checkpoint does not handle frozen weights); train LoRA with deepspeed=fp32 to move it, or "
                     "resume it as saved"
                 )
-    if cfg.resume_from:
-        with agreed():
-            if coords.rank == 0:
-                roll_back(cfg.output_dir, cfg.resume_from)
     if plan.tag and (plan.reshape or layout_changed(saved, current)):
         universal = None
         with agreed():
@@ -146,17 +141,15 @@ def load_stage_weights(module, step_dir: str, config, tp: TensorParallel, traina
     Raises:
         CheckpointError: a missing, unsafe or mismatched file, named.
     """
-    if os.path.isdir(step_dir):  # the engine files are not read, but one that is unsafe means a tampered checkpoint
-        check_pickles(step_dir, engine_files(os.listdir(step_dir)))
+    ckpt = PipelineCheckpoint.at(step_dir, config)  # engine files scanned: one that is unsafe means tampering
     layers = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings)
-    saved_tp = checkpoint_tp_size(step_dir)
     loaded = []
     for i, layer_module in enumerate(module.forward_funcs):
         if not hasattr(layer_module, "load_state_dict"):  # the tied LM head: a function of layer 0's module
             continue
         layer = layers[module._local_start + i]
-        state = load_layer_shard(step_dir, layer, config.vocab_size, saved_tp, tp.rank, tp.size, tp.vocab_multiple)
-        where = find_layer_file(step_dir, layer.index, 0) or os.path.join(step_dir, layer_file_name(layer.index))
+        state = ckpt.load_shard(layer, tp.rank, tp.size, tp.vocab_multiple)
+        where = ckpt.layer_file(layer.index)
         try:
             missing, unexpected = layer_module.load_state_dict(state, strict=not trainable_only)
         except RuntimeError as e:
@@ -172,6 +165,9 @@ def load_stage_weights(module, step_dir: str, config, tp: TensorParallel, traina
 
 def check_data_state(saved: dict, now: dict, tag: str) -> None:
     """Refuse a resume whose data order would differ, naming what changed (keys missing from older saves pass)."""
+    if "train_rows_sha256" in saved and "train_data_fingerprint" not in saved and saved.get("train_weights"):
+        raise RunError(f"resume: the checkpoint {tag} was saved before the tokenized store, whose mixture of "
+                       "weighted train files draws rows differently: the data order would not continue")  # fmt: skip
     for key in DATA_KEYS:
         if key not in saved or saved[key] == now.get(key):
             continue
@@ -183,8 +179,11 @@ def check_data_state(saved: dict, now: dict, tag: str) -> None:
         raise RunError(f"resume: {key}={now.get(key)} but the checkpoint {tag} was saved with {saved[key]}")
 
 
-def resume(engine, cfg: TrainConfig, plan: ResumePlan, data_state: dict, config, tp: TensorParallel) -> int:
-    """Load `plan.tag` into `engine` (weights, optimizer, schedule, step) and check its data. Returns the step."""
+def resume(engine, cfg: TrainConfig, plan: ResumePlan, data_state: dict, config, tp: TensorParallel,
+           total_steps: int) -> int:  # fmt: skip
+    """Load `plan.tag` into `engine` (weights, optimizer, step) and check its data; the LR schedule then follows
+    this run's settings (`total_steps`, warmup, kind, ratios, learning rate) from the restored step. Returns
+    the step."""
     step_dir = os.path.join(cfg.output_dir, plan.tag)
     if plan.reshape:
         client = _load_reshaped(engine, step_dir, config, tp)
@@ -195,6 +194,10 @@ def resume(engine, cfg: TrainConfig, plan: ResumePlan, data_state: dict, config,
         if path is None:
             raise RunError(f"{step_dir}: checkpoint could not be loaded")
     check_data_state(client.get("data", {}), data_state, plan.tag)
+    changes = follow_new_schedule(engine.lr_scheduler, cfg, total_steps)
+    if changes:
+        log.info("resume: the LR schedule follows this run's settings from step %d on (%s)", engine.global_steps,
+                 "; ".join(changes))  # fmt: skip
     return engine.global_steps
 
 

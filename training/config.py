@@ -17,6 +17,7 @@ from hydra.core.config_store import ConfigStore
 
 from data.config import DataConfig
 from models.config import Choice, LoraSettings, ModelConfig, checkpoint_every
+from models.sharding import tp_indivisible
 
 RESUME_MODES = ("true", "false", "auto")
 
@@ -158,6 +159,7 @@ def validate_numbers(cfg: TrainConfig) -> None:
     _need(cfg.logging_steps >= 1, f"logging_steps={cfg.logging_steps} must be >= 1")
     _need(cfg.eval_micro_batch_size is None or cfg.eval_micro_batch_size >= 1,
           f"eval_micro_batch_size={cfg.eval_micro_batch_size} must be >= 1")  # fmt: skip
+    _need(cfg.deepspeed.steps_per_print >= 1, f"deepspeed.steps_per_print={cfg.deepspeed.steps_per_print} must be >= 1")
     _need(0 <= cfg.deepspeed.initial_scale_power <= 32,
           f"deepspeed.initial_scale_power={cfg.deepspeed.initial_scale_power} must be in [0, 32]")  # fmt: skip
     for key in ("tokenize_workers", "num_workers"):
@@ -226,12 +228,5 @@ def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
         world_size % (cfg.num_stages * tp) == 0,
         f"{split} does not divide the world size {world_size} (PP x TP x DP = world size)",
     )
-    heads, kv = model_config.num_attention_heads, model_config.num_key_value_heads
-    _need(
-        heads % tp == 0 and kv % tp == 0,
-        f"tensor_parallel_size={tp} must divide num_attention_heads={heads} and num_key_value_heads={kv}",
-    )
-    _need(
-        model_config.intermediate_size % tp == 0,
-        f"tensor_parallel_size={tp} must divide intermediate_size={model_config.intermediate_size}",
-    )
+    bad = tp_indivisible(model_config, tp)
+    _need(bad is None, f"tensor_parallel_size={tp} must divide {bad[0]}={bad[1]}" if bad else "")

@@ -11,8 +11,8 @@ from deepspeed.runtime.utils import clip_grad_norm_
 
 from checkpoint.universal import universal_info
 from models.config import checkpoint_every
+from models.key_table import param_tp_split
 from models.layers import DecoderOptions, init_weights
-from models.layout import param_tp_split
 from models.pipeline import build_pipeline_module
 from models.sharding import REPLICA
 from models.tensor_parallel import TensorParallel
@@ -124,6 +124,41 @@ class WarmupDecay:
         return self.min_ratio + (1.0 - self.min_ratio) * decay
 
 
+def lr_schedule(cfg: TrainConfig, total_steps: int) -> WarmupDecay:
+    """The LR multiplier of `cfg` over `total_steps` optimizer steps."""
+    o = cfg.optim
+    warmup = o.warmup_steps or int(o.warmup_ratio * total_steps)
+    return WarmupDecay(total_steps, warmup, str(o.lr_scheduler), o.min_lr_ratio)
+
+
+def follow_new_schedule(scheduler, cfg: TrainConfig, total_steps: int) -> list[str]:
+    """After a resume: the restored LR schedule (the checkpoint's settings) replaced by this run's, from the
+    restored step on, as an uninterrupted run with these settings would have it. Returns what changed
+    ("max_steps/num_train_epochs: 3 -> 5 steps", ...), empty when nothing did.
+
+    NOTE: `LambdaLR.load_state_dict` restores the schedule object's fields and the base learning rates, so
+    without this a run resumed with max_steps=5 kept decaying toward the old max_steps=3 floor."""
+    new, base = lr_schedule(cfg, total_steps), cfg.learning_rate
+    changes = []
+    for old in scheduler.lr_lambdas:
+        for field, what in (("total_steps", "max_steps/num_train_epochs (total steps)"),
+                            ("warmup_steps", "warmup steps"), ("kind", "optim.lr_scheduler"),
+                            ("min_ratio", "optim.min_lr_ratio")):  # fmt: skip
+            before, after = getattr(old, field, None), getattr(new, field)
+            if before != after:
+                changes.append(f"{what}: {before} -> {after}")
+        old.__dict__.update(new.__dict__)
+    if any(b != base for b in scheduler.base_lrs):
+        changes.append(f"learning_rate: {scheduler.base_lrs[0]:g} -> {base:g}")
+    scheduler.base_lrs = [base] * len(scheduler.base_lrs)
+    step = scheduler.last_epoch  # optimizer steps done: the next one uses base * multiplier(step)
+    lrs = [base * fn(step) for fn in scheduler.lr_lambdas]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+    return sorted(set(changes))
+
+
 def make_optimizer(cfg: TrainConfig, named_params, total_steps: int):
     """AdamW and its LR schedule; the single-process reference in the tests uses these too."""
     o = cfg.optim
@@ -131,12 +166,11 @@ def make_optimizer(cfg: TrainConfig, named_params, total_steps: int):
     if torch.cuda.is_available():
         kwargs["fused"] = True
     optimizer = torch.optim.AdamW(param_groups(named_params, o.weight_decay), **kwargs)
-    warmup = o.warmup_steps or int(o.warmup_ratio * total_steps)
-    schedule = WarmupDecay(total_steps, warmup, str(o.lr_scheduler), o.min_lr_ratio)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg, total_steps))
 
 
-def build_module(cfg: TrainConfig, coords: Coords, model_config, loss_fn, tp: TensorParallel, skip_init: bool = True):
+def build_module(cfg: TrainConfig, coords: Coords, model_config, loss_fn, tp: TensorParallel, bounds: list[int],
+                 skip_init: bool = True):  # fmt: skip
     """Build this rank's pipeline stage (and nothing else; with tensor parallelism, its shard of it).
 
     Args:
@@ -145,6 +179,7 @@ def build_module(cfg: TrainConfig, coords: Coords, model_config, loss_fn, tp: Te
         model_config: transformers config of the model, attention implementation set.
         loss_fn: `CausalLMLoss`.
         tp: this rank's tensor-parallel place; its group is set while the stage is built.
+        bounds: the stage bounds (`models.partition.stage_bounds`, computed once per run).
         skip_init: leave weights uninitialised because a checkpoint will overwrite them.
     """
     topology = PipeModelDataParallelTopology(num_pp=cfg.num_stages, num_mp=coords.tp, num_dp=coords.dp)
@@ -152,7 +187,7 @@ def build_module(cfg: TrainConfig, coords: Coords, model_config, loss_fn, tp: Te
         model_config,
         topology,
         tp,
-        partition=cfg.model.partition,
+        bounds,
         options=DecoderOptions(packed=cfg.data.documents_share_rows, checkpoint_every=checkpoint_every(cfg.model)),
         loss_fn=loss_fn,
         skip_init=skip_init,
@@ -172,7 +207,7 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
     # split across TP ranks, and replicated ones on TP rank 0 only, so each counts exactly once; tied copies
     # (`ds_pipe_replicated`) stay unflagged so they count once too. Flagged after any LoRA injection, so
     # adapter parameters count as well.
-    config = module.llama_config
+    config = module.model_config
     for name, p in module.named_parameters():
         split = param_tp_split(name, config.num_hidden_layers, config.tie_word_embeddings) != REPLICA
         p.model_parallel = not getattr(p, "ds_pipe_replicated", False) and (coords.tp_rank == 0 or split)

@@ -17,14 +17,15 @@ import json
 import os
 import shutil
 
-from checkpoint.convert import TAG, convert_layers, finish_converted
+from checkpoint.convert import convert_layers
 from checkpoint.dtypes import dtype_name
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import list_shards, read_model_config, stored_dtype
 from checkpoint.names import CONVERSION_RECORD, CONVERTED_DIR
 from checkpoint.source_checks import plan_conversion
 from checkpoint.staging import publish_staged
-from models.layout import all_layer_keys
+from checkpoint.writer import TAG, finish_converted
+from models.key_table import all_layer_keys
 from training.distributed import agreed
 from training.topology import Coords
 

@@ -22,6 +22,7 @@ import os
 import time
 
 from checkpoint.names import CONVERTED_DIR, LATEST, MANIFEST, TAG_PATTERN
+from checkpoint.outputs import is_within, real_path
 from checkpoint.saves import complete_checkpoints, read_latest
 from checkpoint.staging import fsync_dir, write_text_atomic
 from training.config import TrainConfig, resume_mode
@@ -31,14 +32,6 @@ log = logging.getLogger("trainer")
 
 RECORDS = ("metrics.jsonl", "eval_results.json")  # what a run that trained at all leaves behind
 CACHES = ("data_cache", CONVERTED_DIR)  # keyed by their sources: safe to carry into the new run
-
-
-def _real(path: str) -> str:
-    return os.path.realpath(os.path.abspath(path))
-
-
-def _inside(path: str, parent: str) -> bool:
-    return path == parent or os.path.commonpath([path, parent]) == parent
 
 
 def _stamp() -> str:
@@ -54,13 +47,13 @@ def _free(path: str) -> str:
 
 
 def check_paths(cfg: TrainConfig) -> None:
-    """`output_dir` must not be the model or tokenizer directory: a run writes config.json and tokenizer files."""
-    out = _real(cfg.output_dir)
-    for key in ("model_name_or_path", "tokenizer_name_or_path"):
-        path = getattr(cfg, key)
-        if path and _real(path) == out:
-            raise RunError(f"output_dir {cfg.output_dir} is {key}: a run writes config.json and tokenizer files "
-                           "there; choose another output_dir")  # fmt: skip
+    """`output_dir` must not be the model or tokenizer directory, nor a directory of data shards: a run writes
+    config.json, tokenizer and report files there."""
+    out = real_path(cfg.output_dir)
+    for key, path in _inputs(cfg):
+        if real_path(path) == out:
+            raise RunError(f"output_dir {cfg.output_dir} is {key}: a run writes config.json, tokenizer and report "
+                           "files there; choose another output_dir")  # fmt: skip
 
 
 def _inputs(cfg: TrainConfig) -> list[tuple[str, str]]:
@@ -75,10 +68,14 @@ def _inputs(cfg: TrainConfig) -> list[tuple[str, str]]:
 
 def move_earlier_run(cfg: TrainConfig) -> str:
     """Rename `output_dir` aside and start it empty, keeping the keyed caches. Returns where the run went."""
-    out = os.path.abspath(cfg.output_dir)
+    out = real_path(cfg.output_dir)  # a symlinked output_dir: the directory it points at moves, the link stays
+
+    def under(path: str, parent: str) -> bool:
+        return path == parent or is_within(path, parent)
+
     for key, path in _inputs(cfg):
-        real = _real(path)
-        if _inside(real, _real(out)) and not any(_inside(real, _real(os.path.join(out, c))) for c in CACHES):
+        real = real_path(path)
+        if under(real, out) and not any(under(real, os.path.join(out, c)) for c in CACHES):
             raise RunError(f"output_dir {cfg.output_dir} holds {key} {path}; moving the earlier run aside would "
                            "move it too: choose another output_dir")  # fmt: skip
     aside = _free(f"{out}.earlier-{_stamp()}")
@@ -131,7 +128,16 @@ def check_resume_from(output_dir: str, tag: str) -> None:
 
 
 def roll_back(output_dir: str, tag: str) -> list[str]:
-    """Rank 0: move checkpoints newer than `tag` aside and point `latest` at it. Returns the tags moved."""
+    """Rank 0, once the resume from `tag` worked: move checkpoints newer than it aside and point `latest` at it.
+    Returns the tags moved. RunError (one line) when the filesystem refuses."""
+    try:
+        return _roll_back(output_dir, tag)
+    except OSError as e:
+        raise RunError(f"resume_from={tag}: cannot move the newer checkpoints of {output_dir} aside "
+                       f"({e.strerror or e})") from None  # fmt: skip
+
+
+def _roll_back(output_dir: str, tag: str) -> list[str]:
     step = int(TAG_PATTERN.fullmatch(tag).group(1))
     newer = [t for s, t in complete_checkpoints(output_dir) if s > step]
     if newer:

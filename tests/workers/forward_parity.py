@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from models.loss import IGNORE_INDEX
+from models.partition import stage_bounds
 from models.tensor_parallel import TensorParallel, vocab_parallel, vocab_parallel_cross_entropy
 from training.checkpointing import load_stage_weights
 from training.config import TrainConfig
@@ -57,7 +58,7 @@ def main():
             if vocab_parallel(config, tp):
                 ce = functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=config.vocab_size)
             loss_fn = CausalLMLoss(ce)
-            module = build_module(cfg, coords, config, loss_fn, tp)
+            module = build_module(cfg, coords, config, loss_fn, tp, stage_bounds(config, pp, cfg.model.partition))
             load_stage_weights(module, os.path.join(case["ckpt_dir"], "global_step0"), config, tp)
             module._synchronize_tied_weights()
             engine = initialize_engine(cfg, coords, module, 1)

@@ -19,7 +19,7 @@ from models import layers as layers_mod
 out_dir, overrides = sys.argv[1], sys.argv[2:]
 rec = {"decoder_built": [], "files_loaded": [], "data_opens": [], "rows": {}}
 
-_init = layers_mod.DecoderLayerPipe.__init__
+_init = layers_mod.DecoderPipe.__init__
 
 
 def counting_init(self, config, layer_idx, *args, **kwargs):
@@ -28,7 +28,7 @@ def counting_init(self, config, layer_idx, *args, **kwargs):
     _init(self, config, layer_idx, *args, **kwargs)
 
 
-layers_mod.DecoderLayerPipe.__init__ = counting_init
+layers_mod.DecoderPipe.__init__ = counting_init
 
 _load = torch.load
 

@@ -168,7 +168,7 @@ def hf_key_to_layer(hf_key: str, num_layers: int, tie_word_embeddings: bool) -> 
     """Map an HF key to (pipeline layer index, our key), or None for keys to drop.
 
     Raises:
-        KeyError: the key is not part of the LLaMA layout (another architecture, or a block
+        KeyError: the key is not in the key table (another architecture, or a block
             number beyond `num_layers`).
     """
     if any(p.match(hf_key) for p in _DROP_PATTERNS):
@@ -188,7 +188,7 @@ def hf_key_to_layer(hf_key: str, num_layers: int, tie_word_embeddings: bool) -> 
             return num_layers + 1, ours
         # LM head: with tied embeddings it is the embedding's weight, stored once in layer 0.
         return None if tie_word_embeddings else (num_layers + 2, ours)
-    raise KeyError(f"{hf_key}: not a key of the supported decoder layouts")
+    raise KeyError(f"{hf_key}: not a key of the supported decoder families (models/key_table.py)")
 
 
 def linear_modules() -> list[str]:
