@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test suite (CPU, gloo; GPU-only tests skip without a GPU). Installs what it needs first.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"` or `-k parity`.
+# Tests run in TEST_WORKERS pytest-xdist workers (default 2: the launches leave a core idle much of the time);
+# with -s (to see what the tests print) they run in this process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -8,4 +10,8 @@ bash scripts/setup.sh
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 ruff check .
 ruff format --check .
-python -m pytest tests "$@"
+workers=${TEST_WORKERS:-2}
+for arg in "$@"; do
+  if [ "$arg" = "-s" ] || [ "$arg" = "--capture=no" ]; then workers=0; fi
+done
+python -m pytest tests -n "$workers" --dist loadgroup "$@"

@@ -90,8 +90,27 @@ def subprocess_env() -> dict:
 
 
 def run_cmd(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
-    return proc
+    """Run a command from the repository root. `python convert2ckpt.py ARGS` runs in this process: its `main()` is
+    the whole command (exit code, stdout, stderr; an unexpected exception fails the test as a traceback would),
+    and a new Python process would add only start-up time."""
+    if cmd[:2] == [sys.executable, "convert2ckpt.py"]:
+        return convert_in_process(cmd[2:])
+    return subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def convert_in_process(args: list[str]) -> subprocess.CompletedProcess:
+    import contextlib
+    import io
+
+    import convert2ckpt
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = convert2ckpt.main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else 2
+    return subprocess.CompletedProcess(["convert2ckpt.py", *args], code, out.getvalue(), err.getvalue())
 
 
 def torchrun(script: str, nprocs: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -134,35 +153,57 @@ def read_jsonl(path) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory) -> Path:
+    """Where the shared inputs live. Under pytest-xdist (scripts/test.sh runs 2 workers) one directory for all
+    workers: the first to need an input builds it under a file lock, the others reuse it."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "shared_work"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("work")
+
+
+def built_once(path: Path, build) -> None:
+    """Run `build()` unless another test process already did (marker file), holding a lock while it runs."""
+    from filelock import FileLock
+
+    with FileLock(f"{path}.lock"):
+        if not Path(f"{path}.done").exists():
+            build()
+            Path(f"{path}.done").write_text("")
 
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(workdir) -> str:
     texts = [r["prompt"] + r["response"] for r in addition_rows()[:2000]]
     texts += ["the quick brown fox jumps over the lazy dog", "pipeline parallel training of language models"] * 20
-    return make_sp_tokenizer(str(workdir / "tokenizer"), texts, vocab_size=60)
+    path = workdir / "tokenizer"
+    built_once(path, lambda: make_sp_tokenizer(str(path), texts, vocab_size=60))
+    return str(path)
 
 
 @pytest.fixture(scope="session")
 def hf_models(workdir, tokenizer_dir) -> dict[str, str]:
     """{variant: HF directory} saved with save_pretrained as sharded safetensors."""
-    out = {}
-    for i, (name, overrides) in enumerate(MODEL_VARIANTS.items()):
-        out[name] = make_hf_model(
-            str(workdir / f"hf_{name}"), tiny_config(**overrides), seed=i, tokenizer_dir=tokenizer_dir
-        )
+    out = {name: str(workdir / f"hf_{name}") for name in MODEL_VARIANTS}
+
+    def build():
+        for i, (name, overrides) in enumerate(MODEL_VARIANTS.items()):
+            make_hf_model(out[name], tiny_config(**overrides), seed=i, tokenizer_dir=tokenizer_dir)
+
+    built_once(workdir / "hf_models", build)
     return out
 
 
 @pytest.fixture(scope="session")
 def converted(workdir, hf_models) -> dict[str, str]:
     """{variant: pipeline checkpoint} written by convert2ckpt.py."""
-    out = {}
-    for name, hf_dir in hf_models.items():
-        ckpt = str(workdir / f"ckpt_{name}")
-        check(run_cmd([sys.executable, "convert2ckpt.py", "--input", hf_dir, "--output", ckpt]))
-        out[name] = ckpt
+    out = {name: str(workdir / f"ckpt_{name}") for name in hf_models}
+
+    def build():
+        for name, hf_dir in hf_models.items():
+            check(run_cmd([sys.executable, "convert2ckpt.py", "--input", hf_dir, "--output", out[name]]))
+
+    built_once(workdir / "converted", build)
     return out
 
 
@@ -170,6 +211,21 @@ def converted(workdir, hf_models) -> dict[str, str]:
 def sft_data(workdir) -> tuple[str, str]:
     """prompt/response train and eval files (addition), small enough for quick runs."""
     rows = addition_rows(seed=1)
-    train = write_jsonl(str(workdir / "data" / "train.jsonl"), rows[:400])
-    evals = write_jsonl(str(workdir / "data" / "eval.jsonl"), rows[400:437])  # 37 rows: not a multiple of anything
-    return train, evals
+    train, evals = workdir / "data" / "train.jsonl", workdir / "data" / "eval.jsonl"
+
+    def build():
+        write_jsonl(str(train), rows[:400])
+        write_jsonl(str(evals), rows[400:437])  # 37 rows: not a multiple of anything
+
+    built_once(workdir / "data", build)
+    return str(train), str(evals)
+
+
+# The longest tests run first, so that with several workers none is left running alone at the end.
+LONGEST_FIRST = ("test_sigkill_during_saves", "test_demo_script", "test_bf16_zero1", "test_fp32_zero0",
+                 "test_resume_moves_across_tp_and_pp", "test_hf_directory_is_converted", "test_tp4_starts",
+                 "test_a_failed_or_hung_rank", "test_lora_pipeline_training", "test_hostfile_launch")  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not any(name in item.name for name in LONGEST_FIRST))  # stable: otherwise as collected

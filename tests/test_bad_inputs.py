@@ -328,9 +328,9 @@ def chat_template_that_raises(t):
     turns = [{"role": "user", "content": "1+1="}, {"role": "tool", "content": "2"},
              {"role": "assistant", "content": "2"}]  # fmt: skip
     good = [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]
-    data.write_text(json.dumps({"messages": good}) + "\n" + json.dumps({"messages": turns}) + "\n" * 2)
+    data.write_text(json.dumps({"messages": turns}) + "\n" + json.dumps({"messages": good}) + "\n")
     cmd = trainer_cmd(*run_args(str(ckpt), t.out, str(data)))
-    fragment = f"{data}:2: the tokenizer's chat template refused this conversation: Conversation roles must alternate"
+    fragment = f"{data}:1: the tokenizer's chat template refused this conversation: Conversation roles must alternate"
     return cmd, fragment, t.out, [ckpt, data]
 
 

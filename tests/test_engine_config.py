@@ -163,6 +163,23 @@ def test_resume_refuses_a_different_data_order():
             check_data_state(saved, {**saved, key: value}, "global_step3")
 
 
+def test_a_layout_move_is_refused_naming_what_cannot_move():
+    from checkpoint.errors import CheckpointError
+    from checkpoint.universal import check_movable
+
+    saved = {"global_batch_size": 12, "precision": "bf16", "zero_stage": 1}
+    check_movable(saved, {"global_batch_size": 12, "precision": "bf16", "zero_stage": 1}, "ckpt")
+    check_movable({**saved, "precision": "fp32", "zero_stage": 0}, {**saved, "precision": "fp32", "zero_stage": 0}, "c")
+    for current, message in [
+        ({**saved, "global_batch_size": 6}, "ckpt: saved with a global batch of 12 sequences, this run has 6"),
+        ({**saved, "zero_stage": 0}, "ZeRO-1 optimizer state moves into ZeRO-1 runs only"),
+    ]:
+        with pytest.raises(CheckpointError, match=message):
+            check_movable(saved, current, "ckpt")
+    with pytest.raises(CheckpointError, match="ZeRO-0 optimizer state moves between fp32 ZeRO-0 runs only"):
+        check_movable({**saved, "zero_stage": 0}, saved, "ckpt")
+
+
 def test_checkpoint_types_deepspeed_writes_pass_the_pickle_scan(tmp_path):
     """ZeRO shards hold a few DeepSpeed objects (plain data): the scan `--verify` runs accepts exactly these,
     and our own loads the numpy RNG state; any other global is refused, named."""

@@ -70,10 +70,10 @@ def saving_after(out: Path, step: int) -> bool:
 
 
 def test_sigkill_during_saves_then_resume_auto(converted, sft_data, tmp_path):
-    """20 times: SIGKILL the whole job at a random moment of a save; the next `resume=auto` launch
-    loads the newest complete checkpoint (manifest intact) and continues. The run pieced together
-    from 21 launches equals an uninterrupted one, bit for bit."""
-    steps, trials = 120, 20
+    """N times (SIGKILL_TRIALS, 8 in CI; the README's 20 with SIGKILL_TRIALS=20): SIGKILL the whole job at a random
+    moment of a save; the next `resume=auto` launch loads the newest complete checkpoint (manifest intact) and
+    continues. The run pieced together from N + 1 launches equals an uninterrupted one, bit for bit."""
+    steps, trials = 120, int(os.environ.get("SIGKILL_TRIALS", "8"))
     args = dict(max_steps=steps, save_steps=1, keep_last_n=2, resume="auto")
     reference = tmp_path / "reference"
     check(deepspeed_launch(2, *run_args(converted["gqa"], reference, sft_data[0], **args)))
@@ -107,13 +107,13 @@ def test_sigkill_during_saves_then_resume_auto(converted, sft_data, tmp_path):
         newest = newest_checkpoint(str(out))
         assert newest is None or verify_manifest(str(out / newest)) == [], newest
     assert kills == trials, f"only {kills} kills in the time allowed"
-    assert len(set(resumed_from)) > 5, resumed_from  # the kills landed at many different steps
+    assert len(set(resumed_from)) > trials // 4, resumed_from  # the kills landed at many different steps
     proc = start_job(2, run_args(converted["gqa"], out, sft_data[0], **args), tmp_path / "last.log")
     assert wait(proc, 300) == 0, (tmp_path / "last.log").read_text()[-3000:]
     assert_same_run(reference, out)
     assert len([n for n in os.listdir(out) if n.startswith("global_step")]) == 2  # keep_last_n=2
     assert not [n for n in os.listdir(out) if n.startswith(".")]
-    assert mid_save >= 5, mid_save  # many kills landed inside a save or a retention delete
+    assert mid_save >= trials // 4, mid_save  # many kills landed inside a save or a retention delete
     print(f"SIGKILL: {kills} kills survived ({mid_save} inside a save), resumed from {sorted(set(resumed_from))}")
 
 

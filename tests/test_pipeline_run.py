@@ -12,7 +12,7 @@ from data.dataset import TokenizedDataset
 from models.key_table import layer_file_name
 from tests.conftest import check, torchrun
 
-pytestmark = pytest.mark.slow  # launches the trainer on several ranks
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("pipeline_run")]  # several ranks; one fixture's runs
 
 
 def run(tmp_path, ckpt, data, num_stages, extra=()):
@@ -36,9 +36,23 @@ def run(tmp_path, ckpt, data, num_stages, extra=()):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
-@pytest.mark.parametrize("num_stages,partition", [(4, "uniform"), (2, "[1,3]")])
-def test_each_rank_builds_and_reads_only_its_stage(num_stages, partition, converted, sft_data, tokenizer_dir, tmp_path):
-    recs = run(tmp_path, converted["gqa"], sft_data, num_stages, [f"model.partition={partition}"])
+LAYOUTS = {4: "uniform", 2: "[1,3]"}  # num_stages -> model.partition
+
+
+@pytest.fixture(scope="module")
+def records(converted, sft_data, tmp_path_factory):
+    """{num_stages: (per-rank records, run directory)}: one instrumented 4-rank launch per layout, shared by the
+    tests below (each asserts other things about the same run)."""
+    out = {}
+    for num_stages, partition in LAYOUTS.items():
+        tmp = tmp_path_factory.mktemp(f"pp{num_stages}")
+        out[num_stages] = run(tmp, converted["gqa"], sft_data, num_stages, [f"model.partition={partition}"]), tmp
+    return out
+
+
+@pytest.mark.parametrize("num_stages", list(LAYOUTS))
+def test_each_rank_builds_and_reads_only_its_stage(num_stages, records, sft_data, tokenizer_dir):
+    recs, tmp_path = records[num_stages]
     dp = 4 // num_stages
     per_stage = [1, 1, 1, 1] if num_stages == 4 else [1, 3]
     for r in recs:
@@ -70,8 +84,8 @@ def test_each_rank_builds_and_reads_only_its_stage(num_stages, partition, conver
     assert sorted((r["stage"], r["dp_rank"]) for r in recs) == [(s, d) for s in range(num_stages) for d in range(dp)]
 
 
-def test_dp_ranks_see_disjoint_rows_and_eval_sees_every_row_once(converted, sft_data, tmp_path):
-    recs = run(tmp_path, converted["tied"], sft_data, 2)
+def test_dp_ranks_see_disjoint_rows_and_eval_sees_every_row_once(records):
+    recs, tmp_path = records[2]  # PP=2 x DP=2
     by = {(r["stage"], r["dp_rank"]): r["rows"] for r in recs}
     for d in range(2):  # first and last stage of a replica read the same rows in the same order
         assert by[(0, d)] == by[(1, d)]

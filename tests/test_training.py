@@ -244,12 +244,13 @@ def test_fp32_zero0_checkpoint_moves_between_layouts(converted, sft_data, tmp_pa
         assert worst < 0.01 * cfg.learning_rate, (name, worst)
         print(f"ZeRO-0 move PP=2xDP=2 -> {name}: max |weight diff| after 6 steps vs unmoved = {worst:.3g}")
 
-    # The same number of rows with one row changed: the data order would not continue, in either layout.
+    # The same number of rows with one row changed: the data order would not continue. Refused on every rank (the
+    # rule itself, in any layout, is tests/test_engine_config.py::test_resume_refuses_a_different_data_order).
     lines = open(sft_data[0]).read().splitlines(keepends=True)
     lines[5] = json.dumps({"prompt": "1+1=", "response": "2"}) + "\n"
     changed = tmp_path / "changed.jsonl"
     changed.write_text("".join(lines))
-    for name, stages, gas, extra in [("same_layout", 2, 3, []), ("moved", 4, 6, ["model.partition=[1,1,1,1]"])]:
+    for name, stages, gas, extra in [("moved", 4, 6, ["model.partition=[1,1,1,1]"])]:
         part = tmp_path / f"changed_{name}"
         interrupted_copy(full, part, 3)
         args = overrides(cfg, converted["tied"], str(part), stages, resume="true", gradient_accumulation_steps=gas,
@@ -307,11 +308,7 @@ def test_bf16_zero1_trains_resumes_and_moves_between_layouts(converted, sft_data
             assert info["step"] == 6 and info["layout"]["num_stages"] == 4 and info["layout"]["dp_size"] == 1
             assert info["optimizer_state"].startswith("ZeRO-1 shards over DP=1") and info["dtype"] == {"bfloat16": 19}
 
-    # A different global batch would change the data order: refused, naming the cause.
-    part = tmp_path / "other_batch"
-    interrupted_copy(full, part, 3)
-    proc = deepspeed_launch(4, *overrides(cfg, converted["tied"], str(part), 4, resume="true", **bf16))
-    assert proc.returncode != 0 and "global batch of 12 sequences, this run has 6" in proc.stderr
+    # (A different global batch is refused: tests/test_engine_config.py::test_resume_refuses_a_different_data_order.)
 
 
 def test_trained_checkpoint_loads_into_other_layouts(converted, sft_data, tmp_path):
