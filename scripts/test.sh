@@ -14,4 +14,4 @@ workers=${TEST_WORKERS:-2}
 for arg in "$@"; do
   if [ "$arg" = "-s" ] || [ "$arg" = "--capture=no" ]; then workers=0; fi
 done
-python -m pytest tests -n "$workers" --dist loadgroup "$@"
+python -m pytest tests -n "$workers" --dist worksteal "$@"

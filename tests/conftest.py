@@ -162,6 +162,13 @@ def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("work")
 
 
+def shared_path(tmp_path_factory, name: str) -> Path:
+    """A path every pytest-xdist worker of this session sees (a fresh temporary one without xdist)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return tmp_path_factory.getbasetemp().parent / name
+    return tmp_path_factory.mktemp(name)
+
+
 def built_once(path: Path, build) -> None:
     """Run `build()` unless another test process already did (marker file), holding a lock while it runs."""
     from filelock import FileLock

@@ -10,14 +10,14 @@ import pytest
 from data.config import DataConfig
 from data.dataset import TokenizedDataset
 from models.key_table import layer_file_name
-from tests.conftest import check, torchrun
+from tests.conftest import built_once, check, shared_path, torchrun
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("pipeline_run")]  # several ranks; one fixture's runs
+pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 
 
 def run(tmp_path, ckpt, data, num_stages, extra=()):
     out = tmp_path / "records"
-    out.mkdir()
+    out.mkdir(parents=True, exist_ok=True)
     overrides = [
         f"model_name_or_path={ckpt}",
         f"output_dir={tmp_path / 'run'}",
@@ -39,20 +39,24 @@ def run(tmp_path, ckpt, data, num_stages, extra=()):
 LAYOUTS = {4: "uniform", 2: "[1,3]"}  # num_stages -> model.partition
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def records(converted, sft_data, tmp_path_factory):
-    """{num_stages: (per-rank records, run directory)}: one instrumented 4-rank launch per layout, shared by the
-    tests below (each asserts other things about the same run)."""
-    out = {}
-    for num_stages, partition in LAYOUTS.items():
-        tmp = tmp_path_factory.mktemp(f"pp{num_stages}")
-        out[num_stages] = run(tmp, converted["gqa"], sft_data, num_stages, [f"model.partition={partition}"]), tmp
-    return out
+    """num_stages -> (per-rank records, run directory): one instrumented 4-rank launch per layout for the whole
+    session (by whichever pytest worker needs it first), shared by the tests below (each asserts other things
+    about the same run)."""
+
+    def get(num_stages: int):
+        tmp = shared_path(tmp_path_factory, f"instrumented_pp{num_stages}")
+        partition = LAYOUTS[num_stages]
+        built_once(tmp, lambda: run(tmp, converted["gqa"], sft_data, num_stages, [f"model.partition={partition}"]))
+        return [json.loads((tmp / "records" / f"rank{r}.json").read_text()) for r in range(4)], tmp
+
+    return get
 
 
 @pytest.mark.parametrize("num_stages", list(LAYOUTS))
 def test_each_rank_builds_and_reads_only_its_stage(num_stages, records, sft_data, tokenizer_dir):
-    recs, tmp_path = records[num_stages]
+    recs, tmp_path = records(num_stages)
     dp = 4 // num_stages
     per_stage = [1, 1, 1, 1] if num_stages == 4 else [1, 3]
     for r in recs:
@@ -85,7 +89,7 @@ def test_each_rank_builds_and_reads_only_its_stage(num_stages, records, sft_data
 
 
 def test_dp_ranks_see_disjoint_rows_and_eval_sees_every_row_once(records):
-    recs, tmp_path = records[2]  # PP=2 x DP=2
+    recs, tmp_path = records(2)  # PP=2 x DP=2
     by = {(r["stage"], r["dp_rank"]): r["rows"] for r in recs}
     for d in range(2):  # first and last stage of a replica read the same rows in the same order
         assert by[(0, d)] == by[(1, d)]

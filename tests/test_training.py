@@ -13,7 +13,7 @@ import torch
 
 from checkpoint.pipeline_reader import load_hf_state_dict
 from checkpoint.safe_load import load_pt
-from tests.conftest import check, deepspeed_launch, read_jsonl, run_cmd
+from tests.conftest import built_once, check, deepspeed_launch, read_jsonl, run_cmd, shared_path
 from tests.reference import reference_eval, train_reference
 from training.config import OptimConfig, TrainConfig
 
@@ -77,8 +77,25 @@ LAYOUTS = {
 }
 
 
+SHARED = "tied-pp2-dp2"  # this layout's run (with eval) is also the one test_trained_checkpoint_loads_... loads
+
+
+def tied_pp2_run(converted, sft_data, tmp_path_factory) -> str:
+    """The tied-embedding PP=2 x DP=2 run of the parity test, with an evaluation at the end: launched once per
+    session (by whichever pytest worker needs it first) for both tests that read it."""
+    root = shared_path(tmp_path_factory, "tied_pp2")
+    out = str(root / "run")
+
+    def launch():
+        cfg = parity_cfg(sft_data[0])
+        check(deepspeed_launch(4, *overrides(cfg, converted["tied"], out, 2, do_eval="true", eval_file=sft_data[1])))
+
+    built_once(root, launch)
+    return out
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_training_matches_single_process_reference(layout, hf_models, converted, sft_data, tmp_path):
+def test_training_matches_single_process_reference(layout, hf_models, converted, sft_data, tmp_path, tmp_path_factory):
     """4 ranks as PP x TP x DP; every layout's steps equal one HF model trained on the same global batches
     (with packing: the same rows, unpacked)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -99,7 +116,10 @@ def test_training_matches_single_process_reference(layout, hf_models, converted,
         extra[f"data.{arrangement}"] = "true"
     if packing:  # eval packs too: it must still score every eval row (or block) once, exactly
         extra.update(eval_file=sft_data[1], do_eval="true", eval_micro_batch_size=3)
-    check(deepspeed_launch(4, *overrides(cfg, converted[variant], out, num_stages=stages, **extra)))
+    if layout == SHARED:
+        out = tied_pp2_run(converted, sft_data, tmp_path_factory)
+    else:
+        check(deepspeed_launch(4, *overrides(cfg, converted[variant], out, num_stages=stages, **extra)))
     dp = 4 // (stages * tp)
     # NOTE: the tokenizer as the trainer loads it from the model directory: transformers picks the tokenizer
     # class from config.json's model_type (Qwen2Tokenizer for a qwen2 directory), not from tokenizer_dir.
@@ -117,11 +137,12 @@ def test_training_matches_single_process_reference(layout, hf_models, converted,
     )
     assert all(n > cfg.optim.max_grad_norm for n in ref_norms[:2]), "clipping should be active in this test"
 
-    if packing:
+    if packing or layout == SHARED:
         results = json.load(open(f"{out}/eval_results.json"))
         ref_loss, ref_tokens = reference_eval(ref_model, hf_models[variant], sft_data[1], cfg)
         assert results["eval_tokens"] == ref_tokens
         assert results["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
+    if packing:
         report = json.load(open(f"{out}/data_report.json"))["train"]
         if arrangement == "packing":
             assert report["rows_per_packed_row"] > 1.5
@@ -311,17 +332,13 @@ def test_bf16_zero1_trains_resumes_and_moves_between_layouts(converted, sft_data
     # (A different global batch is refused: tests/test_engine_config.py::test_resume_refuses_a_different_data_order.)
 
 
-def test_trained_checkpoint_loads_into_other_layouts(converted, sft_data, tmp_path):
+def test_trained_checkpoint_loads_into_other_layouts(converted, sft_data, tmp_path, tmp_path_factory):
     """Weights saved by PP=2 x DP=2 load into PP=4 x DP=1 and PP=1: same eval loss as the run itself."""
     cfg = parity_cfg(sft_data[0])
-    cfg.max_steps = 2
-    trained = tmp_path / "pp2"
-    check(
-        deepspeed_launch(4, *overrides(cfg, converted["tied"], str(trained), 2, do_eval="true", eval_file=sft_data[1]))
-    )
-    results = {"pp2": json.load(open(trained / "eval_results.json"))}
+    trained = tied_pp2_run(converted, sft_data, tmp_path_factory)
+    results = {"pp2": json.load(open(os.path.join(trained, "eval_results.json")))}
     for name, n, stages in [("pp4", 4, 4), ("pp1", 1, 1)]:
-        args = overrides(cfg, str(trained), str(tmp_path / name), stages, do_train="false", do_eval="true")
+        args = overrides(cfg, trained, str(tmp_path / name), stages, do_train="false", do_eval="true")
         check(deepspeed_launch(n, *args, f"eval_file={sft_data[1]}"))
         results[name] = json.load(open(tmp_path / name / "eval_results.json"))
     assert results["pp2"]["eval_tokens"] == results["pp4"]["eval_tokens"] == results["pp1"]["eval_tokens"]
