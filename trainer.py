@@ -32,6 +32,7 @@ if _problem:
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> None:
+    from training.distributed import shutdown_distributed
     from training.errors import USER_ERRORS
     from training.loop import Trainer
 
@@ -43,6 +44,8 @@ def main(dict_cfg: DictConfig) -> None:
         sys.stderr.write(f"trainer: error: {e}\n")
         sys.stderr.flush()
         sys.exit(2)
+    finally:
+        shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from models.partition import stage_bounds
 from models.tensor_parallel import TensorParallel, vocab_parallel, vocab_parallel_cross_entropy
 from training.checkpointing import load_stage_weights
 from training.config import TrainConfig
-from training.distributed import init_distributed
+from training.distributed import init_distributed, shutdown_distributed
 from training.engine import build_module, initialize_engine
 from training.topology import Coords
 
@@ -106,6 +106,7 @@ def main():
             del engine, module
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(records, f)
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ def main():
     from omegaconf import OmegaConf
 
     from training.config import register_configs
+    from training.distributed import shutdown_distributed
     from training.loop import Trainer
 
     register_configs()
@@ -88,6 +89,7 @@ def main():
     )
     with open(os.path.join(out_dir, f"rank{rec['rank']}.json"), "w") as f:
         json.dump(rec, f)
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
