@@ -109,3 +109,13 @@ def stage_bounds(config, num_stages: int, partition: str | Sequence[int] = "para
                 f"num_hidden_layers={num_layers} (sums to {sum(per_stage)})"
             )
     return stage_bounds_from_blocks(per_stage)
+
+
+def rank_layers(bounds: list[int], num_stages: int) -> list[list[int]]:
+    """Pipeline layers of each pipeline rank: stage r's, and with DualPipeV (2p stages) also stage 2p - 1 - r's."""
+    stages = len(bounds) - 1
+    out = []
+    for r in range(num_stages):
+        own = [r] if stages == num_stages else [r, stages - 1 - r]
+        out.append([i for s in own for i in range(bounds[s], bounds[s + 1])])
+    return out

@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import Sequence
 
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
 from models.key_table import TIED_KEY, pipe_layers
 from models.layers import DecoderOptions
@@ -52,8 +53,37 @@ class PipelineStageModule(PipelineModule):
         # "slice" group: the ranks of this stage and DP replica).
         self._tp.group = self._grid.get_slice_parallel_group()
 
-    def local_layer_indices(self) -> range:
-        return range(self._local_start, self._local_stop)
+    def local_layer_indices(self) -> list[int]:
+        """The pipeline layers this rank holds."""
+        return list(range(self._local_start, self._local_stop))
+
+    def phases(self) -> list[int]:
+        """The stage halves this rank runs (one here; DualPipeV's ranks hold two)."""
+        return [0]
+
+    def activate_phase(self, phase: int) -> None:
+        """Expose the layers of `phase` as forward_funcs (one phase here)."""
+
+
+class DualPipeStageModule(PipelineStageModule, DualPipeVModule):
+    """The DualPipeV module (DeepSpeed's `DualPipeVModule`: rank r builds stages r and 2p - 1 - r of a model cut
+    into 2p stages) with stage bounds from `stage_bounds(config, 2p, ...)`. Rank 0 holds both the embedding and
+    the LM head, so tied embeddings are one module there."""
+
+    def _partition_layers(self, method="precomputed"):
+        self.num_stages *= 2
+        super()._partition_layers(method)
+        mirror = self.num_stages - 1 - self.stage_id
+        self.phase_bounds = [(self._local_start, self._local_stop), (self.parts[mirror], self.parts[mirror + 1])]
+
+    def local_layer_indices(self) -> list[int]:
+        return [i for start, stop in self.phase_bounds for i in range(start, stop)]
+
+    def phases(self) -> list[int]:
+        return [0, 1]
+
+    def activate_phase(self, phase: int) -> None:
+        DualPipeVModule.activate_phase(self, phase)
 
 
 def build_pipeline_module(
@@ -64,6 +94,7 @@ def build_pipeline_module(
     options: DecoderOptions | None = None,
     loss_fn=None,
     skip_init: bool = True,
+    dual: bool = False,
 ) -> PipelineStageModule:
     """Build this rank's stage of the pipeline.
 
@@ -76,12 +107,13 @@ def build_pipeline_module(
             each block checkpoints itself, so DeepSpeed's own interval stays 0).
         loss_fn: `models.loss.CausalLMLoss` or any callable (logits, labels) -> loss.
         skip_init: leave weights uninitialised because a checkpoint will overwrite them.
+        dual: DualPipeV: `bounds` cut the model into 2 x pipe stages, rank r builds stages r and 2p - 1 - r.
     """
     from transformers.initialization import no_init_weights
 
     ctx = no_init_weights() if skip_init else contextlib.nullcontext()
     with ctx:
-        return PipelineStageModule(
+        return (DualPipeStageModule if dual else PipelineStageModule)(
             config,
             bounds,
             tp,

@@ -118,9 +118,10 @@ class RowParallelLinear(nn.Linear):
     """Input columns sharded; partial outputs summed over TP, then the (replicated) bias added once."""
 
     tp: TensorParallel
+    matmul = staticmethod(F.linear)  # (x, weight) -> x W^T; models/weight_grad.py may defer its weight gradient
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        out = reduce_from_tp(self.matmul(x, self.weight), self.tp)
         return out if self.bias is None else out + self.bias
 
 

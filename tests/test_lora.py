@@ -109,6 +109,33 @@ def test_lora_pipeline_training_matches_peft_reference_and_merges(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zero_bubble", "dualpipev"])
+def test_lora_under_each_pipeline_schedule_matches_peft(schedule, hf_models, tokenizer_dir, sft_data, tmp_path):
+    """LoRA's A and B weight gradients deferred to W passes (zero_bubble), and adapters on the two stages each
+    rank holds (dualpipev): 4 AdamW steps with clipping equal PEFT's single-process training, as under 1F1B."""
+    from transformers import AutoConfig
+
+    cfg = parity_cfg(sft_data[0])
+    cfg.lora = LORA
+    cfg.gradient_accumulation_steps = 4  # DualPipeV needs 2 x PP micro-batches
+    run = tmp_path / "run"
+    # From the Hugging Face directory: each rank converts the layers it holds at load (DualPipeV: two stages).
+    check(deepspeed_launch(2, *overrides(cfg, hf_models["gqa"], str(run), 2, pipeline_schedule=schedule),
+                           *lora_overrides()))  # fmt: skip
+    ref_model, ref_losses, ref_norms = train_reference(hf_models["gqa"], tokenizer_dir, cfg, dp=1, steps=4)
+    metrics = read_jsonl(run / "metrics.jsonl")
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]), torch.tensor(ref_losses), rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(torch.tensor([m["grad_norm"] for m in metrics]), torch.tensor(ref_norms), rtol=1e-4,
+                               atol=1e-6)  # fmt: skip
+    ours = adapter_state(run, AutoConfig.from_pretrained(run))
+    ref = {f"base_model.model.{k}": v for k, v in ref_model.state_dict().items() if ".lora_" in k}
+    assert set(ours) == set(ref)
+    for key in ref:
+        torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=0.01 * cfg.learning_rate)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["gqa", *FAMILY_VARIANTS])
 def test_merge_peft_adapter_directory_into_checkpoint_or_hf(variant, hf_models, converted, tmp_path):
     adapter_dir = tmp_path / "adapter"

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,53 +78,77 @@ LAYOUTS = {
 }
 
 
-SHARED = "tied-pp2-dp2"  # this layout's run (with eval) is also the one test_trained_checkpoint_loads_... loads
-
-
-def tied_pp2_run(converted, sft_data, tmp_path_factory) -> str:
-    """The tied-embedding PP=2 x DP=2 run of the parity test, with an evaluation at the end: launched once per
-    session (by whichever pytest worker needs it first) for both tests that read it."""
-    root = shared_path(tmp_path_factory, "tied_pp2")
-    out = str(root / "run")
-
-    def launch():
-        cfg = parity_cfg(sft_data[0])
-        check(deepspeed_launch(4, *overrides(cfg, converted["tied"], out, 2, do_eval="true", eval_file=sft_data[1])))
-
-    built_once(root, launch)
-    return out
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_training_matches_single_process_reference(layout, hf_models, converted, sft_data, tmp_path, tmp_path_factory):
-    """4 ranks as PP x TP x DP; every layout's steps equal one HF model trained on the same global batches
-    (with packing: the same rows, unpacked)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    variant, recompute, stages, tp, arrangement, chunk = LAYOUTS[layout]
+def layout_config(layout: str, sft_data, gas: int = 3) -> TrainConfig:
+    """The parity config of `layout` (its rows arranged, `gas` micro-batches per step)."""
+    arrangement = LAYOUTS[layout][4]
     cfg = parity_cfg(sft_data[0])
-    packing = bool(arrangement)
+    cfg.gradient_accumulation_steps = gas
     if arrangement:
         setattr(cfg.data, arrangement, True)
         cfg.seq_length = 40  # room for several rows in each packed row or block
-    out = str(tmp_path / "run")
+    return cfg
+
+
+def layout_run(layout: str, converted, sft_data, tmp_path_factory, schedule: str = "1f1b", gas: int = 3) -> str:
+    """The 4-rank run of `layout` with `schedule` (STEPS steps, then an evaluation of every eval row): launched
+    once per session, by whichever pytest worker needs it first, for every test that reads it."""
+    variant, recompute, stages, tp, arrangement, chunk = LAYOUTS[layout]
+    root = shared_path(tmp_path_factory, f"run_{layout}_{schedule}_gas{gas}")
+    out = str(root / "run")
+    cfg = layout_config(layout, sft_data, gas)
     extra = {
         "model.activation_checkpointing": recompute,
         "tensor_parallel_size": tp,
         "model.loss_chunk_size": chunk,
+        "gradient_accumulation_steps": gas,
+        "pipeline_schedule": schedule,
+        "eval_file": sft_data[1],  # eval packs too: it must still score every eval row (or block) once, exactly
+        "do_eval": "true",
+        "eval_micro_batch_size": 3,
     }
     if arrangement:
         extra[f"data.{arrangement}"] = "true"
-    if packing:  # eval packs too: it must still score every eval row (or block) once, exactly
-        extra.update(eval_file=sft_data[1], do_eval="true", eval_micro_batch_size=3)
-    if layout == SHARED:
-        out = tied_pp2_run(converted, sft_data, tmp_path_factory)
-    else:
-        check(deepspeed_launch(4, *overrides(cfg, converted[variant], out, num_stages=stages, **extra)))
+    built_once(root, lambda: check(deepspeed_launch(4, *overrides(cfg, converted[variant], out, stages, **extra))))
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_training_matches_single_process_reference(layout, hf_models, converted, sft_data, tmp_path,
+                                                   tmp_path_factory):  # fmt: skip
+    """4 ranks as PP x TP x DP; every layout's steps equal one HF model trained on the same global batches
+    (with packing: the same rows, unpacked), and its evaluation the same model's over every eval row."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    variant, recompute, stages, tp, arrangement, chunk = LAYOUTS[layout]
+    cfg = layout_config(layout, sft_data)
+    out = layout_run(layout, converted, sft_data, tmp_path_factory)
     dp = 4 // (stages * tp)
+    ours, worst = assert_matches_reference(out, cfg, hf_models[variant], sft_data, dp=dp, layout=layout)
+    # The trained checkpoint exported to Hugging Face is the same model.
+    export = tmp_path / "hf_export"
+    check(run_cmd([sys.executable, "convert2ckpt.py", "--to-hf", "--input", out, "--output", str(export)]))
+    exported = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).state_dict()
+    assert set(exported) == set(ours) and (export / "generation_config.json").exists()
+    for key in ours:
+        assert torch.equal(exported[key], ours[key]), key
+    config = AutoConfig.from_pretrained(out)
+    moved = max(float((ours[k] - v).abs().max()) for k, v in load_hf_state_dict(converted[variant], config).items())
+    assert moved > 1e-3, "weights should have changed"
+    print(
+        f"training parity ({layout}, PP={stages} x TP={tp} x DP={dp}): max |weight diff| "
+        f"after {STEPS} steps = {worst:.3g}, weights moved {moved:.3g}"
+    )
+
+
+def assert_matches_reference(out: str, cfg: TrainConfig, hf_dir: str, sft_data, dp: int, layout: str):
+    """The run in `out` against the single-process HF reference: losses, grad norms, tokens, eval, weights.
+    Returns (its weights in HF names, the largest difference from the reference's)."""
+    from transformers import AutoConfig
+
+    arrangement = LAYOUTS[layout][4]
     # NOTE: the tokenizer as the trainer loads it from the model directory: transformers picks the tokenizer
     # class from config.json's model_type (Qwen2Tokenizer for a qwen2 directory), not from tokenizer_dir.
-    ref_model, ref_losses, ref_norms = train_reference(hf_models[variant], hf_models[variant], cfg, dp=dp, steps=STEPS)
+    ref_model, ref_losses, ref_norms = train_reference(hf_dir, hf_dir, cfg, dp=dp, steps=STEPS)
 
     metrics = read_jsonl(f"{out}/metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
@@ -137,12 +162,11 @@ def test_training_matches_single_process_reference(layout, hf_models, converted,
     )
     assert all(n > cfg.optim.max_grad_norm for n in ref_norms[:2]), "clipping should be active in this test"
 
-    if packing or layout == SHARED:
-        results = json.load(open(f"{out}/eval_results.json"))
-        ref_loss, ref_tokens = reference_eval(ref_model, hf_models[variant], sft_data[1], cfg)
-        assert results["eval_tokens"] == ref_tokens
-        assert results["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
-    if packing:
+    results = json.load(open(f"{out}/eval_results.json"))
+    ref_loss, ref_tokens = reference_eval(ref_model, hf_dir, sft_data[1], cfg)
+    assert results["eval_tokens"] == ref_tokens
+    assert results["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
+    if arrangement:
         report = json.load(open(f"{out}/data_report.json"))["train"]
         if arrangement == "packing":
             assert report["rows_per_packed_row"] > 1.5
@@ -169,19 +193,7 @@ def test_training_matches_single_process_reference(layout, hf_models, converted,
     for key, value in ref.items():
         torch.testing.assert_close(ours[key], value, rtol=1e-5, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
         worst = max(worst, float((ours[key] - value).abs().max()))
-    # The trained checkpoint exported to Hugging Face is the same model.
-    export = tmp_path / "hf_export"
-    check(run_cmd([sys.executable, "convert2ckpt.py", "--to-hf", "--input", out, "--output", str(export)]))
-    exported = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).state_dict()
-    assert set(exported) == set(ref) and (export / "generation_config.json").exists()
-    for key in ref:
-        assert torch.equal(exported[key], ours[key]), key
-    moved = max(float((ours[k] - v).abs().max()) for k, v in load_hf_state_dict(converted[variant], config).items())
-    assert moved > 1e-3, "weights should have changed"
-    print(
-        f"training parity ({layout}, PP={stages} x TP={tp} x DP={dp}): max |weight diff| "
-        f"after {STEPS} steps = {worst:.3g}, weights moved {moved:.3g}"
-    )
+    return ours, worst
 
 
 def interrupted_copy(full, part, at: int) -> None:
@@ -281,7 +293,7 @@ def test_fp32_zero0_checkpoint_moves_between_layouts(converted, sft_data, tmp_pa
         assert proc.returncode != 0 and len(refused) == 4 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
-def test_bf16_zero1_trains_resumes_and_moves_between_layouts(converted, sft_data, tmp_path):
+def test_bf16_zero1_trains_resumes_and_moves_between_layouts(converted, sft_data, tmp_path, tmp_path_factory):
     """The GPU default (bf16 weights, fp32 master weights and grad accumulation, ZeRO-1) on CPU ranks.
 
     The first step agrees with fp32 to bf16 precision; a checkpoint saved at step 3 of 6 with
@@ -290,8 +302,8 @@ def test_bf16_zero1_trains_resumes_and_moves_between_layouts(converted, sft_data
     """
     cfg = parity_cfg(sft_data[0])
     cfg.max_steps = 6
-    fp32, full = tmp_path / "fp32", tmp_path / "bf16"
-    check(deepspeed_launch(4, *overrides(cfg, converted["tied"], str(fp32), num_stages=2, max_steps=1)))
+    full = tmp_path / "bf16"
+    fp32 = Path(layout_run("tied-pp2-dp2", converted, sft_data, tmp_path_factory))  # the same first step, in fp32
     bf16 = dict(save_steps=3, deepspeed="bf16_zero1")
     check(deepspeed_launch(4, *overrides(cfg, converted["tied"], str(full), num_stages=2, **bf16)))
     zero_files = {f"bf16_zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for d in range(2) for s in range(2)}
@@ -335,7 +347,7 @@ def test_bf16_zero1_trains_resumes_and_moves_between_layouts(converted, sft_data
 def test_trained_checkpoint_loads_into_other_layouts(converted, sft_data, tmp_path, tmp_path_factory):
     """Weights saved by PP=2 x DP=2 load into PP=4 x DP=1 and PP=1: same eval loss as the run itself."""
     cfg = parity_cfg(sft_data[0])
-    trained = tied_pp2_run(converted, sft_data, tmp_path_factory)
+    trained = layout_run("tied-pp2-dp2", converted, sft_data, tmp_path_factory)
     results = {"pp2": json.load(open(os.path.join(trained, "eval_results.json")))}
     for name, n, stages in [("pp4", 4, 4), ("pp1", 1, 1)]:
         args = overrides(cfg, trained, str(tmp_path / name), stages, do_train="false", do_eval="true")

@@ -237,7 +237,7 @@ def _weights_source(run: Run, plan: checkpointing.ResumePlan) -> str | None:
 def assemble(cfg: TrainConfig) -> Run:
     """Build this rank's part of the run described by `cfg`. Collective; raises RunError (same on every rank)."""
     rank, world = init_distributed(cfg.dist_timeout_minutes)
-    coords = Coords(rank, world, cfg.num_stages, cfg.tensor_parallel_size)
+    coords = Coords(rank, world, cfg.num_stages, cfg.tensor_parallel_size, cfg.pipeline_schedule == "dualpipev")
     configure_logging(coords, cfg.log_all_ranks)
     with agreed():
         try:
@@ -269,7 +269,8 @@ def assemble(cfg: TrainConfig) -> Run:
         model_config = load_model_config(cfg)
         try:
             validate_layout(cfg, world, model_config)
-            bounds = stage_bounds(model_config, cfg.num_stages, cfg.model.partition)  # once per run
+            stages = 2 * cfg.num_stages if cfg.pipeline_schedule == "dualpipev" else cfg.num_stages
+            bounds = stage_bounds(model_config, stages, cfg.model.partition)  # once per run
         except ValueError as e:
             raise _user_error(e) from None
     tp = TensorParallel(cfg.tensor_parallel_size, coords.tp_rank, cfg.model.vocab_pad_multiple)

@@ -31,6 +31,7 @@ from checkpoint.saves import choose_checkpoint, publish_checkpoint
 from checkpoint.staging import remove_tree
 from checkpoint.universal import check_movable, ensure_universal, layout_changed, read_layout, write_layout
 from models.key_table import param_tp_split, pipe_layers
+from models.partition import rank_layers
 from models.tensor_parallel import TensorParallel
 from training.config import TrainConfig, resume_mode
 from training.distributed import agreed, broadcast_object
@@ -66,7 +67,9 @@ def saved_layout(cfg: TrainConfig, coords: Coords, model_config, bounds: list[in
         "tp_size": coords.tp,
         "dp_size": coords.dp,
         "vocab_pad_multiple": cfg.model.vocab_pad_multiple,
-        "stage_bounds": list(bounds),
+        "stage_bounds": list(bounds),  # 2 x num_stages + 1 entries with DualPipeV
+        "pipeline_schedule": str(cfg.pipeline_schedule),
+        "rank_layers": rank_layers(bounds, cfg.num_stages),  # the pipeline layers each pipeline rank holds
         "global_batch_size": coords.global_batch(cfg.micro_batch_size, cfg.gradient_accumulation_steps),
         "num_hidden_layers": model_config.num_hidden_layers,
         "precision": resolve_precision(cfg.deepspeed.precision),
@@ -144,10 +147,14 @@ def load_stage_weights(module, step_dir: str, config, tp: TensorParallel, traina
     ckpt = PipelineCheckpoint.at(step_dir, config)  # engine files scanned: one that is unsafe means tampering
     layers = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings)
     loaded = []
-    for i, layer_module in enumerate(module.forward_funcs):
+    held = []  # (pipeline layer, its module) of every phase this rank runs (DualPipeV's ranks hold two stages)
+    for phase in module.phases():
+        module.activate_phase(phase)
+        held += [(layers[module._local_start + i], m) for i, m in enumerate(module.forward_funcs)]
+    module.activate_phase(0)
+    for layer, layer_module in held:
         if not hasattr(layer_module, "load_state_dict"):  # the tied LM head: a function of layer 0's module
             continue
-        layer = layers[module._local_start + i]
         state = ckpt.load_shard(layer, tp.rank, tp.size, tp.vocab_multiple)
         where = ckpt.layer_file(layer.index)
         try:

@@ -20,6 +20,7 @@ from models.config import Choice, LoraSettings, ModelConfig, checkpoint_every
 from models.sharding import tp_indivisible
 
 RESUME_MODES = ("true", "false", "auto")
+SCHEDULES = ("1f1b", "zero_bubble", "dualpipev")
 
 
 class Precision(Choice):
@@ -72,6 +73,10 @@ class TrainConfig:
     tokenizer_name_or_path: str | None = None  # default: model_name_or_path
     output_dir: str = "outputs/run"
     num_stages: int = 1
+    # 1f1b (DeepSpeed's), zero_bubble (weight gradients deferred into the bubble), dualpipev (two stages per rank
+    # in a V, DeepSpeed's; needs gradient_accumulation_steps >= 2 x num_stages). NOTE: a string, not an Enum:
+    # omegaconf matches Enum names, and "1f1b" is not one.
+    pipeline_schedule: str = "1f1b"
     tensor_parallel_size: int = 1  # TP ranks per stage (adjacent ranks, one node): world = PP x TP x DP
     # NOTE: Any because omegaconf has no unions: a path (.jsonl, .json, .parquet, a datasets directory) or a list.
     train_file: Any = None
@@ -202,6 +207,12 @@ def validate(cfg: TrainConfig) -> None:
         f"data.train_weights has {len(weights or [])} entries for {len(files)} train files",
     )
     need(cfg.do_eval is not True or cfg.eval_file is not None, "do_eval=true needs eval_file")
+    need(cfg.pipeline_schedule in SCHEDULES, f"pipeline_schedule={cfg.pipeline_schedule}: choose one of "
+         f"{', '.join(SCHEDULES)}")  # fmt: skip
+    if cfg.pipeline_schedule == "dualpipev":
+        need(cfg.gradient_accumulation_steps >= 2 * cfg.num_stages,
+             f"pipeline_schedule=dualpipev needs gradient_accumulation_steps >= 2 x num_stages = {2 * cfg.num_stages} "
+             f"micro-batches per step, got {cfg.gradient_accumulation_steps}")  # fmt: skip
     need(not (cfg.data.packing and cfg.data.concatenate),
          "data.packing=true and data.concatenate=true: choose one (packing places whole rows, concatenation cuts "
          "the document stream into blocks)")  # fmt: skip
@@ -217,7 +228,22 @@ def validate(cfg: TrainConfig) -> None:
 
 def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
     """The PP x TP x DP layout against the model and the launch. Raises ValueError naming the key."""
+    if cfg.pipeline_schedule == "zero_bubble":
+        from training.engine import resolve_precision, resolve_zero_stage
+
+        precision, zero = resolve_precision(cfg.deepspeed.precision), resolve_zero_stage(cfg.deepspeed.zero_stage)
+        _need(
+            (precision, zero) == ("fp32", 0) or precision == "bf16",
+            f"pipeline_schedule=zero_bubble runs with fp32 (ZeRO-0) or bf16 (ZeRO-0/1), not {precision} with "
+            f"ZeRO-{zero}: that optimizer accumulates gradients in backward hooks the deferred weight gradients "
+            "bypass",
+        )
     num_layers, tp = model_config.num_hidden_layers, cfg.tensor_parallel_size
+    _need(
+        cfg.pipeline_schedule != "dualpipev" or 2 * cfg.num_stages <= num_layers,
+        f"pipeline_schedule=dualpipev cuts the model into 2 x num_stages = {2 * cfg.num_stages} stages, more than "
+        f"its {num_layers} decoder layers",
+    )
     _need(
         cfg.num_stages <= num_layers,
         f"num_stages={cfg.num_stages} is larger than the model's {num_layers} decoder layers "

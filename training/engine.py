@@ -89,6 +89,10 @@ def deepspeed_config(cfg: TrainConfig, coords: Coords, load_universal: bool = Fa
         conf["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype}
     if load_universal:
         conf["checkpoint"] = {"load_universal": True}
+    if cfg.pipeline_schedule == "dualpipev":
+        # NOTE: DeepSpeed's DualPipeV engine cannot split stage-to-stage tensors across the TP group: each TP
+        # rank sends the whole activation (T times 1F1B's per-rank traffic under tensor parallelism).
+        conf["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if ds.offload_optimizer:
         conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     return conf
@@ -191,6 +195,7 @@ def build_module(cfg: TrainConfig, coords: Coords, model_config, loss_fn, tp: Te
         options=DecoderOptions(packed=cfg.data.documents_share_rows, checkpoint_every=checkpoint_every(cfg.model)),
         loss_fn=loss_fn,
         skip_init=skip_init,
+        dual=cfg.pipeline_schedule == "dualpipev",
     )
     module.universal_checkpoint_info = universal_info(model_config)  # saved with the engine state (ZeRO-1 moves)
     if not skip_init:
@@ -214,6 +219,10 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
     optimizer, scheduler = make_optimizer(cfg, module.named_parameters(), total_steps)
     config = deepspeed_config(cfg, coords, load_universal)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    if cfg.pipeline_schedule == "zero_bubble":
+        from training.pipe_engines import make_zero_bubble
+
+        make_zero_bubble(engine)
 
     # NOTE: DeepSpeed's fp32 path clips but does not record the norm; keep it for the metrics. It would
     # also apply an update from NaN/inf gradients, where its bf16/fp16 optimizers skip the step: mark such

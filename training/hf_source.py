@@ -26,6 +26,7 @@ from checkpoint.source_checks import plan_conversion
 from checkpoint.staging import publish_staged
 from checkpoint.writer import TAG, finish_converted
 from models.key_table import all_layer_keys
+from models.partition import rank_layers
 from training.distributed import agreed
 from training.topology import Coords
 
@@ -59,7 +60,7 @@ def convert_on_load(hf_dir: str, output_dir: str, coords: Coords, bounds: list[i
             os.makedirs(os.path.join(tmp, TAG))
     config = read_model_config(hf_dir)  # rank 0 has validated everything already
     expected = all_layer_keys(config)
-    mine = [i for i in range(bounds[coords.stage], bounds[coords.stage + 1]) if i in expected]
+    mine = [i for i in rank_layers(bounds, coords.num_stages)[coords.stage] if i in expected]  # DualPipeV: two stages
     with agreed():
         if coords.dp_rank == 0 and coords.tp_rank == 0 and mine:  # one writer per file (TP ranks slice at load)
             try:

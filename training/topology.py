@@ -17,6 +17,7 @@ class Coords:
     world: int
     num_stages: int
     tp: int = 1  # tensor-parallel ranks per stage and replica
+    loss_on_first: bool = False  # DualPipeV: rank 0 holds the first and the last stage, so it loads and scores
 
     @property
     def dp(self) -> int:
@@ -40,7 +41,8 @@ class Coords:
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+        """The stage that computes the loss: the last pipeline rank, or rank 0 under DualPipeV."""
+        return self.stage == (0 if self.loss_on_first else self.num_stages - 1)
 
     @property
     def has_data(self) -> bool:
