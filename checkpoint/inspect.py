@@ -84,10 +84,11 @@ def format_description(info: dict) -> str:
     ]
     if layout.get("num_stages"):
         bounds = layout["stage_bounds"]
-        per_stage = [f"{bounds[i]}-{bounds[i + 1] - 1}" for i in range(len(bounds) - 1)]
+        held = layout.get("rank_layers") or [range(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
         lines.append(
             f"saved with   PP={layout['num_stages']} x TP={layout.get('tp_size', 1)} x DP={layout['dp_size']}, "
-            f"stages own pipeline layers {per_stage}, "
+            f"{layout.get('pipeline_schedule', '1f1b')} schedule, pipeline ranks hold layers "
+            f"{[_spans(layers) for layers in held]}, "
             f"{layout['precision']}, ZeRO-{layout['zero_stage']}, global batch {layout['global_batch_size']}"
         )
     else:
@@ -98,6 +99,17 @@ def format_description(info: dict) -> str:
         f"optimizer/engine {size['optimizer_and_engine'] / 2**20:.1f} MiB)"
     )
     return "\n".join(lines)
+
+
+def _spans(layers) -> str:
+    """[0, 1, 2, 7, 8] -> "0-2+7-8": the runs of consecutive pipeline layers a rank holds."""
+    layers, runs = sorted(layers), []
+    for i in layers:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return "+".join(f"{a}-{b}" for a, b in runs)
 
 
 def inspect_checkpoint(ckpt_dir: str, tag: str | None = None, as_json: bool = False) -> str:

@@ -63,3 +63,75 @@ def test_activation_and_parameter_estimates_match_measurement(layout):
           f"({kept / measured - 1:+.1%})")  # fmt: skip
     assert abs(kept / measured - 1) <= 0.05
     assert params == sum(layer_param_counts(config)[bounds[stage] : bounds[stage + 1]])
+
+
+def deferred_bytes(config, b: int, s: int, lora: bool) -> int:
+    """Bytes of the distinct tensors (not parameters) the deferred weight-gradient work of one decoder block's
+    backward holds: what stays alive from its B pass to its W pass under zero_bubble."""
+    from models.lora import add_lora
+    from models.weight_grad import WeightGradStore, defer_weight_gradients
+
+    torch.manual_seed(0)
+    block = build_layer(pipe_layers(config.num_hidden_layers, False)[1], config, DecoderOptions())
+    if lora:
+        add_lora(block, 4, 8.0, 0.0, ["q_proj", "v_proj", "down_proj"], seed=0)
+    store = WeightGradStore()
+    defer_weight_gradients([block], store)
+    store.active = True
+    x = torch.randn(b, s, config.hidden_size, requires_grad=True)
+    block((x, torch.arange(s).repeat(b, 1)))[0].square().sum().backward()
+    store.close_backward()
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    held: dict[int, int] = {}
+    for work in store._groups[0]:
+        for cell in work.__closure__ or ():
+            t = cell.cell_contents
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
+                held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(held.values())
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_deferred_weight_gradient_bytes_match_measurement(lora):
+    """zero_bubble keeps each linear layer's input and output gradient from B to W: the planner's count of them
+    against the tensors the store's queued work holds."""
+    from tools.memory_estimate import deferred_weight_grad_bytes
+
+    config = tiny_config(hidden_size=128, intermediate_size=344, num_attention_heads=4, num_key_value_heads=2)
+    config._attn_implementation = "sdpa"
+    b, s = 2, 96
+    measured = deferred_bytes(config, b, s, lora)
+    targets = ["q_proj", "v_proj", "down_proj"] if lora else []
+    predicted = deferred_weight_grad_bytes(config, b, s, 1, 4, targets, 4 if lora else 0)
+    print(f"lora={lora}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
+    assert abs(predicted / measured - 1) <= 0.05
+
+
+def test_planner_follows_each_schedules_micro_batches_in_flight():
+    """1F1B: stage s holds p - s micro-batches; zero_bubble the same activations plus the deferred weight
+    gradients of at most two backwards; dualpipev: two half stages per rank and the loss on rank 0. The
+    suggestion for a GPU size names the schedule."""
+    from tools.memory_estimate import estimate, suggest
+    from training.config import TrainConfig
+    from training.schedules import memory_states
+
+    for p, m in ((2, 4), (4, 8), (4, 16)):
+        for stage in range(p):
+            one = memory_states("1f1b", m, p, stage)
+            zero = memory_states("zero_bubble", m, p, stage)
+            assert max(h for h, _, _ in one) == p - stage and all(w == 0 and c == 0 for _, c, w in one)
+            assert max(h for h, _, _ in zero) == p - stage and max(w for _, _, w in zero) == 2
+            assert zero[-1] == (0, 0, 0) and one[-1] == (0, 0, 0)
+            dual = memory_states("dualpipev", m, p, stage)
+            assert dual[-1] == (0, 0, 0) and min(min(state) for state in dual) >= 0
+    config = tiny_config(hidden_size=128, intermediate_size=344, num_attention_heads=4, num_hidden_layers=8)
+    cfg = TrainConfig(num_stages=4, seq_length=512, micro_batch_size=2, gradient_accumulation_steps=8)
+    rows = {s: estimate(TrainConfig(**{**cfg.__dict__, "pipeline_schedule": s}), config, 4)
+            for s in ("1f1b", "zero_bubble", "dualpipev")}  # fmt: skip
+    for a, b in zip(rows["1f1b"], rows["zero_bubble"], strict=True):
+        assert b.activations > a.activations and (a.params, a.logits) == (b.params, b.logits)
+    assert rows["dualpipev"][0].logits > 0 and all(r.logits == 0 for r in rows["dualpipev"][1:])
+    total = {s: sum(r.params for r in rows[s]) for s in rows}
+    assert rows["1f1b"][-1].logits > 0 and total["dualpipev"] == total["1f1b"] == total["zero_bubble"]
+    lines = suggest(cfg, config, 4, gpu_gib=1.0)
+    assert {line.split()[0] for line in lines} == {f"pipeline_schedule={s}" for s in rows}, lines

@@ -5,8 +5,9 @@ activations of the micro-batches in flight, and logits, for the busiest pipeline
     python -m tools.memory_estimate model=llama2_7b num_stages=4 world_size=8 seq_length=4096
 
 `world_size=N` (default: num_stages x tensor_parallel_size, i.e. DP=1) sets
-DP = N / (num_stages x tensor_parallel_size). `gpu_memory_gib=80` also suggests a micro-batch size,
-micro-batch count and partition that fit that much memory per GPU.
+DP = N / (num_stages x tensor_parallel_size). `gpu_memory_gib=80` also suggests, per pipeline schedule, a
+micro-batch size, micro-batch count and partition that fit that much memory per GPU, smallest bubble first.
+The micro-batches in flight follow `pipeline_schedule` (the instruction lists its engine executes).
 An estimate, not a measurement: it leaves out the CUDA context (~0.5 GiB), allocator fragmentation
 and communication buffers; plan for 10-20% on top.
 """
@@ -88,15 +89,48 @@ def stage_activation_bytes(config, layers: range, b: int, s: int, tp: int, act_b
     return kept, live
 
 
+# The linear layers of a decoder block: (the tensor that is its input, input width, output width), with TP's split.
+def _linear_layers(config, tp: int) -> dict[str, tuple[str, float, float]]:
+    h, heads, inter = config.hidden_size, config.num_attention_heads, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    q, kv = heads * head_dim / tp, config.num_key_value_heads * head_dim / tp
+    return {"q_proj": ("norm1", h, q), "k_proj": ("norm1", h, kv), "v_proj": ("norm1", h, kv),
+            "o_proj": ("attention", q, h), "gate_proj": ("norm2", h, inter / tp), "up_proj": ("norm2", h, inter / tp),
+            "down_proj": ("act", inter / tp, h)}  # fmt: skip
+
+
+def deferred_weight_grad_bytes(config, b: int, s: int, tp: int, act_bytes: int, lora_targets=(), r: int = 0) -> float:
+    """Bytes the deferred weight gradients of one decoder block hold from its B pass to its W pass (zero_bubble):
+    the input of each linear layer (q/k/v share one, gate/up another) and its output gradient. With LoRA only
+    the adapters' weights train: the inputs of the targeted layers, A's output and both adapters' output
+    gradients (tests/test_memory_estimate.py measures it on the closures the store keeps)."""
+    layers = _linear_layers(config, tp)
+    if lora_targets:
+        chosen = {name: layers[name] for name in lora_targets if name in layers}
+        inputs = {key: width for key, width, _ in chosen.values()}
+        per_token = sum(inputs.values()) + sum(out + 2 * r for _, _, out in chosen.values())
+    else:
+        inputs = {key: width for key, width, _ in layers.values()}
+        per_token = sum(inputs.values()) + sum(out for _, _, out in layers.values())
+    return b * s * per_token * act_bytes
+
+
 def estimate(cfg, config, world_size: int) -> list[Estimate]:
-    """Bytes per GPU for every stage of `cfg` (a TrainConfig) on a model `config` (a LlamaConfig)."""
+    """Bytes per GPU for every pipeline rank of `cfg` (a TrainConfig) on a model `config` (a LlamaConfig).
+
+    The micro-batches in flight come from the instruction list the rank's engine executes
+    (`training.schedules.memory_states`): 1F1B's p - s on stage s; zero_bubble the same plus at most two
+    backward passes' deferred weight gradients; dualpipev's two half stages per rank, rank 0 scoring the loss."""
     from models.config import checkpoint_every
+    from models.key_table import block_of
     from models.partition import layer_param_counts, stage_bounds
     from models.sharding import padded_vocab
     from models.tensor_parallel import TensorParallel
     from training.engine import resolve_precision, resolve_zero_stage
+    from training.schedules import memory_states
 
-    pp, tp = cfg.num_stages, cfg.tensor_parallel_size
+    pp, tp, schedule = cfg.num_stages, cfg.tensor_parallel_size, cfg.pipeline_schedule
+    dual = schedule == "dualpipev"
     dp = max(1, world_size // (pp * tp))
     precision = resolve_precision(cfg.deepspeed.precision, auto="bf16")  # planning for a bf16 GPU
     zero = resolve_zero_stage(cfg.deepspeed.zero_stage, gpu=True)
@@ -107,23 +141,30 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     optim_bytes = (0 if precision == "fp32" else 4) + 8
     optim_share = 0.0 if cfg.deepspeed.offload_optimizer else (1 / dp if zero >= 1 else 1.0)
     counts = layer_param_counts(config, TensorParallel(tp, 0, cfg.model.vocab_pad_multiple))  # one TP rank's share
-    bounds = stage_bounds(config, pp, cfg.model.partition)
+    bounds = stage_bounds(config, 2 * pp if dual else pp, cfg.model.partition)
     b, s = cfg.micro_batch_size, cfg.seq_length
     every = checkpoint_every(cfg.model)
     act_bytes = 2 if precision != "fp32" else 4
     attn = str(cfg.model.attn_implementation)
-    out = []
+    packed = cfg.data.documents_share_rows
+    lora = (cfg.lora.target_modules, cfg.lora.r) if cfg.lora.enabled else ((), 0)
+    deferred = deferred_weight_grad_bytes(config, b, s, tp, act_bytes, *lora) if schedule == "zero_bubble" else 0
+    n, out = config.num_hidden_layers, []
     for stage in range(pp):
-        params = sum(counts[bounds[stage] : bounds[stage + 1]])
-        own = range(bounds[stage], bounds[stage + 1])
-        in_flight = min(pp - stage, cfg.gradient_accumulation_steps)  # 1F1B: stage s holds pp - s micro-batches
-        packed = cfg.data.documents_share_rows
-        kept, live = stage_activation_bytes(config, own, b, s, tp, act_bytes, attn, packed, every)
-        activations = in_flight * kept + live
+        halves = [stage, 2 * pp - 1 - stage] if dual else [stage]
+        own = [range(bounds[h], bounds[h + 1]) for h in halves]
+        params = sum(sum(counts[r.start : r.stop]) for r in own)
+        per_half = [stage_activation_bytes(config, r, b, s, tp, act_bytes, attn, packed, every) for r in own]
+        kept = [k for k, _ in per_half] + [0.0]
+        blocks = sum(1 for r in own for i in r if block_of(i, n) is not None)
+        states = memory_states(schedule, cfg.gradient_accumulation_steps, pp, stage)
+        held = max(a * kept[0] + c * kept[1] + w * blocks * deferred for a, c, w in states)
+        activations = held + max(live for _, live in per_half)
         vocab = padded_vocab(config.vocab_size, tp, cfg.model.vocab_pad_multiple) // tp  # vocab-parallel head
         chunk = min(cfg.model.loss_chunk_size or b * s, b * s)
         # Logits in the compute dtype and their gradient, plus fp32 logits and softmax of one chunk of tokens.
-        logits = (2 * b * s * vocab * act_bytes + 2 * chunk * vocab * 4) if stage == pp - 1 else 0
+        scores = stage == (0 if dual else pp - 1)
+        logits = (2 * b * s * vocab * act_bytes + 2 * chunk * vocab * 4) if scores else 0
         out.append(
             Estimate(
                 stage,
@@ -139,24 +180,41 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
 
 
 def suggest(cfg, config, world_size: int, gpu_gib: float) -> list[str]:
-    """Micro-batch sizes and partitions that fit `gpu_gib` per GPU (10% kept free), largest micro-batch
-    first, with the micro-batch count that keeps the pipeline bubble (p-1)/(m+p-1) at or under 20%."""
+    """Per pipeline schedule, the largest micro-batch size (and partition) that fits `gpu_gib` per GPU (10% kept
+    free), with the micro-batch count that keeps the 1F1B bubble (p-1)/(m+p-1) at or under 20% (at least
+    2p for dualpipev), and each schedule's theoretical bubble from its instruction lists; smallest bubble first."""
     import copy
 
-    pp, lines = cfg.num_stages, []
+    from training.config import validate_layout
+    from training.schedules import timeline
+
+    pp, found = cfg.num_stages, []
     tokens = cfg.micro_batch_size * cfg.gradient_accumulation_steps
-    for partition in ("parameters", "uniform"):
-        for mbs in (16, 8, 4, 2, 1):
-            trial = copy.deepcopy(cfg)
-            trial.model.partition, trial.micro_batch_size = partition, mbs
-            trial.gradient_accumulation_steps = max(4 * (pp - 1), -(-tokens // mbs), 1)
-            busiest = max(r.total for r in estimate(trial, config, world_size)) / GIB
-            if busiest <= 0.9 * gpu_gib:
-                m = trial.gradient_accumulation_steps
-                lines.append(f"model.partition={partition} micro_batch_size={mbs} gradient_accumulation_steps={m}: "
-                             f"busiest stage {busiest:.1f} GiB, bubble {(pp - 1) / (m + pp - 1):.0%}")  # fmt: skip
-                break
-    return lines or [f"nothing fits {gpu_gib} GiB with PP={pp}: add stages, TP, or activation checkpointing"]
+    for schedule in ("1f1b", "zero_bubble", "dualpipev"):
+        best = None  # (micro-batch size, line): the largest that fits, either partition
+        for partition in ("parameters", "uniform"):
+            for mbs in (16, 8, 4, 2, 1):
+                trial = copy.deepcopy(cfg)
+                trial.pipeline_schedule, trial.model.partition, trial.micro_batch_size = schedule, partition, mbs
+                m = max(4 * (pp - 1), -(-tokens // mbs), 2 * pp if schedule == "dualpipev" else 1)
+                trial.gradient_accumulation_steps = m
+                try:
+                    validate_layout(trial, world_size, config)
+                except ValueError:
+                    break  # this schedule does not run this layout
+                busiest = max(r.total for r in estimate(trial, config, world_size)) / GIB
+                if busiest <= 0.9 * gpu_gib:
+                    if best is None or mbs > best[0]:
+                        bubble = timeline(schedule, m, pp).bubble if pp > 1 else 0.0
+                        best = (mbs, bubble, f"pipeline_schedule={schedule} model.partition={partition} "
+                                             f"micro_batch_size={mbs} gradient_accumulation_steps={m}: busiest stage "
+                                             f"{busiest:.1f} GiB, bubble {bubble:.0%}")  # fmt: skip
+                    break
+        if best:
+            found.append(best[1:])
+    found.sort(key=lambda f: f[0])
+    return [line for _, line in found] or [f"nothing fits {gpu_gib} GiB with PP={pp}: add stages, TP, or activation "
+                                           "checkpointing"]  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
@@ -183,7 +241,8 @@ def main(argv: list[str]) -> int:
     dp = world_size // (cfg.num_stages * cfg.tensor_parallel_size)
     print(f"PP={cfg.num_stages} x TP={cfg.tensor_parallel_size} x DP={dp}, "
           f"micro-batch {cfg.micro_batch_size} x {cfg.seq_length} tokens, "
-          f"{cfg.deepspeed.precision}, recompute={cfg.model.activation_checkpointing}")  # fmt: skip
+          f"{cfg.deepspeed.precision}, recompute={cfg.model.activation_checkpointing}, "
+          f"pipeline_schedule={cfg.pipeline_schedule}")  # fmt: skip
     print(" ".join(f"{c:>8}" for c in ("stage", "params", "weights", "grads", "optim", "activ", "logits", "total")))
     for r in rows:
         cells = [r.weights, r.gradients, r.optimizer, r.activations, r.logits, r.total]
