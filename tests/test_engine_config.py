@@ -130,7 +130,8 @@ def test_auto_precision_follows_the_hardware(cuda, bf16, expected, monkeypatch):
     fp32 on CPU; the choice is logged with its reason. The memory planner plans for a bf16 GPU by the same rule."""
     import torch
 
-    from training.engine import describe_auto_precision, resolve_precision
+    from training.engine import describe_auto_precision
+    from training.precision import resolve_precision
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)

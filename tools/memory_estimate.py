@@ -126,7 +126,7 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     from models.partition import layer_param_counts, stage_bounds
     from models.sharding import padded_vocab
     from models.tensor_parallel import TensorParallel
-    from training.engine import resolve_precision, resolve_zero_stage
+    from training.precision import resolve_precision, resolve_zero_stage
     from training.schedules import memory_states
 
     pp, tp, schedule = cfg.num_stages, cfg.tensor_parallel_size, cfg.pipeline_schedule

@@ -31,9 +31,10 @@ from models.tokenizer import check_tokenizer_fits, load_tokenizer
 from training import checkpointing
 from training.config import TrainConfig, evaluating, validate, validate_layout
 from training.distributed import agreed, broadcast_object, init_distributed, rank0_works
-from training.engine import build_module, describe_auto_precision, initialize_engine, resolve_precision
+from training.engine import build_module, describe_auto_precision, initialize_engine
 from training.errors import RunError
 from training.logs import configure_logging, log_to_file
+from training.precision import resolve_precision
 from training.run_dir import check_paths, prepare_output_dir, roll_back
 from training.topology import Coords
 

@@ -35,8 +35,9 @@ from models.partition import rank_layers
 from models.tensor_parallel import TensorParallel
 from training.config import TrainConfig, resume_mode
 from training.distributed import agreed, broadcast_object
-from training.engine import follow_new_schedule, resolve_precision, resolve_zero_stage
+from training.engine import follow_new_schedule
 from training.errors import RunError
+from training.precision import resolve_precision, resolve_zero_stage
 from training.run_dir import check_resume_from
 from training.topology import Coords
 

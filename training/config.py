@@ -18,6 +18,7 @@ from hydra.core.config_store import ConfigStore
 from data.config import DataConfig
 from models.config import Choice, LoraSettings, ModelConfig, checkpoint_every
 from models.sharding import tp_indivisible
+from training.precision import resolve_precision, resolve_zero_stage
 
 RESUME_MODES = ("true", "false", "auto")
 SCHEDULES = ("1f1b", "zero_bubble", "dualpipev")
@@ -229,8 +230,6 @@ def validate(cfg: TrainConfig) -> None:
 def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
     """The PP x TP x DP layout against the model and the launch. Raises ValueError naming the key."""
     if cfg.pipeline_schedule == "zero_bubble":
-        from training.engine import resolve_precision, resolve_zero_stage
-
         precision, zero = resolve_precision(cfg.deepspeed.precision), resolve_zero_stage(cfg.deepspeed.zero_stage)
         _need(
             (precision, zero) == ("fp32", 0) or precision == "bf16",
