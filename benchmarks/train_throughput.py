@@ -1,6 +1,8 @@
 """Training throughput of the trainer against a plain PyTorch loop on the same model, rows and batch.
 
     python -m benchmarks.train_throughput --work /tmp/trainbench [--stages 1,2] [--packing] [--peak-tflops X]
+    python -m benchmarks.train_throughput --work /tmp/trainbench --stages 1,2 --ga 2,4,8 \
+        --schedule 1f1b,zero_bubble,dualpipev --skip-plain
 
 Builds (once) a random LLaMA (`--layers`, `--hidden`) with a tokenizer and variable-length rows, then:
 
@@ -13,6 +15,12 @@ Builds (once) a random LLaMA (`--layers`, `--hidden`) with a tokenizer and varia
   FLOP/s by PaLM's convention (6N + 12*L*H*Q*T FLOPs per token, N = parameters outside the input
   embedding, L layers, H heads, Q head size, T sequence length) and MFU when `--peak-tflops` is given,
   and the theoretical pipeline bubble (p-1)/(m+p-1) next to the measured step-time growth over PP=1.
+
+With `--schedule` (comma-separated `pipeline_schedule` values) and `--ga` (comma-separated micro-batch counts),
+every PP > 1 runs each schedule on the same batches: its step time against 1F1B's, its measured bubble
+1 - T(PP=1) / (p x T(PP=p)) (the share of the p ranks' time not spent on the PP=1 work), and beside them the
+theory: the bubble and step-time ratio of `training.schedules.timeline` (the instruction lists the engines
+execute, costs F=1, B=2, W=1). DualPipeV needs m >= 2p and is skipped below that.
 
 Each configuration runs `--repeat` times; medians are reported. Not a test: timings on a shared machine
 are noisy, compare figures from one run of this script.
@@ -50,13 +58,14 @@ def build(work: str, layers: int, hidden: int, heads: int, rows: int, seed: int 
     return hf, data
 
 
-def trainer_run(hf: str, data: str, out: str, stages: int, args) -> list[dict]:
+def trainer_run(hf: str, data: str, out: str, stages: int, args, ga: int, schedule: str = "1f1b") -> list[dict]:
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time (the trainer refuses to mix runs)
     overrides = [f"model_name_or_path={hf}", f"output_dir={out}", f"train_file={data}", "do_eval=false",
                  f"num_stages={stages}", f"seq_length={args.seq}", f"micro_batch_size={args.mbs}",
-                 f"gradient_accumulation_steps={args.ga}", f"max_steps={args.steps}", "deepspeed=fp32",
+                 f"gradient_accumulation_steps={ga}", f"max_steps={args.steps}", "deepspeed=fp32",
                  "progress_bar=false", "save_steps=0", "save_manifest=false",
-                 f"data.packing={str(args.packing).lower()}", "optim.lr_scheduler=constant"]  # fmt: skip
+                 f"data.packing={str(args.packing).lower()}", "optim.lr_scheduler=constant",
+                 f"pipeline_schedule={schedule}"]  # fmt: skip
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=REPO)
     cmd = [launcher, "--num_gpus", str(stages), "trainer.py", *overrides]
@@ -65,7 +74,7 @@ def trainer_run(hf: str, data: str, out: str, stages: int, args) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def plain_run(hf: str, data: str, args) -> list[float]:
+def plain_run(hf: str, data: str, args, ga: int) -> list[float]:
     """Step times of transformers + AdamW on the trainer's own batches (its sampler, collator, loss scaling)."""
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
@@ -83,7 +92,7 @@ def plain_run(hf: str, data: str, args) -> list[float]:
     dataset = TokenizedDataset(data, tokenizer, args.seq, DataConfig())
     if args.packing:
         dataset = PackedDataset(dataset, args.seq)
-    plan = TrainPlan(len(dataset), 1, args.mbs, args.ga)
+    plan = TrainPlan(len(dataset), 1, args.mbs, ga)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     batches = train_batches(dataset, plan, 0, 42, 0, CausalLMCollator(args.seq, pad, args.packing))
     model = LlamaForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="sdpa")
@@ -92,14 +101,14 @@ def plain_run(hf: str, data: str, args) -> list[float]:
     loss_fn = CausalLMLoss()
     times = []
     for _ in range(args.steps):
-        step = [next(batches) for _ in range(args.ga)]
+        step = [next(batches) for _ in range(ga)]
         start = time.perf_counter()
-        scale = torch.tensor(args.ga / max(sum(int((lab != -100).sum()) for _, lab, _ in step), 1))
+        scale = torch.tensor(ga / max(sum(int((lab != -100).sum()) for _, lab, _ in step), 1))
         for (ids, pos), labels, _ in step:
             # NOTE: packed rows need the per-row mask the pipeline builds; HF's own forward gets position_ids
             # only, which is exact for unpacked rows (the benchmark's overhead figure is without packing).
             logits = model(input_ids=ids, position_ids=pos).logits
-            (loss_fn(logits, (labels, scale)) / args.ga).backward()
+            (loss_fn(logits, (labels, scale)) / ga).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -126,7 +135,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=2000)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--mbs", type=int, default=4)
-    p.add_argument("--ga", type=int, default=4)
+    p.add_argument("--ga", default="4", help="comma-separated micro-batch counts per step")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--stages", default="1", help="comma-separated pipeline stage counts (one rank each)")
@@ -134,6 +143,8 @@ def main() -> None:
     p.add_argument("--packing", action="store_true")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=None, help="per-device peak, for MFU")
+    p.add_argument("--schedule", default="1f1b", help="comma-separated pipeline_schedule values for PP > 1")
+    p.add_argument("--skip-plain", action="store_true", help="leave out the plain PyTorch loop")
     args = p.parse_args()
     sys.path.insert(0, REPO)
     os.makedirs(args.work, exist_ok=True)
@@ -142,32 +153,57 @@ def main() -> None:
 
     config = AutoConfig.from_pretrained(hf)
     flops = model_flops_per_token(config, args.seq)
-    plain = [statistics.median(plain_run(hf, data, args)[args.warmup :]) for _ in range(args.repeat)]
-    t_plain = statistics.median(plain)
-    print(f"model: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro-batch {args.mbs} x {args.ga}, "
-          f"fp32, packing={args.packing}, {args.threads} thread(s)/rank; medians of {args.repeat} runs")  # fmt: skip
-    print(f"plain loop (LlamaForCausalLM + AdamW): {t_plain:.3f} s/step (runs: {[round(t, 3) for t in plain]})")
-    base = None
-    for stages in [int(s) for s in args.stages.split(",")]:
-        runs = []
-        for i in range(args.repeat):
-            metrics = trainer_run(hf, data, os.path.join(args.work, f"run_pp{stages}_{i}"), stages, args)[args.warmup :]
-            runs.append((statistics.median(m["step_seconds"] for m in metrics),
-                         statistics.median(m["tokens_per_second"] for m in metrics),
-                         statistics.median(m["padded_tokens_per_second"] for m in metrics)))  # fmt: skip
-        step, tokens, padded = (statistics.median(r[k] for r in runs) for k in range(3))
-        base = base or (step if stages == 1 else None)
-        achieved = tokens * flops / stages
-        line = (f"trainer PP={stages}: {step:.3f} s/step ({step / t_plain:.2f}x the plain loop), "
-                f"{tokens:.0f} tokens/s ({tokens / stages:.0f} per device; padded {padded:.0f}), "
-                f"{achieved / 1e9:.2f} model GFLOP/s per device")  # fmt: skip
-        if args.peak_tflops:
-            line += f", MFU {achieved / (args.peak_tflops * 1e12):.1%}"
-        bubble = (stages - 1) / (args.ga + stages - 1)
-        line += f"; bubble (p-1)/(m+p-1) = {bubble:.0%}"
-        if base and stages > 1:
-            line += f", measured: step x{step / base:.2f} of PP=1 on 1/{stages} of the layers per rank"
-        print(line, flush=True)
+    schedules = args.schedule.split(",")
+    print(f"model: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro-batch {args.mbs}, fp32, "
+          f"packing={args.packing}, {args.threads} thread(s)/rank; medians of {args.repeat} runs")  # fmt: skip
+    for ga in [int(m) for m in args.ga.split(",")]:
+        t_plain = None
+        if not args.skip_plain:
+            plain = [statistics.median(plain_run(hf, data, args, ga)[args.warmup :]) for _ in range(args.repeat)]
+            t_plain = statistics.median(plain)
+            print(f"m={ga}: plain loop (LlamaForCausalLM + AdamW): {t_plain:.3f} s/step "
+                  f"(runs: {[round(t, 3) for t in plain]})")  # fmt: skip
+        base, first = None, {}
+        for stages in [int(s) for s in args.stages.split(",")]:
+            for schedule in schedules if stages > 1 else ["1f1b"]:
+                if schedule == "dualpipev" and ga < 2 * stages:
+                    print(f"m={ga} PP={stages} {schedule}: needs m >= {2 * stages}, skipped", flush=True)
+                    continue
+                step, tokens, padded = measure(hf, data, stages, args, ga, schedule)
+                base = base or (step if stages == 1 else None)
+                achieved = tokens * flops / stages
+                line = f"m={ga} trainer PP={stages} {schedule}: {step:.3f} s/step"
+                if t_plain:
+                    line += f" ({step / t_plain:.2f}x the plain loop)"
+                line += (f", {tokens:.0f} tokens/s ({tokens / stages:.0f} per device; padded {padded:.0f}), "
+                         f"{achieved / 1e9:.2f} model GFLOP/s per device")  # fmt: skip
+                if args.peak_tflops:
+                    line += f", MFU {achieved / (args.peak_tflops * 1e12):.1%}"
+                if stages > 1:
+                    from training.schedules import timeline
+
+                    theory = timeline(schedule, ga, stages)
+                    first.setdefault(stages, (step, theory.step_time))
+                    line += f"; bubble theory {theory.bubble:.1%}"
+                    if base:
+                        line += f", measured {1 - base / (stages * step):.1%}"
+                    if schedule != "1f1b" and first[stages] and schedules[0] == "1f1b":
+                        line += (f"; step time vs 1f1b: measured x{step / first[stages][0]:.3f}, theory "
+                                 f"x{theory.step_time / first[stages][1]:.3f}")  # fmt: skip
+                print(line, flush=True)
+
+
+def measure(hf: str, data: str, stages: int, args, ga: int, schedule: str) -> tuple[float, float, float]:
+    """Median over `--repeat` runs of the median step seconds, tokens/s and padded tokens/s after the warm-up."""
+    runs = []
+    for i in range(args.repeat):
+        out = os.path.join(args.work, f"run_pp{stages}_{schedule}_m{ga}_{i}")
+        metrics = trainer_run(hf, data, out, stages, args, ga, schedule)[args.warmup :]
+        shutil.rmtree(out, ignore_errors=True)
+        runs.append((statistics.median(m["step_seconds"] for m in metrics),
+                     statistics.median(m["tokens_per_second"] for m in metrics),
+                     statistics.median(m["padded_tokens_per_second"] for m in metrics)))  # fmt: skip
+    return tuple(statistics.median(r[k] for r in runs) for k in range(3))
 
 
 if __name__ == "__main__":
