@@ -140,7 +140,7 @@ def test_schedule_trains_as_1f1b_and_the_reference(schedule, layout, hf_models, 
     packing, recompute and the chunked loss across the three layouts)."""
     from tests.test_training import LAYOUTS, STEPS, assert_matches_reference, layout_config, layout_run
 
-    gas = 4 if schedule == "dualpipev" else 3  # DualPipeV needs 2 x PP micro-batches
+    gas = 4 if schedule == "dualpipev" else None  # DualPipeV needs 2 x PP micro-batches; others: the layout's
     base = layout_run(layout, converted, sft_data, tmp_path_factory, "1f1b", gas)
     ours = layout_run(layout, converted, sft_data, tmp_path_factory, schedule, gas)
     a, b = read_jsonl(os.path.join(base, "metrics.jsonl")), read_jsonl(os.path.join(ours, "metrics.jsonl"))
@@ -197,21 +197,3 @@ def test_resume_across_schedule_changes_continues_the_curve(converted, sft_data,
     assert sorted(i for held in layout["rank_layers"] for i in held) == list(range(last + 1))
     text = run_cmd([sys.executable, "convert2ckpt.py", "--inspect", str(source)]).stdout
     assert re.search(rf"dualpipev schedule, pipeline ranks hold layers \['0-\d+\+\d+-{last}', ", text), text
-
-
-@pytest.mark.slow
-def test_zero_bubble_in_bf16_with_zero1_trains_as_1f1b(converted, sft_data, tmp_path):
-    """bf16 weights with fp32 master weights and ZeRO-1 over DP=2: the queued weight gradients reach the fp32
-    gradients the optimizer reduces exactly as 1F1B's backward puts them there (4 steps, clipping active)."""
-    from tests.test_training import overrides, parity_cfg
-
-    cfg = parity_cfg(sft_data[0])
-    runs = {}
-    for schedule in ("1f1b", "zero_bubble"):
-        out = tmp_path / schedule
-        args = overrides(cfg, converted["gqa"], str(out), 2, deepspeed="bf16_zero1", pipeline_schedule=schedule)
-        check(deepspeed_launch(4, *args))
-        runs[schedule] = read_jsonl(out / "metrics.jsonl")
-    for x, y in zip(runs["1f1b"], runs["zero_bubble"], strict=True):
-        print(f"step {x['step']}: loss {x['loss']!r} / {y['loss']!r}, norm {x['grad_norm']!r} / {y['grad_norm']!r}")
-        assert (y["loss"], y["grad_norm"]) == (x["loss"], x["grad_norm"])
