@@ -214,6 +214,18 @@ def converted(workdir, hf_models) -> dict[str, str]:
     return out
 
 
+# The 3-step PP=2 x DP=2 run that the multi-node launches (torchrun --nnodes, deepspeed --hostfile) must equal.
+NODES_RUN = {"gradient_accumulation_steps": 2, "learning_rate": 3e-3, "num_stages": 2, "seed": 5, "max_steps": 3}
+
+
+@pytest.fixture(scope="session")
+def single_node_run(workdir, converted, sft_data) -> Path:
+    """`NODES_RUN` launched as one node of 4 ranks, once per session."""
+    out = workdir / "single_node_run"
+    built_once(out, lambda: check(deepspeed_launch(4, *small_run(converted["gqa"], out, sft_data[0], **NODES_RUN))))
+    return out
+
+
 @pytest.fixture(scope="session")
 def sft_data(workdir) -> tuple[str, str]:
     """prompt/response train and eval files (addition), small enough for quick runs."""

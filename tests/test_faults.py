@@ -18,7 +18,17 @@ import torch
 from checkpoint.layer_files import load_layer_state
 from checkpoint.manifest import verify_manifest
 from checkpoint.saves import newest_checkpoint
-from tests.conftest import LAUNCHER, REPO, check, deepspeed_launch, free_port, read_jsonl, small_run, subprocess_env
+from tests.conftest import (
+    LAUNCHER,
+    NODES_RUN,
+    REPO,
+    check,
+    deepspeed_launch,
+    free_port,
+    read_jsonl,
+    small_run,
+    subprocess_env,
+)
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 
@@ -191,13 +201,11 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(converted, sft_data, tmp_path)
     assert not all(torch.equal(step[3][k], step[4][k]) for k in step[3])  # the next one trained
 
 
-def test_two_node_launch_on_loopback(converted, sft_data, tmp_path):
+def test_two_node_launch_on_loopback(converted, sft_data, single_node_run, tmp_path):
     """Two `torchrun --nnodes 2` launchers with 2 ranks each on 127.0.0.1: PP=2 x DP=2 trains and saves,
     and matches the same run launched as one node of 4 ranks."""
-    single = tmp_path / "single"
-    check(deepspeed_launch(4, *run_args(converted["gqa"], single, sft_data[0], max_steps=3)))
     out, port = tmp_path / "two_nodes", free_port()
-    args = run_args(converted["gqa"], out, sft_data[0], max_steps=3)
+    args = small_run(converted["gqa"], out, sft_data[0], **NODES_RUN)
     procs = []
     for node in range(2):
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}"]
@@ -206,7 +214,7 @@ def test_two_node_launch_on_loopback(converted, sft_data, tmp_path):
     codes = [wait(p, 300) for p in procs]
     assert codes == [0, 0], [(tmp_path / f"node{n}.log").read_text()[-2000:] for n in range(2)]
     assert (out / "latest").read_text() == "global_step3" and verify_manifest(str(out / "global_step3")) == []
-    assert_same_run(single, out)
+    assert_same_run(single_node_run, out)
 
 
 def start_job_cmd(cmd: list[str], log: Path, env: dict | None = None):

@@ -18,7 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import LAUNCHER, REPO, check, deepspeed_launch, free_port, read_jsonl, small_run, subprocess_env
+from tests.conftest import (
+    LAUNCHER,
+    NODES_RUN,
+    REPO,
+    free_port,
+    read_jsonl,
+    small_run,
+    subprocess_env,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -73,11 +81,9 @@ def loopback_sshd(tmp_path):
         sshd.wait(30)
 
 
-def test_hostfile_launch_over_ssh_equals_a_single_node_run(loopback_sshd, converted, sft_data, tmp_path):
+def test_hostfile_launch_over_ssh_equals_a_single_node_run(loopback_sshd, converted, sft_data, single_node_run,
+                                                           tmp_path):  # fmt: skip
     port, options = loopback_sshd
-    args = dict(num_stages=2, gradient_accumulation_steps=2, max_steps=3, learning_rate=3e-3, micro_batch_size=1)
-    single = tmp_path / "single"
-    check(deepspeed_launch(4, *small_run(converted["gqa"], single, sft_data[0], **args)))
 
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
@@ -90,12 +96,12 @@ def test_hostfile_launch_over_ssh_equals_a_single_node_run(loopback_sshd, conver
     cmd = [LAUNCHER, "--hostfile", str(hostfile), "--launcher", "pdsh", "--no_ssh_check", "--ssh_port", str(port),
            "--master_addr",
            "127.0.0.1", "--master_port", str(free_port()), "trainer.py",
-           *small_run(converted["gqa"], two, sft_data[0], **args)]  # fmt: skip
+           *small_run(converted["gqa"], two, sft_data[0], **NODES_RUN)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = (proc.stdout + proc.stderr).splitlines()  # pdsh prefixes every line with the host it came from
     assert any(line.startswith("127.0.0.1:") for line in lines) and any(line.startswith("127.0.0.2:") for line in lines)
-    a, b = read_jsonl(single / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
+    a, b = read_jsonl(single_node_run / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
     assert [(m["loss"], m["grad_norm"], m["lr"]) for m in a] == [(m["loss"], m["grad_norm"], m["lr"]) for m in b]
     assert Path(two / "global_step3").is_dir()
     print(f"two nodes over ssh (pdsh): losses {[m['loss'] for m in b]} equal the single-node run's", file=sys.stderr)
