@@ -98,6 +98,7 @@ def sum_grad_over_tp(param: nn.Parameter, tp: TensorParallel) -> None:
         return grad
 
     param.register_hook(hook)
+    param.grad_summed_by_hook = True  # models/weight_grad.py leaves its gradient to autograd, where the hook runs
 
 
 def local_config(config, tp: TensorParallel):

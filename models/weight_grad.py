@@ -92,11 +92,13 @@ def deferred_linear(x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | 
 def defer_weight_gradients(modules, store: WeightGradStore) -> int:
     """Route the weight gradients of every linear layer inside `modules` through `store`. A linear layer whose
     forward adds more (the row-parallel layer's reduction) declares a `matmul` attribute (x, weight) -> x W^T
-    that is replaced instead of the whole forward. Returns the number of layers."""
+    that is replaced instead of the whole forward. A weight whose gradient a hook post-processes
+    (`grad_summed_by_hook`: LoRA's A on a tensor-parallel column layer, summed over TP) stays with autograd:
+    hooks do not see gradients written by a W pass. Returns the number of layers deferred."""
     count = 0
     for module in modules:
         for layer in module.modules():
-            if not isinstance(layer, nn.Linear):
+            if not isinstance(layer, nn.Linear) or getattr(layer.weight, "grad_summed_by_hook", False):
                 continue
             if hasattr(layer, "matmul"):
                 layer.matmul = lambda x, weight, store=store: deferred_linear(x, weight, None, store)

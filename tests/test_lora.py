@@ -109,10 +109,11 @@ def test_lora_pipeline_training_matches_peft_reference_and_merges(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["zero_bubble", "dualpipev"])
-def test_lora_under_each_pipeline_schedule_matches_peft(schedule, hf_models, tokenizer_dir, sft_data, tmp_path):
-    """LoRA's A and B weight gradients deferred to W passes (zero_bubble), and adapters on the two stages each
-    rank holds (dualpipev): 4 AdamW steps with clipping equal PEFT's single-process training, as under 1F1B."""
+@pytest.mark.parametrize("schedule,tp", [("zero_bubble", 2), ("dualpipev", 1)])
+def test_lora_under_each_pipeline_schedule_matches_peft(schedule, tp, hf_models, tokenizer_dir, sft_data, tmp_path):
+    """LoRA's A and B weight gradients deferred to W passes under PP=2 x TP=2 (zero_bubble; A of a column layer,
+    whose gradient is summed over TP, stays with autograd), and adapters on the two stages each rank holds
+    (dualpipev): 4 AdamW steps with clipping equal PEFT's single-process training, as under 1F1B."""
     from transformers import AutoConfig
 
     cfg = parity_cfg(sft_data[0])
@@ -120,8 +121,8 @@ def test_lora_under_each_pipeline_schedule_matches_peft(schedule, hf_models, tok
     cfg.gradient_accumulation_steps = 4  # DualPipeV needs 2 x PP micro-batches
     run = tmp_path / "run"
     # From the Hugging Face directory: each rank converts the layers it holds at load (DualPipeV: two stages).
-    check(deepspeed_launch(2, *overrides(cfg, hf_models["gqa"], str(run), 2, pipeline_schedule=schedule),
-                           *lora_overrides()))  # fmt: skip
+    args = overrides(cfg, hf_models["gqa"], str(run), 2, pipeline_schedule=schedule, tensor_parallel_size=tp)
+    check(deepspeed_launch(2 * tp, *args, *lora_overrides()))
     ref_model, ref_losses, ref_norms = train_reference(hf_models["gqa"], tokenizer_dir, cfg, dp=1, steps=4)
     metrics = read_jsonl(run / "metrics.jsonl")
     torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]), torch.tensor(ref_losses), rtol=1e-5,

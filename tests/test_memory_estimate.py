@@ -133,5 +133,13 @@ def test_planner_follows_each_schedules_micro_batches_in_flight():
     assert rows["dualpipev"][0].logits > 0 and all(r.logits == 0 for r in rows["dualpipev"][1:])
     total = {s: sum(r.params for r in rows[s]) for s in rows}
     assert rows["1f1b"][-1].logits > 0 and total["dualpipev"] == total["1f1b"] == total["zero_bubble"]
+    # Tied embeddings: 1F1B's last stage holds a copy of the embedding as its head; DualPipeV's rank 0 holds both
+    # ends of the model and one module for them.
+    tied = tiny_config(hidden_size=128, intermediate_size=344, num_attention_heads=4, num_hidden_layers=8,
+                       tie_word_embeddings=True)  # fmt: skip
+    one, dual = (
+        estimate(TrainConfig(**{**cfg.__dict__, "pipeline_schedule": s}), tied, 4) for s in ("1f1b", "dualpipev")
+    )
+    assert sum(r.params for r in one) - sum(r.params for r in dual) == tied.vocab_size * tied.hidden_size
     lines = suggest(cfg, config, 4, gpu_gib=1.0)
     assert {line.split()[0] for line in lines} == {f"pipeline_schedule={s}" for s in rows}, lines

@@ -65,6 +65,40 @@ def test_timeline_figures_and_dualpipev_needs_2p_micro_batches(tmp_path):
     assert bad.returncode == 2 and "DualPipeV needs at least 2 * 4 micro-batches" in bad.stderr
 
 
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"pipeline_schedule": "gpipe"}, "pipeline_schedule=gpipe: choose one of 1f1b, zero_bubble, dualpipev"),
+        ({"pipeline_schedule": "dualpipev", "gradient_accumulation_steps": 3},
+         "pipeline_schedule=dualpipev needs gradient_accumulation_steps >= 2 x num_stages = 4"),
+        ({"pipeline_schedule": "dualpipev", "num_stages": 3, "gradient_accumulation_steps": 6},
+         "pipeline_schedule=dualpipev cuts the model into 2 x num_stages = 6 stages, more than its 4 decoder layers"),
+        ({"pipeline_schedule": "dualpipev", "model.partition": [2, 2], "gradient_accumulation_steps": 4},
+         "model.partition=[2, 2] has 2 entries; pipeline_schedule=dualpipev cuts the model into 2 x num_stages = 4"),
+        ({"pipeline_schedule": "zero_bubble", "deepspeed.precision": "fp16"},
+         "pipeline_schedule=zero_bubble runs with fp32 (ZeRO-0) or bf16 (ZeRO-0/1), not fp16"),
+        ({"pipeline_schedule": "zero_bubble", "deepspeed.zero_stage": 1},
+         "pipeline_schedule=zero_bubble runs with fp32 (ZeRO-0) or bf16 (ZeRO-0/1), not fp32 with ZeRO-1"),
+        ({"pipeline_schedule": "zero_bubble", "deepspeed.precision": "bf16", "deepspeed.zero_stage": 1,
+          "deepspeed.grad_accum_dtype": "bf16"},
+         "pipeline_schedule=zero_bubble with bf16 and ZeRO-1 needs deepspeed.grad_accum_dtype=fp32, not bf16"),
+    ],
+)  # fmt: skip
+def test_schedule_settings_that_cannot_run_are_refused_in_one_line(settings, message):
+    from tools.tiny_models import tiny_config
+    from training.config import TrainConfig, validate, validate_layout
+
+    cfg = TrainConfig(model_name_or_path="m", train_file="a.jsonl", num_stages=2)
+    cfg.deepspeed.precision = "fp32"
+    for key, value in settings.items():
+        owner, _, name = key.rpartition(".")
+        setattr(getattr(cfg, owner) if owner else cfg, name, value)
+    with pytest.raises(ValueError) as e:
+        validate(cfg)
+        validate_layout(cfg, 2 * cfg.num_stages, tiny_config(num_hidden_layers=4))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
 def test_deferred_weight_gradients_equal_autograd():
     """Linear layers with and without bias, a frozen one and LoRA-style A/B: the input gradients come back at
     once, the weight gradients only when the oldest backward's group runs, and then equal autograd's."""

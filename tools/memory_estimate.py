@@ -153,7 +153,10 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     for stage in range(pp):
         halves = [stage, 2 * pp - 1 - stage] if dual else [stage]
         own = [range(bounds[h], bounds[h + 1]) for h in halves]
-        params = sum(sum(counts[r.start : r.stop]) for r in own)
+        held_layers = {i for r in own for i in r}
+        params = sum(counts[i] for i in held_layers)
+        if config.tie_word_embeddings and {0, len(counts) - 1} <= held_layers:
+            params -= counts[-1]  # a tied head on the embedding's rank is the embedding itself (PP=1, DualPipeV)
         per_half = [stage_activation_bytes(config, r, b, s, tp, act_bytes, attn, packed, every) for r in own]
         kept = [k for k, _ in per_half] + [0.0]
         blocks = sum(1 for r in own for i in r if block_of(i, n) is not None)
@@ -237,7 +240,11 @@ def main(argv: list[str]) -> int:
         return 2
     config = load_model_config(cfg)
     world_size = world_size or cfg.num_stages * cfg.tensor_parallel_size
-    rows = estimate(cfg, config, world_size)
+    try:
+        rows = estimate(cfg, config, world_size)
+    except ValueError as e:  # e.g. dualpipev with fewer than 2 x num_stages micro-batches
+        print(f"memory_estimate: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
     dp = world_size // (cfg.num_stages * cfg.tensor_parallel_size)
     print(f"PP={cfg.num_stages} x TP={cfg.tensor_parallel_size} x DP={dp}, "
           f"micro-batch {cfg.micro_batch_size} x {cfg.seq_length} tokens, "

@@ -237,7 +237,19 @@ def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
             f"ZeRO-{zero}: that optimizer accumulates gradients in backward hooks the deferred weight gradients "
             "bypass",
         )
+        _need(
+            precision != "bf16" or zero == 0 or cfg.deepspeed.grad_accum_dtype in (None, "fp32"),
+            f"pipeline_schedule=zero_bubble with bf16 and ZeRO-1 needs deepspeed.grad_accum_dtype=fp32, not "
+            f"{cfg.deepspeed.grad_accum_dtype}: DeepSpeed's bf16 ZeRO optimizer accumulates gradients in backward "
+            "hooks the deferred weight gradients bypass",
+        )
     num_layers, tp = model_config.num_hidden_layers, cfg.tensor_parallel_size
+    parts = None if isinstance(cfg.model.partition, str) else [int(n) for n in cfg.model.partition]
+    _need(
+        cfg.pipeline_schedule != "dualpipev" or parts is None or len(parts) == 2 * cfg.num_stages,
+        f"model.partition={parts} has {len(parts or [])} entries; pipeline_schedule=dualpipev cuts the model into "
+        f"2 x num_stages = {2 * cfg.num_stages} stages (list the decoder blocks of each)",
+    )
     _need(
         cfg.pipeline_schedule != "dualpipev" or 2 * cfg.num_stages <= num_layers,
         f"pipeline_schedule=dualpipev cuts the model into 2 x num_stages = {2 * cfg.num_stages} stages, more than "

@@ -44,6 +44,10 @@ class ZeroBubbleEngine(PipelineEngine):
         received = self.grad_layer
         self.grad_layer = received.clone() if isinstance(received, torch.Tensor) else [g.clone() for g in received]
 
+    def reset_activation_shape(self):
+        super().reset_activation_shape()
+        self._grad_recv_buffer = None  # shaped like the old activations
+
     def _exec_weight_pass(self, buffer_id):
         bf16 = isinstance(self.optimizer, BF16_Optimizer)
         if bf16:  # its low-precision grads were added to the fp32 ones after each backward: start from zero
