@@ -35,6 +35,25 @@ def adapter_state(run_dir, config) -> dict[str, torch.Tensor]:
     return out
 
 
+def assert_matches_peft(run, cfg, hf_dir: str, tokenizer_dir: str, dp: int) -> dict[str, torch.Tensor]:
+    """The run's losses, grad norms and adapters against PEFT trained in one process on the same global batches.
+    Returns our adapters under PEFT's names (TP shards merged)."""
+    from transformers import AutoConfig
+
+    ref_model, ref_losses, ref_norms = train_reference(hf_dir, tokenizer_dir, cfg, dp=dp, steps=cfg.max_steps)
+    metrics = read_jsonl(run / "metrics.jsonl")
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]), torch.tensor(ref_losses), rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(torch.tensor([m["grad_norm"] for m in metrics]), torch.tensor(ref_norms), rtol=1e-4,
+                               atol=1e-6)  # fmt: skip
+    ours = adapter_state(run, AutoConfig.from_pretrained(run))
+    ref = {f"base_model.model.{k}": v for k, v in ref_model.state_dict().items() if ".lora_" in k}
+    assert set(ours) == set(ref)
+    for key in ref:
+        torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=0.01 * cfg.learning_rate)
+    return ours
+
+
 def peft_model(hf_dir: str, adapters: dict[str, torch.Tensor] | None = None):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -51,27 +70,16 @@ def peft_model(hf_dir: str, adapters: dict[str, torch.Tensor] | None = None):
 def test_lora_pipeline_training_matches_peft_reference_and_merges(
     hf_models, converted, tokenizer_dir, sft_data, tmp_path
 ):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     cfg = parity_cfg(sft_data[0])
     cfg.lora = LORA
     run = tmp_path / "run"
     args = overrides(cfg, converted["gqa"], str(run), 2, save_steps=2)
     check(deepspeed_launch(4, *args, *lora_overrides()))
-    ref_model, ref_losses, ref_norms = train_reference(hf_models["gqa"], tokenizer_dir, cfg, dp=2, steps=4)
-
+    ours = assert_matches_peft(run, cfg, hf_models["gqa"], tokenizer_dir, dp=2)
+    assert len(ours) == 4 * 3 * 2  # layers x targets x (A, B)
     metrics = read_jsonl(run / "metrics.jsonl")
-    losses = torch.tensor([m["loss"] for m in metrics])
-    torch.testing.assert_close(losses, torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    norms = torch.tensor([m["grad_norm"] for m in metrics])
-    torch.testing.assert_close(norms, torch.tensor(ref_norms), rtol=1e-4, atol=1e-6)  # adapters of every stage
-    config = AutoConfig.from_pretrained(run)
-    ours = adapter_state(run, config)
-    ref = {k: v for k, v in ref_model.state_dict().items() if ".lora_" in k}
-    ref = {f"base_model.model.{k}": v for k, v in ref.items()}
-    assert set(ours) == set(ref) and len(ours) == 4 * 3 * 2  # layers x targets x (A, B)
-    for key in ref:
-        torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=0.01 * cfg.learning_rate)
     # Only the adapter is saved: other layer files are empty, base weights are never written.
     step = run / "global_step4"
     assert load_layer_state(find_layer_file(str(step), 0)) == {}
@@ -114,7 +122,6 @@ def test_lora_under_each_pipeline_schedule_matches_peft(schedule, tp, hf_models,
     """LoRA's A and B weight gradients deferred to W passes under PP=2 x TP=2 (zero_bubble; A of a column layer,
     whose gradient is summed over TP, stays with autograd), and adapters on the two stages each rank holds
     (dualpipev): 4 AdamW steps with clipping equal PEFT's single-process training, as under 1F1B."""
-    from transformers import AutoConfig
 
     cfg = parity_cfg(sft_data[0])
     cfg.lora = LORA
@@ -123,17 +130,7 @@ def test_lora_under_each_pipeline_schedule_matches_peft(schedule, tp, hf_models,
     # From the Hugging Face directory: each rank converts the layers it holds at load (DualPipeV: two stages).
     args = overrides(cfg, hf_models["gqa"], str(run), 2, pipeline_schedule=schedule, tensor_parallel_size=tp)
     check(deepspeed_launch(2 * tp, *args, *lora_overrides()))
-    ref_model, ref_losses, ref_norms = train_reference(hf_models["gqa"], tokenizer_dir, cfg, dp=1, steps=4)
-    metrics = read_jsonl(run / "metrics.jsonl")
-    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]), torch.tensor(ref_losses), rtol=1e-5,
-                               atol=1e-6)  # fmt: skip
-    torch.testing.assert_close(torch.tensor([m["grad_norm"] for m in metrics]), torch.tensor(ref_norms), rtol=1e-4,
-                               atol=1e-6)  # fmt: skip
-    ours = adapter_state(run, AutoConfig.from_pretrained(run))
-    ref = {f"base_model.model.{k}": v for k, v in ref_model.state_dict().items() if ".lora_" in k}
-    assert set(ours) == set(ref)
-    for key in ref:
-        torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=0.01 * cfg.learning_rate)
+    assert_matches_peft(run, cfg, hf_models["gqa"], tokenizer_dir, dp=1)
 
 
 @pytest.mark.slow

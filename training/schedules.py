@@ -78,7 +78,7 @@ def memory_states(name: str, micro_batches: int, stages: int, stage: int) -> lis
     through its first stage has run and whose backward has not, the same for its second stage (DualPipeV),
     backward passes whose deferred weight gradients wait for their W). The memory planner weighs them."""
     held, waiting, out = [0, 0], 0, []
-    for cmd in instructions(name, micro_batches, stages)[stage]:
+    for cmd in (c for step in train_schedule(name, micro_batches, stages, stage).steps() for c in step):
         phase = cmd.kwargs.get("phase", 0) if isinstance(cmd, ds.BufferOpInstruction) else 0
         if isinstance(cmd, ds.ForwardPass):
             held[phase] += 1
