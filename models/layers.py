@@ -153,7 +153,7 @@ class DecoderPipe:
 
     def _block(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         cos_sin = self.rotary_emb(hidden, position_ids)  # 2 x [B, S, head_dim]
-        packed, seq = self.options.packed, hidden.shape[1]
+        packed, seq = self.options.packed, position_ids.shape[-1]  # hidden may hold S/T positions (sequence parallel)
         window = self.window if self.window is not None and self.window < seq else None
         mask, extra = None, {}
         if self.attn_implementation == "flash_attention_2":

@@ -14,6 +14,15 @@ embedding, LM head and cross-entropy. Wiring around HF's modules, as models/pipe
 
 Stage outputs are therefore identical on every TP rank, which DeepSpeed's pipeline engine requires to
 partition them across the TP group for the stage-to-stage send.
+
+Sequence parallelism (`TensorParallel.sequence_parallel`; Megatron's, Korthikanti et al. 2022): between the
+split regions each TP rank holds S/T positions of [B, S, H] instead of all S. Entering a split region
+all-gathers the sequence (`gather_sequence`; backward: reduce-scatter) instead of copying; leaving it
+reduce-scatters (`scatter_sequence`; backward: all-gather) instead of all-reducing, the same volume. The
+embedding's partial sums are reduce-scattered, every RMSNorm and residual add works on the shard, the stage
+sends its own shard to the next, and the LM head gathers the sequence before the vocab-parallel loss.
+Replicated parameters used on the shard (the RMSNorms, row-parallel biases, LoRA B of row layers) see only
+their rank's positions, so their gradients are summed over TP as well.
 """
 
 from __future__ import annotations
@@ -29,13 +38,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.families import family_of
-from models.key_table import DECODER, EMBED, LM_HEAD, TP_COLUMN_MODULES, TP_ROW_MODULES, PipeLayer
+from models.key_table import DECODER, EMBED, LM_HEAD, NORM, TP_COLUMN_MODULES, TP_ROW_MODULES, PipeLayer
 from models.layers import (
     DecoderOptions,
     EmbeddingPipe,
     LMHeadPipe,
     decoder_layer_class,
     layer_class_and_args,
+    norm_class,
     tied_lm_head_forward,
 )
 from models.loss import IGNORE_INDEX
@@ -50,6 +60,12 @@ class TensorParallel:
     rank: int = 0
     vocab_multiple: int = 1  # pad the vocabulary to a multiple of this (and of `size`)
     group: Any = None
+    sequence_parallel: bool = False  # shard the sequence between the split regions (size > 1 only)
+
+    @property
+    def sp(self) -> bool:
+        """Whether the sequence is sharded between split regions."""
+        return self.sequence_parallel and self.size > 1
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -75,6 +91,67 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+def _all_gather_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """[B, S/T, ...] on each rank -> [B, S, ...], the ranks' shards in rank order."""
+    x = x.contiguous()
+    out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # [T*B, S/T, ...]
+    dist.all_gather_into_tensor(out, x, group=tp.group)
+    out = out.view(tp.size, *x.shape).transpose(0, 1)  # [B, T, S/T, ...]
+    return out.reshape(x.shape[0], tp.size * x.shape[1], *x.shape[2:])
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """[B, S, ...] partial sums on each rank -> [B, S/T, ...]: this rank's positions of the sum over ranks."""
+    b, s = x.shape[:2]
+    pieces = x.reshape(b, tp.size, s // tp.size, *x.shape[2:]).transpose(0, 1).contiguous()  # [T, B, S/T, ...]
+    out = torch.empty(pieces.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, pieces.view(tp.size * b, *pieces.shape[2:]), group=tp.group)
+    return out
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _all_gather_sequence(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_sequence(grad, ctx.tp), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _reduce_scatter_sequence(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_sequence(grad, ctx.tp), None
+
+
+def gather_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Enter a split region under sequence parallelism: [B, S/T, H] -> [B, S, H] (backward: reduce-scatter)."""
+    return _GatherSequence.apply(x, tp)
+
+
+def scatter_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Leave a split region under sequence parallelism: partial [B, S, H] -> summed [B, S/T, H] (backward:
+    all-gather)."""
+    return _ScatterSequence.apply(x, tp)
+
+
+def enter_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The input of a split region: the whole sequence on every rank (gathered under sequence parallelism)."""
+    return gather_sequence(x, tp) if tp.sp else copy_to_tp(x, tp)
+
+
+def leave_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Partial results of a split region summed over TP: this rank's positions under sequence parallelism."""
+    return scatter_sequence(x, tp) if tp.sp else reduce_from_tp(x, tp)
 
 
 def copy_to_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -122,20 +199,23 @@ class RowParallelLinear(nn.Linear):
     matmul = staticmethod(F.linear)  # (x, weight) -> x W^T; models/weight_grad.py may defer its weight gradient
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = reduce_from_tp(self.matmul(x, self.weight), self.tp)
+        out = leave_tp(self.matmul(x, self.weight), self.tp)
         return out if self.bias is None else out + self.bias
 
 
 def _row_parallel(linear: nn.Linear, tp: TensorParallel) -> RowParallelLinear:
     linear.__class__ = RowParallelLinear  # same parameters and state_dict keys, row-parallel forward
     linear.tp = tp
+    if tp.sp and linear.bias is not None:  # added on this rank's positions only
+        sum_grad_over_tp(linear.bias, tp)
     return linear
 
 
 class TPDecoderPipe:
     """Mixin: a family's pipeline decoder block holding this rank's shard (Megatron's split); see the module
     docstring. Qwen3's per-head q/k norms are replicated but see only this rank's heads: their gradients
-    are summed over TP so they stay identical on every rank."""
+    are summed over TP so they stay identical on every rank. Under sequence parallelism the block's input and
+    output are this rank's S/T positions, and so are the two RMSNorms' (their gradients summed over TP too)."""
 
     def __init__(self, config, layer_idx: int, tp: TensorParallel, options: DecoderOptions | None = None):
         super().__init__(local_config(config, tp), layer_idx, options)
@@ -143,7 +223,9 @@ class TPDecoderPipe:
         _row_parallel(self.self_attn.o_proj, tp)
         _row_parallel(self.mlp.down_proj, tp)
         for norm in (self.input_layernorm, self.post_attention_layernorm):
-            norm.register_forward_hook(lambda _module, _inputs, out: copy_to_tp(out, self.tp))
+            norm.register_forward_hook(lambda _module, _inputs, out: enter_tp(out, self.tp))
+            if tp.sp:
+                sum_grad_over_tp(norm.weight, tp)
         if family_of(config).qk_norm:
             for norm in (self.self_attn.q_norm, self.self_attn.k_norm):
                 sum_grad_over_tp(norm.weight, tp)
@@ -173,7 +255,7 @@ class VocabParallelEmbeddingPipe(EmbeddingPipe):
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.num_embeddings)
         hidden = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)  # [B, S, H]
-        hidden = reduce_from_tp(hidden.masked_fill(outside[..., None], 0.0), self.tp)
+        hidden = leave_tp(hidden.masked_fill(outside[..., None], 0.0), self.tp)  # [B, S/T, H] under SP
         if torch.is_grad_enabled() and not self.weight.requires_grad:
             hidden.requires_grad_()  # a frozen embedding (LoRA) still hands the next stage a tensor with a gradient
         return hidden, position_ids
@@ -188,7 +270,7 @@ class VocabParallelLMHeadPipe(LMHeadPipe):
         self.tp = tp
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(hidden, self.tp), self.weight)
+        return F.linear(enter_tp(hidden, self.tp), self.weight)
 
 
 class TiedVocabParallelHead:
@@ -198,7 +280,7 @@ class TiedVocabParallelHead:
         self.tp = tp
 
     def __call__(self, embedding: nn.Embedding, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(hidden, self.tp), embedding.weight)  # [B, S, V_local]
+        return F.linear(enter_tp(hidden, self.tp), embedding.weight)  # [B, S, V_local]
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -244,6 +326,20 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp:
     return (per_token * keep).sum()
 
 
+class SequenceParallelNorm:
+    """Mixin: the final RMSNorm on this rank's S/T positions (sequence parallelism): its gradient summed over TP."""
+
+    def __init__(self, config, tp: TensorParallel):
+        super().__init__(config)
+        sum_grad_over_tp(self.weight, tp)
+
+
+@functools.cache
+def sp_norm_class(model_type: str) -> type[nn.Module]:
+    base = norm_class(model_type)
+    return type(f"SP{base.__name__}", (SequenceParallelNorm, base), {"__module__": __name__})
+
+
 def vocab_parallel(config, tp: TensorParallel) -> bool:
     """Whether embedding and head are vocab-parallel: split over TP ranks, or padded (`model.vocab_pad_multiple`)."""
     return tp.size > 1 or padded_vocab(config.vocab_size, tp.size, tp.vocab_multiple) != config.vocab_size
@@ -259,6 +355,8 @@ def tp_layer_class_and_args(
         return (VocabParallelEmbeddingPipe, (config, tp)) if vocab_parallel(config, tp) else (EmbeddingPipe, (config,))
     if layer.kind == LM_HEAD and vocab_parallel(config, tp):
         return VocabParallelLMHeadPipe, (config, tp)
+    if layer.kind == NORM and tp.sp:
+        return sp_norm_class(family_of(config).model_type), (config, tp)
     return layer_class_and_args(layer, config, options)
 
 
@@ -271,7 +369,9 @@ def parallelize_lora(module: nn.Module, tp: TensorParallel) -> None:
     """The collectives of LoRA adapters on split layers (their shards come from models/lora.py).
 
     Column layer: A is replicated and used inside the split region, so its gradient is summed over TP.
-    Row layer: A holds this rank's input columns, so A x is partial and summed over TP before B.
+    Row layer: A holds this rank's input columns, so A x is partial and summed over TP before B (under sequence
+    parallelism reduce-scattered to this rank's positions, as the layer's own output is, and B, replicated,
+    sees only those: its gradient is summed over TP).
     """
     if tp.size == 1:
         return
@@ -286,4 +386,7 @@ def parallelize_lora(module: nn.Module, tp: TensorParallel) -> None:
                 if name in TP_COLUMN_MODULES:
                     sum_grad_over_tp(lora_a.weight, tp)
                 else:
-                    lora_a.register_forward_hook(lambda _module, _inputs, out: reduce_from_tp(out, tp))
+                    lora_a.register_forward_hook(lambda _module, _inputs, out: leave_tp(out, tp))
+            if name in TP_ROW_MODULES and tp.sp:
+                for lora_b in target.lora_B.values():
+                    sum_grad_over_tp(lora_b.weight, tp)

@@ -12,11 +12,19 @@ from tools.memory_estimate import stage_activation_bytes
 from tools.tiny_models import tiny_config
 
 
-def measured_stage(config, layers: range, b: int, s: int, options: DecoderOptions, dtype) -> tuple[int, int]:
-    """(bytes of the distinct tensors saved for backward in one micro-batch's forward, parameters) of a stage."""
+def measured_stage(config, layers: range, b: int, s: int, options: DecoderOptions, dtype, tp=None) -> tuple[int, int]:
+    """(bytes of the distinct tensors saved for backward in one micro-batch's forward, parameters) of a stage;
+    with `tp` (a TensorParallel with its group), this rank's shard of it."""
+    from models.layers import tied_lm_head_forward
+    from models.tensor_parallel import tp_layer_class_and_args, tp_tied_head_forward
+
     torch.manual_seed(0)
     specs = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings)
-    modules = [build_layer(specs[i], config, options).to(dtype) for i in layers]
+    if tp is None:
+        modules = [build_layer(specs[i], config, options).to(dtype) for i in layers]
+    else:
+        modules = [cls(*args).to(dtype) for cls, args in (tp_layer_class_and_args(specs[i], config, tp, options)
+                                                          for i in layers)]  # fmt: skip
     params = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
     saved: dict[int, int] = {}
 
@@ -29,11 +37,16 @@ def measured_stage(config, layers: range, b: int, s: int, options: DecoderOption
     if options.packed:  # two documents per row
         position_ids = torch.cat([torch.arange(s // 2), torch.arange(s - s // 2)]).repeat(b, 1)
     x = (torch.randint(0, config.vocab_size, (b, s)), position_ids)
-    if layers[0] != 0:  # a later stage receives hidden states
-        x = (torch.randn(b, s, config.hidden_size, dtype=dtype, requires_grad=True), position_ids)
+    if layers[0] != 0:  # a later stage receives hidden states (this rank's positions under sequence parallelism)
+        shard = s // tp.size if tp is not None and tp.sp else s
+        x = (torch.randn(b, shard, config.hidden_size, dtype=dtype, requires_grad=True), position_ids)
+    tied_head = config.tie_word_embeddings and layers[-1] == len(specs) - 1
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        for module in modules:
-            x = module(x)
+        for i, module in zip(layers, modules):
+            if tied_head and i == layers[-1]:  # DeepSpeed's TiedLayerSpec: the embedding's module, the head's forward
+                x = tp_tied_head_forward(config, tp)(module, x) if tp is not None else tied_lm_head_forward(module, x)
+            else:
+                x = module(x)
     return sum(saved.values()), sum(p.numel() for m in modules for p in m.parameters())
 
 
@@ -143,3 +156,69 @@ def test_planner_follows_each_schedules_micro_batches_in_flight():
     assert sum(r.params for r in one) - sum(r.params for r in dual) == tied.vocab_size * tied.hidden_size
     lines = suggest(cfg, config, 4, gpu_gib=1.0)
     assert {line.split()[0] for line in lines} == {f"pipeline_schedule={s}" for s in rows}, lines
+
+
+def _tp_stage_worker(rank: int, store: str, out: str) -> None:
+    """Rank `rank` of TP=2: saved bytes of each stage of a PP=2 model, without and with sequence parallelism."""
+    import json
+
+    import torch.distributed as dist
+
+    from models.tensor_parallel import TensorParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        group, results = dist.new_group([0, 1]), {}
+        for name, (overrides, attn, stage, every) in TP_LAYOUTS.items():
+            config = tiny_config(**{**TP_MODEL, **overrides})
+            config._attn_implementation = attn
+            bounds = stage_bounds(config, 2, "uniform")
+            for sp in (False, True):
+                tp = TensorParallel(2, rank, group=group, sequence_parallel=sp)
+                layers = range(bounds[stage], bounds[stage + 1])
+                results[f"{name}-sp{int(sp)}"] = measured_stage(config, layers, 2, 96, DecoderOptions(False, every),
+                                                                torch.float32, tp)[0]  # fmt: skip
+        with open(out, "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+TP_MODEL = {"hidden_size": 128, "intermediate_size": 344, "num_attention_heads": 4, "num_key_value_heads": 2}
+TP_LAYOUTS = {  # (config overrides, attention, stage of PP=2, checkpoint every k)
+    "stage0": ({}, "sdpa", 0, 0),
+    "stage1": ({}, "sdpa", 1, 0),
+    "stage1-tied-recompute": ({"tie_word_embeddings": True}, "sdpa", 1, 1),
+    "stage0-eager": ({}, "eager", 0, 0),
+}
+
+
+def test_tp_and_sequence_parallel_activation_estimates_match_measurement(tmp_path):
+    """TP=2 ranks' stages of a PP=2 model, with and without sequence parallelism: the planner's bytes per rank
+    against the tensors autograd saves (within 5%); sequence parallelism saves less on every stage."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
+    procs = [ctx.Process(target=_tp_stage_worker, args=(r, str(tmp_path / "store"), outs[r])) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        assert p.exitcode == 0
+    ranks = [json.load(open(o)) for o in outs]
+    assert ranks[0] == ranks[1]
+    for name, (overrides, attn, stage, every) in TP_LAYOUTS.items():
+        config = tiny_config(**{**TP_MODEL, **overrides})
+        bounds = stage_bounds(config, 2, "uniform")
+        layers = range(bounds[stage], bounds[stage + 1])
+        for sp in (False, True):
+            measured = ranks[0][f"{name}-sp{int(sp)}"]
+            kept, _ = stage_activation_bytes(config, layers, 2, 96, 2, 4, attn, False, every, sp)
+            print(f"TP=2 {name} sp={sp}: predicted {kept / 2**20:.3f} MiB, measured {measured / 2**20:.3f} MiB "
+                  f"({kept / measured - 1:+.1%})")  # fmt: skip
+            assert abs(kept / measured - 1) <= 0.05, (name, sp)
+        assert ranks[0][f"{name}-sp1"] < ranks[0][f"{name}-sp0"]

@@ -6,32 +6,57 @@ import pytest
 import torch
 
 from tests.conftest import check, torchrun
+from tests.workers.forward_parity import SEQ
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 
 CASES = [("mha", "sdpa"), ("gqa", "sdpa"), ("tied", "sdpa"), ("gqa", "eager"), ("llama3", "sdpa"), ("qwen2", "sdpa"),
-         ("qwen3", "sdpa"), ("mistral", "sdpa"), ("mistral", "eager")]  # fmt: skip
+         ("qwen3", "sdpa"), ("mistral", "sdpa"), ("mistral", "eager"), ("gqa", "sdpa-packed"),
+         ("mistral", "eager-packed")]  # fmt: skip
 
 
 def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
-    """PP = 1, 2, 4 (bit-identical logits) and PP x TP = 1 x 2, 2 x 2 (within 1e-5) against transformers."""
+    """PP = 1, 2, 4 (bit-identical logits) and PP x TP = 1 x 2, 2 x 2 (within 1e-5) against transformers; the TP
+    layouts with sequence parallelism also against themselves without it (within 1e-6). Every family, sliding
+    windows (Mistral's 6 < 24 positions) and packed rows (two documents per row, against transformers on each)."""
     cases = [
-        {"name": f"{m}-{attn}", "hf_dir": hf_models[m], "ckpt_dir": converted[m], "attn": attn} for m, attn in CASES
-    ]
+        {"name": f"{m}-{attn}", "hf_dir": hf_models[m], "ckpt_dir": converted[m], "attn": attn.split("-")[0],
+         "packed": attn.endswith("-packed")}
+        for m, attn in CASES
+    ]  # fmt: skip
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     check(torchrun("tests/workers/forward_parity.py", 4, str(tmp_path / "cases.json"), str(tmp_path)))
-    records = [r for rank in range(4) for r in json.loads((tmp_path / f"rank{rank}.json").read_text())]
-    seen = {(r["case"], r["pp"], r["tp"], r["dp_rank"], r["tp_rank"]) for r in records}
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
+    records = [r for rank in ranks for r in rank["records"]]
+    seen = {(r["case"], r["pp"], r["tp"], r["sp"], r["dp_rank"], r["tp_rank"]) for r in records}
     # Every (case, layout) is checked on every rank of the last stage.
-    layouts = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
+    layouts = [(1, 1, False), (2, 1, False), (4, 1, False), (1, 2, False), (2, 2, False), (1, 2, True), (2, 2, True)]
     assert seen == {
-        (c["name"], pp, tp, d, t) for c in cases for pp, tp in layouts for d in range(4 // (pp * tp)) for t in range(tp)
+        (c["name"], pp, tp, sp, d, t)
+        for c in cases
+        for pp, tp, sp in layouts
+        for d in range(4 // (pp * tp))
+        for t in range(tp)
     }
     failures = [r for r in records if r["error"]]
     assert not failures, failures
     for tp in (1, 2):
         worst = max(r["max_abs_logit_diff"] for r in records if r["tp"] == tp)
         print(f"forward parity TP={tp}: {sum(r['tp'] == tp for r in records)} checks, max |logit diff| = {worst:.3g}")
+    # Stage-to-stage traffic of one micro-batch [B, S, H], counted on DeepSpeed's p2p.send, per rank of stage 0:
+    # PP=2 alone sends it whole; TP=2 without sequence parallelism sends 1/T of it (DeepSpeed's partitioning, after
+    # which stage 1 all-gathers the whole [B, S, H] on every TP rank), with it each rank's own S/T positions (and
+    # stage 1 holds only those).
+    traffic = [t for rank in ranks for t in rank["traffic"]]
+    assert {(t["tp"], t["sp"]) for t in traffic} == {(1, False), (2, False), (2, True)}
+    for t in traffic:
+        if t["stage"] == 0:
+            assert t["sent_float_bytes"] == t["hidden_bytes"] // t["tp"], t
+        else:  # forward only: stage 1 sends nothing back
+            assert t["sent_float_bytes"] == 0 and t["received_positions"] == [SEQ // (2 if t["sp"] else 1)], t
+    sent = {(t["tp"], t["sp"]): t["sent_float_bytes"] for t in traffic if t["stage"] == 0}
+    print(f"stage-to-stage bytes per rank and micro-batch: TP=1 {sent[1, False]}, TP=2 {sent[2, False]} "
+          f"(stage 1 all-gathers them), TP=2 + SP {sent[2, True]} (stage 1 keeps the shard)")  # fmt: skip
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -75,8 +75,24 @@ def test_vocab_parallel_cross_entropy_masks_padding_and_matches_torch(tmp_path):
         dist.destroy_process_group()
 
 
+def _block_config(model_type: str):
+    extra = {"mlp_bias": True} if model_type == "llama" else {}  # LLaMA: o_proj and down_proj biases (row layers)
+    config = tiny_config(model_type, num_key_value_heads=2, head_dim=24, attention_bias=True, **extra)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+SEQ = 8
+
+
+def _block_io(config):
+    x = torch.randn(2, SEQ, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    return x, torch.arange(SEQ).expand(2, SEQ), torch.linspace(-1, 1, x.numel()).view_as(x)
+
+
 def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
-    """Rank `rank` of 2: its shard of one decoder block, the same input; saves output and merged-ready grads."""
+    """Rank `rank` of 2: its shard of one decoder block, without and with sequence parallelism (then its input,
+    output and input gradient are its half of the positions); saves outputs and merged-ready gradients."""
     import torch.distributed as dist
 
     from models.tensor_parallel import TensorParallel, tp_decoder_layer_class
@@ -84,31 +100,36 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        config = tiny_config(model_type, num_key_value_heads=2, head_dim=24, attention_bias=True)
-        config._attn_implementation = "sdpa"
+        config = _block_config(model_type)
         torch.manual_seed(0)
         whole = decoder_layer_class(model_type)(config, 0, DecoderOptions())
         with torch.no_grad():
             for p in whole.parameters():
                 p.normal_(0, 0.2)
-        tp = TensorParallel(2, rank, group=dist.new_group([0, 1]))
-        layer = tp_decoder_layer_class(model_type)(config, 0, tp, DecoderOptions())
-        layer.load_state_dict({k: shard(v, tp_split(DECODER, k), rank, 2) for k, v in whole.state_dict().items()})
-        x = torch.randn(2, 7, config.hidden_size, generator=torch.Generator().manual_seed(1), requires_grad=True)
-        position_ids = torch.arange(7).expand(2, 7)
-        y, _ = layer((x, position_ids))
-        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
-        grads = {k: p.grad for k, p in layer.named_parameters()}
-        torch.save({"y": y.detach(), "x_grad": x.grad, "grads": grads, "whole": whole.state_dict()}, out)
+        group = dist.new_group([0, 1])
+        results = {"whole": whole.state_dict()}
+        for sp in (False, True):
+            tp = TensorParallel(2, rank, group=group, sequence_parallel=sp)
+            layer = tp_decoder_layer_class(model_type)(config, 0, tp, DecoderOptions())
+            layer.load_state_dict({k: shard(v, tp_split(DECODER, k), rank, 2) for k, v in whole.state_dict().items()})
+            x, position_ids, weight = _block_io(config)
+            mine = slice(rank * SEQ // 2, (rank + 1) * SEQ // 2) if sp else slice(None)
+            x = x[:, mine].clone().requires_grad_()
+            y, _ = layer((x, position_ids))
+            (y * weight[:, mine]).sum().backward()
+            grads = {k: p.grad for k, p in layer.named_parameters()}
+            results[sp] = {"y": y.detach(), "x_grad": x.grad, "grads": grads}
+        torch.save(results, out)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
 def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tmp_path):
-    """TP=2 shards of a Qwen2 block (q/k/v biases split with their rows) and a Qwen3 block (per-head q/k norms,
-    replicated, their gradients summed over TP): output, input gradient and every parameter gradient equal
-    the whole block's (the norms' gradients identical on both ranks)."""
+    """TP=2 shards of a LLaMA block (o_proj and down_proj biases, added once after the row-parallel sum), a Qwen2
+    block (q/k/v biases split with their rows) and a Qwen3 block (per-head q/k norms, replicated, their gradients
+    summed over TP), without and with sequence parallelism: output, input gradient and every parameter gradient
+    equal the whole block's, and replicated parameters' gradients are identical on both ranks."""
     import torch.multiprocessing as mp
 
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
@@ -121,21 +142,28 @@ def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tm
         p.join(120)
         assert p.exitcode == 0
     ranks = [torch.load(o, weights_only=True) for o in outs]
-    config = tiny_config(model_type, num_key_value_heads=2, head_dim=24, attention_bias=True)
-    config._attn_implementation = "sdpa"
+    config = _block_config(model_type)
     whole = decoder_layer_class(model_type)(config, 0, DecoderOptions())
     whole.load_state_dict(ranks[0]["whole"])
-    x = torch.randn(2, 7, config.hidden_size, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    y, _ = whole((x, torch.arange(7).expand(2, 7)))
-    (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
-    for r in ranks:
-        torch.testing.assert_close(r["y"], y.detach(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(r["x_grad"], x.grad, rtol=1e-5, atol=1e-6)
+    x, position_ids, weight = _block_io(config)
+    x.requires_grad_()
+    y, _ = whole((x, position_ids))
+    (y * weight).sum().backward()
     keys = dict(whole.named_parameters())
     assert (model_type == "qwen3") == ("self_attn.q_norm.weight" in keys)
-    for key, p in keys.items():
-        rule = tp_split(DECODER, key)
-        got = merge([r["grads"][key] for r in ranks], rule)
-        torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
-        if key.endswith("norm.weight"):
-            assert torch.equal(ranks[0]["grads"][key], ranks[1]["grads"][key]), key
+    assert (model_type == "llama") == ("mlp.down_proj.bias" in keys)
+    for sp in (False, True):
+        got_y = [r[sp]["y"] for r in ranks]
+        got_x_grad = [r[sp]["x_grad"] for r in ranks]
+        if sp:  # each rank holds its half of the positions
+            assert got_y[0].shape[1] == SEQ // 2
+            got_y, got_x_grad = [torch.cat(got_y, dim=1)] * 2, [torch.cat(got_x_grad, dim=1)] * 2
+        for r in range(2):
+            torch.testing.assert_close(got_y[r], y.detach(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got_x_grad[r], x.grad, rtol=1e-5, atol=1e-6)
+        for key, p in keys.items():
+            rule = tp_split(DECODER, key)
+            got = merge([r[sp]["grads"][key] for r in ranks], rule)
+            torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, k=key, q=sp: f"sp={q} {k}: {m}")
+            if rule == REPLICA:
+                assert torch.equal(ranks[0][sp]["grads"][key], ranks[1][sp]["grads"][key]), (sp, key)

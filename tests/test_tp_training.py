@@ -20,8 +20,9 @@ pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16_zero1"])
 def test_resume_moves_across_tp_and_pp(precision, converted, sft_data, tmp_path):
-    """Saved with PP=2 x TP=2 at step 3 of 6, resumed as PP=2 x TP=1 (2 ranks) and PP=4 x TP=1 (4 ranks):
-    the loss curve, LR and (fp32) final weights continue the unmoved run's. fp32 (ZeRO-0) moves its Adam
+    """Saved with PP=2 x TP=2 (sequence parallel) at step 3 of 6, resumed as PP=2 x TP=1 (2 ranks), PP=4 x TP=1
+    (4 ranks) and (fp32) PP=2 x TP=2 without sequence parallelism: the loss curve, LR and (fp32) final weights
+    continue the unmoved run's. fp32 (ZeRO-0) moves its Adam
     moments by parameter name, merged and split across TP; bf16 + ZeRO-1 through DeepSpeed's universal
     checkpoint with our split rules (checkpoint/universal.universal_info)."""
     from transformers import AutoConfig
@@ -35,12 +36,15 @@ def test_resume_moves_across_tp_and_pp(precision, converted, sft_data, tmp_path)
     config = AutoConfig.from_pretrained(full)
     final = load_hf_state_dict(str(full), config)  # the TP=2 shards merged
     rel = (1e-5, 1e-4) if precision == "fp32" else (2e-3, 2e-2)  # bf16 rounding in another reduction order
-    for name, ranks, stages, partition in [("tp1_pp2", 2, 2, []), ("tp1_pp4", 4, 4, ["model.partition=[1,1,1,1]"])]:
+    moves = [("tp1_pp2", 2, 2, 1, []), ("tp1_pp4", 4, 4, 1, ["model.partition=[1,1,1,1]"])]
+    if precision == "fp32":
+        moves.append(("tp2_pp2_no_sp", 4, 2, 2, ["sequence_parallel=false"]))
+    for name, ranks, stages, tp, more in moves:
         part = tmp_path / name
         interrupted_copy(full, part, 3)
-        args = overrides(cfg, ckpt, str(part), stages, resume="true", tensor_parallel_size=1, **extra)
-        proc = check(deepspeed_launch(ranks, *args, *partition))
-        assert "saved with PP=2 x TP=2 x DP=1" in proc.stdout + proc.stderr
+        args = overrides(cfg, ckpt, str(part), stages, resume="true", tensor_parallel_size=tp, **extra)
+        proc = check(deepspeed_launch(ranks, *args, *more))
+        assert tp == 2 or "saved with PP=2 x TP=2 x DP=1" in proc.stdout + proc.stderr
         got = read_jsonl(part / "metrics.jsonl")
         assert [m["step"] for m in got] == list(range(1, 7))
         for a, b in zip(expected[3:], got[3:], strict=True):

@@ -42,21 +42,29 @@ def norm_bytes(h: int, act_bytes: int) -> int:
     return 4 * h + 4 + 2 * h * act_bytes
 
 
-def layer_activation_bytes(config, b: int, s: int, tp: int, act_bytes: int, attn: str, packed: bool) -> float:
+def sharded_norm_bytes(h: int, act_bytes: int, shards: int) -> float:
+    """`norm_bytes` with sequence parallelism over `shards` TP ranks: the norm's own tensors hold this rank's
+    positions, the gathered sequence the next matmul saves holds them all."""
+    return (norm_bytes(h, act_bytes) - h * act_bytes) / shards + h * act_bytes
+
+
+def layer_activation_bytes(config, b: int, s: int, tp: int, act_bytes: int, attn: str, packed: bool,
+                           sp: bool = False) -> float:  # fmt: skip
     """Bytes one decoder block keeps for backward per micro-batch (tensors autograd saves, counted once).
 
     Counted from what the HF LLaMA block saves (tests/test_memory_estimate.py measures it with
     `torch.autograd.graph.saved_tensors_hooks`), per token: each RMSNorm `norm_bytes`; RoPE cos/sin
     2 x head_dim; attention q, k, v after RoPE, the SDPA/flash output rows and o_proj's input:
     2h + 2 x kv_dim, plus the log-sum-exp per head (fp32); SwiGLU gate, up, act(gate) and down's input:
-    4 x intermediate. Tensor parallelism divides attention and MLP, not the norms or RoPE. Eager
+    4 x intermediate. Tensor parallelism divides attention and MLP, not the norms or RoPE; sequence
+    parallelism (`sp`) divides the norms' own tensors too (`sharded_norm_bytes`). Eager
     attention adds the probabilities (heads x S per token); packed rows on SDPA/eager add the mask
     (S per token); flash-attn keeps neither (Korthikanti et al.'s sbh(34 + 5as/h), specialised to LLaMA).
     """
     h, heads, inter = config.hidden_size, config.num_attention_heads, config.intermediate_size
     head_dim = getattr(config, "head_dim", None) or h // heads
     kv_dim = config.num_key_value_heads * head_dim
-    per_token = 2 * norm_bytes(h, act_bytes) + 2 * head_dim * act_bytes
+    per_token = 2 * sharded_norm_bytes(h, act_bytes, tp if sp else 1) + 2 * head_dim * act_bytes
     per_token += ((heads * head_dim + h + 2 * kv_dim + 4 * inter) * act_bytes + heads * 4) / tp
     if attn == "eager":
         per_token += heads / tp * s * act_bytes
@@ -66,24 +74,28 @@ def layer_activation_bytes(config, b: int, s: int, tp: int, act_bytes: int, attn
 
 
 def stage_activation_bytes(config, layers: range, b: int, s: int, tp: int, act_bytes: int, attn: str, packed: bool,
-                           every: int) -> tuple[float, float]:  # fmt: skip
+                           every: int, sp: bool = False) -> tuple[float, float]:  # fmt: skip
     """(bytes kept per micro-batch in flight, bytes of the one block being recomputed) for the pipeline layers
     `layers` of a stage; `every`: recompute every k-th block (0: none), keeping only its input. The final
-    norm and the LM head's input count on the last stage; the loss's logits are `Estimate.logits`."""
+    norm and the LM head's input count on the last stage; the loss's logits are `Estimate.logits`. `sp`: sequence
+    parallelism over the `tp` ranks (a recomputed block's input and the final norm hold s / tp positions)."""
     from models.key_table import EMBED, NORM, block_of, pipe_layers
 
     n = config.num_hidden_layers
-    per_layer = layer_activation_bytes(config, b, s, tp, act_bytes, attn, packed)
+    per_layer = layer_activation_bytes(config, b, s, tp, act_bytes, attn, packed, sp)
+    shards = tp if sp else 1  # positions of the residual stream per rank: s / shards
     kept, live = 0.0, 0.0
     kinds = {layer.index: layer.kind for layer in pipe_layers(n, config.tie_word_embeddings)}
     for index in layers:
         block = block_of(index, n)
         if block is not None and every and block % every == 0:
-            kept, live = kept + b * s * config.hidden_size * act_bytes, per_layer
+            kept, live = kept + b * s * config.hidden_size * act_bytes / shards, per_layer
         elif block is not None:
             kept += per_layer
         elif kinds[index] == NORM:
-            kept += b * s * (norm_bytes(config.hidden_size, act_bytes) + config.hidden_size * act_bytes)  # + head input
+            # + the LM head's own copy of its input (nn.Linear's; the vocab-parallel head under TP saves none)
+            head_input = config.hidden_size * act_bytes if tp == 1 else 0
+            kept += b * s * (sharded_norm_bytes(config.hidden_size, act_bytes, shards) + head_input)
         elif kinds[index] == EMBED:
             kept += b * s * 8  # token ids
     return kept, live
@@ -126,6 +138,7 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     from models.partition import layer_param_counts, stage_bounds
     from models.sharding import padded_vocab
     from models.tensor_parallel import TensorParallel
+    from training.config import sequence_parallel
     from training.precision import resolve_precision, resolve_zero_stage
     from training.schedules import memory_states
 
@@ -147,6 +160,7 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     act_bytes = 2 if precision != "fp32" else 4
     attn = str(cfg.model.attn_implementation)
     packed = cfg.data.documents_share_rows
+    sp = sequence_parallel(cfg)
     lora = (cfg.lora.target_modules, cfg.lora.r) if cfg.lora.enabled else ((), 0)
     deferred = deferred_weight_grad_bytes(config, b, s, tp, act_bytes, *lora) if schedule == "zero_bubble" else 0
     n, out = config.num_hidden_layers, []
@@ -157,7 +171,7 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
         params = sum(counts[i] for i in held_layers)
         if config.tie_word_embeddings and {0, len(counts) - 1} <= held_layers:
             params -= counts[-1]  # a tied head on the embedding's rank is the embedding itself (PP=1, DualPipeV)
-        per_half = [stage_activation_bytes(config, r, b, s, tp, act_bytes, attn, packed, every) for r in own]
+        per_half = [stage_activation_bytes(config, r, b, s, tp, act_bytes, attn, packed, every, sp) for r in own]
         kept = [k for k, _ in per_half] + [0.0]
         blocks = sum(1 for r in own for i in r if block_of(i, n) is not None)
         states = memory_states(schedule, cfg.gradient_accumulation_steps, pp, stage)
@@ -238,6 +252,8 @@ def main(argv: list[str]) -> int:
     if cfg.model_name_or_path is None and cfg.model.hidden_size is None:
         print("memory_estimate: error: name a model preset (model=...) or an experiment", file=sys.stderr)
         return 2
+    from training.config import sequence_parallel
+
     config = load_model_config(cfg)
     world_size = world_size or cfg.num_stages * cfg.tensor_parallel_size
     try:
@@ -249,7 +265,8 @@ def main(argv: list[str]) -> int:
     print(f"PP={cfg.num_stages} x TP={cfg.tensor_parallel_size} x DP={dp}, "
           f"micro-batch {cfg.micro_batch_size} x {cfg.seq_length} tokens, "
           f"{cfg.deepspeed.precision}, recompute={cfg.model.activation_checkpointing}, "
-          f"pipeline_schedule={cfg.pipeline_schedule}")  # fmt: skip
+          f"pipeline_schedule={cfg.pipeline_schedule}"
+          + (f", sequence_parallel={str(sequence_parallel(cfg)).lower()}" if cfg.tensor_parallel_size > 1 else ""))  # fmt: skip
     print(" ".join(f"{c:>8}" for c in ("stage", "params", "weights", "grads", "optim", "activ", "logits", "total")))
     for r in rows:
         cells = [r.weights, r.gradients, r.optimizer, r.activations, r.logits, r.total]

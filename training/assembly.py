@@ -29,7 +29,7 @@ from models.partition import stage_bounds
 from models.tensor_parallel import TensorParallel, parallelize_lora, vocab_parallel, vocab_parallel_cross_entropy
 from models.tokenizer import check_tokenizer_fits, load_tokenizer
 from training import checkpointing
-from training.config import TrainConfig, evaluating, validate, validate_layout
+from training.config import TrainConfig, evaluating, sequence_parallel, validate, validate_layout
 from training.distributed import agreed, broadcast_object, init_distributed, rank0_works
 from training.engine import build_module, describe_auto_precision, initialize_engine
 from training.errors import RunError
@@ -274,7 +274,8 @@ def assemble(cfg: TrainConfig) -> Run:
             bounds = stage_bounds(model_config, stages, cfg.model.partition)  # once per run
         except ValueError as e:
             raise _user_error(e) from None
-    tp = TensorParallel(cfg.tensor_parallel_size, coords.tp_rank, cfg.model.vocab_pad_multiple)
+    tp = TensorParallel(cfg.tensor_parallel_size, coords.tp_rank, cfg.model.vocab_pad_multiple,
+                        sequence_parallel=sequence_parallel(cfg))  # fmt: skip
     cross_entropy = None
     if vocab_parallel(model_config, tp):  # no rank holds [B, S, V] logits; padded rows never reach the loss
         cross_entropy = functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=model_config.vocab_size)

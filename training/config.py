@@ -79,6 +79,9 @@ class TrainConfig:
     # omegaconf matches Enum names, and "1f1b" is not one.
     pipeline_schedule: str = "1f1b"
     tensor_parallel_size: int = 1  # TP ranks per stage (adjacent ranks, one node): world = PP x TP x DP
+    # With TP: each TP rank holds seq_length / TP positions between the split regions (norms, residual stream,
+    # stage-to-stage tensors). None: on whenever tensor_parallel_size > 1; false: every rank holds them all.
+    sequence_parallel: bool | None = None
     # NOTE: Any because omegaconf has no unions: a path (.jsonl, .json, .parquet, a datasets directory) or a list.
     train_file: Any = None
     eval_file: Any = None
@@ -124,6 +127,11 @@ def register_configs() -> None:
 def resume_mode(cfg: TrainConfig) -> str:
     """`resume` as one of RESUME_MODES ("True" from a YAML boolean reads as "true"); `resume_from` means true."""
     return "true" if cfg.resume_from else str(cfg.resume).lower()
+
+
+def sequence_parallel(cfg: TrainConfig) -> bool:
+    """Whether the run shards the sequence over its TP ranks (`sequence_parallel`; default: whenever TP > 1)."""
+    return cfg.tensor_parallel_size > 1 and cfg.sequence_parallel is not False
 
 
 def evaluating(cfg: TrainConfig) -> bool:
@@ -197,6 +205,9 @@ def validate(cfg: TrainConfig) -> None:
     checkpoint_every(cfg.model)
     need(cfg.model.loss_chunk_size >= 0, f"model.loss_chunk_size={cfg.model.loss_chunk_size} must be >= 0")
     need(cfg.seq_length >= 2, f"seq_length={cfg.seq_length} must be >= 2")
+    need(not sequence_parallel(cfg) or cfg.seq_length % cfg.tensor_parallel_size == 0,
+         f"seq_length={cfg.seq_length} does not split into tensor_parallel_size={cfg.tensor_parallel_size} equal "
+         "sequence shards (sequence_parallel): choose a multiple of it, or sequence_parallel=false")  # fmt: skip
     need(cfg.micro_batch_size >= 1, f"micro_batch_size={cfg.micro_batch_size} must be >= 1")
     need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
     need(cfg.deepspeed.zero_stage in (None, 0, 1), "deepspeed.zero_stage must be 0 or 1 with pipeline parallelism")

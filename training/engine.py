@@ -16,7 +16,7 @@ from models.layers import DecoderOptions, init_weights
 from models.pipeline import build_pipeline_module
 from models.sharding import REPLICA
 from models.tensor_parallel import TensorParallel
-from training.config import TrainConfig
+from training.config import TrainConfig, sequence_parallel
 from training.precision import resolve_precision, resolve_zero_stage
 from training.topology import Coords
 
@@ -67,9 +67,11 @@ def deepspeed_config(cfg: TrainConfig, coords: Coords, load_universal: bool = Fa
         conf["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype}
     if load_universal:
         conf["checkpoint"] = {"load_universal": True}
-    if cfg.pipeline_schedule == "dualpipev":
-        # NOTE: DeepSpeed's DualPipeV engine cannot split stage-to-stage tensors across the TP group: each TP
-        # rank sends the whole activation (T times 1F1B's per-rank traffic under tensor parallelism).
+    if cfg.pipeline_schedule == "dualpipev" or sequence_parallel(cfg):
+        # NOTE: under sequence parallelism each TP rank's stage output is its own S/T positions: it sends them as
+        # they are (DeepSpeed's partitioning would cut a tensor that differs between ranks). Without it,
+        # DeepSpeed's DualPipeV engine cannot split stage-to-stage tensors across the TP group: each TP rank sends
+        # the whole activation (T times 1F1B's per-rank traffic).
         conf["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if ds.offload_optimizer:
         conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}

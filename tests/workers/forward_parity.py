@@ -1,10 +1,15 @@
-"""Worker (torchrun, 4 ranks): pipeline logits/loss vs transformers' model for PP x TP = 1, 2, 4 x 1 and 1, 2 x 2.
+"""Worker (torchrun, 4 ranks): pipeline logits/loss vs transformers' model for PP x TP = 1, 2, 4 x 1 and 1, 2 x 2,
+the TP layouts without and with sequence parallelism.
 
     torchrun --nproc_per_node 4 tests/workers/forward_parity.py CASES_JSON OUT_DIR
 
-CASES_JSON: [{"name", "hf_dir", "ckpt_dir", "attn"}]. Each rank writes OUT_DIR/rank{R}.json with one
-record per (case, layout) it checked on the last stage: max |logit difference| and both losses. With
-tensor parallelism the vocabulary shards of the logits are gathered first.
+CASES_JSON: [{"name", "hf_dir", "ckpt_dir", "attn", "packed"}]. Each rank writes OUT_DIR/rank{R}.json with one
+record per (case, layout) it checked on the last stage: max |logit difference| and both losses, and (every
+rank of a PP=2 layout) the floating-point bytes it sent to the other stage and the hidden positions its stage
+received per micro-batch (stage-to-stage traffic, counted on DeepSpeed's p2p.send). With
+tensor parallelism the vocabulary shards of the logits are gathered first. Sequence-parallel logits are also
+compared with the same layout's logits without it. Packed cases hold two documents per row (position ids
+restart); the reference runs transformers on each document alone.
 """
 
 import functools
@@ -25,35 +30,73 @@ from training.engine import build_module, initialize_engine
 from training.topology import Coords
 
 BATCH, SEQ = 2, 24
-LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]  # (PP, TP); DP = 4 / (PP x TP)
+LAYOUTS = [(1, 1, False), (2, 1, False), (4, 1, False), (1, 2, False), (2, 2, False), (1, 2, True), (2, 2, True)]
+FIRST_DOC = 10  # packed cases: documents of 10 and 14 tokens per row
 
 
-def batch_for(dp_rank: int, vocab: int):
+def batch_for(dp_rank: int, vocab: int, packed: bool):
     g = torch.Generator().manual_seed(1000 + dp_rank)
     ids = torch.randint(3, vocab, (BATCH, SEQ), generator=g)
     labels = torch.roll(ids, -1, dims=1)
     labels[:, -1] = IGNORE_INDEX
     labels[0, :5] = IGNORE_INDEX  # some prompt-like ignored positions
     pos = torch.arange(SEQ).expand(BATCH, SEQ).contiguous()
+    if packed:
+        pos = torch.cat([torch.arange(FIRST_DOC), torch.arange(SEQ - FIRST_DOC)]).expand(BATCH, SEQ).contiguous()
+        labels[:, FIRST_DOC - 1] = IGNORE_INDEX  # a document's last token does not predict the next document
     return ids, pos, labels
+
+
+def reference(hf, ids, labels, packed: bool):
+    """transformers' logits and mean loss over our (already shifted) labels; packed rows one document at a time."""
+    with torch.no_grad():
+        if packed:
+            logits = torch.cat([hf(input_ids=ids[:, :FIRST_DOC]).logits, hf(input_ids=ids[:, FIRST_DOC:]).logits], 1)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            return logits, loss
+        hf_labels = torch.full_like(ids, IGNORE_INDEX)
+        hf_labels[:, 1:] = labels[:, :-1]  # HF shifts labels itself
+        ref = hf(input_ids=ids, labels=hf_labels)
+        return ref.logits, ref.loss
+
+
+SENT = {"float_bytes": 0}
+
+
+def count_p2p_sends() -> None:
+    """Count the floating-point bytes DeepSpeed's pipeline engine sends between stages (not its integer metadata)."""
+    from deepspeed.runtime.pipe import p2p
+
+    send = p2p.send
+
+    def counting_send(tensor, *args, **kwargs):
+        if tensor.is_floating_point():
+            SENT["float_bytes"] += tensor.numel() * tensor.element_size()
+        return send(tensor, *args, **kwargs)
+
+    p2p.send = counting_send
 
 
 def main():
     cases_path, out_dir = sys.argv[1], sys.argv[2]
     rank, world = init_distributed()
+    count_p2p_sends()
+    traffic = []
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from models.loss import CausalLMLoss
 
-    records = []
+    records, without_sp = [], {}
     for case in json.load(open(cases_path)):
-        for pp, tp_size in LAYOUTS:
+        packed = case.get("packed", False)
+        for pp, tp_size, sp in LAYOUTS:
             cfg = TrainConfig(num_stages=pp, tensor_parallel_size=tp_size, micro_batch_size=BATCH,
-                              gradient_accumulation_steps=1, seq_length=SEQ)  # fmt: skip
+                              gradient_accumulation_steps=1, seq_length=SEQ, sequence_parallel=sp)  # fmt: skip
+            cfg.data.packing = packed
             config = AutoConfig.from_pretrained(case["ckpt_dir"])
             config._attn_implementation = case["attn"]
             coords = Coords(rank, world, pp, tp_size)
-            tp = TensorParallel(tp_size, coords.tp_rank)
+            tp = TensorParallel(tp_size, coords.tp_rank, sequence_parallel=sp)
             ce = None
             if vocab_parallel(config, tp):
                 ce = functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=config.vocab_size)
@@ -62,11 +105,21 @@ def main():
             load_stage_weights(module, os.path.join(case["ckpt_dir"], "global_step0"), config, tp)
             module._synchronize_tied_weights()
             engine = initialize_engine(cfg, coords, module, 1)
-            ids, pos, labels = batch_for(coords.dp_rank, config.vocab_size)
+            ids, pos, labels = batch_for(coords.dp_rank, config.vocab_size, packed)
+            received = []
+            if pp == 2 and coords.stage == 1:  # the hidden positions this rank's stage receives
+                module.forward_funcs[0].register_forward_pre_hook(
+                    lambda _m, args, seen=received: seen.append(args[0][0].shape[1])
+                )
+            SENT["float_bytes"] = 0
             scale = torch.tensor(1.0)
             _, logits = engine.eval_batch(
                 iter([((ids, pos), (labels, scale))]), return_logits=True, num_micro_batches=1
             )
+            if pp == 2:
+                traffic.append({"case": case["name"], "tp": tp_size, "sp": sp, "stage": coords.stage,
+                                "sent_float_bytes": SENT["float_bytes"], "received_positions": received[:1],
+                                "hidden_bytes": BATCH * SEQ * config.hidden_size * 4})  # fmt: skip
             if coords.is_last and tp_size > 1:  # this rank's vocabulary rows: gather them all
                 shards = [torch.empty_like(logits) for _ in range(tp_size)]
                 dist.all_gather(shards, logits.contiguous(), group=tp.group)
@@ -75,19 +128,20 @@ def main():
                 hf = AutoModelForCausalLM.from_pretrained(
                     case["hf_dir"], attn_implementation=case["attn"], dtype=torch.float32
                 )
-                hf_labels = torch.full_like(ids, IGNORE_INDEX)
-                hf_labels[:, 1:] = labels[:, :-1]  # HF shifts labels itself
-                with torch.no_grad():
-                    ref = hf(input_ids=ids, labels=hf_labels)
+                ref_logits, ref_loss = reference(hf, ids, labels, packed)
                 loss_sum, tokens = loss_fn.totals()
-                err = None
+                err, key = None, (case["name"], pp, coords.dp_rank, coords.tp_rank)
                 try:
-                    if tp_size == 1:  # bit-identical (the README says so)
-                        assert torch.equal(logits, ref.logits), f"max |logit diff| {(logits - ref.logits).abs().max()}"
+                    if tp_size == 1 and not packed:  # bit-identical (the README says so)
+                        assert torch.equal(logits, ref_logits), f"max |logit diff| {(logits - ref_logits).abs().max()}"
                     else:  # row-parallel sums add the same terms in another order
-                        torch.testing.assert_close(logits, ref.logits, rtol=1e-5, atol=1e-5)
+                        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+                    if sp:  # the same sums as without sequence parallelism, reduce-scattered instead of all-reduced
+                        torch.testing.assert_close(logits, without_sp[key], rtol=1e-6, atol=1e-6)
+                    elif tp_size > 1:
+                        without_sp[key] = logits
                     # the loss is HF's fp32 mean vs our fp64 division
-                    torch.testing.assert_close(torch.tensor(loss_sum / tokens), ref.loss, rtol=1e-6, atol=1e-6)
+                    torch.testing.assert_close(torch.tensor(loss_sum / tokens), ref_loss, rtol=1e-6, atol=1e-6)
                 except AssertionError as e:
                     err = str(e)
                 records.append(
@@ -95,17 +149,18 @@ def main():
                         "case": case["name"],
                         "pp": pp,
                         "tp": tp_size,
+                        "sp": sp,
                         "dp_rank": coords.dp_rank,
                         "tp_rank": coords.tp_rank,
-                        "max_abs_logit_diff": float((logits - ref.logits).abs().max()),
+                        "max_abs_logit_diff": float((logits - ref_logits).abs().max()),
                         "loss": loss_sum / tokens,
-                        "hf_loss": float(ref.loss),
+                        "hf_loss": float(ref_loss),
                         "error": err,
                     }
                 )
             del engine, module
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(records, f)
+        json.dump({"records": records, "traffic": traffic}, f)
     shutdown_distributed()
 
 
