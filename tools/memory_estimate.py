@@ -262,11 +262,11 @@ def main(argv: list[str]) -> int:
         print(f"memory_estimate: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     dp = world_size // (cfg.num_stages * cfg.tensor_parallel_size)
+    sp = f", sequence_parallel={str(sequence_parallel(cfg)).lower()}" if cfg.tensor_parallel_size > 1 else ""
     print(f"PP={cfg.num_stages} x TP={cfg.tensor_parallel_size} x DP={dp}, "
           f"micro-batch {cfg.micro_batch_size} x {cfg.seq_length} tokens, "
           f"{cfg.deepspeed.precision}, recompute={cfg.model.activation_checkpointing}, "
-          f"pipeline_schedule={cfg.pipeline_schedule}"
-          + (f", sequence_parallel={str(sequence_parallel(cfg)).lower()}" if cfg.tensor_parallel_size > 1 else ""))  # fmt: skip
+          f"pipeline_schedule={cfg.pipeline_schedule}{sp}")  # fmt: skip
     print(" ".join(f"{c:>8}" for c in ("stage", "params", "weights", "grads", "optim", "activ", "logits", "total")))
     for r in rows:
         cells = [r.weights, r.gradients, r.optimizer, r.activations, r.logits, r.total]
