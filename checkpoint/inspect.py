@@ -86,7 +86,8 @@ def format_description(info: dict) -> str:
         bounds = layout["stage_bounds"]
         held = layout.get("rank_layers") or [range(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
         lines.append(
-            f"saved with   PP={layout['num_stages']} x TP={layout.get('tp_size', 1)} x DP={layout['dp_size']}, "
+            f"saved with   PP={layout['num_stages']} x TP={layout.get('tp_size', 1)} x DP={layout['dp_size']}"
+            f"{' (sequence parallel)' if layout.get('sequence_parallel') else ''}, "
             f"{layout.get('pipeline_schedule', '1f1b')} schedule, pipeline ranks hold layers "
             f"{[_spans(layers) for layers in held]}, "
             f"{layout['precision']}, ZeRO-{layout['zero_stage']}, global batch {layout['global_batch_size']}"

@@ -97,7 +97,7 @@ def stage_activation_bytes(config, layers: range, b: int, s: int, tp: int, act_b
             head_input = config.hidden_size * act_bytes if tp == 1 else 0
             kept += b * s * (sharded_norm_bytes(config.hidden_size, act_bytes, shards) + head_input)
         elif kinds[index] == EMBED:
-            kept += b * s * 8  # token ids
+            kept += b * s * (8 if tp == 1 else 17)  # token ids (vocab-parallel: + this rank's ids and its bool mask)
     return kept, live
 
 

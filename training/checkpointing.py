@@ -33,7 +33,7 @@ from checkpoint.universal import check_movable, ensure_universal, layout_changed
 from models.key_table import param_tp_split, pipe_layers
 from models.partition import rank_layers
 from models.tensor_parallel import TensorParallel
-from training.config import TrainConfig, resume_mode
+from training.config import TrainConfig, resume_mode, sequence_parallel
 from training.distributed import agreed, broadcast_object
 from training.engine import follow_new_schedule
 from training.errors import RunError
@@ -70,6 +70,7 @@ def saved_layout(cfg: TrainConfig, coords: Coords, model_config, bounds: list[in
         "vocab_pad_multiple": cfg.model.vocab_pad_multiple,
         "stage_bounds": list(bounds),  # 2 x num_stages + 1 entries with DualPipeV
         "pipeline_schedule": str(cfg.pipeline_schedule),
+        "sequence_parallel": sequence_parallel(cfg),  # no effect on what is saved: any run may resume it
         "rank_layers": rank_layers(bounds, cfg.num_stages),  # the pipeline layers each pipeline rank holds
         "global_batch_size": coords.global_batch(cfg.micro_batch_size, cfg.gradient_accumulation_steps),
         "num_hidden_layers": model_config.num_hidden_layers,

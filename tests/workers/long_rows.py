@@ -1,0 +1,111 @@
+"""Worker (torchrun, 4 ranks): one training step on a single row of LONG_SEQ tokens through PP=2 x TP=2 with
+sequence parallelism, every block recomputed and the loss computed in chunks.
+
+    torchrun --nproc_per_node 4 tests/workers/long_rows.py CKPT_DIR OUT_DIR [--no-sequence-parallel]
+
+Each rank writes OUT_DIR/rank{R}.json: the step's loss (the mean over the row's target tokens), and the peak
+bytes of the tensors autograd saved in its stage's forward that were alive at once (parameters excluded;
+counted with `torch.autograd.graph.saved_tensors_hooks` around the stage's forward, so a recomputed block's
+recomputation, which torch keeps outside the hooks, is not in it).
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+from models.loss import CausalLMLoss
+from models.partition import stage_bounds
+from models.tensor_parallel import TensorParallel, vocab_parallel_cross_entropy
+from training.checkpointing import load_stage_weights
+from training.config import TrainConfig
+from training.distributed import init_distributed, shutdown_distributed
+from training.engine import build_module, initialize_engine
+from training.topology import Coords
+
+LONG_SEQ, CHUNK = 32768, 4096
+
+
+def long_row(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids [1, S], position_ids [1, S], labels [1, S]): one row, the last position unscored."""
+    ids = torch.randint(3, vocab, (1, LONG_SEQ), generator=torch.Generator().manual_seed(0))
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+    return ids, torch.arange(LONG_SEQ)[None], labels
+
+
+class SavedBytes:
+    """Live and peak bytes of distinct storages saved for backward (not parameters)."""
+
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.refs: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def pack(self, t):
+        key = t.untyped_storage().data_ptr()
+        if key in self.params:
+            return t
+        if key not in self.refs:
+            self.refs[key] = 0
+            self.live += t.untyped_storage().nbytes()
+            self.peak = max(self.peak, self.live)
+        self.refs[key] += 1
+        return _Held(self, t, key)
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+
+class _Held:
+    def __init__(self, owner: SavedBytes, tensor, key: int):
+        self.owner, self.tensor, self.key, self.nbytes = owner, tensor, key, tensor.untyped_storage().nbytes()
+
+    def __del__(self):
+        self.owner.refs[self.key] -= 1
+        if not self.owner.refs[self.key]:
+            del self.owner.refs[self.key]
+            self.owner.live -= self.nbytes
+
+
+def main():
+    ckpt_dir, out_dir = sys.argv[1], sys.argv[2]
+    sp = "--no-sequence-parallel" not in sys.argv[3:]
+    rank, world = init_distributed()
+    from transformers import AutoConfig
+
+    cfg = TrainConfig(num_stages=2, tensor_parallel_size=2, sequence_parallel=sp, micro_batch_size=1,
+                      gradient_accumulation_steps=1, seq_length=LONG_SEQ)  # fmt: skip
+    cfg.model.activation_checkpointing = 1  # every block
+    cfg.model.loss_chunk_size = CHUNK
+    config = AutoConfig.from_pretrained(ckpt_dir)
+    config._attn_implementation = "sdpa"
+    coords = Coords(rank, world, 2, 2)
+    tp = TensorParallel(2, coords.tp_rank, sequence_parallel=sp)
+    ce = lambda logits, labels: vocab_parallel_cross_entropy(logits, labels, tp, config.vocab_size)  # noqa: E731
+    loss_fn = CausalLMLoss(ce, CHUNK)
+    module = build_module(cfg, coords, config, loss_fn, tp, stage_bounds(config, 2, cfg.model.partition))
+    load_stage_weights(module, os.path.join(ckpt_dir, "global_step0"), config, tp)
+    engine = initialize_engine(cfg, coords, module, 1)
+    saved = SavedBytes(module.parameters())
+    forward = module.forward
+
+    def counted_forward(*args, **kwargs):
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            return forward(*args, **kwargs)
+
+    module.forward = counted_forward
+    ids, pos, labels = long_row(config.vocab_size)
+    scale = torch.tensor(1.0 / int((labels != -100).sum()))
+    loss = engine.train_batch(iter([((ids, pos), (labels, scale))]))
+    record = {"rank": rank, "stage": coords.stage, "loss": float(loss), "peak_saved_bytes": saved.peak,
+              "live_after_step": saved.live}  # fmt: skip
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()
