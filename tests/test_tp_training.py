@@ -1,6 +1,6 @@
-"""Tensor parallelism end to end on CPU ranks (gloo): resuming across TP and PP, LoRA under TP, and any
-checkpoint loading into TP=4. Parity of TP training steps with the single-process reference is in
-test_training.py (`-k single_process_reference`)."""
+"""Tensor parallelism end to end on CPU ranks (gloo): sequence parallelism against TP without it, resuming across TP
+and PP, LoRA under TP, and any checkpoint loading into TP=4. Parity of TP training steps with the single-process
+reference is in test_training.py (`-k single_process_reference`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from checkpoint.pipeline_reader import load_hf_state_dict
 from tests.conftest import check, deepspeed_launch, read_jsonl, run_cmd
 from tests.test_lora import LORA, lora_overrides, peft_model
-from tests.test_training import interrupted_copy, overrides, parity_cfg
+from tests.test_training import STEPS, interrupted_copy, layout_config, layout_run, overrides, parity_cfg
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 
@@ -96,3 +96,29 @@ def test_tp4_starts_from_hf_dir_t1_and_t2_checkpoints(hf_models, converted, sft_
         got = json.load(open(out / "eval_results.json"))
         assert got["eval_tokens"] == expected["eval_tokens"]
         assert got["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-6), (name, got, expected)
+
+
+@pytest.mark.parametrize("layout", ["gqa-pp2-tp2-chunked", "qwen2-tp2-dp2-recompute"])
+def test_sequence_parallel_training_equals_tp_without_it(layout, hf_models, converted, sft_data, tmp_path_factory):
+    """The TP layouts train with sequence parallelism by default (their parity with the single-process reference
+    is test_training_matches_single_process_reference). The same layout with sequence_parallel=false: equal
+    losses, grad norms, evaluation and weights (PP=2 x TP=2 with the chunked vocab-parallel loss; TP=2 x DP=2
+    with tied embeddings, Qwen2's biases and recompute)."""
+    from transformers import AutoConfig
+
+    with_sp = layout_run(layout, converted, sft_data, tmp_path_factory)
+    without = layout_run(layout, converted, sft_data, tmp_path_factory, sequence_parallel=False)
+    a, b = read_jsonl(f"{with_sp}/metrics.jsonl"), read_jsonl(f"{without}/metrics.jsonl")
+    assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, STEPS + 1))
+    for x, y in zip(a, b, strict=True):
+        assert x["lr"] == y["lr"] and x["input_tokens"] == y["input_tokens"]
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6) and x["grad_norm"] == pytest.approx(
+            y["grad_norm"], rel=1e-5
+        )
+    ea, eb = (json.load(open(f"{d}/eval_results.json")) for d in (with_sp, without))
+    assert ea["eval_tokens"] == eb["eval_tokens"] and ea["eval_loss"] == pytest.approx(eb["eval_loss"], rel=1e-6)
+    config = AutoConfig.from_pretrained(with_sp)
+    wa, wb = load_hf_state_dict(with_sp, config), load_hf_state_dict(without, config)
+    worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    assert worst < 0.01 * layout_config(layout, sft_data).learning_rate, worst
+    print(f"sequence parallel vs not ({layout}): max |weight diff| after {STEPS} steps = {worst:.3g}")
