@@ -189,6 +189,20 @@ def tokenizer_dir(workdir) -> str:
 
 
 @pytest.fixture(scope="session")
+def chat_tokenizers(tmp_path_factory):
+    """A sentencepiece LLaMA tokenizer (byte fallback) and a byte-level BPE tokenizer.json tokenizer."""
+    from tools.tiny_models import SAMPLE_TEXTS, make_bpe_tokenizer, make_sp_tokenizer
+
+    texts = SAMPLE_TEXTS * 20 + ["<|im_start|>user\nhi<|im_end|>\n[INST] <<SYS>>\nsystem\n<</SYS>>\n\nx [/INST] y"] * 5
+    specials = ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    root = tmp_path_factory.mktemp("chat_tokenizers")
+    return {
+        "sentencepiece": make_sp_tokenizer(str(root / "sp"), texts, vocab_size=320, byte_fallback=True),
+        "bpe": make_bpe_tokenizer(str(root / "bpe"), texts, vocab_size=320, special_tokens=specials),
+    }
+
+
+@pytest.fixture(scope="session")
 def hf_models(workdir, tokenizer_dir) -> dict[str, str]:
     """{variant: HF directory} saved with save_pretrained as sharded safetensors."""
     out = {name: str(workdir / f"hf_{name}") for name in MODEL_VARIANTS}

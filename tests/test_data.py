@@ -174,20 +174,6 @@ CONVERSATION = [
 ]
 
 
-@pytest.fixture(scope="module")
-def chat_tokenizers(tmp_path_factory):
-    """A sentencepiece LLaMA tokenizer (byte fallback) and a byte-level BPE tokenizer.json tokenizer."""
-    from tools.tiny_models import SAMPLE_TEXTS, make_bpe_tokenizer, make_sp_tokenizer
-
-    texts = SAMPLE_TEXTS * 20 + ["<|im_start|>user\nhi<|im_end|>\n[INST] <<SYS>>\nsystem\n<</SYS>>\n\nx [/INST] y"] * 5
-    specials = ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-    root = tmp_path_factory.mktemp("chat_tokenizers")
-    return {
-        "sentencepiece": make_sp_tokenizer(str(root / "sp"), texts, vocab_size=320, byte_fallback=True),
-        "bpe": make_bpe_tokenizer(str(root / "bpe"), texts, vocab_size=320, special_tokens=specials),
-    }
-
-
 @pytest.mark.parametrize("template", list(TEMPLATES))
 @pytest.mark.parametrize("kind", ["sentencepiece", "bpe"])
 def test_chat_tokens_equal_inference_tokens_and_targets_are_the_answers(kind, template, chat_tokenizers):

@@ -1,0 +1,120 @@
+"""Preference pairs -> token ids, exactly as TRL's `DPOTrainer` tokenizes them (trl 1.16, `_prepare_dataset` and
+`DataCollatorForPreference`), so a pair scores the same tokens here as there.
+
+Rows are `{"prompt", "chosen", "rejected"}` with strings, or conversational: `chosen` and `rejected` as message
+lists, with a `prompt` message list or without one (the turns both share are the prompt, TRL's `extract_prompt`).
+
+- Strings: each completion gets the tokenizer's EOS text appended (unless it already ends with it); the prompt and
+  prompt + completion are tokenized with the tokenizer's own special-token handling.
+- Conversations: the prompt through the chat template with the generation prompt, prompt + completion without.
+- The completion starts where the tokenized prompt and prompt + completion stop agreeing (usually the prompt's
+  end; TRL's `common_prefix_length`), the same cut for chosen and rejected.
+- Each sequence is prompt + completion cut to `seq_length` from its start; the completion's tokens are its targets.
+  A pair whose prompt alone fills `seq_length` has none and is left out, as TRL leaves it out.
+"""
+
+from __future__ import annotations
+
+PAIR_KEYS = ("chosen", "rejected")
+
+
+def is_pair_row(row) -> bool:
+    """Whether a row is a preference pair (has `chosen` or `rejected`)."""
+    return isinstance(row, dict) and any(key in row for key in PAIR_KEYS)
+
+
+def _conversational(value) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict) and "role" in value[0]
+
+
+def _check_messages(value, key: str) -> None:
+    if not isinstance(value, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+    ):
+        raise KeyError(f"'{key}' must be a string or a list of {{role, content}} messages")
+
+
+def extract_prompt(chosen, rejected):
+    """TRL's `extract_prompt`: the leading turns (or characters) both completions share are the prompt."""
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):  # noqa: B007 - TRL keeps the loop's last index
+        if chosen[idx] != rejected[idx]:
+            if chosen[idx - 1] == " ":  # remove the space before the completion (strings)
+                idx -= 1
+            break
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
+def pair_fields(row: dict):
+    """(prompt, chosen, rejected, conversational) of a pair row; KeyError naming what is wrong."""
+    missing = [key for key in PAIR_KEYS if key not in row]
+    if missing:
+        raise KeyError(f"preference rows need 'chosen' and 'rejected'; this one has no '{missing[0]}'")
+    chosen, rejected = row["chosen"], row["rejected"]
+    conversational = _conversational(chosen) or _conversational(rejected)
+    for key, value in (("chosen", chosen), ("rejected", rejected)):
+        if conversational:
+            _check_messages(value, key)
+        elif not isinstance(value, str):
+            raise KeyError(f"'{key}' must be a string or a list of {{role, content}} messages")
+    if "prompt" in row:
+        prompt = row["prompt"]
+        if conversational:
+            _check_messages(prompt, "prompt")
+        elif not isinstance(prompt, str):
+            raise KeyError("'prompt' must be a string when 'chosen' and 'rejected' are strings")
+    else:
+        prompt, chosen, rejected = extract_prompt(chosen, rejected)
+    return prompt, chosen, rejected, conversational
+
+
+def common_prefix_length(ids, other) -> int:
+    length = 0
+    for a, b in zip(ids, other, strict=False):
+        if a != b:
+            break
+        length += 1
+    return length
+
+
+def encode_pair(row: dict, tokenizer) -> tuple[list[int], list[int], list[int]]:
+    """(prompt_ids, chosen_ids, rejected_ids) of a pair row, as TRL's DPOTrainer tokenizes it."""
+    prompt, chosen, rejected, conversational = pair_fields(row)
+    if conversational:
+        if not getattr(tokenizer, "chat_template", None):
+            raise KeyError("conversational pairs need a tokenizer with a chat template (tokenizer_config.json)")
+
+        def tokenize(messages, generation_prompt=False):
+            try:
+                out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                    add_generation_prompt=generation_prompt)  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - jinja's TemplateError, or what the template itself raises
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                raise KeyError(f"the tokenizer's chat template refused this pair: {reason}") from None
+            return list(out["input_ids"])
+
+        prompt_ids = tokenize(prompt, generation_prompt=True)
+        with_chosen, with_rejected = tokenize(prompt + chosen), tokenize(prompt + rejected)
+    else:
+        eos = tokenizer.eos_token or ""
+        chosen = chosen if chosen.endswith(eos) else chosen + eos
+        rejected = rejected if rejected.endswith(eos) else rejected + eos
+        prompt_ids = list(tokenizer(prompt)["input_ids"])
+        with_chosen = list(tokenizer(prompt + chosen)["input_ids"])
+        with_rejected = list(tokenizer(prompt + rejected)["input_ids"])
+    cut = min(common_prefix_length(prompt_ids, with_chosen), common_prefix_length(prompt_ids, with_rejected))
+    return prompt_ids[:cut], with_chosen[cut:], with_rejected[cut:]
+
+
+def pair_sequences(prompt_ids, chosen_ids, rejected_ids, seq_length: int):
+    """[(ids, targets) of prompt + chosen, the same of prompt + rejected], each cut to `seq_length` from its start;
+    targets mark the completion's tokens. None when the prompt alone fills `seq_length`: no completion token would
+    be left (TRL drops such pairs; the data report counts them as pairs without targets)."""
+    if len(prompt_ids) >= seq_length:
+        return None
+    out = []
+    for completion in (chosen_ids, rejected_ids):
+        ids = (list(prompt_ids) + list(completion))[:seq_length]
+        targets = ([False] * len(prompt_ids) + [True] * len(completion))[:seq_length]
+        out.append((ids, targets))
+    return out

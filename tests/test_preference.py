@@ -1,0 +1,159 @@
+"""Preference tuning against TRL: pair tokenization and the losses and reward metrics of DPO (sigmoid), IPO and
+SimPO, on the same pairs and models (a reference that differs from the policy)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from data.pairs import encode_pair, pair_sequences
+from models.preference import REWARD_METRICS, PreferenceSettings, preference_losses, reward_sums, sft_loss
+from tests.test_data import CHATML
+from tools.tiny_models import tiny_config
+
+STRING_PAIRS = [
+    {"prompt": "12+30=", "chosen": "42", "rejected": "43"},
+    {"prompt": "the quick brown fox", "chosen": " jumps over the lazy dog", "rejected": " sleeps"},
+    {"prompt": "pipeline parallel", "chosen": " training of language models", "rejected": " parking"},
+]
+CHAT_PAIRS = [
+    {
+        "prompt": [{"role": "user", "content": "12+30="}],
+        "chosen": [{"role": "assistant", "content": "42"}],
+        "rejected": [{"role": "assistant", "content": "43 or so"}],
+    },
+    {
+        "prompt": [{"role": "user", "content": "the quick brown fox"}],
+        "chosen": [{"role": "assistant", "content": "jumps over the lazy dog"}],
+        "rejected": [{"role": "assistant", "content": "sleeps"}],
+    },
+]
+# No prompt: the turns both conversations share are the prompt (TRL's extract_prompt).
+IMPLICIT_PROMPT_PAIRS = [
+    {
+        "chosen": [{"role": "user", "content": "the quick brown fox"}, {"role": "assistant", "content": "jumps"}],
+        "rejected": [{"role": "user", "content": "the quick brown fox"}, {"role": "assistant", "content": "sleeps"}],
+    },
+    {
+        "chosen": [{"role": "user", "content": "12+30="}, {"role": "assistant", "content": "42"}],
+        "rejected": [{"role": "user", "content": "12+30="}, {"role": "assistant", "content": "24"}],
+    },
+]
+PAIRS = {"strings": STRING_PAIRS, "chat": CHAT_PAIRS, "chat-implicit-prompt": IMPLICIT_PROMPT_PAIRS}  # fmt: skip
+
+
+def tiny_pair_models(tok):
+    """(policy, reference): two differently initialised tiny LLaMAs over the tokenizer's vocabulary."""
+    from transformers import LlamaForCausalLM
+
+    config = tiny_config(vocab_size=len(tok), num_hidden_layers=2, pad_token_id=None,
+                         eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(LlamaForCausalLM(config).eval())
+    return models
+
+
+def completion_logps(model, sequences) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-prob of each sequence's target tokens, their count), sequences right-padded into one batch."""
+    width = max(len(ids) for ids, _ in sequences)
+    ids = torch.tensor([i + [0] * (width - len(i)) for i, _ in sequences])
+    targets = torch.tensor([t + [False] * (width - len(t)) for _, t in sequences])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, :-1].float()
+    per_token = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    mask = targets[:, 1:]
+    return (per_token * mask).sum(-1), mask.sum(-1)
+
+
+def our_evaluation(policy, reference, tok, pairs, settings: PreferenceSettings, seq_length: int = 64) -> dict:
+    """Our tokenization and losses on the HF models: TRL's metric names, means over the pairs."""
+    chosen, rejected = [], []
+    for row in pairs:
+        sequences = pair_sequences(*encode_pair(row, tok), seq_length)
+        if sequences is None:  # the prompt fills seq_length: left out, as TRL leaves it out
+            continue
+        chosen.append(sequences[0])
+        rejected.append(sequences[1])
+    logps, tokens = completion_logps(policy, chosen + rejected)
+    ref, _ = completion_logps(reference, chosen + rejected)
+    n = len(chosen)
+    losses, chosen_rewards, rejected_rewards = preference_losses(
+        settings, logps[:n], logps[n:], tokens[:n], tokens[n:], ref[:n], ref[n:]
+    )
+    sums = reward_sums(chosen_rewards, rejected_rewards) / n
+    loss = losses.mean() + settings.sft_weight * sft_loss(logps[:n], tokens[:n])
+    return {
+        "loss": float(loss),
+        "pairs": n,
+        **{k: float(v) for k, v in zip(REWARD_METRICS, sums, strict=True)},
+    }
+
+
+def trl_evaluation(policy, reference, tok, pairs, settings: PreferenceSettings, tmp_path) -> dict:
+    """TRL's DPOTrainer.evaluate() over every pair in one batch (`sft_weight`: TRL's "sft" loss added with it)."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    sft = {"loss_type": [settings.loss_type, "sft"], "loss_weights": [1.0, settings.sft_weight]}
+    losses = sft if settings.sft_weight else {"loss_type": [settings.loss_type]}
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_eval_batch_size=len(pairs), beta=settings.beta,
+                     report_to="none", **losses, use_cpu=True, max_length=64,
+                     dataloader_num_workers=0, bf16=False)  # fmt: skip
+    data = Dataset.from_list(pairs)
+    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=data, eval_dataset=data,
+                         processing_class=tok)  # fmt: skip
+    out = trainer.evaluate()
+    return {
+        "loss": out["eval_loss"],
+        "pairs": len(trainer.eval_dataset),
+        **{k: out[f"eval_{k}"] for k in REWARD_METRICS},
+    }
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "bpe"])
+@pytest.mark.parametrize("rows", list(PAIRS))
+def test_pair_tokens_losses_and_rewards_equal_trl_dpo(rows, kind, chat_tokenizers, tmp_path):
+    """Our pair tokenization and the sigmoid (alone and with the chosen NLL, TRL's "sft" term) and IPO losses on two
+    tiny models against `DPOTrainer.evaluate()` over the same pairs in one batch: the same pairs kept (the
+    sentencepiece chat prompts fill seq_length in both), loss within 1e-5 relative, reward accuracy exactly, the
+    other reward means 1e-4."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chat_tokenizers[kind])
+    tok.chat_template = CHATML
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    policy, reference = tiny_pair_models(tok)
+    for settings in (PreferenceSettings("sigmoid", beta=0.1), PreferenceSettings("ipo", beta=0.1),
+                     PreferenceSettings("sigmoid", beta=0.2, sft_weight=0.5)):  # fmt: skip
+        ours = our_evaluation(policy, reference, tok, PAIRS[rows], settings)
+        theirs = trl_evaluation(policy, reference, tok, PAIRS[rows], settings, tmp_path)
+        print(f"{rows}/{kind}/{settings}: ours {ours}, TRL {theirs}")
+        assert ours["pairs"] == theirs["pairs"] >= 1
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert ours["rewards/accuracies"] == theirs["rewards/accuracies"]
+        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+
+
+def test_simpo_equals_trl_cpo_simpo_loss():
+    """SimPO (reference-free, length-normalised, margin gamma): losses and rewards equal TRL's CPOTrainer.cpo_loss
+    (trl.experimental.cpo, loss_type="simpo", cpo_alpha=0) on the same length-averaged log-probs."""
+    from types import SimpleNamespace
+
+    from trl.experimental.cpo import CPOTrainer
+
+    torch.manual_seed(0)
+    chosen, rejected = -torch.rand(6) * 40, -torch.rand(6) * 40
+    chosen_tokens, rejected_tokens = torch.randint(1, 20, (6,)), torch.randint(1, 20, (6,))
+    settings = PreferenceSettings("simpo", beta=2.0, gamma=0.7)
+    losses, chosen_rewards, rejected_rewards = preference_losses(settings, chosen, rejected, chosen_tokens,
+                                                                 rejected_tokens)  # fmt: skip
+    trl_self = SimpleNamespace(alpha=0.0, loss_type="simpo", simpo_gamma=0.7, beta=2.0, label_smoothing=0.0,
+                               accelerator=SimpleNamespace(device="cpu"))  # fmt: skip
+    ref = CPOTrainer.cpo_loss(trl_self, chosen / chosen_tokens, rejected / rejected_tokens)
+    for ours, theirs in zip((losses, chosen_rewards, rejected_rewards), ref, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
