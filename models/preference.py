@@ -44,8 +44,9 @@ def preference_losses(
     """(per-pair loss, chosen rewards, rejected rewards), each [P], from summed completion log-probs [P] and the
     completions' token counts [P]. The rewards are detached (metrics)."""
     beta = settings.beta
-    chosen_len, rejected_len = chosen_tokens.clamp(min=1).to(chosen_logps.dtype), rejected_tokens.clamp(min=1).to(
-        rejected_logps.dtype
+    chosen_len, rejected_len = (
+        chosen_tokens.clamp(min=1).to(chosen_logps.dtype),
+        rejected_tokens.clamp(min=1).to(rejected_logps.dtype),
     )
     if settings.loss_type == "simpo":  # length-normalised, reference-free
         chosen_avg, rejected_avg = chosen_logps / chosen_len, rejected_logps / rejected_len

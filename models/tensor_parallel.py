@@ -49,6 +49,7 @@ from models.layers import (
     tied_lm_head_forward,
 )
 from models.loss import IGNORE_INDEX
+from models.sequence_parallel import gather_sequence, scatter_sequence
 from models.sharding import padded_vocab, tp_indivisible
 
 
@@ -91,57 +92,6 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
-
-
-def _all_gather_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """[B, S/T, ...] on each rank -> [B, S, ...], the ranks' shards in rank order."""
-    x = x.contiguous()
-    out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # [T*B, S/T, ...]
-    dist.all_gather_into_tensor(out, x, group=tp.group)
-    out = out.view(tp.size, *x.shape).transpose(0, 1)  # [B, T, S/T, ...]
-    return out.reshape(x.shape[0], tp.size * x.shape[1], *x.shape[2:])
-
-
-def _reduce_scatter_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """[B, S, ...] partial sums on each rank -> [B, S/T, ...]: this rank's positions of the sum over ranks."""
-    b, s = x.shape[:2]
-    pieces = x.reshape(b, tp.size, s // tp.size, *x.shape[2:]).transpose(0, 1).contiguous()  # [T, B, S/T, ...]
-    out = torch.empty(pieces.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, pieces.view(tp.size * b, *pieces.shape[2:]), group=tp.group)
-    return out
-
-
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _all_gather_sequence(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_sequence(grad, ctx.tp), None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _reduce_scatter_sequence(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_sequence(grad, ctx.tp), None
-
-
-def gather_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """Enter a split region under sequence parallelism: [B, S/T, H] -> [B, S, H] (backward: reduce-scatter)."""
-    return _GatherSequence.apply(x, tp)
-
-
-def scatter_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """Leave a split region under sequence parallelism: partial [B, S, H] -> summed [B, S/T, H] (backward:
-    all-gather)."""
-    return _ScatterSequence.apply(x, tp)
 
 
 def enter_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -315,15 +265,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return out * grad[:, None], None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp: TensorParallel,
-                                 vocab_size: int) -> torch.Tensor:  # fmt: skip
-    """Summed cross-entropy over the labels that are not IGNORE_INDEX, from [..., V_local] logit shards."""
+def vocab_parallel_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp: TensorParallel,
+                                       vocab_size: int) -> torch.Tensor:  # fmt: skip
+    """Per-token cross-entropy [...] (0 where the label is IGNORE_INDEX) from [..., V_local] logit shards."""
+    shape = labels.shape
     logits = logits.float().reshape(-1, logits.shape[-1])
     labels = labels.reshape(-1)
     keep = labels != IGNORE_INDEX
     per_token = _VocabParallelCrossEntropy.apply(logits, labels.masked_fill(~keep, 0), tp,
                                                  tp.rank * logits.shape[-1], vocab_size)  # fmt: skip
-    return (per_token * keep).sum()
+    return (per_token * keep).view(shape)
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp: TensorParallel,
+                                 vocab_size: int) -> torch.Tensor:  # fmt: skip
+    """Summed cross-entropy over the labels that are not IGNORE_INDEX, from [..., V_local] logit shards."""
+    return vocab_parallel_token_cross_entropy(logits, labels, tp, vocab_size).sum()
 
 
 class SequenceParallelNorm:
