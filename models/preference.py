@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from models.loss import IGNORE_INDEX
+
 LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 
 
@@ -80,3 +82,100 @@ def reward_sums(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) ->
             (chosen_rewards - rejected_rewards).sum(),
         ]
     )
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """fp32 per-token cross-entropy [B, S] (0 where the label is IGNORE_INDEX) from [B, S, V] logits."""
+    flat = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction="none")  # fmt: skip
+    return flat.view(labels.shape)
+
+
+class _ChunkedTokenCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy computed `chunk` rows of tokens at a time, forward and backward: only one chunk's
+    fp32 logits and softmax exist at any moment (backward recomputes them from the logits the pipeline holds).
+    `token_ce` may contain collectives (the vocab-parallel one): every TP rank runs the same chunks in order."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, chunk, token_ce):
+        flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+        out = torch.cat([token_ce(flat_logits[i : i + chunk][None], flat_labels[i : i + chunk][None]).reshape(-1)
+                         for i in range(0, flat_labels.numel(), chunk)])  # fmt: skip
+        ctx.save_for_backward(logits, labels)
+        ctx.chunk, ctx.token_ce = chunk, token_ce
+        return out.view(labels.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, labels = ctx.saved_tensors
+        flat_logits, flat_labels, flat_grad = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), grad.reshape(-1)
+        out = torch.empty_like(flat_logits)
+        for i in range(0, flat_labels.numel(), ctx.chunk):
+            piece = flat_logits[i : i + ctx.chunk].detach().requires_grad_()
+            with torch.enable_grad():
+                ce = ctx.token_ce(piece[None], flat_labels[i : i + ctx.chunk][None]).reshape(-1)
+            (out[i : i + ctx.chunk],) = torch.autograd.grad(ce, piece, flat_grad[i : i + ctx.chunk])
+        return out.view(logits.shape), None, None, None
+
+
+class PreferenceLoss:
+    """The last stage's loss for `objective=dpo`: a micro-batch holds P pairs as 2P sequences, the P chosen first and
+    the P rejected after (TRL's order), with labels already shifted (targets: the completion tokens).
+
+    `labels_and_extras` = (labels [2P, S], reference log-probs [2P] (zeros for SimPO), pair scale [], token scale
+    []): the scales make DeepSpeed's averaging over micro-batches and DP ranks the mean over every pair of the
+    global batch (and, for the chosen-NLL term, over every chosen completion token), as `CausalLMLoss` does for
+    tokens. Sums for the metrics (loss, pairs, the four reward sums) accumulate as tensors; `totals()` reads them.
+
+    Args:
+        settings: the loss type and its constants.
+        token_ce: (logits, labels) -> per-token cross-entropy; the vocab-parallel one under TP.
+        chunk: > 0: compute it `chunk` tokens at a time, forward and backward.
+    """
+
+    __name__ = "PreferenceLoss"
+
+    def __init__(self, settings: PreferenceSettings, token_ce=None, chunk: int = 0):
+        self.settings, self.token_ce, self.chunk = settings, token_ce or token_cross_entropy, chunk
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums: torch.Tensor | None = None  # fp64 [6]: loss, pairs, REWARD_METRICS
+
+    def totals(self) -> dict[str, float]:
+        """Means over the pairs seen since `reset()`: `loss` and TRL's reward metrics, and the pair count."""
+        if self.sums is None:
+            return {"pairs": 0}
+        sums = self.sums.tolist()
+        pairs = max(sums[1], 1.0)
+        return {"loss": sums[0] / pairs, "pairs": int(sums[1]),
+                **{k: v / pairs for k, v in zip(REWARD_METRICS, sums[2:], strict=True)}}  # fmt: skip
+
+    def sequence_logps(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed log-prob of each sequence's target tokens [N], their count [N])."""
+        if self.chunk and torch.is_grad_enabled() and logits.requires_grad:
+            ce = _ChunkedTokenCrossEntropy.apply(logits, labels, self.chunk, self.token_ce)
+        elif self.chunk:
+            with torch.no_grad():
+                ce = _ChunkedTokenCrossEntropy.forward(None, logits, labels, self.chunk, self.token_ce)
+        else:
+            ce = self.token_ce(logits, labels)
+        return -ce.sum(-1), (labels != IGNORE_INDEX).sum(-1)
+
+    def __call__(self, logits: torch.Tensor, labels_and_extras) -> torch.Tensor:
+        labels, ref_logps, pair_scale, token_scale = labels_and_extras
+        logps, tokens = self.sequence_logps(logits, labels)
+        p = labels.shape[0] // 2
+        ref = ref_logps.to(logps.device, logps.dtype)
+        losses, chosen_rewards, rejected_rewards = preference_losses(
+            self.settings, logps[:p], logps[p:], tokens[:p], tokens[p:], ref[:p], ref[p:]
+        )
+        kept = (tokens[:p] > 0) & (tokens[p:] > 0)  # padding pairs (no target) add nothing
+        losses = losses * kept
+        loss = losses.sum() * pair_scale.to(losses.device)
+        if self.settings.sft_weight:
+            loss = loss - self.settings.sft_weight * logps[:p].sum() * token_scale.to(losses.device)
+        sums = torch.cat([torch.stack([losses.detach().sum(), kept.sum()]),
+                          reward_sums(chosen_rewards * kept, rejected_rewards * kept)]).double()  # fmt: skip
+        self.sums = sums if self.sums is None else self.sums + sums
+        return loss

@@ -157,3 +157,66 @@ def test_simpo_equals_trl_cpo_simpo_loss():
     ref = CPOTrainer.cpo_loss(trl_self, chosen / chosen_tokens, rejected / rejected_tokens)
     for ours, theirs in zip((losses, chosen_rewards, rejected_rewards), ref, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+
+
+def pair_batch(policy, reference, tok, pairs, seq_length: int = 64):
+    """What the last stage sees for `pairs` in one micro-batch: logits [2P, S, V] of the policy (a leaf that takes
+    a gradient), shifted labels (targets: completion tokens), and the reference's summed log-probs [2P]."""
+    sequences = [pair_sequences(*encode_pair(row, tok), seq_length) for row in pairs]
+    ordered = [s[0] for s in sequences if s] + [s[1] for s in sequences if s]
+    ids = torch.tensor([i + [0] * (seq_length - len(i)) for i, _ in ordered])
+    targets = torch.tensor([t + [False] * (seq_length - len(t)) for _, t in ordered])
+    labels = torch.roll(ids, -1, 1).masked_fill(~torch.roll(targets, -1, 1), -100)
+    labels[:, -1] = -100
+    with torch.no_grad():
+        logits = policy(input_ids=ids).logits
+    ref, _ = completion_logps(reference, ordered)
+    return logits.requires_grad_(), labels, ref
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "bpe"])
+def test_pipeline_preference_loss_equals_trl_whole_and_in_chunks(kind, chat_tokenizers, tmp_path):
+    """The last stage's PreferenceLoss on one micro-batch of every pair (pair scale 1/P, token scale 1 / chosen
+    tokens): loss and metrics equal TRL's evaluation; computing the per-token log-probs 7 tokens at a time gives the
+    same loss and the same gradient with respect to the logits; the vocab-parallel per-token cross-entropy (one rank,
+    vocabulary padded to a multiple of 64) the same again."""
+    import functools
+
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from models.preference import PreferenceLoss
+    from models.tensor_parallel import TensorParallel, vocab_parallel_token_cross_entropy
+
+    tok = AutoTokenizer.from_pretrained(chat_tokenizers[kind])
+    tok.pad_token = tok.pad_token or tok.eos_token
+    policy, reference = tiny_pair_models(tok)
+    settings = PreferenceSettings("sigmoid", beta=0.2, sft_weight=0.5)
+    theirs = trl_evaluation(policy, reference, tok, STRING_PAIRS, settings, tmp_path)
+    logits, labels, ref = pair_batch(policy, reference, tok, STRING_PAIRS)
+    p = labels.shape[0] // 2
+    scales = torch.tensor(1.0 / p), torch.tensor(1.0 / int((labels[:p] != -100).sum()))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        tp = TensorParallel(1, 0, vocab_multiple=64, group=dist.new_group([0]))
+        padded = torch.nn.functional.pad(logits.detach(), (0, 64 - logits.shape[-1] % 64))  # padded vocabulary
+        vocab_ce = functools.partial(vocab_parallel_token_cross_entropy, tp=tp, vocab_size=logits.shape[-1])
+        grads = {}
+        for name, loss_fn, x in [("whole", PreferenceLoss(settings), logits),
+                                 ("chunks of 7", PreferenceLoss(settings, chunk=7), logits),
+                                 ("vocab-parallel chunks", PreferenceLoss(settings, vocab_ce, chunk=7),
+                                  padded.requires_grad_())]:  # fmt: skip
+            x.grad = None
+            loss = loss_fn(x, (labels, ref, *scales))
+            loss.backward()
+            grads[name] = x.grad[..., : logits.shape[-1]].clone()
+            got = loss_fn.totals()
+            assert float(loss) == pytest.approx(theirs["loss"], rel=1e-5), name
+            assert got["pairs"] == theirs["pairs"]  # and the same pairs ranked right (TRL's mean is fp32):
+            assert round(got["rewards/accuracies"] * p) == round(theirs["rewards/accuracies"] * p)
+            for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+                assert got[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (name, key)
+    finally:
+        dist.destroy_process_group()
+    for name in ("chunks of 7", "vocab-parallel chunks"):
+        torch.testing.assert_close(grads[name], grads["whole"], rtol=1e-5, atol=1e-7, msg=name)
