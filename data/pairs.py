@@ -15,6 +15,8 @@ lists, with a `prompt` message list or without one (the turns both share are the
 
 from __future__ import annotations
 
+from data.errors import DataError
+
 PAIR_KEYS = ("chosen", "rejected")
 
 
@@ -117,4 +119,20 @@ def pair_sequences(prompt_ids, chosen_ids, rejected_ids, seq_length: int):
         ids = (list(prompt_ids) + list(completion))[:seq_length]
         targets = ([False] * len(prompt_ids) + [True] * len(completion))[:seq_length]
         out.append((ids, targets))
+    return out
+
+
+def encode_pairs(rows, tokenizer) -> list[tuple[list[int], list[bool]]]:
+    """Two (ids, targets) per (location, pair row): prompt + chosen, then prompt + rejected, not yet cut to a
+    length (the store cuts every sequence from its start, `pair_sequences`' rule). DataError naming the row."""
+    out = []
+    for where, row in rows:
+        try:
+            if not isinstance(row, dict):
+                raise KeyError("a preference row must be a JSON object")
+            prompt_ids, chosen_ids, rejected_ids = encode_pair(row, tokenizer)
+        except KeyError as e:
+            raise DataError(f"{where}: {e.args[0]}") from None
+        for completion in (chosen_ids, rejected_ids):
+            out.append((prompt_ids + completion, [False] * len(prompt_ids) + [True] * len(completion)))
     return out

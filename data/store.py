@@ -55,8 +55,9 @@ def tokenizer_identity(tokenizer) -> dict:
     }
 
 
-def store_key(path: str, tokenizer, cfg: DataConfig, truncate: int | None, concat: bool) -> tuple[str, dict]:
-    """(name, description) of the store for `path` tokenized with these settings."""
+def store_key(path: str, tokenizer, cfg: DataConfig, truncate: int | None, concat: bool,
+              pairs: bool = False) -> tuple[str, dict]:  # fmt: skip
+    """(name, description) of the store for `path` tokenized with these settings (`pairs`: as preference pairs)."""
     files = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in shard_files(path)]
     key = {
         "version": VERSION,
@@ -71,6 +72,8 @@ def store_key(path: str, tokenizer, cfg: DataConfig, truncate: int | None, conca
         "concat": concat,  # documents end with EOS (data.concatenate)
         **tokenizer_identity(tokenizer),
     }
+    if pairs:  # (only then: the names of other stores stay what they were)
+        key["pairs"] = True
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return f"store-{digest}", key
 

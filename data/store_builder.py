@@ -24,6 +24,7 @@ from data import store as fmt
 from data.config import DataConfig
 from data.encode import encode_rows, lossy_tokenizer
 from data.errors import DataError
+from data.pairs import encode_pairs
 from data.sources import JsonlLines, count_source, iter_chunks
 from data.store import ARRAYS, META, NO_TARGET_EXAMPLES, Store, store_key
 
@@ -44,8 +45,12 @@ def _encode_part(partial: str, index: int, chunk) -> dict:
     """Tokenize one chunk and write it as part `index` of `partial`; returns its summary."""
     w = _WORK
     rows = chunk.rows() if isinstance(chunk, JsonlLines) else chunk
-    lost: list[bool] | None = [] if w["lossy"] else None
-    encoded = encode_rows(rows, w["tokenizer"], w["cfg"], lost)
+    lost: list[bool] | None = [] if w["lossy"] and not w["pairs"] else None
+    if w["pairs"]:  # preference pairs: two store rows each, the chosen and the rejected sequence
+        encoded = encode_pairs(rows, w["tokenizer"])
+        rows = [(f"{where} ({half})", row) for where, row in rows for half in ("chosen", "rejected")]
+    else:
+        encoded = encode_rows(rows, w["tokenizer"], w["cfg"], lost)
     lost_characters = np.array(lost if lost is not None else [False] * len(rows), dtype=np.uint8)
     eos, truncate = w["eos"], w["truncate"]
     if w["concat"] and eos is not None:  # documents end with EOS, so the stream separates them
@@ -274,15 +279,16 @@ def _no_beat() -> None:
 
 def open_or_build(path: str, tokenizer, cfg: DataConfig, truncate: int | None, concat: bool, cache_dir: str,
                   workers: int = 0, beat: Callable[[], None] = _no_beat, log: Callable[[str], None] = print,
-                  build: bool = True) -> tuple[Store, bool]:  # fmt: skip
+                  build: bool = True, pairs: bool = False) -> tuple[Store, bool]:  # fmt: skip
     """The store of `path` under `cache_dir`, built first if it is not there (unless `build` is False).
+    `pairs`: the rows are preference pairs (data/pairs.py), each stored as two rows: chosen, then rejected.
 
     Returns:
         (the store, whether it was built now).
     Raises:
         DataError: a bad row (named), an empty source, a store that cannot be written (disk full, permissions).
     """
-    name, key = store_key(path, tokenizer, cfg, truncate, concat)
+    name, key = store_key(path, tokenizer, cfg, truncate, concat, pairs)
     final = os.path.join(cache_dir, name)
     if os.path.exists(os.path.join(final, META)):
         return Store(final), False
@@ -293,7 +299,7 @@ def open_or_build(path: str, tokenizer, cfg: DataConfig, truncate: int | None, c
         with _locked(f"{final}.lock", beat, log):
             if os.path.exists(os.path.join(final, META)):  # another process built it meanwhile
                 return Store(final), False
-            _build(path, final, key, tokenizer, cfg, truncate, concat, workers, beat, log)
+            _build(path, final, key, tokenizer, cfg, truncate, concat, workers, beat, log, pairs)
     except OSError as e:
         import errno
 
@@ -303,14 +309,14 @@ def open_or_build(path: str, tokenizer, cfg: DataConfig, truncate: int | None, c
     return Store(final), True
 
 
-def _build(path, final, key, tokenizer, cfg, truncate, concat, workers, beat, log) -> None:
+def _build(path, final, key, tokenizer, cfg, truncate, concat, workers, beat, log, pairs=False) -> None:
     partial = f"{final}.partial"
     os.makedirs(partial, exist_ok=True)
     for name in os.listdir(partial):  # a part an interrupted build was writing
         if name.startswith("."):
             shutil.rmtree(os.path.join(partial, name), ignore_errors=True)
     dtype = "uint16" if len(tokenizer) <= 2**16 else "uint32"
-    _WORK.update(tokenizer=tokenizer, cfg=cfg, truncate=truncate, concat=concat, dtype=dtype,
+    _WORK.update(tokenizer=tokenizer, cfg=cfg, truncate=truncate, concat=concat, dtype=dtype, pairs=pairs,
                  eos=tokenizer.eos_token_id, lossy=lossy_tokenizer(tokenizer))  # fmt: skip
     start = time.perf_counter()
     progress = Progress(path, log)

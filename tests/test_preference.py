@@ -220,3 +220,59 @@ def test_pipeline_preference_loss_equals_trl_whole_and_in_chunks(kind, chat_toke
         dist.destroy_process_group()
     for name in ("chunks of 7", "vocab-parallel chunks"):
         torch.testing.assert_close(grads[name], grads["whole"], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_pair_store_collator_and_loss_equal_trl(chat_tokenizers, tmp_path):
+    """Pairs from a JSONL file through the tokenized store (built once, then opened from the cache), the pair
+    collator and PreferenceLoss: the same sequences as data/pairs.py, a pair whose prompt fills seq_length counted
+    in the report and scoring nothing, and the loss and metrics of TRL's evaluation of the other pairs. A pair
+    without 'rejected' is refused naming its file and line."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from data.config import DataConfig
+    from data.errors import DataError
+    from data.pair_dataset import PairCollator, PairDataset
+    from models.preference import PreferenceLoss
+
+    tok = AutoTokenizer.from_pretrained(chat_tokenizers["bpe"])
+    tok.pad_token = tok.pad_token or tok.eos_token
+    long_prompt = {"prompt": "the quick brown fox " * 20, "chosen": " jumps", "rejected": " sleeps"}
+    rows = STRING_PAIRS[:2] + [long_prompt] + STRING_PAIRS[2:]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cache = str(tmp_path / "cache")
+    ds = PairDataset(str(path), tok, 64, DataConfig(), cache_dir=cache)
+    again = PairDataset(str(path), tok, 64, DataConfig(), cache_dir=cache)
+    assert not ds.from_cache and again.from_cache and again.fingerprint() == ds.fingerprint()
+    assert len(ds) == 4 and ds.has_targets().tolist() == [True, True, False, True]
+    report = ds.report()
+    assert report["pairs"] == 4 and report["pairs_without_targets"] == 1 and report["truncated_pairs"] == 1
+    for i, row in enumerate(rows):
+        expected = pair_sequences(*encode_pair(row, tok), 64)
+        c_ids, c_tg, r_ids, r_tg = ds[i]
+        if expected is None:  # the prompt fills seq_length: no completion token in either sequence
+            assert not c_tg.any() and not r_tg.any() and len(c_ids) == 64
+            continue
+        assert (c_ids.tolist(), c_tg.tolist()) == expected[0] and (r_ids.tolist(), r_tg.tolist()) == expected[1]
+
+    policy, reference = tiny_pair_models(tok)
+    (ids, _), labels, _ = PairCollator(64, tok.pad_token_id)([ds[i] for i in range(len(ds))])
+    p = len(ds)
+    assert ids.shape == (2 * p, 64) and torch.equal(labels[2], torch.full((64,), -100))  # the no-target pair
+    with torch.no_grad():
+        logits = policy(input_ids=ids).logits
+        ref_logits = reference(input_ids=ids).logits
+    ref = -torch.nn.functional.cross_entropy(ref_logits.transpose(1, 2), labels, reduction="none").sum(-1)
+    settings = PreferenceSettings("sigmoid", beta=0.1)
+    loss_fn = PreferenceLoss(settings)
+    kept = int(ds.has_targets().sum())
+    loss = loss_fn(logits, (labels, ref, torch.tensor(1.0 / kept), torch.tensor(0.0)))
+    theirs = trl_evaluation(policy, reference, tok, rows, settings, tmp_path)  # TRL drops the long prompt itself
+    assert loss_fn.totals()["pairs"] == theirs["pairs"] == kept
+    assert float(loss) == pytest.approx(theirs["loss"], rel=1e-5)
+
+    path.write_text(json.dumps(STRING_PAIRS[0]) + "\n" + json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
+    with pytest.raises(DataError, match=r"pairs\.jsonl:2: preference rows need 'chosen' and 'rejected'"):
+        PairDataset(str(path), tok, 64, DataConfig(), cache_dir=cache)

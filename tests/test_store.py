@@ -25,7 +25,6 @@ from data.packing import BlockDataset
 from data.sources import iter_rows, write_jsonl
 from tests.conftest import REPO, subprocess_env
 from tests.test_data import CHATML, CONVERSATION, LLAMA2, LLAMA3
-from tests.test_data import chat_tokenizers as chat_tokenizers  # noqa: F401 - a fixture
 
 
 def every_kind_of_row(n: int = 60) -> list[dict]:

@@ -1,0 +1,127 @@
+"""Preference pairs over tokenized stores (data/store.py built with `pairs=True`): pair i of a store is its rows
+2i (prompt + chosen) and 2i + 1 (prompt + rejected), each cut to `seq_length` from its start (TRL's
+`keep_start`), tokenized as data/pairs.py says. As `TokenizedDataset`, files are concatenated or mixed by
+weights (by pair), no pair is dropped (a pair without targets, a prompt that fills `seq_length`, scores
+nothing and is counted in the report), and every per-pair quantity is an array.
+
+`PairCollator` lays a micro-batch of P pairs out as the pipeline takes it: 2P sequences, the P chosen first and
+the P rejected after (TRL's order), labels shifted as `CausalLMCollator` shifts them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from data.config import DataConfig
+from data.errors import DataError
+from data.sources import mixture_index, paths_of
+from data.store import Store
+from data.store_builder import open_or_build
+from models.loss import IGNORE_INDEX
+
+
+class PairDataset(Dataset):
+    """Preference pairs of one or more data files (arguments as `data.dataset.TokenizedDataset`'s).
+    Item: (chosen ids, chosen targets, rejected ids, rejected targets); index -1 is a padding pair."""
+
+    def __init__(self, path, tokenizer, seq_length: int, cfg: DataConfig, weights=None, seed: int = 0,
+                 cache_dir: str | None = None, workers: int = 0, build: bool = True, beat=None, log=None):  # fmt: skip
+        self.path, self.seq_length = path, seq_length
+        self._tmp = None
+        if cache_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="tokenized-")
+            cache_dir = self._tmp.name
+        extra = {k: v for k, v in (("beat", beat), ("log", log)) if v is not None}
+        opened = [open_or_build(p, tokenizer, cfg, seq_length, False, cache_dir, workers, build=build, pairs=True,
+                                **extra) for p in paths_of(path)]  # fmt: skip
+        self.stores: list[Store] = [store for store, _ in opened]
+        self.from_cache = not any(built for _, built in opened)
+        self.starts = np.cumsum([0] + [s.rows // 2 for s in self.stores])
+        self.index = mixture_index([s.rows // 2 for s in self.stores], weights, seed)
+        if len(self) and not self.has_targets().any():
+            raise DataError(f"{path}: none of the {len(self)} pairs has a completion token within "
+                            f"seq_length={seq_length} (prompts that fill seq_length)")  # fmt: skip
+
+    def __len__(self) -> int:
+        return int(self.starts[-1]) if self.index is None else len(self.index)
+
+    def _locate(self, index: int) -> tuple[Store, int]:
+        pair = int(index if self.index is None else self.index[index])
+        s = int(np.searchsorted(self.starts, pair, side="right")) - 1
+        return self.stores[s], pair - int(self.starts[s])
+
+    def __getitem__(self, index: int):
+        index = int(index)
+        if index == -1:
+            empty = torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.bool)
+            return (*empty, *empty)
+        store, pair = self._locate(index)
+        out = []
+        for row in (2 * pair, 2 * pair + 1):
+            ids, targets = store.span(row)
+            out += [torch.from_numpy(ids), torch.from_numpy(targets)]
+        return tuple(out)
+
+    def pair_array(self, name: str) -> np.ndarray:
+        """A per-row array of the stores (`lengths`, `full_lengths`, `row_targets`) as [pairs, 2] (chosen,
+        rejected) in dataset order."""
+        whole = np.concatenate([np.asarray(getattr(s, name)).reshape(-1, 2) for s in self.stores])
+        return whole if self.index is None else whole[self.index]
+
+    def has_targets(self) -> np.ndarray:
+        """bool [pairs]: both sequences keep a completion token (what TRL keeps)."""
+        return (self.pair_array("row_targets") > 0).all(axis=1)
+
+    def report(self) -> dict:
+        lengths, targets = self.pair_array("lengths"), self.pair_array("row_targets")
+        tokens = int(lengths.sum(dtype=np.int64))
+        return {
+            "file": self.path,
+            "pairs": len(self),
+            "tokens": tokens,
+            "target_tokens": int(targets.sum(dtype=np.int64)),
+            "truncated_pairs": int((self.pair_array("full_lengths") > lengths).any(axis=1).sum()),
+            "pairs_without_targets": int((~self.has_targets()).sum()),
+            "no_target_examples": [w for s in self.stores for w in s.meta["no_target_examples"]][:5],
+        }
+
+    def fingerprint(self) -> str:
+        """What training reads: the stores' content hashes, in order (as `TokenizedDataset.fingerprint`)."""
+        digest = hashlib.sha256(b"pairs\n")
+        for store in self.stores:
+            digest.update(f"{store.rows}:{store.fingerprint}\n".encode())
+        return digest.hexdigest()
+
+    @property
+    def store_dirs(self) -> list[str]:
+        return [os.path.abspath(s.directory) for s in self.stores]
+
+
+class PairCollator:
+    """P pairs -> ((input_ids [2P, S], position_ids [2P, S]), labels [2P, S], tokens): the chosen sequences in rows
+    0..P-1, the rejected in P..2P-1, right-padded to `seq_length`; labels[t] is the token at t + 1 when it is a
+    completion token, else IGNORE_INDEX. `tokens`: the tokens that are not padding."""
+
+    def __init__(self, seq_length: int, pad_token_id: int):
+        self.seq_length, self.pad_token_id = seq_length, pad_token_id
+
+    def __call__(self, samples: list):
+        sequences = [(s[0], s[1]) for s in samples] + [(s[2], s[3]) for s in samples]
+        rows, seq = len(sequences), self.seq_length
+        input_ids = torch.full((rows, seq), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((rows, seq), IGNORE_INDEX, dtype=torch.long)
+        tokens = 0
+        for i, (ids, targets) in enumerate(sequences):
+            n = len(ids)
+            input_ids[i, :n] = ids
+            if n > 1:
+                labels[i, : n - 1] = torch.where(targets[1:], ids[1:], IGNORE_INDEX)
+            tokens += n
+        position_ids = torch.arange(seq, dtype=torch.long).expand(rows, seq).contiguous()
+        return (input_ids, position_ids), labels, torch.tensor(tokens)
