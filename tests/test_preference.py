@@ -211,7 +211,7 @@ def test_pipeline_preference_loss_equals_trl_whole_and_in_chunks(kind, chat_toke
             loss.backward()
             grads[name] = x.grad[..., : logits.shape[-1]].clone()
             got = loss_fn.totals()
-            assert float(loss) == pytest.approx(theirs["loss"], rel=1e-5), name
+            assert float(loss.detach()) == pytest.approx(theirs["loss"], rel=1e-5), name
             assert got["pairs"] == theirs["pairs"]  # and the same pairs ranked right (TRL's mean is fp32):
             assert round(got["rewards/accuracies"] * p) == round(theirs["rewards/accuracies"] * p)
             for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
@@ -268,7 +268,7 @@ def test_pair_store_collator_and_loss_equal_trl(chat_tokenizers, tmp_path):
     settings = PreferenceSettings("sigmoid", beta=0.1)
     loss_fn = PreferenceLoss(settings)
     kept = int(ds.has_targets().sum())
-    loss = loss_fn(logits, (labels, ref, torch.tensor(1.0 / kept), torch.tensor(0.0)))
+    loss = loss_fn(logits, (labels, ref, torch.tensor(1.0 / kept), torch.tensor(0.0))).detach()
     theirs = trl_evaluation(policy, reference, tok, rows, settings, tmp_path)  # TRL drops the long prompt itself
     assert loss_fn.totals()["pairs"] == theirs["pairs"] == kept
     assert float(loss) == pytest.approx(theirs["loss"], rel=1e-5)
