@@ -17,6 +17,15 @@ from data.config import DataConfig
 from data.errors import DataError
 
 
+def apply_template(tokenizer, messages, what: str, **kwargs):
+    """`tokenizer.apply_chat_template(messages, **kwargs)`; KeyError in one line when the template refuses `what`."""
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except Exception as e:  # noqa: BLE001 - jinja's TemplateError, or what the template itself raises
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise KeyError(f"the tokenizer's chat template refused this {what}: {reason}") from None
+
+
 def encode_messages(messages, tokenizer) -> tuple[list[int], list[bool]]:
     """A chat rendered with the tokenizer's chat template; targets: the assistant turns only.
 
@@ -41,11 +50,7 @@ def encode_messages(messages, tokenizer) -> tuple[list[int], list[bool]]:
     def render(turns, generation_prompt=False) -> str:
         if not turns:
             return ""
-        try:
-            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
-        except Exception as e:  # noqa: BLE001 - jinja's TemplateError, or what the template itself raises
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise KeyError(f"the tokenizer's chat template refused this conversation: {reason}") from None
+        return apply_template(tokenizer, turns, "conversation", tokenize=False, add_generation_prompt=generation_prompt)
 
     text = render(messages)
     spans = []  # [start, end) character spans of the assistant turns in `text`

@@ -5,7 +5,7 @@ weights (by pair), no pair is dropped (a pair without targets, a prompt that fil
 nothing and is counted in the report), and every per-pair quantity is an array.
 
 `PairCollator` lays a micro-batch of P pairs out as the pipeline takes it: 2P sequences, the P chosen first and
-the P rejected after (TRL's order), labels shifted as `CausalLMCollator` shifts them.
+the P rejected after (TRL's order), as `CausalLMCollator` lays out rows (labels shifted once, there).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from data.collator import CausalLMCollator
 from data.config import DataConfig
 from data.errors import DataError
 from data.sources import mixture_index, paths_of
 from data.store import Store
 from data.store_builder import open_or_build
-from models.loss import IGNORE_INDEX
 
 
 class PairDataset(Dataset):
@@ -103,25 +103,12 @@ class PairDataset(Dataset):
         return [os.path.abspath(s.directory) for s in self.stores]
 
 
-class PairCollator:
-    """P pairs -> ((input_ids [2P, S], position_ids [2P, S]), labels [2P, S], tokens): the chosen sequences in rows
-    0..P-1, the rejected in P..2P-1, right-padded to `seq_length`; labels[t] is the token at t + 1 when it is a
-    completion token, else IGNORE_INDEX. `tokens`: the tokens that are not padding."""
+class PairCollator(CausalLMCollator):
+    """P pairs -> ((input_ids [2P, S], position_ids [2P, S]), labels [2P, S], tokens), as `CausalLMCollator` lays
+    out rows: the chosen sequences in rows 0..P-1, the rejected in P..2P-1 (TRL's order)."""
 
     def __init__(self, seq_length: int, pad_token_id: int):
-        self.seq_length, self.pad_token_id = seq_length, pad_token_id
+        super().__init__(seq_length, pad_token_id)
 
     def __call__(self, samples: list):
-        sequences = [(s[0], s[1]) for s in samples] + [(s[2], s[3]) for s in samples]
-        rows, seq = len(sequences), self.seq_length
-        input_ids = torch.full((rows, seq), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((rows, seq), IGNORE_INDEX, dtype=torch.long)
-        tokens = 0
-        for i, (ids, targets) in enumerate(sequences):
-            n = len(ids)
-            input_ids[i, :n] = ids
-            if n > 1:
-                labels[i, : n - 1] = torch.where(targets[1:], ids[1:], IGNORE_INDEX)
-            tokens += n
-        position_ids = torch.arange(seq, dtype=torch.long).expand(rows, seq).contiguous()
-        return (input_ids, position_ids), labels, torch.tensor(tokens)
+        return super().__call__([(s[0], s[1]) for s in samples] + [(s[2], s[3]) for s in samples])

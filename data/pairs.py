@@ -15,14 +15,10 @@ lists, with a `prompt` message list or without one (the turns both share are the
 
 from __future__ import annotations
 
+from data.encode import apply_template
 from data.errors import DataError
 
 PAIR_KEYS = ("chosen", "rejected")
-
-
-def is_pair_row(row) -> bool:
-    """Whether a row is a preference pair (has `chosen` or `rejected`)."""
-    return isinstance(row, dict) and any(key in row for key in PAIR_KEYS)
 
 
 def _conversational(value) -> bool:
@@ -87,12 +83,8 @@ def encode_pair(row: dict, tokenizer) -> tuple[list[int], list[int], list[int]]:
             raise KeyError("conversational pairs need a tokenizer with a chat template (tokenizer_config.json)")
 
         def tokenize(messages, generation_prompt=False):
-            try:
-                out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                    add_generation_prompt=generation_prompt)  # fmt: skip
-            except Exception as e:  # noqa: BLE001 - jinja's TemplateError, or what the template itself raises
-                reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-                raise KeyError(f"the tokenizer's chat template refused this pair: {reason}") from None
+            out = apply_template(tokenizer, messages, "pair", tokenize=True, return_dict=True,
+                                 add_generation_prompt=generation_prompt)  # fmt: skip
             return list(out["input_ids"])
 
         prompt_ids = tokenize(prompt, generation_prompt=True)

@@ -29,10 +29,6 @@ class PreferenceSettings:
     gamma: float = 0.5
     sft_weight: float = 0.0
 
-    @property
-    def needs_reference(self) -> bool:
-        return self.loss_type != "simpo"
-
 
 def preference_losses(
     settings: PreferenceSettings,
@@ -91,6 +87,14 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return flat.view(labels.shape)
 
 
+def _token_ce_in_chunks(logits, labels, chunk: int, token_ce) -> torch.Tensor:
+    """`token_ce(logits, labels)` [B, S], `chunk` tokens at a time."""
+    flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    out = torch.cat([token_ce(flat_logits[i : i + chunk][None], flat_labels[i : i + chunk][None]).reshape(-1)
+                     for i in range(0, flat_labels.numel(), chunk)])  # fmt: skip
+    return out.view(labels.shape)
+
+
 class _ChunkedTokenCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy computed `chunk` rows of tokens at a time, forward and backward: only one chunk's
     fp32 logits and softmax exist at any moment (backward recomputes them from the logits the pipeline holds).
@@ -98,12 +102,9 @@ class _ChunkedTokenCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, chunk, token_ce):
-        flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-        out = torch.cat([token_ce(flat_logits[i : i + chunk][None], flat_labels[i : i + chunk][None]).reshape(-1)
-                         for i in range(0, flat_labels.numel(), chunk)])  # fmt: skip
         ctx.save_for_backward(logits, labels)
         ctx.chunk, ctx.token_ce = chunk, token_ce
-        return out.view(labels.shape)
+        return _token_ce_in_chunks(logits, labels, chunk, token_ce)
 
     @staticmethod
     def backward(ctx, grad):
@@ -155,9 +156,9 @@ class PreferenceLoss:
         """(summed log-prob of each sequence's target tokens [N], their count [N])."""
         if self.chunk and torch.is_grad_enabled() and logits.requires_grad:
             ce = _ChunkedTokenCrossEntropy.apply(logits, labels, self.chunk, self.token_ce)
-        elif self.chunk:
+        elif self.chunk:  # evaluation, the reference pass: no backward
             with torch.no_grad():
-                ce = _ChunkedTokenCrossEntropy.forward(None, logits, labels, self.chunk, self.token_ce)
+                ce = _token_ce_in_chunks(logits, labels, self.chunk, self.token_ce)
         else:
             ce = self.token_ce(logits, labels)
         return -ce.sum(-1), (labels != IGNORE_INDEX).sum(-1)

@@ -179,7 +179,7 @@ def test_pipeline_preference_loss_equals_trl_whole_and_in_chunks(kind, chat_toke
     """The last stage's PreferenceLoss on one micro-batch of every pair (pair scale 1/P, token scale 1 / chosen
     tokens): loss and metrics equal TRL's evaluation; computing the per-token log-probs 7 tokens at a time gives the
     same loss and the same gradient with respect to the logits; the vocab-parallel per-token cross-entropy (one rank,
-    vocabulary padded to a multiple of 64) the same again."""
+    vocabulary padded to a multiple of 64) the same again; chunks without a gradient (evaluation) the same loss."""
     import functools
 
     import torch.distributed as dist
@@ -220,6 +220,9 @@ def test_pipeline_preference_loss_equals_trl_whole_and_in_chunks(kind, chat_toke
         dist.destroy_process_group()
     for name in ("chunks of 7", "vocab-parallel chunks"):
         torch.testing.assert_close(grads[name], grads["whole"], rtol=1e-5, atol=1e-7, msg=name)
+    with torch.no_grad():  # evaluation and the reference pass: chunks without a backward
+        loss = PreferenceLoss(settings, chunk=7)(logits.detach(), (labels, ref, *scales))
+    assert float(loss) == pytest.approx(theirs["loss"], rel=1e-5)
 
 
 def test_pair_store_collator_and_loss_equal_trl(chat_tokenizers, tmp_path):

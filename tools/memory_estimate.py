@@ -74,16 +74,19 @@ def layer_activation_bytes(config, b: int, s: int, tp: int, act_bytes: int, attn
 
 
 def stage_activation_bytes(config, layers: range, b: int, s: int, tp: int, act_bytes: int, attn: str, packed: bool,
-                           every: int, sp: bool = False) -> tuple[float, float]:  # fmt: skip
+                           every: int, sp: bool = False, vocab_multiple: int = 1) -> tuple[float, float]:  # fmt: skip
     """(bytes kept per micro-batch in flight, bytes of the one block being recomputed) for the pipeline layers
     `layers` of a stage; `every`: recompute every k-th block (0: none), keeping only its input. The final
     norm and the LM head's input count on the last stage; the loss's logits are `Estimate.logits`. `sp`: sequence
-    parallelism over the `tp` ranks (a recomputed block's input and the final norm hold s / tp positions)."""
+    parallelism over the `tp` ranks (a recomputed block's input and the final norm hold s / tp positions);
+    `vocab_multiple`: `model.vocab_pad_multiple` (a padded vocabulary takes the vocab-parallel embedding and head)."""
     from models.key_table import EMBED, NORM, block_of, pipe_layers
+    from models.tensor_parallel import TensorParallel, vocab_parallel
 
     n = config.num_hidden_layers
     per_layer = layer_activation_bytes(config, b, s, tp, act_bytes, attn, packed, sp)
     shards = tp if sp else 1  # positions of the residual stream per rank: s / shards
+    split_vocab = vocab_parallel(config, TensorParallel(tp, 0, vocab_multiple))
     kept, live = 0.0, 0.0
     kinds = {layer.index: layer.kind for layer in pipe_layers(n, config.tie_word_embeddings)}
     for index in layers:
@@ -94,10 +97,12 @@ def stage_activation_bytes(config, layers: range, b: int, s: int, tp: int, act_b
             kept += per_layer
         elif kinds[index] == NORM:
             # + the LM head's own copy of its input (nn.Linear's; the vocab-parallel head under TP saves none)
-            head_input = config.hidden_size * act_bytes if tp == 1 else 0
+            head_input = 0 if split_vocab else config.hidden_size * act_bytes
             kept += b * s * (sharded_norm_bytes(config.hidden_size, act_bytes, shards) + head_input)
         elif kinds[index] == EMBED:
-            kept += b * s * (8 if tp == 1 else 17)  # token ids (vocab-parallel: + this rank's ids and its bool mask)
+            kept += (
+                b * s * (17 if split_vocab else 8)
+            )  # token ids (vocab-parallel: + this rank's ids and its bool mask)
     return kept, live
 
 
@@ -171,7 +176,8 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
         params = sum(counts[i] for i in held_layers)
         if config.tie_word_embeddings and {0, len(counts) - 1} <= held_layers:
             params -= counts[-1]  # a tied head on the embedding's rank is the embedding itself (PP=1, DualPipeV)
-        per_half = [stage_activation_bytes(config, r, b, s, tp, act_bytes, attn, packed, every, sp) for r in own]
+        per_half = [stage_activation_bytes(config, r, b, s, tp, act_bytes, attn, packed, every, sp,
+                                           cfg.model.vocab_pad_multiple) for r in own]  # fmt: skip
         kept = [k for k, _ in per_half] + [0.0]
         blocks = sum(1 for r in own for i in r if block_of(i, n) is not None)
         states = memory_states(schedule, cfg.gradient_accumulation_steps, pp, stage)
