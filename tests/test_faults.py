@@ -102,8 +102,9 @@ def test_sigkill_during_saves_then_resume_auto(converted, sft_data, tmp_path):
             time.sleep(0.005)
         # Somewhere in the save, the rename, `latest`, retention (half the trials) or up to a step later.
         time.sleep(rng.uniform(0.0, 0.05 if kills % 2 else 0.25))
-        if proc.poll() is not None:
-            break  # finished training before a kill
+        if proc.poll() is not None:  # finished training, or failed, before a kill
+            wait(proc, 30)
+            pytest.fail(f"launch {kills} exited {proc.returncode} before a kill:\n{log.read_text()[-3000:]}")
         os.killpg(proc.pid, signal.SIGKILL)
         wait(proc, 30)
         kills += 1
