@@ -28,7 +28,11 @@ from data.store_builder import open_or_build
 
 class PairDataset(Dataset):
     """Preference pairs of one or more data files (arguments as `data.dataset.TokenizedDataset`'s).
-    Item: (chosen ids, chosen targets, rejected ids, rejected targets); index -1 is a padding pair."""
+    Item: (chosen ids, chosen targets, rejected ids, rejected targets, reference log-probs [2] (chosen, rejected));
+    index -1 is a padding pair. `reference` ([pairs, 2] in dataset order, training/reference.py) is None until the
+    reference pass has run (zeros then, as for the reference-free SimPO)."""
+
+    reference: np.ndarray | None = None
 
     def __init__(self, path, tokenizer, seq_length: int, cfg: DataConfig, weights=None, seed: int = 0,
                  cache_dir: str | None = None, workers: int = 0, build: bool = True, beat=None, log=None):  # fmt: skip
@@ -60,13 +64,14 @@ class PairDataset(Dataset):
         index = int(index)
         if index == -1:
             empty = torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.bool)
-            return (*empty, *empty)
+            return (*empty, *empty, torch.zeros(2))
         store, pair = self._locate(index)
         out = []
         for row in (2 * pair, 2 * pair + 1):
             ids, targets = store.span(row)
             out += [torch.from_numpy(ids), torch.from_numpy(targets)]
-        return tuple(out)
+        ref = torch.zeros(2) if self.reference is None else torch.from_numpy(np.array(self.reference[index]))
+        return (*out, ref)
 
     def pair_array(self, name: str) -> np.ndarray:
         """A per-row array of the stores (`lengths`, `full_lengths`, `row_targets`) as [pairs, 2] (chosen,
@@ -104,11 +109,14 @@ class PairDataset(Dataset):
 
 
 class PairCollator(CausalLMCollator):
-    """P pairs -> ((input_ids [2P, S], position_ids [2P, S]), labels [2P, S], tokens), as `CausalLMCollator` lays
-    out rows: the chosen sequences in rows 0..P-1, the rejected in P..2P-1 (TRL's order)."""
+    """P pairs -> ((input_ids [2P, S], position_ids [2P, S]), (labels [2P, S], reference log-probs [2P]), tokens),
+    as `CausalLMCollator` lays out rows: the chosen sequences in rows 0..P-1, the rejected in P..2P-1 (TRL's
+    order)."""
 
     def __init__(self, seq_length: int, pad_token_id: int):
         super().__init__(seq_length, pad_token_id)
 
     def __call__(self, samples: list):
-        return super().__call__([(s[0], s[1]) for s in samples] + [(s[2], s[3]) for s in samples])
+        inputs, labels, tokens = super().__call__([(s[0], s[1]) for s in samples] + [(s[2], s[3]) for s in samples])
+        ref = torch.stack([s[4] for s in samples]).to(torch.float32)  # [P, 2]
+        return inputs, (labels, torch.cat([ref[:, 0], ref[:, 1]])), tokens

@@ -119,6 +119,37 @@ class _ChunkedTokenCrossEntropy(torch.autograd.Function):
         return out.view(logits.shape), None, None, None
 
 
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, token_ce=token_cross_entropy,
+                   chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(summed log-prob of each sequence's target tokens [N], their count [N]) from [N, S, V] logits (a vocab shard
+    with the vocab-parallel `token_ce`); `chunk` > 0: `chunk` tokens at a time, forward and backward."""
+    if chunk and torch.is_grad_enabled() and logits.requires_grad:
+        ce = _ChunkedTokenCrossEntropy.apply(logits, labels, chunk, token_ce)
+    elif chunk:  # evaluation, the reference pass: no backward
+        with torch.no_grad():
+            ce = _token_ce_in_chunks(logits, labels, chunk, token_ce)
+    else:
+        ce = token_ce(logits, labels)
+    return -ce.sum(-1), (labels != IGNORE_INDEX).sum(-1)
+
+
+class ReferenceScorer:
+    """The last stage's "loss" of the reference pass (training/reference.py): keeps each micro-batch's per-sequence
+    log-probs ([2P], chosen first, as `PreferenceLoss` takes them) in `logps` and returns 0."""
+
+    __name__ = "ReferenceScorer"
+
+    def __init__(self, token_ce=None, chunk: int = 0):
+        self.token_ce, self.chunk = token_ce or token_cross_entropy, chunk
+        self.logps: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor, labels_and_extras) -> torch.Tensor:
+        with torch.no_grad():
+            logps, _ = sequence_logps(logits, labels_and_extras[0], self.token_ce, self.chunk)
+        self.logps.append(logps.float().cpu())
+        return torch.zeros((), device=logits.device)
+
+
 class PreferenceLoss:
     """The last stage's loss for `objective=dpo`: a micro-batch holds P pairs as 2P sequences, the P chosen first and
     the P rejected after (TRL's order), with labels already shifted (targets: the completion tokens).
@@ -126,7 +157,7 @@ class PreferenceLoss:
     `labels_and_extras` = (labels [2P, S], reference log-probs [2P] (zeros for SimPO), pair scale [], token scale
     []): the scales make DeepSpeed's averaging over micro-batches and DP ranks the mean over every pair of the
     global batch (and, for the chosen-NLL term, over every chosen completion token), as `CausalLMLoss` does for
-    tokens. Sums for the metrics (loss, pairs, the four reward sums) accumulate as tensors; `totals()` reads them.
+    tokens. Sums for the metrics (`SUMS`) accumulate as tensors; `totals()` reads them.
 
     Args:
         settings: the loss type and its constants.
@@ -135,37 +166,32 @@ class PreferenceLoss:
     """
 
     __name__ = "PreferenceLoss"
+    # What `sums` holds: the preference loss summed over the pairs that score, their count, the REWARD_METRICS
+    # sums, and the chosen completions' summed NLL and token count (the sft term).
+    SUMS = ("loss", "pairs", *REWARD_METRICS, "chosen_nll", "chosen_tokens")
 
     def __init__(self, settings: PreferenceSettings, token_ce=None, chunk: int = 0):
         self.settings, self.token_ce, self.chunk = settings, token_ce or token_cross_entropy, chunk
         self.reset()
 
     def reset(self) -> None:
-        self.sums: torch.Tensor | None = None  # fp64 [6]: loss, pairs, REWARD_METRICS
+        self.sums: torch.Tensor | None = None  # fp64 [len(SUMS)]
 
-    def totals(self) -> dict[str, float]:
-        """Means over the pairs seen since `reset()`: `loss` and TRL's reward metrics, and the pair count."""
-        if self.sums is None:
+    def totals(self, sums: torch.Tensor | None = None) -> dict[str, float]:
+        """TRL's metrics from `sums` (default: this rank's since `reset()`; pass them summed over ranks for the
+        global figures): `loss` (the mean preference loss over the pairs, plus `sft_weight` x the chosen tokens'
+        mean NLL) and the reward means, and the pair count."""
+        sums = self.sums if sums is None else sums
+        if sums is None:
             return {"pairs": 0}
-        sums = self.sums.tolist()
-        pairs = max(sums[1], 1.0)
-        return {"loss": sums[0] / pairs, "pairs": int(sums[1]),
-                **{k: v / pairs for k, v in zip(REWARD_METRICS, sums[2:], strict=True)}}  # fmt: skip
-
-    def sequence_logps(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed log-prob of each sequence's target tokens [N], their count [N])."""
-        if self.chunk and torch.is_grad_enabled() and logits.requires_grad:
-            ce = _ChunkedTokenCrossEntropy.apply(logits, labels, self.chunk, self.token_ce)
-        elif self.chunk:  # evaluation, the reference pass: no backward
-            with torch.no_grad():
-                ce = _token_ce_in_chunks(logits, labels, self.chunk, self.token_ce)
-        else:
-            ce = self.token_ce(logits, labels)
-        return -ce.sum(-1), (labels != IGNORE_INDEX).sum(-1)
+        got = dict(zip(self.SUMS, sums.tolist(), strict=True))
+        pairs = max(got["pairs"], 1.0)
+        loss = got["loss"] / pairs + self.settings.sft_weight * got["chosen_nll"] / max(got["chosen_tokens"], 1.0)
+        return {"loss": loss, "pairs": int(got["pairs"]), **{k: got[k] / pairs for k in REWARD_METRICS}}
 
     def __call__(self, logits: torch.Tensor, labels_and_extras) -> torch.Tensor:
         labels, ref_logps, pair_scale, token_scale = labels_and_extras
-        logps, tokens = self.sequence_logps(logits, labels)
+        logps, tokens = sequence_logps(logits, labels, self.token_ce, self.chunk)
         p = labels.shape[0] // 2
         ref = ref_logps.to(logps.device, logps.dtype)
         losses, chosen_rewards, rejected_rewards = preference_losses(
@@ -174,9 +200,10 @@ class PreferenceLoss:
         kept = (tokens[:p] > 0) & (tokens[p:] > 0)  # padding pairs (no target) add nothing
         losses = losses * kept
         loss = losses.sum() * pair_scale.to(losses.device)
-        if self.settings.sft_weight:
-            loss = loss - self.settings.sft_weight * logps[:p].sum() * token_scale.to(losses.device)
+        if self.settings.sft_weight:  # the chosen completions of the pairs that count
+            loss = loss - self.settings.sft_weight * (logps[:p] * kept).sum() * token_scale.to(losses.device)
+        sft = torch.stack([-(logps[:p].detach() * kept).sum(), (tokens[:p] * kept).sum()])
         sums = torch.cat([torch.stack([losses.detach().sum(), kept.sum()]),
-                          reward_sums(chosen_rewards * kept, rejected_rewards * kept)]).double()  # fmt: skip
+                          reward_sums(chosen_rewards * kept, rejected_rewards * kept), sft]).double()  # fmt: skip
         self.sums = sums if self.sums is None else self.sums + sums
         return loss

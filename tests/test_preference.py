@@ -92,7 +92,7 @@ def our_evaluation(policy, reference, tok, pairs, settings: PreferenceSettings, 
     }
 
 
-def trl_evaluation(policy, reference, tok, pairs, settings: PreferenceSettings, tmp_path) -> dict:
+def trl_evaluation(policy, reference, tok, pairs, settings: PreferenceSettings, tmp_path, max_length: int = 64) -> dict:
     """TRL's DPOTrainer.evaluate() over every pair in one batch (`sft_weight`: TRL's "sft" loss added with it)."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
@@ -100,7 +100,7 @@ def trl_evaluation(policy, reference, tok, pairs, settings: PreferenceSettings, 
     sft = {"loss_type": [settings.loss_type, "sft"], "loss_weights": [1.0, settings.sft_weight]}
     losses = sft if settings.sft_weight else {"loss_type": [settings.loss_type]}
     args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_eval_batch_size=len(pairs), beta=settings.beta,
-                     report_to="none", **losses, use_cpu=True, max_length=64,
+                     report_to="none", **losses, use_cpu=True, max_length=max_length,
                      dataloader_num_workers=0, bf16=False)  # fmt: skip
     data = Dataset.from_list(pairs)
     trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=data, eval_dataset=data,
@@ -254,14 +254,15 @@ def test_pair_store_collator_and_loss_equal_trl(chat_tokenizers, tmp_path):
     assert report["pairs"] == 4 and report["pairs_without_targets"] == 1 and report["truncated_pairs"] == 1
     for i, row in enumerate(rows):
         expected = pair_sequences(*encode_pair(row, tok), 64)
-        c_ids, c_tg, r_ids, r_tg = ds[i]
+        c_ids, c_tg, r_ids, r_tg, ref = ds[i]
+        assert torch.equal(ref, torch.zeros(2))  # no reference pass has run
         if expected is None:  # the prompt fills seq_length: no completion token in either sequence
             assert not c_tg.any() and not r_tg.any() and len(c_ids) == 64
             continue
         assert (c_ids.tolist(), c_tg.tolist()) == expected[0] and (r_ids.tolist(), r_tg.tolist()) == expected[1]
 
     policy, reference = tiny_pair_models(tok)
-    (ids, _), labels, _ = PairCollator(64, tok.pad_token_id)([ds[i] for i in range(len(ds))])
+    (ids, _), (labels, _), _ = PairCollator(64, tok.pad_token_id)([ds[i] for i in range(len(ds))])
     p = len(ds)
     assert ids.shape == (2 * p, 64) and torch.equal(labels[2], torch.full((64,), -100))  # the no-target pair
     with torch.no_grad():

@@ -10,8 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch.distributed as dist
 
@@ -19,55 +17,51 @@ from checkpoint.hf_reader import is_hf_dir
 from checkpoint.names import LORA_FILE
 from checkpoint.saves import clean_stale, read_tag
 from data.collator import CausalLMCollator
-from data.dataset import PlaceholderDataset, TokenizedDataset, cache_root
-from data.packing import BlockDataset, PackedDataset, arranged
-from data.sampling import TrainPlan
+from data.pair_dataset import PairCollator
 from models.config import check_preset, config_from_preset, load_hf_config
 from models.lora import add_lora
 from models.loss import CausalLMLoss
 from models.partition import stage_bounds
-from models.tensor_parallel import TensorParallel, parallelize_lora, vocab_parallel, vocab_parallel_cross_entropy
+from models.preference import PreferenceLoss, PreferenceSettings
+from models.tensor_parallel import (
+    TensorParallel,
+    parallelize_lora,
+    vocab_parallel,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_token_cross_entropy,
+)
 from models.tokenizer import check_tokenizer_fits, load_tokenizer
 from training import checkpointing
-from training.config import TrainConfig, evaluating, sequence_parallel, validate, validate_layout
-from training.distributed import agreed, broadcast_object, init_distributed, rank0_works
+from training.config import TrainConfig, sequence_parallel, validate, validate_layout
+from training.data_setup import data_state, load_data, pad_id, write_data_report
+from training.distributed import agreed, init_distributed
 from training.engine import build_module, describe_auto_precision, initialize_engine
 from training.errors import RunError
 from training.logs import configure_logging, log_to_file
 from training.precision import resolve_precision
+from training.reference import attach_reference, needs_reference
 from training.run_dir import check_paths, prepare_output_dir, roll_back
+from training.run_state import Run
 from training.topology import Coords
 
 log = logging.getLogger("trainer")
 
 
-@dataclass
-class Run:
-    """Everything a built run holds; the loop (training/loop.py) drives it."""
-
-    cfg: TrainConfig
-    coords: Coords
-    model_config: Any
-    loss_fn: CausalLMLoss
-    bounds: list[int]  # stage s holds pipeline layers bounds[s]..bounds[s + 1] - 1 (computed once)
-    plan: TrainPlan | None = None  # set once the data is loaded
-    total_steps: int = 0
-    num_eval_rows: int = 0
-    ephemeral_data: bool = False  # data.cache_dir="": the stores are removed after the run
-    engine: Any = None
-    step: int = 0
-    data_state: dict = field(default_factory=dict)  # what decides the data order (checkpointing.DATA_KEYS)
-    layout: dict = field(default_factory=dict)  # what a save records of this layout
-    tokenizer: Any = None
-    train_set: Any = None
-    eval_set: Any = None
-    collate: Any = None
-    tp: TensorParallel = field(default_factory=TensorParallel)
-    loaded_layers: list[int] = field(default_factory=list)
-    lora_base: str | None = None
-
-    def dp_group(self):
-        return self.engine.grid.get_data_parallel_group()
+def _loss_fn(cfg: TrainConfig, model_config, tp: TensorParallel):
+    """The last stage's loss: `CausalLMLoss`, or `PreferenceLoss` for objective=dpo; through the vocab-parallel
+    cross-entropy when the head is split (no rank holds [B, S, V] logits; padded rows never reach the loss)."""
+    split = vocab_parallel(model_config, tp)
+    if cfg.objective == "dpo":
+        d = cfg.dpo
+        token_ce = None
+        if split:
+            token_ce = functools.partial(vocab_parallel_token_cross_entropy, tp=tp, vocab_size=model_config.vocab_size)
+        settings = PreferenceSettings(d.loss_type, d.beta, d.gamma, d.sft_weight)
+        return PreferenceLoss(settings, token_ce, cfg.model.loss_chunk_size)
+    cross_entropy = None
+    if split:
+        cross_entropy = functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=model_config.vocab_size)
+    return CausalLMLoss(cross_entropy, cfg.model.loss_chunk_size)
 
 
 def _user_error(e: Exception) -> RunError:
@@ -117,102 +111,6 @@ def _tokenizer(cfg: TrainConfig, vocab_size: int):
     except ValueError as e:
         raise _user_error(e) from None
     return tokenizer
-
-
-def _pad_id(tokenizer) -> int:
-    if tokenizer is None:
-        return 0
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
-        if candidate is not None:
-            return candidate
-    return 0
-
-
-def _load_data(run: Run) -> None:
-    """Tokenized datasets on the first and last stage, the row counts alone on middle stages, then the step plan.
-
-    Rank 0 finds or builds the tokenized stores (data/store.py) while every other rank waits in short
-    collectives (a long build never hits dist_timeout_minutes); the other data ranks then memory-map them.
-    Packed rows or blocks (data.packing, data.concatenate) are arranged the same way on every data rank, and
-    every rank learns the row counts from rank 0."""
-    cfg, c, d = run.cfg, run.coords, run.cfg.data
-    cache, run.ephemeral_data = cache_root(d.cache_dir, cfg.output_dir)
-
-    def load(build: bool, beat=None) -> None:
-        common = dict(cache_dir=cache, workers=d.tokenize_workers, concat=d.concatenate, build=build, beat=beat,
-                      log=log.info)  # fmt: skip
-        if cfg.do_train:
-            run.train_set = TokenizedDataset(cfg.train_file, run.tokenizer, cfg.seq_length, d, d.train_weights,
-                                             cfg.seed, **common)  # fmt: skip
-        if evaluating(cfg):
-            run.eval_set = TokenizedDataset(cfg.eval_file, run.tokenizer, cfg.seq_length, d, **common)
-
-    rank0_works(lambda beat: load(True, beat), f"waiting for rank 0 to find or build the tokenized data in {cache}")
-    counts = None
-    with agreed():
-        if c.has_data and c.rank != 0:
-            load(build=False)
-        if c.rank == 0:
-            _log_rows(run)
-        if c.has_data:
-            if cfg.do_train:
-                run.train_set = arranged(run.train_set, d.packing, d.concatenate, cfg.seq_length, train=True)
-            if evaluating(cfg):
-                run.eval_set = arranged(run.eval_set, d.packing, d.concatenate, cfg.seq_length, train=False)
-        if c.rank == 0:
-            counts = (len(run.train_set) if cfg.do_train else 0, len(run.eval_set) if evaluating(cfg) else 0)
-    num_train_rows, run.num_eval_rows = broadcast_object(counts)
-    what = "blocks" if d.concatenate else "packed rows" if d.packing else "rows"
-    run.plan, run.total_steps = train_plan(cfg, c, num_train_rows, what)
-    if not c.has_data:
-        run.train_set = PlaceholderDataset(run.plan.num_rows)
-        run.eval_set = PlaceholderDataset(run.num_eval_rows)
-
-
-def _log_rows(run: Run) -> None:
-    """Rank 0: where the rows come from, and rows that teach nothing."""
-    cfg = run.cfg
-    for name, ds in (("train", run.train_set), ("eval", run.eval_set)):
-        if isinstance(ds, TokenizedDataset):
-            how = "found" if ds.from_cache else "built"
-            log.info("%s data: %d rows, tokenized store %s %s", name, len(ds), how, ", ".join(ds.store_dirs))
-    if isinstance(run.train_set, TokenizedDataset):
-        missing = run.train_set.report()["rows_without_targets"]
-        if missing:
-            first = (run.train_set.no_target_examples or ["?"])[0]
-            log.warning("%s: %d of %d rows have no target token within seq_length=%d (first: %s)",
-                        cfg.train_file, missing, len(run.train_set), cfg.seq_length, first)  # fmt: skip
-    for name, ds in (("train", run.train_set), ("eval", run.eval_set)):
-        report = ds.report() if isinstance(ds, TokenizedDataset) else {}
-        if report.get("rows_with_lost_characters"):
-            log.warning("%s data: %d rows hold characters the tokenizer drops or replaces by an unknown token "
-                        "(first: %s); see data_report.json", name, report["rows_with_lost_characters"],
-                        report["lost_character_examples"][0])  # fmt: skip
-
-
-def train_plan(cfg: TrainConfig, coords: Coords, num_rows: int, what: str = "rows") -> tuple[TrainPlan, int]:
-    """(the plan of which rows each step reads, total optimizer steps); RunError if the rows make no full step."""
-    plan = TrainPlan(num_rows, coords.dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
-    if cfg.do_train and plan.steps_per_epoch == 0:
-        raise RunError(f"train_file {cfg.train_file}: {num_rows} {what} give no full step of "
-                       f"{plan.rows_per_step} rows per DP rank x {coords.dp} DP ranks")  # fmt: skip
-    return plan, plan.total_steps(cfg.max_steps, cfg.num_train_epochs) if cfg.do_train else 0
-
-
-def _data_state(run: Run) -> dict:
-    """What decides which rows each step reads, the same on every rank (the stores' fingerprints, from rank 0)."""
-    cfg = run.cfg
-    digest = run.train_set.fingerprint() if run.coords.rank == 0 and cfg.do_train else None
-    return {
-        "num_train_rows": run.plan.num_rows,
-        "global_batch_size": run.coords.global_batch(cfg.micro_batch_size, cfg.gradient_accumulation_steps),
-        "seed": cfg.seed,
-        "seq_length": cfg.seq_length,
-        "train_weights": list(cfg.data.train_weights) if cfg.data.train_weights else None,
-        "packing": cfg.data.packing,
-        "concatenate": cfg.data.concatenate,
-        "train_data_fingerprint": broadcast_object(digest),
-    }
 
 
 def _weights_source(run: Run, plan: checkpointing.ResumePlan) -> str | None:
@@ -276,19 +174,20 @@ def assemble(cfg: TrainConfig) -> Run:
             raise _user_error(e) from None
     tp = TensorParallel(cfg.tensor_parallel_size, coords.tp_rank, cfg.model.vocab_pad_multiple,
                         sequence_parallel=sequence_parallel(cfg))  # fmt: skip
-    cross_entropy = None
-    if vocab_parallel(model_config, tp):  # no rank holds [B, S, V] logits; padded rows never reach the loss
-        cross_entropy = functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=model_config.vocab_size)
-    loss_fn = CausalLMLoss(cross_entropy, cfg.model.loss_chunk_size)
-    run = Run(cfg, coords, model_config, loss_fn, bounds, tp=tp)
+    run = Run(cfg, coords, model_config, _loss_fn(cfg, model_config, tp), bounds, tp=tp)
     run.layout = checkpointing.saved_layout(cfg, coords, model_config, bounds)
     resume = checkpointing.plan_resume(cfg, coords, run.layout)  # before slow work: a bad resume fails now
     with agreed():
         if coords.has_data:
             run.tokenizer = _tokenizer(cfg, model_config.vocab_size)
-    _load_data(run)
-    run.collate = CausalLMCollator(cfg.seq_length, _pad_id(run.tokenizer), cfg.data.documents_share_rows)
-    run.data_state = _data_state(run)
+    load_data(run)
+    if cfg.objective == "dpo":
+        run.collate = PairCollator(cfg.seq_length, pad_id(run.tokenizer))
+    else:
+        run.collate = CausalLMCollator(cfg.seq_length, pad_id(run.tokenizer), cfg.data.documents_share_rows)
+    run.data_state = data_state(run)
+    if needs_reference(cfg):  # before the training stage exists: the pass builds (and drops) a stage of its own
+        attach_reference(run)
 
     source = _weights_source(run, resume)
     module = build_module(cfg, coords, model_config, run.loss_fn, tp, bounds,
@@ -348,20 +247,4 @@ def write_run_files(run: Run) -> None:
     generation = os.path.join(source, "generation_config.json") if source else ""
     if generation and os.path.exists(generation) and not os.path.exists(target):
         shutil.copy2(generation, target)
-    report = {}
-    for name, ds in (("train", run.train_set), ("eval", run.eval_set)):
-        if isinstance(ds, (TokenizedDataset, PackedDataset, BlockDataset)):
-            report[name] = r = ds.report()
-            log.info("%s data %s: %d rows, %d tokens, %.1f%% of them targets, %d rows truncated to %d tokens, "
-                     "%d rows without targets", name, r["file"], r["rows"], r["tokens"], 100 * r["target_share"],
-                     r["truncated_rows"], cfg.seq_length, r["rows_without_targets"])  # fmt: skip
-            if "packed_rows" in r:
-                log.info("%s data packed: %d rows in %d rows of %d tokens (%.2f per row), padding %.1f%% -> %.1f%%",
-                         name, r["rows"], r["packed_rows"], cfg.seq_length, r["rows_per_packed_row"],
-                         100 * r["padding_share_unpacked"], 100 * r["padding_share_packed"])  # fmt: skip
-            if "blocks" in r:
-                log.info("%s data concatenated: %d documents in %d blocks of %d tokens, %d tokens of a partial block "
-                         "dropped", name, r["rows"], r["blocks"], cfg.seq_length, r["tokens_dropped"])  # fmt: skip
-    if report:
-        with open(os.path.join(cfg.output_dir, "data_report.json"), "w") as f:
-            json.dump(report, f, indent=2)
+    write_data_report(run)

@@ -1,4 +1,4 @@
-"""The last stage's view of the data: each micro-batch with the scale that makes the loss a global token mean."""
+"""The last stage's view of the data: each micro-batch with the scale that makes the loss a global mean."""
 
 from __future__ import annotations
 
@@ -29,13 +29,42 @@ class LossScaledBatches:
     def __next__(self):
         if not self.pending:
             step = [next(self.batches) for _ in range(self.micro_batches)]
-            counts = torch.tensor(
-                [sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in step), sum(int(n) for *_, n in step)],
-                dtype=torch.long,
-            )
+            counts = torch.tensor([self.counts(labels) + [int(tokens)] for _, labels, tokens in step]).sum(0)
             if self.dp_size > 1:
                 dist.all_reduce(counts, group=self.dp_group)
-            self.step_tokens, self.step_input_tokens = int(counts[0]), int(counts[1])
-            scale = torch.tensor(self.micro_batches * self.dp_size / max(self.step_tokens, 1))
-            self.pending = [(inputs, (labels, scale)) for inputs, labels, _ in step]
+            self.step_tokens, self.step_input_tokens = int(counts[0]), int(counts[-1])
+            self.pending = self.attach(step, counts.tolist())
         return self.pending.pop(0)
+
+    def scale(self, count: int) -> torch.Tensor:
+        """The factor that turns a micro-batch's sum into its share of the mean over `count` things of the step."""
+        return torch.tensor(self.micro_batches * self.dp_size / max(count, 1))
+
+    def counts(self, labels) -> list[int]:
+        """What a micro-batch contributes to the step's denominators (first: its target tokens)."""
+        return [int((labels != IGNORE_INDEX).sum())]
+
+    def attach(self, step: list, counts: list[int]) -> list:
+        scale = self.scale(counts[0])
+        return [(inputs, (labels, scale)) for inputs, labels, _ in step]
+
+
+class PairScaledBatches(LossScaledBatches):
+    """`objective=dpo`: micro-batches of pairs (data/pair_dataset.PairCollator) as `models.preference.PreferenceLoss`
+    takes them: ((input_ids, position_ids), (labels, reference log-probs, pair scale, token scale)), the pair scale
+    over the step's pairs that score (both sequences keep a completion token), the token scale over their chosen
+    completion tokens. `step_pairs` counts those pairs over the DP group."""
+
+    step_pairs = 0
+
+    def counts(self, labels) -> list[int]:
+        labels, _ = labels
+        tokens = (labels != IGNORE_INDEX).sum(-1)
+        p = labels.shape[0] // 2
+        kept = (tokens[:p] > 0) & (tokens[p:] > 0)
+        return [int(tokens.sum()), int(kept.sum()), int((tokens[:p] * kept).sum())]
+
+    def attach(self, step: list, counts: list[int]) -> list:
+        self.step_pairs = counts[1]
+        pair_scale, token_scale = self.scale(counts[1]), self.scale(counts[2])
+        return [(inputs, (labels, ref, pair_scale, token_scale)) for inputs, (labels, ref), _ in step]

@@ -44,8 +44,8 @@ from training.topology import Coords
 log = logging.getLogger("trainer")
 
 # What decides which rows each step reads, in the order a mismatch is reported (see `check_data_state`).
-DATA_KEYS = ("seed", "global_batch_size", "seq_length", "train_weights", "packing", "concatenate", "num_train_rows",
-             "train_data_fingerprint")  # fmt: skip
+DATA_KEYS = ("objective", "seed", "global_batch_size", "seq_length", "train_weights", "packing", "concatenate",
+             "num_train_rows", "train_data_fingerprint")  # fmt: skip
 
 
 @dataclass

@@ -21,6 +21,7 @@ from models.sharding import tp_indivisible
 from training.precision import resolve_precision, resolve_zero_stage
 
 RESUME_MODES = ("true", "false", "auto")
+OBJECTIVES = ("sft", "dpo")
 SCHEDULES = ("1f1b", "zero_bubble", "dualpipev")
 
 
@@ -69,6 +70,19 @@ class OptimConfig:
 
 
 @dataclass
+class DpoConfig:
+    """Preference tuning (`objective=dpo`): the loss on pairs and the reference whose log-probs it compares against."""
+
+    beta: float = 0.1  # DPO's KL strength; IPO's tau; SimPO's reward scale
+    loss_type: str = "sigmoid"  # sigmoid (DPO), ipo, simpo (reference-free, length-normalised)
+    gamma: float = 0.5  # SimPO's target reward margin (TRL's simpo_gamma)
+    sft_weight: float = 0.0  # adds the chosen completions' NLL with this weight (TRL's "sft" loss term, rpo_alpha)
+    # An HF directory or a pipeline checkpoint; None: the starting weights (model_name_or_path; with LoRA, the base
+    # without adapters). Its log-probs are computed once, before training, and cached beside the tokenized data.
+    reference_model: str | None = None
+
+
+@dataclass
 class TrainConfig:
     model_name_or_path: str | None = None  # a converted pipeline checkpoint (convert2ckpt.py) or an HF directory
     tokenizer_name_or_path: str | None = None  # default: model_name_or_path
@@ -114,6 +128,8 @@ class TrainConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
+    objective: str = "sft"  # sft: next-token loss on rows; dpo: preference pairs (the `dpo` settings)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
 
 
 def register_configs() -> None:
@@ -180,6 +196,10 @@ def validate_numbers(cfg: TrainConfig) -> None:
         _need(getattr(cfg.data, key) >= 0, f"data.{key}={getattr(cfg.data, key)} must be >= 0")
     for i, w in enumerate(cfg.data.train_weights or []):
         _finite(w, f"data.train_weights[{i}]", 0)
+    if cfg.objective == "dpo":
+        _finite(cfg.dpo.beta, "dpo.beta", 0, low_open=True)
+        _finite(cfg.dpo.gamma, "dpo.gamma", -math.inf)
+        _finite(cfg.dpo.sft_weight, "dpo.sft_weight", 0)
     if cfg.lora.enabled:
         _finite(cfg.lora.alpha, "lora.alpha", 0, low_open=True)
         _finite(cfg.lora.dropout, "lora.dropout", 0, 1, high_open=True)
@@ -228,6 +248,9 @@ def validate(cfg: TrainConfig) -> None:
     need(not (cfg.data.packing and cfg.data.concatenate),
          "data.packing=true and data.concatenate=true: choose one (packing places whole rows, concatenation cuts "
          "the document stream into blocks)")  # fmt: skip
+    need(cfg.objective in OBJECTIVES, f"objective={cfg.objective}: choose one of {', '.join(OBJECTIVES)}")
+    if cfg.objective == "dpo":
+        validate_dpo(cfg)
     if cfg.lora.enabled:
         need(cfg.lora.r >= 1, f"lora.r={cfg.lora.r} must be >= 1")
         need(cfg.model_name_or_path is not None, "lora.enabled=true needs model_name_or_path")
@@ -236,6 +259,20 @@ def validate(cfg: TrainConfig) -> None:
         cfg.model_name_or_path is not None or cfg.model.hidden_size is not None,
         "model_name_or_path is not set (a checkpoint written by convert2ckpt.py) and model= names no preset to build",
     )
+
+
+def validate_dpo(cfg: TrainConfig) -> None:
+    """`objective=dpo` settings. Raises ValueError naming the key."""
+    from models.preference import LOSS_TYPES
+
+    d = cfg.dpo
+    _need(d.loss_type in LOSS_TYPES, f"dpo.loss_type={d.loss_type}: choose one of {', '.join(LOSS_TYPES)}")
+    for key in ("packing", "concatenate"):
+        _need(not getattr(cfg.data, key), f"data.{key}=true: objective=dpo scores each pair's two sequences as rows "
+              "of their own (packing or concatenating pairs is not supported)")  # fmt: skip
+    _need(d.loss_type == "simpo" or d.reference_model is not None or cfg.model_name_or_path is not None,
+          f"dpo.loss_type={d.loss_type} compares against a reference model: set model_name_or_path (the reference "
+          "is the starting weights) or dpo.reference_model")  # fmt: skip
 
 
 def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:

@@ -184,6 +184,15 @@ def build_module(cfg: TrainConfig, coords: Coords, model_config, loss_fn, tp: Te
     return module
 
 
+def initialize_forward_engine(cfg: TrainConfig, coords: Coords, module):
+    """DeepSpeed's pipeline engine for forward passes only (`eval_batch`): no optimizer, no optimizer state; the
+    stage cast to the run's precision. The reference pass of `objective=dpo` runs it, then drops it."""
+    config = deepspeed_config(cfg, coords)
+    config["zero_optimization"] = {"stage": 0}  # nothing to partition without an optimizer
+    engine, _, _, _ = deepspeed.initialize(model=module, config=config)
+    return engine
+
+
 def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int, load_universal: bool = False):
     """Wrap a built stage in DeepSpeed's PipelineEngine with AdamW and the LR schedule."""
     # NOTE: DeepSpeed sums gradient norms over its "model-parallel" group, which in a pipeline grid is every

@@ -42,9 +42,11 @@ def source_record(hf_dir: str) -> dict:
     return {"source": os.path.abspath(hf_dir), "files": files}
 
 
-def convert_on_load(hf_dir: str, output_dir: str, coords: Coords, bounds: list[int]) -> tuple[str, bool]:
-    """Convert (or reuse) `hf_dir` for this run. Collective. Returns (checkpoint directory, reused)."""
-    final = os.path.join(output_dir, CONVERTED_DIR)
+def convert_on_load(hf_dir: str, output_dir: str, coords: Coords, bounds: list[int],
+                    name: str = CONVERTED_DIR) -> tuple[str, bool]:  # fmt: skip
+    """Convert (or reuse) `hf_dir` for this run into `output_dir/name`. Collective. Returns (checkpoint directory,
+    reused)."""
+    final = os.path.join(output_dir, name)
     record_path = os.path.join(final, CONVERSION_RECORD)
     with agreed():
         record = source_record(hf_dir)
@@ -52,7 +54,7 @@ def convert_on_load(hf_dir: str, output_dir: str, coords: Coords, bounds: list[i
         with open(record_path) as f:
             if json.load(f) == record:
                 return final, True
-    tmp = os.path.join(output_dir, f".{CONVERTED_DIR}.tmp")  # a fixed name: every rank writes into it
+    tmp = os.path.join(output_dir, f".{name}.tmp")  # a fixed name: every rank writes into it
     with agreed():
         if coords.rank == 0:
             plan_conversion(hf_dir)  # every check of convert2ckpt.py, before anything is written

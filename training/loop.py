@@ -19,7 +19,7 @@ from checkpoint.saves import newest_checkpoint
 from data.sampling import eval_batches, eval_indices, eval_num_batches, train_batches
 from training import checkpointing
 from training.assembly import assemble
-from training.batches import LossScaledBatches
+from training.batches import LossScaledBatches, PairScaledBatches
 from training.config import TrainConfig, evaluating, resume_mode
 from training.distributed import control_group
 from training.errors import RunError
@@ -72,7 +72,8 @@ class Trainer:
         if c.has_data:
             data_iter = train_batches(r.train_set, r.plan, c.dp_rank, cfg.seed, r.step, r.collate, cfg.data.num_workers)
             if c.is_last:
-                data_iter = LossScaledBatches(data_iter, cfg.gradient_accumulation_steps, r.dp_group(), c.dp)
+                scaled = PairScaledBatches if cfg.objective == "dpo" else LossScaledBatches
+                data_iter = scaled(data_iter, cfg.gradient_accumulation_steps, r.dp_group(), c.dp)
         tokens_per_step = c.global_batch(cfg.micro_batch_size, cfg.gradient_accumulation_steps) * cfg.seq_length
         log.info("training steps %d..%d of %d (%d per epoch), PP=%d x TP=%d x DP=%d", r.step + 1, r.total_steps,
                  r.total_steps, r.plan.steps_per_epoch, cfg.num_stages, c.tp, c.dp)  # fmt: skip
@@ -82,8 +83,9 @@ class Trainer:
             loss = self._train_step(data_iter)
             seconds = time.perf_counter() - start
             r.step += 1
+            rewards = self._preference_metrics() if cfg.objective == "dpo" and c.is_last else None
             if self.reporter is not None:
-                self._report(loss, lr, seconds, tokens_per_step, data_iter)
+                self._report(loss, lr, seconds, tokens_per_step, data_iter, rewards)
             if not math.isfinite(loss) and cfg.nonfinite_loss == "skip":
                 log.warning("loss is %s at step %d: update skipped (weights and optimizer state unchanged)",
                             loss, r.step)  # fmt: skip
@@ -101,7 +103,19 @@ class Trainer:
             if evaluating(cfg) and cfg.eval_steps and r.step % cfg.eval_steps == 0 and r.step < r.total_steps:
                 self.evaluate()
 
-    def _report(self, loss: float, lr: float, seconds: float, tokens_per_step: int, batches: LossScaledBatches) -> None:
+    def _preference_metrics(self, prefix: str = "") -> dict:
+        """Last stage, objective=dpo: the loss and TRL's reward means over every pair scored since the last call (the
+        step's, or the evaluation's), summed over the DP group (`prefix`: "eval_" for TRL's evaluation names)."""
+        r = self.state
+        sums = r.loss_fn.sums if r.loss_fn.sums is not None else torch.zeros(len(r.loss_fn.SUMS))
+        sums = sums.detach().to("cpu", torch.float64)
+        r.loss_fn.reset()
+        if r.coords.dp > 1:
+            dist.all_reduce(sums, group=r.dp_group())
+        return {f"{prefix}{k}": v for k, v in r.loss_fn.totals(sums).items()}
+
+    def _report(self, loss: float, lr: float, seconds: float, tokens_per_step: int, batches: LossScaledBatches,
+                rewards: dict | None = None) -> None:  # fmt: skip
         r = self.state
         record = {
             "step": r.step,
@@ -115,6 +129,8 @@ class Trainer:
             "input_tokens": batches.step_input_tokens,
             "step_seconds": seconds,
         }
+        if rewards:  # objective=dpo: TRL's reward means over the step's pairs (its loss is `loss` above)
+            record.update({k: v for k, v in rewards.items() if k != "loss"})
         self.reporter.step(record)
         if r.step % self.cfg.logging_steps == 0 or r.step == r.total_steps:
             log.info("step %d/%d loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f", r.step, r.total_steps, loss, lr,
@@ -154,7 +170,8 @@ class Trainer:
             indices = eval_indices(r.num_eval_rows, c.dp, c.dp_rank, mbs, micro_batches)
             data_iter = eval_batches(r.eval_set, indices, mbs, r.collate)
             if c.is_last:
-                data_iter = LossScaledBatches(data_iter, micro_batches, r.dp_group(), c.dp)
+                scaled = PairScaledBatches if cfg.objective == "dpo" else LossScaledBatches
+                data_iter = scaled(data_iter, micro_batches, r.dp_group(), c.dp)
         if mbs != cfg.micro_batch_size:
             r.engine.reset_activation_shape()
         r.loss_fn.reset()
@@ -163,7 +180,16 @@ class Trainer:
         if mbs != cfg.micro_batch_size:
             r.engine.reset_activation_shape()
         results = None
-        if c.is_last:
+        if c.is_last and cfg.objective == "dpo":
+            results = self._preference_metrics("eval_")
+            if results["eval_pairs"] == 0:
+                raise RunError(f"eval_file {cfg.eval_file}: no pair keeps a completion token to score")
+            results = {"step": r.step, **results}
+            self._write_results(results)
+            log.info("eval at step %d: loss %.4f over %d pairs, reward accuracy %.3f, margin %.4f", r.step,
+                     results["eval_loss"], results["eval_pairs"], results["eval_rewards/accuracies"],
+                     results["eval_rewards/margins"])  # fmt: skip
+        elif c.is_last:
             totals = torch.tensor(r.loss_fn.totals(), dtype=torch.float64)
             if c.dp > 1:
                 dist.all_reduce(totals, group=r.dp_group())
@@ -177,15 +203,19 @@ class Trainer:
                 "eval_rows": r.num_eval_rows,
                 "perplexity": math.exp(min(loss_sum / tokens, 700.0)),
             }
+            self._write_results(results)
             if c.reporting:
-                with open(os.path.join(cfg.output_dir, "eval_results.json"), "w") as f:
-                    json.dump(results, f, indent=2)
-                if self.reporter is not None:
-                    self.reporter.evaluation(results)
                 log.info("eval at step %d: loss %.4f over %d tokens, perplexity %.3f", r.step, results["eval_loss"],
                          tokens, results["perplexity"])  # fmt: skip
         r.loss_fn.reset()
         return results
+
+    def _write_results(self, results: dict) -> None:
+        if self.state.coords.reporting:
+            with open(os.path.join(self.cfg.output_dir, "eval_results.json"), "w") as f:
+                json.dump(results, f, indent=2)
+            if self.reporter is not None:
+                self.reporter.evaluation(results)
 
     # ---------------------------------------------------------------- the whole run
 

@@ -1,0 +1,40 @@
+"""What a built run holds (training/assembly.py builds it, training/loop.py drives it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from data.sampling import TrainPlan
+from models.tensor_parallel import TensorParallel
+from training.config import TrainConfig
+from training.topology import Coords
+
+
+@dataclass
+class Run:
+    """Everything a built run holds; the loop (training/loop.py) drives it."""
+
+    cfg: TrainConfig
+    coords: Coords
+    model_config: Any
+    loss_fn: Any  # CausalLMLoss; PreferenceLoss for objective=dpo
+    bounds: list[int]  # stage s holds pipeline layers bounds[s]..bounds[s + 1] - 1 (computed once)
+    plan: TrainPlan | None = None  # set once the data is loaded
+    total_steps: int = 0
+    num_eval_rows: int = 0
+    ephemeral_data: bool = False  # data.cache_dir="": the stores are removed after the run
+    engine: Any = None
+    step: int = 0
+    data_state: dict = field(default_factory=dict)  # what decides the data order (checkpointing.DATA_KEYS)
+    layout: dict = field(default_factory=dict)  # what a save records of this layout
+    tokenizer: Any = None
+    train_set: Any = None
+    eval_set: Any = None
+    collate: Any = None
+    tp: TensorParallel = field(default_factory=TensorParallel)
+    loaded_layers: list[int] = field(default_factory=list)
+    lora_base: str | None = None
+
+    def dp_group(self):
+        return self.engine.grid.get_data_parallel_group()
