@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
-from tests.conftest import check, deepspeed_launch
+from tests.conftest import check, deepspeed_launch, read_jsonl
 from tests.test_data import CHATML
 from tests.test_preference import CHAT_PAIRS, IMPLICIT_PROMPT_PAIRS, STRING_PAIRS, tiny_pair_models
+from training.config import DpoConfig, OptimConfig, TrainConfig
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 
@@ -121,3 +122,178 @@ def test_pipeline_evaluation_equals_trl(kind, dpo_models, tmp_path):
         assert correct == round(correct) == round(theirs["rewards/accuracies"] * 7)
         for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
             assert ours[f"eval_{key}"] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+
+
+def hf_sequence_logps(model, sequences) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-prob of each sequence's completion tokens, their count) with the HF model, right-padded rows
+    in one batch, with autograd (the single-process reference trains through it)."""
+    width = max(len(ids) for ids, _ in sequences)
+    ids = torch.stack([torch.nn.functional.pad(i, (0, width - len(i))) for i, _ in sequences])
+    targets = torch.stack([torch.nn.functional.pad(t, (0, width - len(t))) for _, t in sequences])
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    per_token = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    mask = targets[:, 1:]
+    return (per_token * mask).sum(-1), mask.sum(-1)
+
+
+def train_dpo_reference(policy_dir: str, reference_dir: str, cfg: TrainConfig, dp: int) -> tuple:
+    """The single-process reference: the HF policy (with `cfg.lora`: PEFT adapters seeded as the pipeline seeds
+    them) trained on the same global batches of pairs with TRL's loss (our `preference_losses`, equal to TRL's in
+    tests/test_preference.py) over every pair of the step, plus `sft_weight` x the step's chosen tokens' mean NLL;
+    the reference's log-probs from the HF reference model. Returns (model, losses, grad norms, reward margins)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from data.pair_dataset import PairDataset
+    from data.sampling import TrainPlan
+    from models.lora import add_lora
+    from models.preference import preference_losses, sft_loss
+    from training.engine import make_optimizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32, attn_implementation="sdpa").train()
+    reference = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32, attn_implementation="sdpa")
+    if cfg.lora.enabled:
+        lo = cfg.lora
+        add_lora(model, lo.r, lo.alpha, lo.dropout, lo.target_modules, cfg.seed)
+    pairs = PairDataset(cfg.train_file, AutoTokenizer.from_pretrained(policy_dir), cfg.seq_length, cfg.data)
+    plan = TrainPlan(len(pairs), dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
+    optimizer, scheduler = make_optimizer(cfg, model.named_parameters(), plan.total_steps(cfg.max_steps, 1))
+    settings = settings_of(cfg)
+    losses, norms, margins = [], [], []
+    for step in range(cfg.max_steps):
+        epoch, skip = plan.position(step)
+        batch = [
+            pairs[int(i)] for r in range(dp) for i in plan.epoch_indices(epoch, r, cfg.seed, skip)[: plan.rows_per_step]
+        ]
+        sequences = [(p[0], p[1]) for p in batch] + [(p[2], p[3]) for p in batch]
+        logps, tokens = hf_sequence_logps(model, sequences)
+        with torch.no_grad():
+            ref, _ = hf_sequence_logps(reference.eval(), sequences)
+        n = len(batch)
+        per_pair, chosen, rejected = preference_losses(settings, logps[:n], logps[n:], tokens[:n], tokens[n:],
+                                                       ref[:n], ref[n:])  # fmt: skip
+        loss = per_pair.mean() + settings.sft_weight * sft_loss(logps[:n], tokens[:n])
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        margins.append(float((chosen - rejected).mean()))
+    return model, losses, norms, margins
+
+
+def settings_of(cfg: TrainConfig):
+    from models.preference import PreferenceSettings
+
+    d = cfg.dpo
+    return PreferenceSettings(d.loss_type, d.beta, d.gamma, d.sft_weight)
+
+
+def train_config(train_files: list[str], **dpo) -> TrainConfig:
+    """The parity runs' settings (clipping at 0.05 is active on these steps, so a wrong grad norm would show)."""
+    return TrainConfig(
+        train_file=train_files, seq_length=SEQ, micro_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+        learning_rate=3e-3, seed=7, objective="dpo", dpo=DpoConfig(**dpo),
+        optim=OptimConfig(weight_decay=0.1, max_grad_norm=0.05, warmup_steps=1, lr_scheduler="cosine"),
+    )  # fmt: skip
+
+
+def launch_args(cfg: TrainConfig, policy: str, out, stages: int, **extra) -> list[str]:
+    d, o = cfg.dpo, cfg.optim
+    args = {"train_file": "[" + ",".join(cfg.train_file) + "]", "max_steps": cfg.max_steps, "seed": cfg.seed,
+            "learning_rate": cfg.learning_rate, "optim.weight_decay": o.weight_decay,
+            "optim.max_grad_norm": o.max_grad_norm, "optim.warmup_steps": o.warmup_steps, "dpo.loss_type": d.loss_type,
+            "dpo.beta": d.beta, "dpo.sft_weight": d.sft_weight, **extra}  # fmt: skip
+    if d.reference_model:
+        args["dpo.reference_model"] = d.reference_model
+    return dpo_args(policy, out, num_stages=stages, **args)
+
+
+@pytest.fixture(scope="module")
+def train_pairs(tmp_path_factory) -> list[str]:
+    """40 training pairs in two files: 24 string pairs and 16 conversational ones."""
+    root = tmp_path_factory.mktemp("dpo_train")
+    return [write_jsonl(root / "strings.jsonl", arithmetic_pairs(24, False, 0)),
+            write_jsonl(root / "chat.jsonl", arithmetic_pairs(16, True, 1))]  # fmt: skip
+
+
+def assert_matches_dpo_reference(out, cfg: TrainConfig, policy_dir: str, reference_dir: str, dp: int):
+    """The run in `out` against `train_dpo_reference`: losses (1e-5), grad norms (1e-4), reward margins and the
+    trained weights (1% of lr, the SFT parity bound) or, with LoRA, the adapters. Returns the worst weight gap."""
+    from transformers import AutoConfig
+
+    from checkpoint.pipeline_reader import load_hf_state_dict
+    from tests.test_lora import adapter_state
+
+    model, losses, norms, margins = train_dpo_reference(policy_dir, reference_dir, cfg, dp)
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, cfg.max_steps + 1))
+    assert all(m["pairs"] == cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp for m in metrics)
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor([m["grad_norm"] for m in metrics]), torch.tensor(norms), rtol=1e-4,
+                               atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(torch.tensor([m["rewards/margins"] for m in metrics]), torch.tensor(margins),
+                               rtol=1e-4, atol=1e-6)  # fmt: skip
+    assert all(n > cfg.optim.max_grad_norm for n in norms), "clipping should be active in this test"
+    config = AutoConfig.from_pretrained(out)
+    if cfg.lora.enabled:
+        ours = adapter_state(out, config)
+        ref = {f"base_model.model.{k}": v for k, v in model.state_dict().items() if ".lora_" in k}
+    else:
+        ours, ref = load_hf_state_dict(str(out), config), model.state_dict()
+    assert set(ours) == set(ref)
+    worst = 0.0
+    for key, value in ref.items():
+        torch.testing.assert_close(
+            ours[key], value, rtol=1e-5, atol=0.01 * cfg.learning_rate, msg=lambda m, k=key: f"{k}: {m}"
+        )
+        worst = max(worst, float((ours[key] - value).abs().max()))
+    return worst
+
+
+# (stages, TP, dpo settings, reference: a model of its own (else the starting weights), LoRA, trainer overrides)
+DPO_LAYOUTS = {
+    "pp2-dp2-sigmoid-sft": (2, 1, {"loss_type": "sigmoid", "beta": 0.1, "sft_weight": 0.3}, True, False, {}),
+    "pp2-tp2-ipo-chunked-recompute": (2, 2, {"loss_type": "ipo", "beta": 0.1}, False, False,
+                                      {"model.loss_chunk_size": 7, "model.activation_checkpointing": "true"}),
+    "pp2-dp2-lora-sigmoid": (2, 1, {"loss_type": "sigmoid", "beta": 0.1}, False, True, {}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(DPO_LAYOUTS))
+def test_dpo_training_matches_single_process_reference(layout, dpo_models, train_pairs, tmp_path):
+    """4 ranks, 4 AdamW steps with clipping active, string and conversational pairs: losses, grad norms, reward
+    margins and weights (with LoRA: adapters, against PEFT on the HF model) equal the single-process reference
+    trained with TRL's loss; under TP=2 through the vocab-parallel path, in chunks, with recompute. The first layout
+    also resumes from its step-2 checkpoint with the cached reference log-probs removed: the reference pass runs
+    again (with the reference weights, not the resumed policy's) and the run continues bit-identically."""
+    from tests.test_faults import assert_same_run
+    from tests.test_training import interrupted_copy
+
+    stages, tp, dpo, distinct, lora, extra = DPO_LAYOUTS[layout]
+    policy, reference = dpo_models["bpe"]
+    cfg = train_config(train_pairs, reference_model=reference if distinct else None, **dpo)
+    if lora:
+        from tests.test_lora import LORA, lora_overrides
+
+        cfg.lora = LORA
+        cfg.optim.max_grad_norm = 0.02  # adapters start at B = 0: smaller gradients
+        extra = {**extra, **dict(o.split("=", 1) for o in lora_overrides())}
+    out = tmp_path / "run"
+    proc = check(deepspeed_launch(4, *launch_args(cfg, policy, out, stages, tensor_parallel_size=tp, save_steps=2,
+                                                  **extra)))  # fmt: skip
+    assert "reference log-probs of 40 pairs computed" in proc.stderr
+    worst = assert_matches_dpo_reference(out, cfg, policy, reference if distinct else policy, dp=4 // (stages * tp))
+    print(f"DPO training parity ({layout}): max |weight diff| after {cfg.max_steps} steps = {worst:.3g}")
+    if layout != "pp2-dp2-sigmoid-sft":
+        return
+    part = tmp_path / "resumed"
+    interrupted_copy(out, part, 2)
+    for cached in (part / "data_cache" / "reference_logps").iterdir():
+        cached.unlink()
+    proc = check(deepspeed_launch(4, *launch_args(cfg, policy, part, stages, save_steps=2, resume="true")))
+    assert (
+        "reference log-probs of 40 pairs computed" in proc.stderr and f"resumed from {part}/global_step2" in proc.stderr
+    )
+    assert_same_run(out, part)
