@@ -137,6 +137,13 @@ def test_resume_from_checks_completeness_and_rolls_back(tmp_path):
         ("data.train_weights", [1.0, float("nan")], "data.train_weights[1]=nan must be"),
         ("resume_from", "step5", "resume_from=step5 must name a checkpoint like global_step500"),
         ("overwrite_output_dir", True, "overwrite_output_dir=true starts a fresh run"),
+        ("objective", "ppo", "objective=ppo: choose one of sft, dpo"),
+        ("dpo.beta", 0.0, "dpo.beta=0.0 must be a finite number in (0, inf]"),
+        ("dpo.sft_weight", -1.0, "dpo.sft_weight=-1.0 must be a finite number in [0, inf]"),
+        ("dpo.gamma", float("nan"), "dpo.gamma=nan must be"),
+        ("dpo.loss_type", "kto", "dpo.loss_type=kto: choose one of sigmoid, ipo, simpo"),
+        ("dpo.data.packing", True, "data.packing=true: objective=dpo scores each pair's two sequences"),
+        ("dpo.data.concatenate", True, "data.concatenate=true: objective=dpo"),
     ],
 )
 def test_every_numeric_setting_is_checked_before_training(key, value, message):
@@ -144,6 +151,10 @@ def test_every_numeric_setting_is_checked_before_training(key, value, message):
     cfg.lora.enabled = key.startswith("lora.")
     if key == "overwrite_output_dir":
         cfg.resume = "auto"
+    if key.startswith("dpo.data."):  # a data setting refused for objective=dpo
+        key = key.removeprefix("dpo.")
+        cfg.objective = "dpo"
+    cfg.objective = "dpo" if key.startswith("dpo.") else cfg.objective
     owner, _, name = key.rpartition(".")
     setattr(getattr(cfg, owner) if owner else cfg, name, value)
     with pytest.raises(ValueError) as e:

@@ -160,7 +160,7 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     optim_share = 0.0 if cfg.deepspeed.offload_optimizer else (1 / dp if zero >= 1 else 1.0)
     counts = layer_param_counts(config, TensorParallel(tp, 0, cfg.model.vocab_pad_multiple))  # one TP rank's share
     bounds = stage_bounds(config, 2 * pp if dual else pp, cfg.model.partition)
-    b, s = cfg.micro_batch_size, cfg.seq_length
+    b, s = cfg.micro_batch_size * (2 if cfg.objective == "dpo" else 1), cfg.seq_length  # DPO: 2 sequences a pair
     every = checkpoint_every(cfg.model)
     act_bytes = 2 if precision != "fp32" else 4
     attn = str(cfg.model.attn_implementation)
@@ -270,7 +270,8 @@ def main(argv: list[str]) -> int:
     dp = world_size // (cfg.num_stages * cfg.tensor_parallel_size)
     sp = f", sequence_parallel={str(sequence_parallel(cfg)).lower()}" if cfg.tensor_parallel_size > 1 else ""
     print(f"PP={cfg.num_stages} x TP={cfg.tensor_parallel_size} x DP={dp}, "
-          f"micro-batch {cfg.micro_batch_size} x {cfg.seq_length} tokens, "
+          f"micro-batch {cfg.micro_batch_size}{' pairs (2 sequences each)' if cfg.objective == 'dpo' else ''} x "
+          f"{cfg.seq_length} tokens, "
           f"{cfg.deepspeed.precision}, recompute={cfg.model.activation_checkpointing}, "
           f"pipeline_schedule={cfg.pipeline_schedule}{sp}")  # fmt: skip
     print(" ".join(f"{c:>8}" for c in ("stage", "params", "weights", "grads", "optim", "activ", "logits", "total")))
