@@ -75,29 +75,50 @@ def common_prefix_length(ids, other) -> int:
     return length
 
 
-def encode_pair(row: dict, tokenizer) -> tuple[list[int], list[int], list[int]]:
-    """(prompt_ids, chosen_ids, rejected_ids) of a pair row, as TRL's DPOTrainer tokenizes it."""
+def _chat_ids(prompt, chosen, rejected, tokenizer) -> tuple[list[int], list[int], list[int]]:
+    """Token ids of the prompt (with the generation prompt), prompt + chosen and prompt + rejected, each through
+    the chat template once."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise KeyError("conversational pairs need a tokenizer with a chat template (tokenizer_config.json)")
+
+    def tokenize(messages, generation_prompt=False):
+        out = apply_template(tokenizer, messages, "pair", tokenize=True, return_dict=True,
+                             add_generation_prompt=generation_prompt)  # fmt: skip
+        return list(out["input_ids"])
+
+    return tokenize(prompt, generation_prompt=True), tokenize(prompt + chosen), tokenize(prompt + rejected)
+
+
+def _string_texts(prompt: str, chosen: str, rejected: str, tokenizer) -> tuple[str, str, str]:
+    """The prompt, prompt + chosen and prompt + rejected, each completion ended by EOS (TRL's string pairs)."""
+    eos = tokenizer.eos_token or ""
+    chosen = chosen if chosen.endswith(eos) else chosen + eos
+    rejected = rejected if rejected.endswith(eos) else rejected + eos
+    return prompt, prompt + chosen, prompt + rejected
+
+
+def _split(prompt_ids, with_chosen, with_rejected) -> tuple[list[int], list[int], list[int]]:
+    """(prompt, chosen, rejected) ids: the completions start where the prompt's tokens stop being a prefix."""
+    cut = min(common_prefix_length(prompt_ids, with_chosen), common_prefix_length(prompt_ids, with_rejected))
+    return list(prompt_ids[:cut]), list(with_chosen[cut:]), list(with_rejected[cut:])
+
+
+def _parse(row, tokenizer):
+    """A row as three id lists (conversational) or three texts still to tokenize (strings). KeyError: what is wrong."""
+    if not isinstance(row, dict):
+        raise KeyError("a preference row must be a JSON object")
     prompt, chosen, rejected, conversational = pair_fields(row)
     if conversational:
-        if not getattr(tokenizer, "chat_template", None):
-            raise KeyError("conversational pairs need a tokenizer with a chat template (tokenizer_config.json)")
+        return _chat_ids(prompt, chosen, rejected, tokenizer)
+    return _string_texts(prompt, chosen, rejected, tokenizer)
 
-        def tokenize(messages, generation_prompt=False):
-            out = apply_template(tokenizer, messages, "pair", tokenize=True, return_dict=True,
-                                 add_generation_prompt=generation_prompt)  # fmt: skip
-            return list(out["input_ids"])
 
-        prompt_ids = tokenize(prompt, generation_prompt=True)
-        with_chosen, with_rejected = tokenize(prompt + chosen), tokenize(prompt + rejected)
-    else:
-        eos = tokenizer.eos_token or ""
-        chosen = chosen if chosen.endswith(eos) else chosen + eos
-        rejected = rejected if rejected.endswith(eos) else rejected + eos
-        prompt_ids = list(tokenizer(prompt)["input_ids"])
-        with_chosen = list(tokenizer(prompt + chosen)["input_ids"])
-        with_rejected = list(tokenizer(prompt + rejected)["input_ids"])
-    cut = min(common_prefix_length(prompt_ids, with_chosen), common_prefix_length(prompt_ids, with_rejected))
-    return prompt_ids[:cut], with_chosen[cut:], with_rejected[cut:]
+def encode_pair(row: dict, tokenizer) -> tuple[list[int], list[int], list[int]]:
+    """(prompt_ids, chosen_ids, rejected_ids) of a pair row, as TRL's DPOTrainer tokenizes it."""
+    parsed = _parse(row, tokenizer)
+    if isinstance(parsed[0], str):
+        parsed = [list(tokenizer(text)["input_ids"]) for text in parsed]
+    return _split(*parsed)
 
 
 def pair_sequences(prompt_ids, chosen_ids, rejected_ids, seq_length: int):
@@ -116,15 +137,21 @@ def pair_sequences(prompt_ids, chosen_ids, rejected_ids, seq_length: int):
 
 def encode_pairs(rows, tokenizer) -> list[tuple[list[int], list[bool]]]:
     """Two (ids, targets) per (location, pair row): prompt + chosen, then prompt + rejected, not yet cut to a
-    length (the store cuts every sequence from its start, `pair_sequences`' rule). DataError naming the row."""
-    out = []
+    length (the store cuts every sequence from its start, `pair_sequences`' rule). The texts of string pairs go
+    through the tokenizer in one batched call. DataError naming the row."""
+    parsed = []
     for where, row in rows:
         try:
-            if not isinstance(row, dict):
-                raise KeyError("a preference row must be a JSON object")
-            prompt_ids, chosen_ids, rejected_ids = encode_pair(row, tokenizer)
+            parsed.append(_parse(row, tokenizer))
         except KeyError as e:
             raise DataError(f"{where}: {e.args[0]}") from None
+    texts = [text for triple in parsed if isinstance(triple[0], str) for text in triple]
+    batched = iter(tokenizer(texts, return_attention_mask=False)["input_ids"] if texts else [])
+    out = []
+    for triple in parsed:
+        if isinstance(triple[0], str):
+            triple = (next(batched), next(batched), next(batched))
+        prompt_ids, chosen_ids, rejected_ids = _split(*triple)
         for completion in (chosen_ids, rejected_ids):
             out.append((prompt_ids + completion, [False] * len(prompt_ids) + [True] * len(completion)))
     return out

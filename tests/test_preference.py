@@ -280,3 +280,23 @@ def test_pair_store_collator_and_loss_equal_trl(chat_tokenizers, tmp_path):
     path.write_text(json.dumps(STRING_PAIRS[0]) + "\n" + json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
     with pytest.raises(DataError, match=r"pairs\.jsonl:2: preference rows need 'chosen' and 'rejected'"):
         PairDataset(str(path), tok, 64, DataConfig(), cache_dir=cache)
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "bpe"])
+def test_batched_pair_encoding_equals_one_pair_at_a_time(kind, chat_tokenizers):
+    """`encode_pairs` tokenizes the string pairs of a chunk in one batched call, conversations one by one: the
+    sequences equal `encode_pair`'s on each row, in order, string and conversational rows mixed."""
+    from transformers import AutoTokenizer
+
+    from data.pairs import encode_pairs
+
+    tok = AutoTokenizer.from_pretrained(chat_tokenizers[kind])
+    tok.chat_template = CHATML
+    rows = [r for trio in zip(STRING_PAIRS, CHAT_PAIRS + [STRING_PAIRS[0]], IMPLICIT_PROMPT_PAIRS + [CHAT_PAIRS[0]],
+                              strict=True) for r in trio]  # fmt: skip
+    got = encode_pairs([(f"f:{i}", r) for i, r in enumerate(rows)], tok)
+    expected = []
+    for row in rows:
+        prompt, chosen, rejected = encode_pair(row, tok)
+        expected += [(prompt + c, [False] * len(prompt) + [True] * len(c)) for c in (chosen, rejected)]
+    assert got == expected and len(got) == 2 * len(rows)
