@@ -220,7 +220,8 @@ def train_pairs(tmp_path_factory) -> list[str]:
 
 def assert_matches_dpo_reference(out, cfg: TrainConfig, policy_dir: str, reference_dir: str, dp: int):
     """The run in `out` against `train_dpo_reference`: losses (1e-5), grad norms (1e-4), reward margins and the
-    trained weights (1% of lr, the SFT parity bound) or, with LoRA, the adapters. Returns the worst weight gap."""
+    trained weights (1% of lr, the SFT parity bound) or, with LoRA, the adapters. Returns (the worst weight gap,
+    the reference's trained model)."""
     from transformers import AutoConfig
 
     from checkpoint.pipeline_reader import load_hf_state_dict
@@ -249,7 +250,7 @@ def assert_matches_dpo_reference(out, cfg: TrainConfig, policy_dir: str, referen
             ours[key], value, rtol=1e-5, atol=0.01 * cfg.learning_rate, msg=lambda m, k=key: f"{k}: {m}"
         )
         worst = max(worst, float((ours[key] - value).abs().max()))
-    return worst
+    return worst, model
 
 
 # (stages, TP, dpo settings, reference: a model of its own (else the starting weights), LoRA, trainer overrides)
@@ -280,14 +281,32 @@ def test_dpo_training_matches_single_process_reference(layout, dpo_models, train
         cfg.lora = LORA
         cfg.optim.max_grad_norm = 0.02  # adapters start at B = 0: smaller gradients
         extra = {**extra, **dict(o.split("=", 1) for o in lora_overrides())}
-    out = tmp_path / "run"
+    out, first = tmp_path / "run", layout == "pp2-dp2-sigmoid-sft"
+    if first:  # and an evaluation at the end, of 7 pairs in 4 files over 2 DP ranks (padded to 8 on each)
+        files = [write_jsonl(tmp_path / f"eval_{name}.jsonl", rows) for name, rows in EVAL_GROUPS.items()]
+        extra = {**extra, "eval_file": "[" + ",".join(files) + "]", "eval_micro_batch_size": 1}
     proc = check(deepspeed_launch(4, *launch_args(cfg, policy, out, stages, tensor_parallel_size=tp, save_steps=2,
                                                   **extra)))  # fmt: skip
     assert "reference log-probs of 40 pairs computed" in proc.stderr
-    worst = assert_matches_dpo_reference(out, cfg, policy, reference if distinct else policy, dp=4 // (stages * tp))
+    ref_dir = reference if distinct else policy
+    worst, model = assert_matches_dpo_reference(out, cfg, policy, ref_dir, dp=4 // (stages * tp))
     print(f"DPO training parity ({layout}): max |weight diff| after {cfg.max_steps} steps = {worst:.3g}")
-    if layout != "pp2-dp2-sigmoid-sft":
+    report = json.loads((out / "data_report.json").read_text())["train"]
+    assert report["pairs"] == 40 and report["pairs_without_targets"] == 0 and report["truncated_pairs"] == 0
+    if not first:
         return
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.test_preference import our_evaluation
+
+    rows = [r for group in EVAL_GROUPS.values() for r in group]
+    hf_reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32, attn_implementation="sdpa")
+    expected = our_evaluation(model.eval(), hf_reference, AutoTokenizer.from_pretrained(policy), rows,
+                              settings_of(cfg), SEQ)  # fmt: skip
+    got = json.loads((out / "eval_results.json").read_text())
+    assert got["step"] == 4 and got["eval_pairs"] == expected["pairs"] == 7
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"):
+        assert got[f"eval_{key}"] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
     part = tmp_path / "resumed"
     interrupted_copy(out, part, 2)
     for cached in (part / "data_cache" / "reference_logps").iterdir():
