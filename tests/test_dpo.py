@@ -316,3 +316,39 @@ def test_dpo_training_matches_single_process_reference(layout, dpo_models, train
         "reference log-probs of 40 pairs computed" in proc.stderr and f"resumed from {part}/global_step2" in proc.stderr
     )
     assert_same_run(out, part)
+
+
+def test_dpo_under_each_pipeline_schedule_equals_1f1b(dpo_models, train_pairs, tmp_path):
+    """zero_bubble (deferred weight gradients) and dualpipev (the loss on rank 0, two stages per rank) train DPO as
+    1F1B does: the same losses, grad norms and reward margins (1e-6) and final weights (1e-6), 4 decoder layers,
+    PP=2, 4 micro-batches a step; the reference pass runs once (the later launches reuse its cache)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from tests.test_faults import final_weights
+    from tools.tiny_models import tiny_config
+
+    tok = AutoTokenizer.from_pretrained(dpo_models["bpe"][0])
+    config = tiny_config(vocab_size=len(tok), num_hidden_layers=4, pad_token_id=None, eos_token_id=tok.eos_token_id,
+                         bos_token_id=tok.bos_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    policy = tmp_path / "policy4"
+    LlamaForCausalLM(config).save_pretrained(policy)
+    tok.save_pretrained(policy)
+    cfg = train_config(train_pairs, loss_type="sigmoid", beta=0.1)
+    cfg.max_steps = 2
+    runs = {}
+    for schedule in ("1f1b", "zero_bubble", "dualpipev"):
+        out = tmp_path / schedule
+        args = launch_args(cfg, str(policy), out, 2, gradient_accumulation_steps=4, pipeline_schedule=schedule,
+                           **{"data.cache_dir": tmp_path / "cache"})  # fmt: skip
+        proc = check(deepspeed_launch(2, *args))
+        assert ("reference log-probs of 40 pairs computed" in proc.stderr) == (schedule == "1f1b")
+        runs[schedule] = (read_jsonl(out / "metrics.jsonl"), final_weights(out))
+    (base, weights) = runs["1f1b"]
+    for schedule, (metrics, got) in runs.items():
+        for key in ("loss", "grad_norm", "rewards/margins"):
+            ours, theirs = torch.tensor([m[key] for m in metrics]), torch.tensor([m[key] for m in base])
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6, msg=f"{schedule} {key}")
+        assert got.keys() == weights.keys()
+        for key, value in weights.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-6)
