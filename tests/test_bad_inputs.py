@@ -284,25 +284,6 @@ def rows_without_target_tokens(t):
 
 
 @case
-def dpo_pair_without_rejected_on_two_ranks(t):
-    """objective=dpo: a pair row missing 'rejected' is named by file and line, on both ranks (PP=2)."""
-    data = t.tmp / "pairs.jsonl"
-    data.write_text('{"prompt": "1+1=", "chosen": " 2", "rejected": " 3"}\n{"prompt": "2+2=", "chosen": " 4"}\n')
-    cmd = [LAUNCHER, "--num_gpus", "2", "--master_port", str(free_port()), "trainer.py",
-           *run_args(t.ckpt, t.out, str(data), num_stages=2, objective="dpo")]  # fmt: skip
-    return cmd, f"{data}:2: preference rows need 'chosen' and 'rejected'", t.out, [t.ckpt, data], 2
-
-
-@case
-def dpo_prompts_filling_seq_length(t):
-    data = t.tmp / "long_prompts.jsonl"  # every prompt fills seq_length: no completion token survives
-    rows = [{"prompt": "one two three four " * 8, "chosen": " five", "rejected": " six"} for _ in range(4)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cmd = trainer_cmd(*run_args(t.ckpt, t.out, str(data), objective="dpo"))
-    return cmd, f"{data}: none of the 4 pairs has a completion token within seq_length=16", t.out, [t.ckpt, data]
-
-
-@case
 def missing_train_file(t):
     missing = "/nonexistent/train.jsonl"
     return trainer_cmd(*run_args(t.ckpt, t.out, missing)), f"{missing}: cannot read", t.out, [t.ckpt]

@@ -8,12 +8,16 @@ import json
 import pytest
 import torch
 
-from tests.conftest import check, deepspeed_launch, read_jsonl
+from tests.catalogue import Catalogue, Inputs, run_args, run_case, trainer_cmd
+from tests.conftest import LAUNCHER, check, deepspeed_launch, free_port, read_jsonl
 from tests.test_data import CHATML
 from tests.test_preference import CHAT_PAIRS, IMPLICIT_PROMPT_PAIRS, STRING_PAIRS, tiny_pair_models
 from training.config import DpoConfig, OptimConfig, TrainConfig
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
+
+BAD_PAIRS = Catalogue()  # bad pair files through the trainer (tests/catalogue.py: what each case must show)
+case = BAD_PAIRS.case
 
 SEQ = 128  # the sentencepiece chat prompts fit (at 64 they fill it)
 
@@ -352,3 +356,27 @@ def test_dpo_under_each_pipeline_schedule_equals_1f1b(dpo_models, train_pairs, t
         assert got.keys() == weights.keys()
         for key, value in weights.items():
             torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-6)
+
+
+@case
+def dpo_pair_without_rejected_on_two_ranks(t):
+    """objective=dpo: a pair row missing 'rejected' is named by file and line, on both ranks (PP=2)."""
+    data = t.tmp / "pairs.jsonl"
+    data.write_text('{"prompt": "1+1=", "chosen": " 2", "rejected": " 3"}\n{"prompt": "2+2=", "chosen": " 4"}\n')
+    cmd = [LAUNCHER, "--num_gpus", "2", "--master_port", str(free_port()), "trainer.py",
+           *run_args(t.ckpt, t.out, str(data), num_stages=2, objective="dpo")]  # fmt: skip
+    return cmd, f"{data}:2: preference rows need 'chosen' and 'rejected'", t.out, [t.ckpt, data], 2
+
+
+@case
+def dpo_prompts_filling_seq_length(t):
+    data = t.tmp / "long_prompts.jsonl"  # every prompt fills seq_length: no completion token survives
+    rows = [{"prompt": "one two three four " * 8, "chosen": " five", "rejected": " six"} for _ in range(4)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cmd = trainer_cmd(*run_args(t.ckpt, t.out, str(data), objective="dpo"))
+    return cmd, f"{data}: none of the 4 pairs has a completion token within seq_length=16", t.out, [t.ckpt, data]
+
+
+@pytest.mark.parametrize("name", list(BAD_PAIRS))
+def test_bad_pairs(name, hf_models, converted, sft_data, tmp_path, monkeypatch):
+    run_case(BAD_PAIRS[name], Inputs(tmp_path, hf_models, converted, sft_data), monkeypatch)
