@@ -20,6 +20,7 @@ LORA_FILE = "lora.json"
 PIECE_FILE = "piece.json"
 CONVERSION_RECORD = "conversion.json"
 CONVERTED_DIR = "hf_converted"  # conversion at load time: output_dir/hf_converted
+REFERENCE_CONVERTED_DIR = "hf_converted_reference"  # the same, of an HF dpo.reference_model
 CONVERTED_TAG = "global_step0"  # the one tag of a converted checkpoint
 WRITER_FILE = ".convert2ckpt.json"  # which convert2ckpt command wrote a directory (checkpoint/outputs.py)
 

@@ -10,6 +10,7 @@ the P rejected after (TRL's order), as `CausalLMCollator` lays out rows (labels 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import tempfile
@@ -29,8 +30,9 @@ from data.store_builder import open_or_build
 class PairDataset(Dataset):
     """Preference pairs of one or more data files (arguments as `data.dataset.TokenizedDataset`'s).
     Item: (chosen ids, chosen targets, rejected ids, rejected targets, reference log-probs [2] (chosen, rejected));
-    index -1 is a padding pair. `reference` ([pairs, 2] in dataset order, training/reference.py) is None until the
-    reference pass has run (zeros then, as for the reference-free SimPO)."""
+    index -1 is a padding pair. `reference` ([store pairs, 2] in the stores' own order, whatever the mixture:
+    training/reference.py) is None until the reference pass has run (zeros then, as for the reference-free
+    SimPO)."""
 
     reference: np.ndarray | None = None
 
@@ -55,8 +57,23 @@ class PairDataset(Dataset):
     def __len__(self) -> int:
         return int(self.starts[-1]) if self.index is None else len(self.index)
 
+    @property
+    def store_pairs(self) -> int:
+        """Pairs in the stores, each once (the mixture may repeat or skip some)."""
+        return int(self.starts[-1])
+
+    def store_order(self) -> PairDataset:
+        """This dataset without its mixture: item i is the stores' pair i (what the reference pass scores)."""
+        view = copy.copy(self)
+        view.index = None
+        return view
+
+    def pair_id(self, index: int) -> int:
+        """The stores' pair behind dataset item `index`."""
+        return int(index if self.index is None else self.index[index])
+
     def _locate(self, index: int) -> tuple[Store, int]:
-        pair = int(index if self.index is None else self.index[index])
+        pair = self.pair_id(index)
         s = int(np.searchsorted(self.starts, pair, side="right")) - 1
         return self.stores[s], pair - int(self.starts[s])
 
@@ -70,7 +87,11 @@ class PairDataset(Dataset):
         for row in (2 * pair, 2 * pair + 1):
             ids, targets = store.span(row)
             out += [torch.from_numpy(ids), torch.from_numpy(targets)]
-        ref = torch.zeros(2) if self.reference is None else torch.from_numpy(np.array(self.reference[index]))
+        ref = (
+            torch.zeros(2)
+            if self.reference is None
+            else torch.from_numpy(np.array(self.reference[self.pair_id(index)]))
+        )
         return (*out, ref)
 
     def pair_array(self, name: str) -> np.ndarray:

@@ -134,19 +134,21 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, token_ce=token_cr
 
 
 class ReferenceScorer:
-    """The last stage's "loss" of the reference pass (training/reference.py): keeps each micro-batch's per-sequence
-    log-probs ([2P], chosen first, as `PreferenceLoss` takes them) in `logps` and returns 0."""
+    """The last stage's "loss" of the reference pass (training/reference.py): labels arrive as (labels [2P, S],
+    reference log-probs (unused), pair ids [P]); keeps (pair ids, per-sequence log-probs [2P], chosen first) of each
+    micro-batch in `scored` and returns 0."""
 
     __name__ = "ReferenceScorer"
 
     def __init__(self, token_ce=None, chunk: int = 0):
         self.token_ce, self.chunk = token_ce or token_cross_entropy, chunk
-        self.logps: list[torch.Tensor] = []
+        self.scored: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __call__(self, logits: torch.Tensor, labels_and_extras) -> torch.Tensor:
+        labels, _, pair_ids = labels_and_extras
         with torch.no_grad():
-            logps, _ = sequence_logps(logits, labels_and_extras[0], self.token_ce, self.chunk)
-        self.logps.append(logps.float().cpu())
+            logps, _ = sequence_logps(logits, labels, self.token_ce, self.chunk)
+        self.scored.append((pair_ids.cpu(), logps.float().cpu()))
         return torch.zeros((), device=logits.device)
 
 

@@ -302,6 +302,14 @@ def vocab_parallel(config, tp: TensorParallel) -> bool:
     return tp.size > 1 or padded_vocab(config.vocab_size, tp.size, tp.vocab_multiple) != config.vocab_size
 
 
+def token_cross_entropy_for(config, tp: TensorParallel):
+    """The per-token cross-entropy the last stage uses: None (torch's, on whole logits), or the vocab-parallel one
+    when the head is split or padded."""
+    if not vocab_parallel(config, tp):
+        return None
+    return functools.partial(vocab_parallel_token_cross_entropy, tp=tp, vocab_size=config.vocab_size)
+
+
 def tp_layer_class_and_args(
     layer: PipeLayer, config, tp: TensorParallel, options: DecoderOptions | None = None
 ) -> tuple[type[nn.Module], tuple]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -159,7 +160,9 @@ def train_dpo_reference(policy_dir: str, reference_dir: str, cfg: TrainConfig, d
     if cfg.lora.enabled:
         lo = cfg.lora
         add_lora(model, lo.r, lo.alpha, lo.dropout, lo.target_modules, cfg.seed)
-    pairs = PairDataset(cfg.train_file, AutoTokenizer.from_pretrained(policy_dir), cfg.seq_length, cfg.data)
+    d = cfg.data
+    pairs = PairDataset(cfg.train_file, AutoTokenizer.from_pretrained(policy_dir), cfg.seq_length, d, d.train_weights,
+                        cfg.seed)  # fmt: skip
     plan = TrainPlan(len(pairs), dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
     optimizer, scheduler = make_optimizer(cfg, model.named_parameters(), plan.total_steps(cfg.max_steps, 1))
     settings = settings_of(cfg)
@@ -286,9 +289,13 @@ def test_dpo_training_matches_single_process_reference(layout, dpo_models, train
         cfg.optim.max_grad_norm = 0.02  # adapters start at B = 0: smaller gradients
         extra = {**extra, **dict(o.split("=", 1) for o in lora_overrides())}
     out, first = tmp_path / "run", layout == "pp2-dp2-sigmoid-sft"
-    if first:  # and an evaluation at the end, of 7 pairs in 4 files over 2 DP ranks (padded to 8 on each)
+    if first:
+        # A weighted mixture of the two files (pairs repeated and left out; the reference pass scores the stores in
+        # their order), and an evaluation at the end of 7 pairs in 3 files over 2 DP ranks (padded to 8 on each).
+        cfg.data.train_weights = [1.5, 0.5]
         files = [write_jsonl(tmp_path / f"eval_{name}.jsonl", rows) for name, rows in EVAL_GROUPS.items()]
-        extra = {**extra, "eval_file": "[" + ",".join(files) + "]", "eval_micro_batch_size": 1}
+        extra = {**extra, "eval_file": "[" + ",".join(files) + "]", "eval_micro_batch_size": 1,
+                 "data.train_weights": "[1.5,0.5]"}  # fmt: skip
     proc = check(deepspeed_launch(4, *launch_args(cfg, policy, out, stages, tensor_parallel_size=tp, save_steps=2,
                                                   **extra)))  # fmt: skip
     assert "reference log-probs of 40 pairs computed" in proc.stderr
@@ -315,7 +322,8 @@ def test_dpo_training_matches_single_process_reference(layout, dpo_models, train
     interrupted_copy(out, part, 2)
     for cached in (part / "data_cache" / "reference_logps").iterdir():
         cached.unlink()
-    proc = check(deepspeed_launch(4, *launch_args(cfg, policy, part, stages, save_steps=2, resume="true")))
+    args = launch_args(cfg, policy, part, stages, save_steps=2, resume="true", **{"data.train_weights": "[1.5,0.5]"})
+    proc = check(deepspeed_launch(4, *args))
     assert (
         "reference log-probs of 40 pairs computed" in proc.stderr and f"resumed from {part}/global_step2" in proc.stderr
     )
@@ -325,7 +333,7 @@ def test_dpo_training_matches_single_process_reference(layout, dpo_models, train
 def test_dpo_under_each_pipeline_schedule_equals_1f1b(dpo_models, train_pairs, tmp_path):
     """zero_bubble (deferred weight gradients) and dualpipev (the loss on rank 0, two stages per rank) train DPO as
     1F1B does: the same losses, grad norms and reward margins (1e-6) and final weights (1e-6), 4 decoder layers,
-    PP=2, 4 micro-batches a step; the reference pass runs once (the later launches reuse its cache)."""
+    PP=2, 4 micro-batches a step; each schedule's reference pass gives the same log-probs (1e-6)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from tests.test_faults import final_weights
@@ -343,13 +351,14 @@ def test_dpo_under_each_pipeline_schedule_equals_1f1b(dpo_models, train_pairs, t
     runs = {}
     for schedule in ("1f1b", "zero_bubble", "dualpipev"):
         out = tmp_path / schedule
-        args = launch_args(cfg, str(policy), out, 2, gradient_accumulation_steps=4, pipeline_schedule=schedule,
-                           **{"data.cache_dir": tmp_path / "cache"})  # fmt: skip
+        args = launch_args(cfg, str(policy), out, 2, gradient_accumulation_steps=4, pipeline_schedule=schedule)
         proc = check(deepspeed_launch(2, *args))
-        assert ("reference log-probs of 40 pairs computed" in proc.stderr) == (schedule == "1f1b")
-        runs[schedule] = (read_jsonl(out / "metrics.jsonl"), final_weights(out))
-    (base, weights) = runs["1f1b"]
-    for schedule, (metrics, got) in runs.items():
+        assert "reference log-probs of 40 pairs computed" in proc.stderr  # each schedule's own pass
+        (cached,) = (out / "data_cache" / "reference_logps").iterdir()
+        runs[schedule] = (read_jsonl(out / "metrics.jsonl"), final_weights(out), np.load(cached))
+    (base, weights, reference) = runs["1f1b"]
+    for schedule, (metrics, got, scores) in runs.items():
+        np.testing.assert_allclose(scores, reference, rtol=1e-6, atol=1e-6, err_msg=schedule)
         for key in ("loss", "grad_norm", "rewards/margins"):
             ours, theirs = torch.tensor([m[key] for m in metrics]), torch.tensor([m[key] for m in base])
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6, msg=f"{schedule} {key}")
@@ -375,6 +384,15 @@ def dpo_prompts_filling_seq_length(t):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cmd = trainer_cmd(*run_args(t.ckpt, t.out, str(data), objective="dpo"))
     return cmd, f"{data}: none of the 4 pairs has a completion token within seq_length=16", t.out, [t.ckpt, data]
+
+
+@case
+def dpo_reference_of_another_architecture(t):
+    data = t.tmp / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in STRING_PAIRS))
+    cmd = trainer_cmd(*run_args(t.ckpt, t.out, str(data), objective="dpo", **{"dpo.reference_model": t.mha_ckpt}))
+    message = f"dpo.reference_model {t.mha_ckpt}: num_key_value_heads=4 but the policy has num_key_value_heads=2"
+    return cmd, message, t.out, [t.ckpt, t.mha_ckpt, data]
 
 
 @pytest.mark.parametrize("name", list(BAD_PAIRS))

@@ -300,3 +300,31 @@ def test_batched_pair_encoding_equals_one_pair_at_a_time(kind, chat_tokenizers):
         prompt, chosen, rejected = encode_pair(row, tok)
         expected += [(prompt + c, [False] * len(prompt) + [True] * len(c)) for c in (chosen, rejected)]
     assert got == expected and len(got) == 2 * len(rows)
+
+
+def test_pair_mixture_reads_reference_log_probs_by_store_pair(chat_tokenizers, tmp_path):
+    """A weighted mixture repeats and leaves out pairs; the reference log-probs are kept in the stores' own order
+    (what the reference pass scores, whatever the seed and weights), and each item reads its own pair's."""
+    import json
+
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from data.config import DataConfig
+    from data.pair_dataset import PairDataset
+
+    tok = AutoTokenizer.from_pretrained(chat_tokenizers["bpe"])
+    files = []
+    for name, rows in (("a", STRING_PAIRS), ("b", STRING_PAIRS[::-1] + STRING_PAIRS[:1])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        files.append(str(tmp_path / f"{name}.jsonl"))
+    mixed = PairDataset(files, tok, 64, DataConfig(), weights=[3.0, 1.0], seed=3, cache_dir=str(tmp_path / "c"))
+    stores = mixed.store_order()
+    assert stores.store_pairs == len(stores) == 7 and len(mixed) == 7 and stores.index is None
+    assert sorted({mixed.pair_id(i) for i in range(len(mixed))}) != list(range(7))  # repeats, and some left out
+    mixed.reference = np.arange(14, dtype=np.float32).reshape(7, 2)
+    for i in range(len(mixed)):
+        pair = mixed.pair_id(i)
+        *sequences, ref = mixed[i]
+        assert ref.tolist() == [2.0 * pair, 2.0 * pair + 1]
+        assert all(torch.equal(a, b) for a, b in zip(sequences, stores[pair][:4], strict=True))

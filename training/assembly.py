@@ -26,9 +26,9 @@ from models.preference import PreferenceLoss, PreferenceSettings
 from models.tensor_parallel import (
     TensorParallel,
     parallelize_lora,
+    token_cross_entropy_for,
     vocab_parallel,
     vocab_parallel_cross_entropy,
-    vocab_parallel_token_cross_entropy,
 )
 from models.tokenizer import check_tokenizer_fits, load_tokenizer
 from training import checkpointing
@@ -53,11 +53,8 @@ def _loss_fn(cfg: TrainConfig, model_config, tp: TensorParallel):
     split = vocab_parallel(model_config, tp)
     if cfg.objective == "dpo":
         d = cfg.dpo
-        token_ce = None
-        if split:
-            token_ce = functools.partial(vocab_parallel_token_cross_entropy, tp=tp, vocab_size=model_config.vocab_size)
         settings = PreferenceSettings(d.loss_type, d.beta, d.gamma, d.sft_weight)
-        return PreferenceLoss(settings, token_ce, cfg.model.loss_chunk_size)
+        return PreferenceLoss(settings, token_cross_entropy_for(model_config, tp), cfg.model.loss_chunk_size)
     cross_entropy = None
     if split:
         cross_entropy = functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=model_config.vocab_size)

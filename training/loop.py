@@ -72,9 +72,10 @@ class Trainer:
         if c.has_data:
             data_iter = train_batches(r.train_set, r.plan, c.dp_rank, cfg.seed, r.step, r.collate, cfg.data.num_workers)
             if c.is_last:
-                scaled = PairScaledBatches if cfg.objective == "dpo" else LossScaledBatches
-                data_iter = scaled(data_iter, cfg.gradient_accumulation_steps, r.dp_group(), c.dp)
+                data_iter = self._scaled(data_iter, cfg.gradient_accumulation_steps)
+        sequences = 2 if cfg.objective == "dpo" else 1  # a pair is two sequences
         tokens_per_step = c.global_batch(cfg.micro_batch_size, cfg.gradient_accumulation_steps) * cfg.seq_length
+        tokens_per_step *= sequences
         log.info("training steps %d..%d of %d (%d per epoch), PP=%d x TP=%d x DP=%d", r.step + 1, r.total_steps,
                  r.total_steps, r.plan.steps_per_epoch, cfg.num_stages, c.tp, c.dp)  # fmt: skip
         while r.step < r.total_steps:
@@ -102,6 +103,12 @@ class Trainer:
                 break
             if evaluating(cfg) and cfg.eval_steps and r.step % cfg.eval_steps == 0 and r.step < r.total_steps:
                 self.evaluate()
+
+    def _scaled(self, batches, micro_batches: int) -> LossScaledBatches:
+        """The last stage's micro-batches with their loss scales (pairs for objective=dpo)."""
+        r = self.state
+        kind = PairScaledBatches if self.cfg.objective == "dpo" else LossScaledBatches
+        return kind(batches, micro_batches, r.dp_group(), r.coords.dp)
 
     def _preference_metrics(self, prefix: str = "") -> dict:
         """Last stage, objective=dpo: the loss and TRL's reward means over every pair scored since the last call (the
@@ -170,8 +177,7 @@ class Trainer:
             indices = eval_indices(r.num_eval_rows, c.dp, c.dp_rank, mbs, micro_batches)
             data_iter = eval_batches(r.eval_set, indices, mbs, r.collate)
             if c.is_last:
-                scaled = PairScaledBatches if cfg.objective == "dpo" else LossScaledBatches
-                data_iter = scaled(data_iter, micro_batches, r.dp_group(), c.dp)
+                data_iter = self._scaled(data_iter, micro_batches)
         if mbs != cfg.micro_batch_size:
             r.engine.reset_activation_shape()
         r.loss_fn.reset()
@@ -181,10 +187,7 @@ class Trainer:
             r.engine.reset_activation_shape()
         results = None
         if c.is_last and cfg.objective == "dpo":
-            results = self._preference_metrics("eval_")
-            if results["eval_pairs"] == 0:
-                raise RunError(f"eval_file {cfg.eval_file}: no pair keeps a completion token to score")
-            results = {"step": r.step, **results}
+            results = {"step": r.step, **self._preference_metrics("eval_")}  # PairDataset refuses pairless files
             self._write_results(results)
             log.info("eval at step %d: loss %.4f over %d pairs, reward accuracy %.3f, margin %.4f", r.step,
                      results["eval_loss"], results["eval_pairs"], results["eval_rewards/accuracies"],

@@ -3,16 +3,17 @@
 DPO and IPO compare the policy's log-probs of each pair's completions with a frozen reference's. Holding a second
 model through training would cost a stage's weights again on every rank; instead, before the training stage is
 built, a forward-only pipeline pass (a stage of the same layout with the reference weights: `dpo.reference_model`,
-else the starting weights `model_name_or_path`, which with LoRA is the base without adapters) scores every train
-and eval pair. The last stage keeps each sequence's summed completion log-prob; one reduce brings them to rank 0,
-which writes them as a [pairs, 2] float32 array (chosen, rejected) under `<data cache>/reference_logps/`, named by a
-digest of the pairs' fingerprint, the reference's identity (its path, file sizes and times) and the precision. A
-restarted or resumed job finds the file and skips the pass; a changed reference or changed data gets a new one.
+else the starting weights `model_name_or_path`, which with LoRA is the base without adapters) scores every pair of
+the train and eval stores once, in the stores' own order (a mixture's seed and weights only choose among them).
+The last stage keeps each sequence's summed completion log-prob with its pair's id; one reduce brings them to rank
+0, which writes them as a [store pairs, 2] float32 array (chosen, rejected) under `<data cache>/reference_logps/`,
+named by a digest of the stores' fingerprint, the reference's identity (its config.json, and its files' sizes and
+times), the precision and the attention implementation. A restarted or resumed job finds the file and skips the
+pass; a changed reference or changed data gets a new one.
 """
 
 from __future__ import annotations
 
-import functools
 import gc
 import hashlib
 import json
@@ -25,20 +26,28 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.hf_reader import is_hf_dir
-from checkpoint.names import CONVERTED_DIR
+from checkpoint.names import CONVERTED_DIR, REFERENCE_CONVERTED_DIR
 from checkpoint.saves import read_tag
+from checkpoint.staging import fsync_dir
 from data.dataset import cache_root
 from data.sampling import eval_batches, eval_indices, eval_num_batches
+from models.config import load_hf_config
 from models.preference import ReferenceScorer
-from models.tensor_parallel import vocab_parallel, vocab_parallel_token_cross_entropy
+from models.tensor_parallel import token_cross_entropy_for
 from training.config import TrainConfig
 from training.distributed import agreed, broadcast_object, control_group
 from training.errors import RunError
+from training.hf_source import source_record
 from training.precision import resolve_precision
 
 log = logging.getLogger("trainer")
 
 REFERENCE_DIR = "reference_logps"
+# What must agree between the policy and a reference model of its own: everything that changes the numbers.
+ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+                "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings", "attention_bias", "mlp_bias",
+                "sliding_window", "use_sliding_window", "max_window_layers", "layer_types")  # fmt: skip
 
 
 def needs_reference(cfg: TrainConfig) -> bool:
@@ -51,17 +60,39 @@ def reference_path(cfg: TrainConfig) -> str:
 
 
 def reference_identity(path: str) -> dict:
-    """What names the reference's weights: its directory and its files' sizes and modification times."""
+    """What names the reference's weights: its config.json, and its weight files' sizes and modification times."""
     if not os.path.isdir(path):
         raise RunError(f"dpo.reference_model: {path} is not a directory (an HF model or a pipeline checkpoint)")
-    step = path if is_hf_dir(path) else os.path.join(path, read_tag(path))
+    try:
+        with open(os.path.join(path, "config.json"), "rb") as f:
+            config = hashlib.sha256(f.read()).hexdigest()
+    except OSError as e:
+        raise RunError(f"dpo.reference_model: {path}/config.json: cannot read ({e.strerror})") from None
+    if is_hf_dir(path):
+        return {**source_record(path), "config": config}
+    step = os.path.join(path, read_tag(path))
     files = {}
     for name in sorted(os.listdir(step)):
         full = os.path.join(step, name)
         if os.path.isfile(full):
             st = os.stat(full)
-            files[name] = [st.st_size, int(st.st_mtime)]
-    return {"source": os.path.abspath(step), "files": files}
+            files[name] = [st.st_size, st.st_mtime_ns]
+    return {"source": os.path.abspath(step), "files": files, "config": config}
+
+
+def check_architecture(cfg: TrainConfig, model_config) -> None:
+    """A reference model of its own must have the policy's architecture (its stage is built from the policy's
+    config). Raises RunError naming the first field that differs."""
+    path = cfg.dpo.reference_model
+    try:
+        reference = load_hf_config(path)
+    except ValueError as e:
+        raise RunError(f"dpo.reference_model: {e}") from None
+    for key in ARCHITECTURE:
+        mine, theirs = getattr(model_config, key, None), getattr(reference, key, None)
+        if mine != theirs:
+            raise RunError(f"dpo.reference_model {path}: {key}={theirs} but the policy has {key}={mine} (the "
+                           "reference must have the policy's architecture)")  # fmt: skip
 
 
 def cache_file(cfg: TrainConfig, fingerprint: str, identity: dict) -> str:
@@ -75,28 +106,42 @@ def attach_reference(run) -> None:
     """Give the run's pair datasets their reference log-probs (`PairDataset.reference`), computing the missing ones
     first. Collective: every rank takes part in the pass."""
     cfg, c = run.cfg, run.coords
-    wanted = [(name, n) for name, n in (("train", run.plan.num_rows if cfg.do_train else 0),
-                                        ("eval", run.num_eval_rows)) if n]  # fmt: skip
-    files = None
+    names = [n for n, present in (("train", cfg.do_train), ("eval", run.num_eval_rows > 0)) if present]
+    plan = None  # {name: (file, pairs in its stores)}, from rank 0 (a data rank)
     with agreed():
         if c.rank == 0:
+            if cfg.dpo.reference_model:
+                check_architecture(cfg, run.model_config)
             identity = reference_identity(reference_path(cfg))
-            files = {name: cache_file(cfg, getattr(run, f"{name}_set").fingerprint(), identity) for name, _ in wanted}
-    files = broadcast_object(files)
-    missing = broadcast_object([name for name, _ in wanted if not os.path.exists(files[name])] if c.rank == 0 else None)
-    if missing:
-        score_pairs(run, [(name, n, files[name]) for name, n in wanted if name in missing])
-    for name, _ in wanted:
-        if name not in missing:
-            log.info("%s pairs: reference log-probs found in %s", name, files[name])
+            plan = {}
+            for name in names:
+                ds = getattr(run, f"{name}_set")
+                plan[name] = (cache_file(cfg, ds.fingerprint(), identity), ds.store_pairs)
+    plan = broadcast_object(plan)
+    todo = {}  # file -> (name, pairs): train and eval on the same files share one
+    if c.rank == 0:
+        todo = {path: (name, n) for name, (path, n) in plan.items() if not os.path.exists(path)}
+    todo = broadcast_object(todo)
+    if todo:
+        score_pairs(run, [(name, n, path) for path, (name, n) in todo.items()])
+    for name, (path, _) in plan.items():
+        if path not in todo:
+            log.info("%s pairs: reference log-probs found in %s", name, path)
     with agreed():
         if c.has_data:
-            for name, n in wanted:
-                ref = np.load(files[name], mmap_mode="r")
-                if ref.shape != (n, 2) or ref.dtype != np.float32:
-                    raise RunError(f"{files[name]}: holds {ref.shape} {ref.dtype} reference log-probs for {n} pairs "
-                                   "(damaged: remove it to compute them again)")  # fmt: skip
-                getattr(run, f"{name}_set").reference = ref
+            for name, (path, n) in plan.items():
+                getattr(run, f"{name}_set").reference = _read(path, n)
+
+
+def _read(path: str, pairs: int) -> np.ndarray:
+    try:
+        ref = np.load(path, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as e:
+        raise RunError(f"{path}: cannot read the reference log-probs ({e}); remove it to compute them again") from None
+    if ref.shape != (pairs, 2) or ref.dtype != np.float32:
+        raise RunError(f"{path}: holds {ref.shape} {ref.dtype} reference log-probs for {pairs} pairs (damaged: "
+                       "remove it to compute them again)")  # fmt: skip
+    return ref
 
 
 def _reference_step_dir(run) -> str:
@@ -106,7 +151,7 @@ def _reference_step_dir(run) -> str:
         from training.hf_source import convert_on_load
 
         same = cfg.model_name_or_path and os.path.abspath(path) == os.path.abspath(cfg.model_name_or_path)
-        name = CONVERTED_DIR if same else f"{CONVERTED_DIR}_reference"
+        name = CONVERTED_DIR if same else REFERENCE_CONVERTED_DIR
         path, _ = convert_on_load(path, cfg.output_dir, c, run.bounds, name=name)
     with agreed():
         tag = read_tag(path)
@@ -114,18 +159,14 @@ def _reference_step_dir(run) -> str:
 
 
 def score_pairs(run, todo: list[tuple[str, int, str]]) -> None:
-    """The reference pass over the datasets in `todo` ((name, pairs, file to write)); the stage it builds is dropped
-    before the training stage is built."""
+    """The reference pass over the stores of the datasets in `todo` ((name, store pairs, file to write)); the stage
+    it builds is dropped before the training stage is built."""
     from training.checkpointing import load_stage_weights
     from training.engine import build_module, initialize_forward_engine
 
     cfg, c, tp = run.cfg, run.coords, run.tp
-    start = time.perf_counter()
     source = _reference_step_dir(run)
-    token_ce = None
-    if vocab_parallel(run.model_config, tp):
-        token_ce = functools.partial(vocab_parallel_token_cross_entropy, tp=tp, vocab_size=run.model_config.vocab_size)
-    scorer = ReferenceScorer(token_ce, cfg.model.loss_chunk_size)
+    scorer = ReferenceScorer(token_cross_entropy_for(run.model_config, tp), cfg.model.loss_chunk_size)
     module = build_module(cfg, c, run.model_config, scorer, tp, run.bounds)
     with agreed():
         load_stage_weights(module, source, run.model_config, tp)
@@ -133,26 +174,29 @@ def score_pairs(run, todo: list[tuple[str, int, str]]) -> None:
     engine = initialize_forward_engine(cfg, c, module)
     mbs, micro_batches = cfg.eval_micro_batch_size or cfg.micro_batch_size, cfg.gradient_accumulation_steps
     for name, n, path in todo:
+        start = time.perf_counter()
         indices = eval_indices(n, c.dp, c.dp_rank, mbs, micro_batches)
         data_iter = None
-        if c.has_data:
-            data_iter = eval_batches(getattr(run, f"{name}_set"), indices, mbs, run.collate)
+        if c.has_data:  # every pair of the stores once, in their order; the last stage learns each batch's pair ids
+            batches = eval_batches(getattr(run, f"{name}_set").store_order(), indices, mbs, run.collate)
             if c.is_last:
-                data_iter = ((inputs, labels) for inputs, labels, _ in data_iter)
-        scorer.logps.clear()
+                batches = ((inputs, (*labels, ids)) for (inputs, labels, _), ids in zip(batches, indices.split(mbs)))
+            data_iter = batches
+        scorer.scored.clear()
         for _ in range(eval_num_batches(n, c.dp, mbs, micro_batches)):
             engine.eval_batch(data_iter, num_micro_batches=micro_batches)
         scores = torch.zeros(n, 2, dtype=torch.float64)
         if c.is_last and c.tp_rank == 0:  # every TP rank of the last stage holds the same log-probs
-            for batch, logps in zip(indices.split(mbs), scorer.logps, strict=True):
-                p, keep = len(batch), batch >= 0
-                scores[batch[keep]] = torch.stack([logps[:p], logps[p:]], dim=1)[keep].double()
+            for ids, logps in scorer.scored:
+                p, keep = len(ids), ids >= 0
+                scores[ids[keep]] = torch.stack([logps[:p], logps[p:]], dim=1)[keep].double()
         dist.reduce(scores, dst=0, group=control_group())  # gloo: CPU tensors under NCCL too
         with agreed():
             if c.rank == 0:
                 _write(path, scores.float().numpy())
         log.info("%s pairs: reference log-probs of %d pairs computed with %s in %.1f s, saved to %s", name, n, source,
                  time.perf_counter() - start, path)  # fmt: skip
+    # NOTE: the engine's process groups stay (torch offers no safe way to drop them all); its tensors go.
     del engine, module, scorer
     gc.collect()
     if torch.cuda.is_available():
@@ -160,10 +204,19 @@ def score_pairs(run, todo: list[tuple[str, int, str]]) -> None:
 
 
 def _write(path: str, scores: np.ndarray) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}.npy"
+    """Atomically: written and synced under a temporary name, then renamed into place."""
+    directory = os.path.dirname(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        np.save(tmp, scores)
+        os.makedirs(directory, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.save(f, scores)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(directory)
     except OSError as e:
         raise RunError(f"{path}: cannot write the reference log-probs ({e.strerror})") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

@@ -21,7 +21,7 @@ import logging
 import os
 import time
 
-from checkpoint.names import CONVERTED_DIR, LATEST, MANIFEST, TAG_PATTERN
+from checkpoint.names import CONVERTED_DIR, LATEST, MANIFEST, REFERENCE_CONVERTED_DIR, TAG_PATTERN
 from checkpoint.outputs import is_within, real_path
 from checkpoint.saves import complete_checkpoints, read_latest
 from checkpoint.staging import fsync_dir, write_text_atomic
@@ -31,7 +31,7 @@ from training.errors import RunError
 log = logging.getLogger("trainer")
 
 RECORDS = ("metrics.jsonl", "eval_results.json")  # what a run that trained at all leaves behind
-CACHES = ("data_cache", CONVERTED_DIR)  # keyed by their sources: safe to carry into the new run
+CACHES = ("data_cache", CONVERTED_DIR, REFERENCE_CONVERTED_DIR)  # keyed by their sources: safe to carry over
 
 
 def _stamp() -> str:
@@ -63,7 +63,8 @@ def _inputs(cfg: TrainConfig) -> list[tuple[str, str]]:
         for path in [value] if isinstance(value, str) else list(value or []):
             files.append((key, path))
     return [(k, p) for k, p in [("model_name_or_path", cfg.model_name_or_path),
-                                ("tokenizer_name_or_path", cfg.tokenizer_name_or_path), *files] if p]  # fmt: skip
+                                ("tokenizer_name_or_path", cfg.tokenizer_name_or_path),
+                                ("dpo.reference_model", cfg.dpo.reference_model), *files] if p]  # fmt: skip
 
 
 def move_earlier_run(cfg: TrainConfig) -> str:
