@@ -328,3 +328,43 @@ def test_pair_mixture_reads_reference_log_probs_by_store_pair(chat_tokenizers, t
         *sequences, ref = mixed[i]
         assert ref.tolist() == [2.0 * pair, 2.0 * pair + 1]
         assert all(torch.equal(a, b) for a, b in zip(sequences, stores[pair][:4], strict=True))
+
+
+def _collect_worker(rank: int, store: str, out: str) -> None:
+    import numpy as np
+    import torch.distributed as dist
+
+    from training.reference import _collect
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        # Rank r scored pairs r, r + 2, ... in micro-batches of 2 (the last padded with -1); values 10 * pair + side.
+        ids = torch.tensor(list(range(rank, 9, 2)) + [-1] * (rank == 0))
+        scored = []
+        for batch in ids.split(2):
+            chosen, rejected = 10.0 * batch + 1, 10.0 * batch + 2
+            scored.append((batch, torch.cat([chosen, rejected]).float()))
+        got = _collect(scored, 9, rank, chunk=4)  # three reduces: 4 + 4 + 1 pairs
+        if rank == 0:
+            np.save(out, got)
+        else:
+            assert got is None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reference_scores_reach_rank_0_in_chunks(tmp_path):
+    """The reference pass's gather: two scoring ranks' (pair ids, log-probs) micro-batches, padding pairs among
+    them, reduced to rank 0 a chunk at a time, land at their pairs exactly."""
+    import numpy as np
+    import torch.multiprocessing as mp
+
+    ctx, out = mp.get_context("spawn"), str(tmp_path / "scores.npy")
+    procs = [ctx.Process(target=_collect_worker, args=(r, str(tmp_path / "store"), out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    pairs = np.arange(9, dtype=np.float32)
+    assert np.array_equal(np.load(out), np.stack([10 * pairs + 1, 10 * pairs + 2], axis=1))

@@ -43,6 +43,7 @@ from training.precision import resolve_precision
 log = logging.getLogger("trainer")
 
 REFERENCE_DIR = "reference_logps"
+REDUCE_PAIRS = 1 << 20  # pairs per reduce of the scores to rank 0 (8 MiB)
 # What must agree between the policy and a reference model of its own: everything that changes the numbers.
 ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
@@ -185,15 +186,10 @@ def score_pairs(run, todo: list[tuple[str, int, str]]) -> None:
         scorer.scored.clear()
         for _ in range(eval_num_batches(n, c.dp, mbs, micro_batches)):
             engine.eval_batch(data_iter, num_micro_batches=micro_batches)
-        scores = torch.zeros(n, 2, dtype=torch.float64)
-        if c.is_last and c.tp_rank == 0:  # every TP rank of the last stage holds the same log-probs
-            for ids, logps in scorer.scored:
-                p, keep = len(ids), ids >= 0
-                scores[ids[keep]] = torch.stack([logps[:p], logps[p:]], dim=1)[keep].double()
-        dist.reduce(scores, dst=0, group=control_group())  # gloo: CPU tensors under NCCL too
+        scores = _collect(scorer.scored if c.is_last and c.tp_rank == 0 else [], n, c.rank)
         with agreed():
             if c.rank == 0:
-                _write(path, scores.float().numpy())
+                _write(path, scores)
         log.info("%s pairs: reference log-probs of %d pairs computed with %s in %.1f s, saved to %s", name, n, source,
                  time.perf_counter() - start, path)  # fmt: skip
     # NOTE: the engine's process groups stay (torch offers no safe way to drop them all); its tensors go.
@@ -201,6 +197,28 @@ def score_pairs(run, todo: list[tuple[str, int, str]]) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _collect(scored: list, pairs: int, rank: int, chunk: int = REDUCE_PAIRS) -> np.ndarray | None:
+    """Rank 0: the [pairs, 2] float32 log-probs that the last stage's scoring ranks (`scored`: (pair ids, log-probs
+    [2P]) per micro-batch; empty elsewhere) hold, gathered by reduce `chunk` pairs at a time so no other rank holds
+    more than a chunk. Collective over every rank; None on the others. Each pair has exactly one nonzero
+    contributor, so the float32 sums are exact."""
+    ids = torch.cat([i for i, _ in scored]) if scored else torch.empty(0, dtype=torch.long)
+    values = torch.cat([torch.stack([lp[: len(i)], lp[len(i) :]], dim=1) for i, lp in scored]) if scored else None
+    keep = ids >= 0  # padding pairs
+    ids, values = ids[keep], (values[keep] if values is not None else None)
+    out = np.zeros((pairs, 2), dtype=np.float32) if rank == 0 else None
+    for start in range(0, pairs, chunk):
+        stop = min(start + chunk, pairs)
+        buf = torch.zeros(stop - start, 2, dtype=torch.float32)
+        mine = (ids >= start) & (ids < stop)
+        if values is not None:
+            buf[ids[mine] - start] = values[mine]
+        dist.reduce(buf, dst=0, group=control_group())  # gloo: CPU tensors under NCCL too
+        if out is not None:
+            out[start:stop] = buf.numpy()
+    return out
 
 
 def _write(path: str, scores: np.ndarray) -> None:
