@@ -151,6 +151,8 @@ def main() -> None:
     hf, data = build(args.work, args.layers, args.hidden, args.heads, args.rows)
     from transformers import AutoConfig
 
+    from training.config import min_micro_batches
+
     config = AutoConfig.from_pretrained(hf)
     flops = model_flops_per_token(config, args.seq)
     schedules = args.schedule.split(",")
@@ -166,8 +168,9 @@ def main() -> None:
         base, first = None, {}
         for stages in [int(s) for s in args.stages.split(",")]:
             for schedule in schedules if stages > 1 else ["1f1b"]:
-                if schedule == "dualpipev" and ga < 2 * stages:
-                    print(f"m={ga} PP={stages} {schedule}: needs m >= {2 * stages}, skipped", flush=True)
+                if ga < min_micro_batches(schedule, stages):
+                    print(f"m={ga} PP={stages} {schedule}: needs m >= {min_micro_batches(schedule, stages)}, skipped",
+                          flush=True)  # fmt: skip
                     continue
                 step, tokens, padded = measure(hf, data, stages, args, ga, schedule)
                 base = base or (step if stages == 1 else None)

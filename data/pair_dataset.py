@@ -31,7 +31,7 @@ class PairDataset(Dataset):
     """Preference pairs of one or more data files (arguments as `data.dataset.TokenizedDataset`'s).
     Item: (chosen ids, chosen targets, rejected ids, rejected targets, reference log-probs [2] (chosen, rejected));
     index -1 is a padding pair. `reference` ([store pairs, 2] in the stores' own order, whatever the mixture:
-    training/reference.py) is None until the reference pass has run (zeros then, as for the reference-free
+    training/reference_logps.py) is None until the reference pass has run (zeros then, as for the reference-free
     SimPO)."""
 
     reference: np.ndarray | None = None

@@ -19,6 +19,7 @@ from data.encode import apply_template
 from data.errors import DataError
 
 PAIR_KEYS = ("chosen", "rejected")
+SEQUENCES_PER_PAIR = len(PAIR_KEYS)  # a pair runs through the model as two sequences: chosen, then rejected
 
 
 def _conversational(value) -> bool:

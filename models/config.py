@@ -1,6 +1,6 @@
 """The model's part of the run configuration, and reading a checkpoint's `config.json`.
 
-`ModelConfig` is the `model` group of the hydra config (conf/model/*.yaml): an architecture preset
+`ModelSettings` is the `model` group of the hydra config (conf/model/*.yaml): an architecture preset
 (all None when the model comes from `model_name_or_path`) and how the pipeline is built. `LoraSettings`
 is the `lora` group. Errors are ValueError with one line naming the file or key.
 """
@@ -24,6 +24,14 @@ class Choice(str, Enum):
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
+
+
+class LossType(Choice):
+    """`dpo.loss_type`: the preference loss (models/preference.py)."""
+
+    sigmoid = "sigmoid"  # DPO
+    ipo = "ipo"
+    simpo = "simpo"  # reference-free, length-normalised
 
 
 class AttnImplementation(Choice):
@@ -51,7 +59,7 @@ SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
 @dataclass
-class ModelConfig:
+class ModelSettings:
     """Architecture preset and how the pipeline is built.
 
     The architecture fields (hidden_size ...) are None when the model comes from
@@ -93,7 +101,7 @@ class LoraSettings:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
-def checkpoint_every(model: ModelConfig) -> int:
+def checkpoint_every(model: ModelSettings) -> int:
     """`model.activation_checkpointing` as k: recompute every k-th decoder block (0: none). Raises ValueError."""
     value = model.activation_checkpointing
     if isinstance(value, bool):
@@ -191,12 +199,12 @@ def differing_field(light: ConfigFields, config) -> str | None:
     return None
 
 
-def preset_values(model: ModelConfig) -> dict:
+def preset_values(model: ModelSettings) -> dict:
     """The architecture fields a preset sets."""
     return {k: getattr(model, k) for k in ARCH_KEYS if getattr(model, k) is not None}
 
 
-def check_preset(config, model: ModelConfig, where: str) -> None:
+def check_preset(config, model: ModelSettings, where: str) -> None:
     """A preset named on the command line must describe the checkpoint's model. Raises ValueError."""
     for key, want in preset_values(model).items():
         have = config.rope_parameters.get("rope_theta") if key == "rope_theta" else getattr(config, key)
@@ -204,7 +212,7 @@ def check_preset(config, model: ModelConfig, where: str) -> None:
             raise ValueError(f"model.{key}={want} (preset {model.name}) but {where} has {key}={have}")
 
 
-def config_from_preset(model: ModelConfig):
+def config_from_preset(model: ModelSettings):
     """The family's transformers config built from a preset (training from scratch)."""
     from transformers import AutoConfig
 

@@ -111,11 +111,13 @@ def stage_bounds(config, num_stages: int, partition: str | Sequence[int] = "para
     return stage_bounds_from_blocks(per_stage)
 
 
+def rank_stages(stages: int, num_stages: int, rank: int) -> list[int]:
+    """The model stages pipeline rank `rank` holds: its own, and with DualPipeV (2p stages) also stage 2p - 1 - r."""
+    return [rank] if stages == num_stages else [rank, stages - 1 - rank]
+
+
 def rank_layers(bounds: list[int], num_stages: int) -> list[list[int]]:
-    """Pipeline layers of each pipeline rank: stage r's, and with DualPipeV (2p stages) also stage 2p - 1 - r's."""
+    """Pipeline layers of each pipeline rank (`rank_stages`)."""
     stages = len(bounds) - 1
-    out = []
-    for r in range(num_stages):
-        own = [r] if stages == num_stages else [r, stages - 1 - r]
-        out.append([i for s in own for i in range(bounds[s], bounds[s + 1])])
-    return out
+    return [[i for s in rank_stages(stages, num_stages, r) for i in range(bounds[s], bounds[s + 1])]
+            for r in range(num_stages)]  # fmt: skip

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from models.config import LossType
 from models.loss import IGNORE_INDEX
-
-LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,7 @@ def preference_losses(
     elif settings.loss_type == "ipo":  # TRL normalises by the completion lengths
         losses = (chosen_ratio / chosen_len - rejected_ratio / rejected_len - 1 / (2 * beta)) ** 2
     else:
-        raise ValueError(f"dpo.loss_type={settings.loss_type}: choose one of {', '.join(LOSS_TYPES)}")
+        raise ValueError(f"dpo.loss_type={settings.loss_type}: choose one of {', '.join(LossType)}")
     return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
@@ -134,7 +133,7 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, token_ce=token_cr
 
 
 class ReferenceScorer:
-    """The last stage's "loss" of the reference pass (training/reference.py): labels arrive as (labels [2P, S],
+    """The last stage's "loss" of the reference pass (training/reference_logps.py): labels arrive as (labels [2P, S],
     reference log-probs (unused), pair ids [P]); keeps (pair ids, per-sequence log-probs [2P], chosen first) of each
     micro-batch in `scored` and returns 0."""
 

@@ -27,6 +27,18 @@ def load_tokenizer(path: str, setting: str = "tokenizer_name_or_path"):
         raise ValueError(f"{setting} {path}: cannot load the tokenizer ({first})") from None
 
 
+def configured_tokenizer(tokenizer_name_or_path: str | None, model_name_or_path: str | None):
+    """(tokenizer, where) for a run: `tokenizer_name_or_path`, else `model_name_or_path`'s; `where` names the setting
+    and the path for messages. Raises ValueError (one line)."""
+    if tokenizer_name_or_path:
+        path, setting = tokenizer_name_or_path, "tokenizer_name_or_path"
+    elif model_name_or_path:
+        path, setting = model_name_or_path, "model_name_or_path"
+    else:
+        raise ValueError("tokenizer_name_or_path (or model_name_or_path) is not set")
+    return load_tokenizer(path, setting), f"{setting} {path}"
+
+
 def check_tokenizer_fits(num_tokens: int, vocab_size: int, where: str) -> None:
     """len(tokenizer) must not exceed the embedding rows (ids beyond it index nothing). Raises ValueError."""
     if num_tokens > vocab_size:

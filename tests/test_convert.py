@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from checkpoint.convert import convert_hf_to_pipeline
 from checkpoint.pipeline_reader import load_hf_state_dict
 from models.key_table import layer_file_name, layer_keys, pipe_layers
-from tests.conftest import FAMILY_VARIANTS, REPO, hf_state, one_error_line, run_cmd
+from tests.conftest import FAMILY_VARIANTS, hf_state, one_error_line, run_cmd
 from tools.tiny_models import make_hf_model, tiny_config
 
 
@@ -52,15 +52,13 @@ def test_every_tensor_lands_once_in_its_file(variant, hf_models, converted):
 def test_layer_modules_match_hf_at_preset_shapes(preset_name):
     """Shape-only conversion of the shipped presets (LLaMA-2-70B, Qwen2.5-7B, Qwen3-8B) on the meta device:
     our layer modules' keys and shapes are exactly what the table maps from the transformers model."""
-    from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM
 
-    from models.config import ModelConfig, config_from_preset
+    from models.config import config_from_preset
     from models.layers import build_layer
+    from training.cli import compose_config
 
-    raw = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{preset_name}.yaml"))
-    raw.pop("defaults")
-    config = config_from_preset(ModelConfig(**raw))  # the shipped preset, source cited there
+    config = config_from_preset(compose_config([f"model={preset_name}"]).model)  # the shipped preset, source cited
     with torch.device("meta"):
         hf = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
         seen = set()

@@ -165,7 +165,7 @@ def train_dpo_reference(policy_dir: str, reference_dir: str, cfg: TrainConfig, d
                         cfg.seed)  # fmt: skip
     plan = TrainPlan(len(pairs), dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
     optimizer, scheduler = make_optimizer(cfg, model.named_parameters(), plan.total_steps(cfg.max_steps, 1))
-    settings = settings_of(cfg)
+    settings = cfg.dpo.settings()
     losses, norms, margins = [], [], []
     for step in range(cfg.max_steps):
         epoch, skip = plan.position(step)
@@ -188,13 +188,6 @@ def train_dpo_reference(policy_dir: str, reference_dir: str, cfg: TrainConfig, d
         losses.append(float(loss.detach()))
         margins.append(float((chosen - rejected).mean()))
     return model, losses, norms, margins
-
-
-def settings_of(cfg: TrainConfig):
-    from models.preference import PreferenceSettings
-
-    d = cfg.dpo
-    return PreferenceSettings(d.loss_type, d.beta, d.gamma, d.sft_weight)
 
 
 def train_config(train_files: list[str], **dpo) -> TrainConfig:
@@ -313,7 +306,7 @@ def test_dpo_training_matches_single_process_reference(layout, dpo_models, train
     rows = [r for group in EVAL_GROUPS.values() for r in group]
     hf_reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32, attn_implementation="sdpa")
     expected = our_evaluation(model.eval(), hf_reference, AutoTokenizer.from_pretrained(policy), rows,
-                              settings_of(cfg), SEQ)  # fmt: skip
+                              cfg.dpo.settings(), SEQ)  # fmt: skip
     got = json.loads((out / "eval_results.json").read_text())
     assert got["step"] == 4 and got["eval_pairs"] == expected["pairs"] == 7
     for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"):

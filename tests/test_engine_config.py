@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from tests.conftest import REPO
-from training.config import TrainConfig, register_configs
+from training.cli import compose_config
+from training.config import TrainConfig
 from training.engine import WarmupDecay, deepspeed_config
 from training.topology import Coords
-
-register_configs()
+from training.validate import validate
 
 
 def dp(size: int) -> Coords:
@@ -21,8 +18,7 @@ def dp(size: int) -> Coords:
 
 
 def load(*overrides: str) -> TrainConfig:
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return OmegaConf.to_object(compose(config_name="config", overrides=list(overrides)))
+    return compose_config(list(overrides))
 
 
 def test_presets_give_the_documented_engine_configs():
@@ -34,8 +30,9 @@ def test_presets_give_the_documented_engine_configs():
     cpu = deepspeed_config(load("deepspeed=fp32"), dp(1))
     assert "bf16" not in cpu and "fp16" not in cpu and cpu["zero_optimization"]["stage"] == 0
     assert deepspeed_config(load("optim.max_grad_norm=0"), dp(1))["gradient_clipping"] == float("inf")
-    with pytest.raises(ValueError, match="issue 3866"):
-        deepspeed_config(load("deepspeed=bf16_zero1", "deepspeed.offload_optimizer=true"), dp(1))
+    with pytest.raises(ValueError, match="issue 3866"):  # refused by validate(), before data or weights are read
+        validate(load("deepspeed=bf16_zero1", "deepspeed.offload_optimizer=true", "model_name_or_path=m",
+                      "train_file=a.jsonl"))  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -91,16 +88,11 @@ def test_resume_follows_the_new_schedule_settings(change, expected):
     """A checkpoint saved after 3 steps of a 3-step run, resumed with other schedule settings: the remaining
     steps use exactly the rates an uninterrupted run with the new settings uses (the restored schedule used to
     keep the old total and floor), and the changes are named."""
-    from omegaconf import OmegaConf
-
-    from training.config import TrainConfig
     from training.engine import follow_new_schedule, make_optimizer
 
     def configured(values: dict) -> TrainConfig:
-        base = {"learning_rate": 2e-3, "max_steps": 3, "optim": {"warmup_steps": 1}}
-        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), base, OmegaConf.from_dotlist(
-            [f"{k}={v}" for k, v in values.items()]))  # fmt: skip
-        return OmegaConf.to_object(cfg)
+        base = {"learning_rate": 2e-3, "max_steps": 3, "optim.warmup_steps": 1, **values}
+        return compose_config([f"{k}={v}" for k, v in base.items()])
 
     def lrs(cfg: TrainConfig, total: int, steps: int, state=None):
         params = [torch.nn.Parameter(torch.zeros(2, 2))]

@@ -10,8 +10,8 @@ import torch
 
 from checkpoint.layer_files import find_layer_file, load_layer_state
 from models.config import LoraSettings
+from tests.baseline import train_baseline
 from tests.conftest import FAMILY_VARIANTS, check, deepspeed_launch, read_jsonl, run_cmd
-from tests.reference import train_reference
 from tests.test_training import interrupted_copy, overrides, parity_cfg
 
 LORA = LoraSettings(enabled=True, r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
@@ -40,7 +40,7 @@ def assert_matches_peft(run, cfg, hf_dir: str, tokenizer_dir: str, dp: int) -> d
     Returns our adapters under PEFT's names (TP shards merged)."""
     from transformers import AutoConfig
 
-    ref_model, ref_losses, ref_norms = train_reference(hf_dir, tokenizer_dir, cfg, dp=dp, steps=cfg.max_steps)
+    ref_model, ref_losses, ref_norms = train_baseline(hf_dir, tokenizer_dir, cfg, dp=dp, steps=cfg.max_steps)
     metrics = read_jsonl(run / "metrics.jsonl")
     torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]), torch.tensor(ref_losses), rtol=1e-5,
                                atol=1e-6)  # fmt: skip

@@ -334,7 +334,7 @@ def _collect_worker(rank: int, store: str, out: str) -> None:
     import numpy as np
     import torch.distributed as dist
 
-    from training.reference import _collect
+    from training.reference_logps import _collect
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:

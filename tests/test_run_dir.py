@@ -12,9 +12,11 @@ import pytest
 
 from checkpoint.saves import choose_checkpoint
 from tests.conftest import check, read_jsonl, run_cmd, small_run
-from training.config import TrainConfig, validate
+from training.cli import compose_config
+from training.config import TrainConfig
 from training.errors import RunError
 from training.run_dir import check_resume_from, prepare_output_dir, roll_back
+from training.validate import validate
 
 
 def make_steps(out: Path, steps, latest=None) -> None:
@@ -137,11 +139,9 @@ def test_resume_from_checks_completeness_and_rolls_back(tmp_path):
         ("data.train_weights", [1.0, float("nan")], "data.train_weights[1]=nan must be"),
         ("resume_from", "step5", "resume_from=step5 must name a checkpoint like global_step500"),
         ("overwrite_output_dir", True, "overwrite_output_dir=true starts a fresh run"),
-        ("objective", "ppo", "objective=ppo: choose one of sft, dpo"),
         ("dpo.beta", 0.0, "dpo.beta=0.0 must be a finite number in (0, inf]"),
         ("dpo.sft_weight", -1.0, "dpo.sft_weight=-1.0 must be a finite number in [0, inf]"),
         ("dpo.gamma", float("nan"), "dpo.gamma=nan must be"),
-        ("dpo.loss_type", "kto", "dpo.loss_type=kto: choose one of sigmoid, ipo, simpo"),
         ("dpo.data.packing", True, "data.packing=true: objective=dpo scores each pair's two sequences"),
         ("dpo.data.concatenate", True, "data.concatenate=true: objective=dpo"),
     ],
@@ -160,6 +160,21 @@ def test_every_numeric_setting_is_checked_before_training(key, value, message):
     with pytest.raises(ValueError) as e:
         validate(cfg)
     assert str(e.value).startswith(message), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("objective=ppo", "objective=ppo: choose one of sft, dpo"),
+        ("dpo.loss_type=kto", "dpo.loss_type=kto: choose one of sigmoid, ipo, simpo"),
+        ("pipeline_schedule=gpipe", "pipeline_schedule=gpipe: choose one of 1f1b, zero_bubble, dualpipev"),
+        ("deepspeed.precision=fp8", "deepspeed.precision=fp8: choose one of auto, fp32, bf16, fp16"),
+    ],
+)
+def test_every_choice_is_an_enum_checked_when_composing(override, message):
+    with pytest.raises(ValueError) as e:
+        compose_config([override])
+    assert str(e.value) == message
 
 
 @pytest.mark.slow

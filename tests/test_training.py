@@ -14,8 +14,8 @@ import torch
 
 from checkpoint.pipeline_reader import load_hf_state_dict
 from checkpoint.safe_load import load_pt
+from tests.baseline import baseline_eval, train_baseline
 from tests.conftest import built_once, check, deepspeed_launch, read_jsonl, run_cmd, shared_path
-from tests.reference import reference_eval, train_reference
 from training.config import OptimConfig, TrainConfig
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
@@ -157,7 +157,7 @@ def assert_matches_reference(out: str, cfg: TrainConfig, hf_dir: str, sft_data, 
     arrangement = LAYOUTS[layout][4]
     # NOTE: the tokenizer as the trainer loads it from the model directory: transformers picks the tokenizer
     # class from config.json's model_type (Qwen2Tokenizer for a qwen2 directory), not from tokenizer_dir.
-    ref_model, ref_losses, ref_norms = train_reference(hf_dir, hf_dir, cfg, dp=dp, steps=STEPS)
+    ref_model, ref_losses, ref_norms = train_baseline(hf_dir, hf_dir, cfg, dp=dp, steps=STEPS)
 
     metrics = read_jsonl(f"{out}/metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
@@ -172,7 +172,7 @@ def assert_matches_reference(out: str, cfg: TrainConfig, hf_dir: str, sft_data, 
     assert all(n > cfg.optim.max_grad_norm for n in ref_norms[:2]), "clipping should be active in this test"
 
     results = json.load(open(f"{out}/eval_results.json"))
-    ref_loss, ref_tokens = reference_eval(ref_model, hf_dir, sft_data[1], cfg)
+    ref_loss, ref_tokens = baseline_eval(ref_model, hf_dir, sft_data[1], cfg)
     assert results["eval_tokens"] == ref_tokens
     assert results["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
     if arrangement:

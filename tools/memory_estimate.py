@@ -14,7 +14,6 @@ and communication buffers; plan for 10-20% on top.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 
@@ -140,10 +139,10 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     backward passes' deferred weight gradients; dualpipev's two half stages per rank, rank 0 scoring the loss."""
     from models.config import checkpoint_every
     from models.key_table import block_of
-    from models.partition import layer_param_counts, stage_bounds
+    from models.partition import layer_param_counts, rank_stages, stage_bounds
     from models.sharding import padded_vocab
     from models.tensor_parallel import TensorParallel
-    from training.config import sequence_parallel
+    from training.config import model_stages, padded_seq_length, sequence_parallel, sequences_per_sample
     from training.precision import resolve_precision, resolve_zero_stage
     from training.schedules import memory_states
 
@@ -159,8 +158,9 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     optim_bytes = (0 if precision == "fp32" else 4) + 8
     optim_share = 0.0 if cfg.deepspeed.offload_optimizer else (1 / dp if zero >= 1 else 1.0)
     counts = layer_param_counts(config, TensorParallel(tp, 0, cfg.model.vocab_pad_multiple))  # one TP rank's share
-    bounds = stage_bounds(config, 2 * pp if dual else pp, cfg.model.partition)
-    b, s = cfg.micro_batch_size * (2 if cfg.objective == "dpo" else 1), cfg.seq_length  # DPO: 2 sequences a pair
+    stages = model_stages(schedule, pp)
+    bounds = stage_bounds(config, stages, cfg.model.partition)
+    b, s = cfg.micro_batch_size * sequences_per_sample(cfg), padded_seq_length(cfg)
     every = checkpoint_every(cfg.model)
     act_bytes = 2 if precision != "fp32" else 4
     attn = str(cfg.model.attn_implementation)
@@ -170,7 +170,7 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     deferred = deferred_weight_grad_bytes(config, b, s, tp, act_bytes, *lora) if schedule == "zero_bubble" else 0
     n, out = config.num_hidden_layers, []
     for stage in range(pp):
-        halves = [stage, 2 * pp - 1 - stage] if dual else [stage]
+        halves = rank_stages(stages, pp, stage)
         own = [range(bounds[h], bounds[h + 1]) for h in halves]
         held_layers = {i for r in own for i in r}
         params = sum(counts[i] for i in held_layers)
@@ -208,8 +208,9 @@ def suggest(cfg, config, world_size: int, gpu_gib: float) -> list[str]:
     2p for dualpipev), and each schedule's theoretical bubble from its instruction lists; smallest bubble first."""
     import copy
 
-    from training.config import validate_layout
+    from training.config import min_micro_batches
     from training.schedules import timeline
+    from training.validate import validate_layout
 
     pp, found = cfg.num_stages, []
     tokens = cfg.micro_batch_size * cfg.gradient_accumulation_steps
@@ -219,7 +220,7 @@ def suggest(cfg, config, world_size: int, gpu_gib: float) -> list[str]:
             for mbs in (16, 8, 4, 2, 1):
                 trial = copy.deepcopy(cfg)
                 trial.pipeline_schedule, trial.model.partition, trial.micro_batch_size = schedule, partition, mbs
-                m = max(4 * (pp - 1), -(-tokens // mbs), 2 * pp if schedule == "dualpipev" else 1)
+                m = max(4 * (pp - 1), -(-tokens // mbs), min_micro_batches(schedule, pp))
                 trial.gradient_accumulation_steps = m
                 try:
                     validate_layout(trial, world_size, config)
@@ -241,36 +242,30 @@ def suggest(cfg, config, world_size: int, gpu_gib: float) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
     from training.assembly import load_model_config
-    from training.config import TrainConfig, register_configs
+    from training.cli import compose_config
+    from training.config import sequence_parallel, sequences_per_sample
+    from training.errors import RunError
 
     world = [a for a in argv if a.startswith("world_size=")]
     gpu = [a for a in argv if a.startswith("gpu_memory_gib=")]
     overrides = [a for a in argv if not a.startswith(("world_size=", "gpu_memory_gib="))]
     world_size = int(world[-1].split("=", 1)[1]) if world else None
-    register_configs()
-    conf_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-    with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
-        cfg: TrainConfig = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
-    if cfg.model_name_or_path is None and cfg.model.hidden_size is None:
-        print("memory_estimate: error: name a model preset (model=...) or an experiment", file=sys.stderr)
-        return 2
-    from training.config import sequence_parallel
-
-    config = load_model_config(cfg)
-    world_size = world_size or cfg.num_stages * cfg.tensor_parallel_size
     try:
+        cfg = compose_config(overrides)
+        if cfg.model_name_or_path is None and cfg.model.hidden_size is None:
+            raise ValueError("name a model preset (model=...) or an experiment")
+        config = load_model_config(cfg)
+        world_size = world_size or cfg.num_stages * cfg.tensor_parallel_size
         rows = estimate(cfg, config, world_size)
-    except ValueError as e:  # e.g. dualpipev with fewer than 2 x num_stages micro-batches
+    except (ValueError, RunError) as e:  # e.g. dualpipev with fewer than 2 x num_stages micro-batches
         print(f"memory_estimate: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     dp = world_size // (cfg.num_stages * cfg.tensor_parallel_size)
     sp = f", sequence_parallel={str(sequence_parallel(cfg)).lower()}" if cfg.tensor_parallel_size > 1 else ""
+    pairs = f" pairs ({sequences_per_sample(cfg)} sequences each)" if cfg.objective == "dpo" else ""
     print(f"PP={cfg.num_stages} x TP={cfg.tensor_parallel_size} x DP={dp}, "
-          f"micro-batch {cfg.micro_batch_size}{' pairs (2 sequences each)' if cfg.objective == 'dpo' else ''} x "
+          f"micro-batch {cfg.micro_batch_size}{pairs} x "
           f"{cfg.seq_length} tokens, "
           f"{cfg.deepspeed.precision}, recompute={cfg.model.activation_checkpointing}, "
           f"pipeline_schedule={cfg.pipeline_schedule}{sp}")  # fmt: skip

@@ -22,7 +22,7 @@ from models.config import check_preset, config_from_preset, load_hf_config
 from models.lora import add_lora
 from models.loss import CausalLMLoss
 from models.partition import stage_bounds
-from models.preference import PreferenceLoss, PreferenceSettings
+from models.preference import PreferenceLoss
 from models.tensor_parallel import (
     TensorParallel,
     parallelize_lora,
@@ -30,19 +30,20 @@ from models.tensor_parallel import (
     vocab_parallel,
     vocab_parallel_cross_entropy,
 )
-from models.tokenizer import check_tokenizer_fits, load_tokenizer
+from models.tokenizer import check_tokenizer_fits, configured_tokenizer
 from training import checkpointing
-from training.config import TrainConfig, sequence_parallel, validate, validate_layout
+from training.config import TrainConfig, model_stages, padded_seq_length, sequence_parallel
 from training.data_setup import data_state, load_data, pad_id, write_data_report
 from training.distributed import agreed, init_distributed
 from training.engine import build_module, describe_auto_precision, initialize_engine
 from training.errors import RunError
 from training.logs import configure_logging, log_to_file
 from training.precision import resolve_precision
-from training.reference import attach_reference, needs_reference
+from training.reference_logps import attach_reference, needs_reference
 from training.run_dir import check_paths, prepare_output_dir, roll_back
 from training.run_state import Run
 from training.topology import Coords
+from training.validate import validate, validate_layout
 
 log = logging.getLogger("trainer")
 
@@ -52,9 +53,7 @@ def _loss_fn(cfg: TrainConfig, model_config, tp: TensorParallel):
     cross-entropy when the head is split (no rank holds [B, S, V] logits; padded rows never reach the loss)."""
     split = vocab_parallel(model_config, tp)
     if cfg.objective == "dpo":
-        d = cfg.dpo
-        settings = PreferenceSettings(d.loss_type, d.beta, d.gamma, d.sft_weight)
-        return PreferenceLoss(settings, token_cross_entropy_for(model_config, tp), cfg.model.loss_chunk_size)
+        return PreferenceLoss(cfg.dpo.settings(), token_cross_entropy_for(model_config, tp), cfg.model.loss_chunk_size)
     cross_entropy = None
     if split:
         cross_entropy = functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=model_config.vocab_size)
@@ -98,13 +97,9 @@ def load_model_config(cfg: TrainConfig):
 
 
 def _tokenizer(cfg: TrainConfig, vocab_size: int):
-    path = cfg.tokenizer_name_or_path or cfg.model_name_or_path
-    setting = "tokenizer_name_or_path" if cfg.tokenizer_name_or_path else "model_name_or_path"
-    if path is None:
-        raise RunError("tokenizer_name_or_path is not set")
     try:
-        tokenizer = load_tokenizer(path, setting)
-        check_tokenizer_fits(len(tokenizer), vocab_size, f"{setting} {path}")
+        tokenizer, where = configured_tokenizer(cfg.tokenizer_name_or_path, cfg.model_name_or_path)
+        check_tokenizer_fits(len(tokenizer), vocab_size, where)
     except ValueError as e:
         raise _user_error(e) from None
     return tokenizer
@@ -165,7 +160,7 @@ def assemble(cfg: TrainConfig) -> Run:
         model_config = load_model_config(cfg)
         try:
             validate_layout(cfg, world, model_config)
-            stages = 2 * cfg.num_stages if cfg.pipeline_schedule == "dualpipev" else cfg.num_stages
+            stages = model_stages(cfg.pipeline_schedule, cfg.num_stages)
             bounds = stage_bounds(model_config, stages, cfg.model.partition)  # once per run
         except ValueError as e:
             raise _user_error(e) from None
@@ -179,9 +174,9 @@ def assemble(cfg: TrainConfig) -> Run:
             run.tokenizer = _tokenizer(cfg, model_config.vocab_size)
     load_data(run)
     if cfg.objective == "dpo":
-        run.collate = PairCollator(cfg.seq_length, pad_id(run.tokenizer))
+        run.collate = PairCollator(padded_seq_length(cfg), pad_id(run.tokenizer))
     else:
-        run.collate = CausalLMCollator(cfg.seq_length, pad_id(run.tokenizer), cfg.data.documents_share_rows)
+        run.collate = CausalLMCollator(padded_seq_length(cfg), pad_id(run.tokenizer), cfg.data.documents_share_rows)
     run.data_state = data_state(run)
     if needs_reference(cfg):  # before the training stage exists: the pass builds (and drops) a stage of its own
         attach_reference(run)

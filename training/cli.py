@@ -1,9 +1,15 @@
-"""Command-line overrides, checked before hydra composes them (trainer.py and `python -m data.prepare` share it)."""
+"""The run config from conf/ and command-line overrides: the one way a command, tool or test builds it.
+
+Overrides are checked before hydra composes them (one line naming the key); trainer.py, `python -m data.prepare`,
+`python -m tools.memory_estimate` and the tests all go through `compose_config` (trainer.py through hydra.main,
+for sweeps and --help, after the same `check_overrides`).
+"""
 
 from __future__ import annotations
 
 import difflib
 import os
+import re
 
 from omegaconf import OmegaConf
 
@@ -44,7 +50,8 @@ def check_overrides(args: list[str], conf_dir: str) -> str | None:
                 close = difflib.get_close_matches(key, keys, n=1)
                 return f"{key}: unknown config key" + (f" (did you mean {close[0]}?)" if close else "")
             reason = str(e).strip().splitlines()[0]
-            return f"{arg}: {reason}"
+            choices = re.match(r"Invalid value '.*', expected one of \[(.*)\]", reason)  # an enum key
+            return f"{arg}: choose one of {choices[1]}" if choices else f"{arg}: {reason}"
     return None
 
 

@@ -29,6 +29,20 @@ def pad_id(tokenizer) -> int:
     return 0
 
 
+def open_dataset(
+    cfg: TrainConfig, spec, tokenizer, *, train: bool, cache_dir: str, build: bool = True, beat=None, log=log.info
+) -> TokenizedDataset | PairDataset:
+    """The dataset `cfg.objective` reads from `spec` (train_file or eval_file): pairs for dpo, rows for sft;
+    a train set is mixed by data.train_weights and seed. The one place that decides it (trainer and data.prepare)."""
+    d = cfg.data
+    kw = dict(cache_dir=cache_dir, workers=d.tokenize_workers, build=build, beat=beat, log=log)
+    if train:
+        kw.update(weights=d.train_weights, seed=cfg.seed)
+    if cfg.objective == "dpo":  # pairs are never concatenated (validate refuses it)
+        return PairDataset(spec, tokenizer, cfg.seq_length, d, **kw)
+    return TokenizedDataset(spec, tokenizer, cfg.seq_length, d, concat=d.concatenate, **kw)
+
+
 def load_data(run: Run) -> None:
     """Tokenized datasets on the first and last stage, the row counts alone on middle stages, then the step plan.
 
@@ -40,15 +54,12 @@ def load_data(run: Run) -> None:
     cache, run.ephemeral_data = cache_root(d.cache_dir, cfg.output_dir)
 
     def load(build: bool, beat=None) -> None:
-        common = dict(cache_dir=cache, workers=d.tokenize_workers, concat=d.concatenate, build=build, beat=beat,
-                      log=log.info)  # fmt: skip
-        if cfg.objective == "dpo":  # pairs: never concatenated (validate refuses it)
-            common.pop("concat")
-        kind = PairDataset if cfg.objective == "dpo" else TokenizedDataset
         if cfg.do_train:
-            run.train_set = kind(cfg.train_file, run.tokenizer, cfg.seq_length, d, d.train_weights, cfg.seed, **common)
+            run.train_set = open_dataset(cfg, cfg.train_file, run.tokenizer, train=True, cache_dir=cache, build=build,
+                                         beat=beat)  # fmt: skip
         if evaluating(cfg):
-            run.eval_set = kind(cfg.eval_file, run.tokenizer, cfg.seq_length, d, **common)
+            run.eval_set = open_dataset(cfg, cfg.eval_file, run.tokenizer, train=False, cache_dir=cache, build=build,
+                                        beat=beat)  # fmt: skip
 
     rank0_works(lambda beat: load(True, beat), f"waiting for rank 0 to find or build the tokenized data in {cache}")
     counts = None
@@ -121,7 +132,7 @@ def data_state(run: Run) -> dict:
         "packing": cfg.data.packing,
         "concatenate": cfg.data.concatenate,
         "train_data_fingerprint": broadcast_object(digest),
-        "objective": cfg.objective,
+        "objective": str(cfg.objective),  # a plain string: the state is pickled into checkpoints
     }
 
 

@@ -40,13 +40,6 @@ def deepspeed_config(cfg: TrainConfig, coords: Coords, load_universal: bool = Fa
     ds = cfg.deepspeed
     precision = resolve_precision(ds.precision)
     zero_stage = resolve_zero_stage(ds.zero_stage)
-    if ds.offload_optimizer and precision == "bf16":
-        raise ValueError(
-            "deepspeed.offload_optimizer=true with bf16 is not supported by DeepSpeed's pipeline engine "
-            "(DeepSpeed issue 3866); use deepspeed=fp16_offload"
-        )
-    if ds.offload_optimizer and zero_stage < 1:
-        raise ValueError("deepspeed.offload_optimizer=true needs deepspeed.zero_stage=1")
     conf = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
@@ -209,7 +202,7 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
     config = deepspeed_config(cfg, coords, load_universal)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     if cfg.pipeline_schedule == "zero_bubble":
-        from training.pipe_engines import make_zero_bubble
+        from training.zero_bubble_engine import make_zero_bubble
 
         make_zero_bubble(engine)
 

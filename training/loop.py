@@ -20,7 +20,7 @@ from data.sampling import eval_batches, eval_indices, eval_num_batches, train_ba
 from training import checkpointing
 from training.assembly import assemble
 from training.batches import LossScaledBatches, PairScaledBatches
-from training.config import TrainConfig, evaluating, resume_mode
+from training.config import TrainConfig, eval_micro_batch_size, evaluating, resume_mode, sequences_per_sample
 from training.distributed import control_group
 from training.errors import RunError
 from training.logs import rank_log_path
@@ -50,32 +50,31 @@ def describe_failure(error: Exception, rank: int, step: int, timeout_minutes: fl
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.state = assemble(cfg)
-        self.last_saved_step = self.state.step if self.state.step else None
+        self.assembled = assemble(cfg)
+        self.last_saved_step = self.assembled.step if self.assembled.step else None
         self.stop_signal, self.stopped, self.reporter = None, False, None
         signal.signal(signal.SIGTERM, self._on_sigterm)
-        if resume_mode(cfg) != "false" and self.state.coords.reporting:
+        if resume_mode(cfg) != "false" and self.assembled.coords.reporting:
             # Drop metrics of steps after the resumed checkpoint (all of them when a launch killed before its
             # first save starts fresh): those steps are trained again.
-            truncate_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"), self.state.step)
+            truncate_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"), self.assembled.step)
 
     # ---------------------------------------------------------------- train
 
     def save(self) -> None:
-        r = self.state
+        r = self.assembled
         checkpointing.save(r.engine, self.cfg, r.coords, r.layout, r.step, r.data_state)
         self.last_saved_step = r.step
 
     def train(self) -> None:
-        cfg, r, c = self.cfg, self.state, self.state.coords
+        cfg, r, c = self.cfg, self.assembled, self.assembled.coords
         data_iter = None
         if c.has_data:
             data_iter = train_batches(r.train_set, r.plan, c.dp_rank, cfg.seed, r.step, r.collate, cfg.data.num_workers)
             if c.is_last:
                 data_iter = self._scaled(data_iter, cfg.gradient_accumulation_steps)
-        sequences = 2 if cfg.objective == "dpo" else 1  # a pair is two sequences
         tokens_per_step = c.global_batch(cfg.micro_batch_size, cfg.gradient_accumulation_steps) * cfg.seq_length
-        tokens_per_step *= sequences
+        tokens_per_step *= sequences_per_sample(cfg)
         log.info("training steps %d..%d of %d (%d per epoch), PP=%d x TP=%d x DP=%d", r.step + 1, r.total_steps,
                  r.total_steps, r.plan.steps_per_epoch, cfg.num_stages, c.tp, c.dp)  # fmt: skip
         while r.step < r.total_steps:
@@ -106,14 +105,14 @@ class Trainer:
 
     def _scaled(self, batches, micro_batches: int) -> LossScaledBatches:
         """The last stage's micro-batches with their loss scales (pairs for objective=dpo)."""
-        r = self.state
+        r = self.assembled
         kind = PairScaledBatches if self.cfg.objective == "dpo" else LossScaledBatches
         return kind(batches, micro_batches, r.dp_group(), r.coords.dp)
 
     def _preference_metrics(self, prefix: str = "") -> dict:
         """Last stage, objective=dpo: the loss and TRL's reward means over every pair scored since the last call (the
         step's, or the evaluation's), summed over the DP group (`prefix`: "eval_" for TRL's evaluation names)."""
-        r = self.state
+        r = self.assembled
         sums = r.loss_fn.sums if r.loss_fn.sums is not None else torch.zeros(len(r.loss_fn.SUMS))
         sums = sums.detach().to("cpu", torch.float64)
         r.loss_fn.reset()
@@ -123,7 +122,7 @@ class Trainer:
 
     def _report(self, loss: float, lr: float, seconds: float, tokens_per_step: int, batches: LossScaledBatches,
                 rewards: dict | None = None) -> None:  # fmt: skip
-        r = self.state
+        r = self.assembled
         record = {
             "step": r.step,
             "epoch": r.plan.position(r.step - 1)[0],
@@ -145,7 +144,7 @@ class Trainer:
 
     def _train_step(self, data_iter) -> float:
         """One optimizer step. A failure names the rank and step; the traceback goes to this rank's log."""
-        r = self.state
+        r = self.assembled
         try:
             return float(r.engine.train_batch(data_iter=data_iter))
         except Exception as e:  # noqa: BLE001 - any failure inside a step, ours or a peer's
@@ -169,8 +168,8 @@ class Trainer:
 
     def evaluate(self) -> dict | None:
         """Token-weighted loss over every target token of eval_file; written by the reporting rank."""
-        cfg, r, c = self.cfg, self.state, self.state.coords
-        mbs = cfg.eval_micro_batch_size or cfg.micro_batch_size
+        cfg, r, c = self.cfg, self.assembled, self.assembled.coords
+        mbs = eval_micro_batch_size(cfg)
         micro_batches = cfg.gradient_accumulation_steps
         data_iter = None
         if c.has_data:
@@ -214,7 +213,7 @@ class Trainer:
         return results
 
     def _write_results(self, results: dict) -> None:
-        if self.state.coords.reporting:
+        if self.assembled.coords.reporting:
             with open(os.path.join(self.cfg.output_dir, "eval_results.json"), "w") as f:
                 json.dump(results, f, indent=2)
             if self.reporter is not None:
@@ -223,7 +222,7 @@ class Trainer:
     # ---------------------------------------------------------------- the whole run
 
     def run(self) -> None:
-        cfg, r, self.stopped, self.reporter = self.cfg, self.state, False, None
+        cfg, r, self.stopped, self.reporter = self.cfg, self.assembled, False, None
         if r.coords.reporting:
             run_config = OmegaConf.to_container(OmegaConf.structured(cfg))
             self.reporter = StepReporter(cfg.output_dir, cfg.report_to, r.total_steps, r.step, run_config,

@@ -53,16 +53,11 @@ dataset_mod.TokenizedDataset.__getitem__ = recording_getitem
 
 
 def main():
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from training.config import register_configs
+    from training.cli import compose_config
     from training.distributed import shutdown_distributed
     from training.loop import Trainer
 
-    register_configs()
-    with initialize_config_dir(config_dir=os.path.abspath("conf"), version_base="1.3"):
-        cfg = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+    cfg = compose_config(overrides)
     data_files = {os.path.abspath(cfg.train_file), os.path.abspath(cfg.eval_file)}
     _open = builtins.open
 
@@ -77,7 +72,7 @@ def main():
     trainer.run()
     rec["files_loaded"] = loaded_at_start
     builtins.open = _open
-    run = trainer.state
+    run = trainer.assembled
     rec.update(
         rank=run.coords.rank,
         stage=run.coords.stage,

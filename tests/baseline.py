@@ -40,7 +40,7 @@ def global_batch(dataset, plan: TrainPlan, step: int, seed: int, seq_length: int
     return ids, mask, labels
 
 
-def train_reference(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, steps: int):
+def train_baseline(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, steps: int):
     """Returns (model, [loss per step], [grad norm per step]); `model.step_tokens` holds each step's tokens
     that are not padding (what the trainer's metrics call input_tokens)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -76,7 +76,7 @@ def train_reference(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, 
 
 
 @torch.no_grad()
-def reference_eval(model, tokenizer_dir: str, eval_file: str, cfg: TrainConfig) -> tuple[float, int]:
+def baseline_eval(model, tokenizer_dir: str, eval_file: str, cfg: TrainConfig) -> tuple[float, int]:
     """(mean loss over every target token of eval_file, token count), one unpadded row (with concatenation: one
     piece of a document in a block) at a time."""
     from transformers import AutoTokenizer

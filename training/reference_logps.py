@@ -34,7 +34,7 @@ from data.sampling import eval_batches, eval_indices, eval_num_batches
 from models.config import load_hf_config
 from models.preference import ReferenceScorer
 from models.tensor_parallel import token_cross_entropy_for
-from training.config import TrainConfig
+from training.config import TrainConfig, eval_micro_batch_size
 from training.distributed import agreed, broadcast_object, control_group
 from training.errors import RunError
 from training.hf_source import source_record
@@ -173,7 +173,7 @@ def score_pairs(run, todo: list[tuple[str, int, str]]) -> None:
         load_stage_weights(module, source, run.model_config, tp)
     module._synchronize_tied_weights()
     engine = initialize_forward_engine(cfg, c, module)
-    mbs, micro_batches = cfg.eval_micro_batch_size or cfg.micro_batch_size, cfg.gradient_accumulation_steps
+    mbs, micro_batches = eval_micro_batch_size(cfg), cfg.gradient_accumulation_steps
     for name, n, path in todo:
         start = time.perf_counter()
         indices = eval_indices(n, c.dp, c.dp_rank, mbs, micro_batches)

@@ -1,0 +1,188 @@
+"""Every check of a run config's values, in one place: `validate` (before anything is read or built) and
+`validate_layout` (once the model's config is known). Each raises ValueError with one line naming the key.
+
+Types, unknown keys and the choices of enum keys are checked earlier, when hydra composes the config
+(training/cli.py). Nothing here changes the config.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from models.config import checkpoint_every
+from models.lora import check_target_modules
+from models.sharding import tp_indivisible
+from training.config import (
+    RESUME_MODES,
+    TrainConfig,
+    min_micro_batches,
+    model_stages,
+)
+from training.precision import resolve_precision, resolve_zero_stage
+from training.reporting import check_reporters
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _finite(value, key: str, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = False):
+    """`key`=`value` must be a finite number in the range; ValueError naming both otherwise."""
+    lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
+    bounds = f"{lo}{low:g}, {'inf' if math.isinf(high) else f'{high:g}'}{hi}"
+    ok = isinstance(value, int | float) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    _need(ok, f"{key}={value} must be a finite number in {bounds}")
+
+
+def validate_numbers(cfg: TrainConfig) -> None:
+    """Every numeric setting finite and in range, so none trains into NaN weights or a wrong schedule."""
+    o = cfg.optim
+    _finite(cfg.learning_rate, "learning_rate", 0)
+    _finite(o.weight_decay, "optim.weight_decay", 0)
+    _finite(o.beta1, "optim.beta1", 0, 1, high_open=True)
+    _finite(o.beta2, "optim.beta2", 0, 1, high_open=True)
+    _finite(o.eps, "optim.eps", 0, low_open=True)
+    _finite(o.max_grad_norm, "optim.max_grad_norm", 0)
+    _finite(o.warmup_ratio, "optim.warmup_ratio", 0, 1)
+    _finite(o.min_lr_ratio, "optim.min_lr_ratio", 0, 1)
+    _need(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    _finite(cfg.dist_timeout_minutes, "dist_timeout_minutes", 0, low_open=True)
+    _need(cfg.max_steps >= -1, f"max_steps={cfg.max_steps} must be -1 (use num_train_epochs) or a step count")
+    _need(cfg.num_train_epochs >= 1 or cfg.max_steps > 0, f"num_train_epochs={cfg.num_train_epochs} must be >= 1")
+    for key in ("save_steps", "eval_steps"):
+        _need(getattr(cfg, key) >= 0, f"{key}={getattr(cfg, key)} must be >= 0")
+    _need(cfg.logging_steps >= 1, f"logging_steps={cfg.logging_steps} must be >= 1")
+    _need(cfg.eval_micro_batch_size is None or cfg.eval_micro_batch_size >= 1,
+          f"eval_micro_batch_size={cfg.eval_micro_batch_size} must be >= 1")  # fmt: skip
+    _need(cfg.deepspeed.steps_per_print >= 1, f"deepspeed.steps_per_print={cfg.deepspeed.steps_per_print} must be >= 1")
+    _need(0 <= cfg.deepspeed.initial_scale_power <= 32,
+          f"deepspeed.initial_scale_power={cfg.deepspeed.initial_scale_power} must be in [0, 32]")  # fmt: skip
+    for key in ("tokenize_workers", "num_workers"):
+        _need(getattr(cfg.data, key) >= 0, f"data.{key}={getattr(cfg.data, key)} must be >= 0")
+    for i, w in enumerate(cfg.data.train_weights or []):
+        _finite(w, f"data.train_weights[{i}]", 0)
+    if cfg.objective == "dpo":
+        _finite(cfg.dpo.beta, "dpo.beta", 0, low_open=True)
+        _finite(cfg.dpo.gamma, "dpo.gamma", -math.inf)
+        _finite(cfg.dpo.sft_weight, "dpo.sft_weight", 0)
+    if cfg.lora.enabled:
+        _finite(cfg.lora.alpha, "lora.alpha", 0, low_open=True)
+        _finite(cfg.lora.dropout, "lora.dropout", 0, 1, high_open=True)
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks that need more than types. Raises ValueError naming the key; changes nothing."""
+    need = _need
+    need(str(cfg.resume).lower() in RESUME_MODES, f"resume={cfg.resume} must be true, false or auto")
+    need(cfg.resume_from is None or re.fullmatch(r"global_step\d+", cfg.resume_from) is not None,
+         f"resume_from={cfg.resume_from} must name a checkpoint like global_step500")  # fmt: skip
+    need(not cfg.overwrite_output_dir or (str(cfg.resume).lower() == "false" and not cfg.resume_from),
+         "overwrite_output_dir=true starts a fresh run; it cannot be combined with resume or resume_from")  # fmt: skip
+    validate_numbers(cfg)
+    need(cfg.keep_last_n >= 0, f"keep_last_n={cfg.keep_last_n} must be >= 0")
+    check_reporters(cfg.report_to)
+    need(cfg.num_stages >= 1, f"num_stages={cfg.num_stages} must be >= 1")
+    need(cfg.tensor_parallel_size >= 1, f"tensor_parallel_size={cfg.tensor_parallel_size} must be >= 1")
+    need(cfg.model.vocab_pad_multiple >= 1, f"model.vocab_pad_multiple={cfg.model.vocab_pad_multiple} must be >= 1")
+    checkpoint_every(cfg.model)
+    need(cfg.model.loss_chunk_size >= 0, f"model.loss_chunk_size={cfg.model.loss_chunk_size} must be >= 0")
+    need(cfg.seq_length >= 2, f"seq_length={cfg.seq_length} must be >= 2")
+    need(cfg.micro_batch_size >= 1, f"micro_batch_size={cfg.micro_batch_size} must be >= 1")
+    need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
+    need(cfg.deepspeed.zero_stage in (None, 0, 1), "deepspeed.zero_stage must be 0 or 1 with pipeline parallelism")
+    validate_offload(cfg)
+    need(cfg.tokenizer_name_or_path is not None or cfg.model_name_or_path is not None,
+         "tokenizer_name_or_path (or model_name_or_path) is not set")  # fmt: skip
+    need(not cfg.do_train or cfg.train_file is not None, "do_train=true needs train_file")
+    weights = cfg.data.train_weights
+    files = [cfg.train_file] if isinstance(cfg.train_file, str) else list(cfg.train_file or [])
+    need(
+        weights is None or len(weights) == len(files),
+        f"data.train_weights has {len(weights or [])} entries for {len(files)} train files",
+    )
+    need(cfg.do_eval is not True or cfg.eval_file is not None, "do_eval=true needs eval_file")
+    least = min_micro_batches(cfg.pipeline_schedule, cfg.num_stages)
+    need(cfg.gradient_accumulation_steps >= least,
+         f"pipeline_schedule=dualpipev needs gradient_accumulation_steps >= 2 x num_stages = {least} "
+         f"micro-batches per step, got {cfg.gradient_accumulation_steps}")  # fmt: skip
+    need(not (cfg.data.packing and cfg.data.concatenate),
+         "data.packing=true and data.concatenate=true: choose one (packing places whole rows, concatenation cuts "
+         "the document stream into blocks)")  # fmt: skip
+    if cfg.objective == "dpo":
+        validate_dpo(cfg)
+    if cfg.lora.enabled:
+        need(cfg.lora.r >= 1, f"lora.r={cfg.lora.r} must be >= 1")
+        need(cfg.model_name_or_path is not None, "lora.enabled=true needs model_name_or_path")
+        check_target_modules(cfg.lora.target_modules)
+    need(
+        cfg.model_name_or_path is not None or cfg.model.hidden_size is not None,
+        "model_name_or_path is not set (a checkpoint written by convert2ckpt.py) and model= names no preset to build",
+    )
+
+
+def validate_dpo(cfg: TrainConfig) -> None:
+    """`objective=dpo` settings. Raises ValueError naming the key."""
+    d = cfg.dpo
+    for key in ("packing", "concatenate"):
+        _need(not getattr(cfg.data, key), f"data.{key}=true: objective=dpo scores each pair's two sequences as rows "
+              "of their own (packing or concatenating pairs is not supported)")  # fmt: skip
+    _need(d.loss_type == "simpo" or d.reference_model is not None or cfg.model_name_or_path is not None,
+          f"dpo.loss_type={d.loss_type} compares against a reference model: set model_name_or_path (the reference "
+          "is the starting weights) or dpo.reference_model")  # fmt: skip
+
+
+def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
+    """The PP x TP x DP layout against the model and the launch. Raises ValueError naming the key."""
+    if cfg.pipeline_schedule == "zero_bubble":
+        precision, zero = resolve_precision(cfg.deepspeed.precision), resolve_zero_stage(cfg.deepspeed.zero_stage)
+        _need(
+            (precision, zero) == ("fp32", 0) or precision == "bf16",
+            f"pipeline_schedule=zero_bubble runs with fp32 (ZeRO-0) or bf16 (ZeRO-0/1), not {precision} with "
+            f"ZeRO-{zero}: that optimizer accumulates gradients in backward hooks the deferred weight gradients "
+            "bypass",
+        )
+        _need(
+            precision != "bf16" or zero == 0 or cfg.deepspeed.grad_accum_dtype in (None, "fp32"),
+            f"pipeline_schedule=zero_bubble with bf16 and ZeRO-1 needs deepspeed.grad_accum_dtype=fp32, not "
+            f"{cfg.deepspeed.grad_accum_dtype}: DeepSpeed's bf16 ZeRO optimizer accumulates gradients in backward "
+            "hooks the deferred weight gradients bypass",
+        )
+    num_layers, tp = model_config.num_hidden_layers, cfg.tensor_parallel_size
+    parts = None if isinstance(cfg.model.partition, str) else [int(n) for n in cfg.model.partition]
+    stages = model_stages(cfg.pipeline_schedule, cfg.num_stages)
+    _need(
+        cfg.pipeline_schedule != "dualpipev" or parts is None or len(parts) == stages,
+        f"model.partition={parts} has {len(parts or [])} entries; pipeline_schedule=dualpipev cuts the model into "
+        f"2 x num_stages = {stages} stages (list the decoder blocks of each)",
+    )
+    _need(
+        stages <= num_layers or cfg.pipeline_schedule != "dualpipev",
+        f"pipeline_schedule=dualpipev cuts the model into 2 x num_stages = {stages} stages, more than "
+        f"its {num_layers} decoder layers",
+    )
+    _need(
+        cfg.num_stages <= num_layers,
+        f"num_stages={cfg.num_stages} is larger than the model's {num_layers} decoder layers "
+        "(every stage needs at least one)",
+    )
+    split = f"num_stages={cfg.num_stages}" + (f" x tensor_parallel_size={tp}" if tp > 1 else "")
+    _need(
+        world_size % (cfg.num_stages * tp) == 0,
+        f"{split} does not divide the world size {world_size} (PP x TP x DP = world size)",
+    )
+    bad = tp_indivisible(model_config, tp)
+    _need(bad is None, f"tensor_parallel_size={tp} must divide {bad[0]}={bad[1]}" if bad else "")
+
+
+def validate_offload(cfg: TrainConfig) -> None:
+    """Optimizer offload under the pipeline engine, with the precision and ZeRO stage this machine resolves."""
+    ds = cfg.deepspeed
+    if not ds.offload_optimizer:
+        return
+    _need(resolve_precision(ds.precision) != "bf16",
+          "deepspeed.offload_optimizer=true with bf16 is not supported by DeepSpeed's pipeline engine "
+          "(DeepSpeed issue 3866); use deepspeed=fp16_offload")  # fmt: skip
+    _need(resolve_zero_stage(ds.zero_stage) >= 1, "deepspeed.offload_optimizer=true needs deepspeed.zero_stage=1")
