@@ -7,7 +7,7 @@ strings) plus the few plain-data globals in `safe_globals()`. A file that names 
 refused with one line naming the file and the global; nothing in it runs.
 
 NOTE: DeepSpeed's own `load_checkpoint` (a `resume` in the same layout) fully unpickles the engine files
-of a run directory: resuming trusts that directory (README, "Security").
+of a run directory: resuming trusts that directory (docs/reliability_and_security.md).
 """
 
 from __future__ import annotations

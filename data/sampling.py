@@ -1,7 +1,7 @@
 """Which rows each data-parallel rank reads, in which order, from any step on.
 
-Training: a seeded `DistributedSampler` per epoch keyed by the data-parallel id (`drop_last`, so
-every rank gets the same count), and a step count derived from the row count alone, so every
+Training: per epoch, the indices `DistributedSampler(shuffle=True, drop_last=True, seed)` would give the
+data-parallel rank, computed as one seeded `torch.randperm` (no sampler object; every rank gets the same count), and a step count derived from the row count alone, so every
 stage, middle ones included, agrees on it without touching the data. Resuming at step k skips
 exactly the indices that steps 0..k-1 consumed.
 

@@ -67,24 +67,26 @@ class ModelSettings:
     and used to build a model from scratch when no checkpoint is given.
     """
 
-    name: str = "from_checkpoint"
+    name: str = "from_checkpoint"  # the preset's name (conf/model/NAME.yaml)
     source: str | None = None  # where the preset's numbers come from
     model_type: str | None = None  # the family (models/families.py); None: llama
-    vocab_size: int | None = None
-    hidden_size: int | None = None
-    intermediate_size: int | None = None
-    num_hidden_layers: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
+    vocab_size: int | None = None  # embedding rows (config.json's vocab_size)
+    hidden_size: int | None = None  # width of the residual stream
+    intermediate_size: int | None = None  # width of the MLP
+    num_hidden_layers: int | None = None  # decoder blocks
+    num_attention_heads: int | None = None  # query heads
+    num_key_value_heads: int | None = None  # key/value heads (GQA when fewer than the query heads)
     head_dim: int | None = None  # None: hidden_size / num_attention_heads
-    max_position_embeddings: int | None = None
-    rms_norm_eps: float | None = None
-    rope_theta: float | None = None
-    tie_word_embeddings: bool | None = None
+    max_position_embeddings: int | None = None  # the longest seq_length without RoPE scaling
+    rms_norm_eps: float | None = None  # RMSNorm's epsilon
+    rope_theta: float | None = None  # RoPE's base
+    tie_word_embeddings: bool | None = None  # the LM head shares the embedding's weights
     attn_implementation: AttnImplementation = AttnImplementation.sdpa
-    # NOTE: Any because omegaconf has no unions: "parameters", "uniform" or blocks per stage, e.g. [2, 3, 3, 2].
+    # How decoder blocks are split over stages: "parameters" (balanced by parameter count), "uniform", or blocks
+    # per stage, e.g. [2, 3, 3, 2]. NOTE: Any because omegaconf has no unions.
     partition: Any = "parameters"
-    # NOTE: Any because omegaconf has no unions: true (every decoder block), false, or k (every k-th block; 0 off).
+    # Recompute activations in backward: true (every decoder block), false, or k (every k-th block; 0 off).
+    # NOTE: Any because omegaconf has no unions.
     activation_checkpointing: Any = False
     loss_chunk_size: int = 0  # cross-entropy over this many tokens at a time (no whole fp32 logits); 0: at once
     vocab_pad_multiple: int = 1  # pad embedding and LM head rows to a multiple of this (and of TP); never exported
@@ -94,10 +96,11 @@ class ModelSettings:
 class LoraSettings:
     """LoRA adapters on the decoder layers (peft); base weights frozen, only adapters saved."""
 
-    enabled: bool = False
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
+    enabled: bool = False  # train adapters only; the base weights stay frozen (export with --merge-lora)
+    r: int = 8  # adapter rank
+    alpha: float = 16.0  # scaling: the adapter's output is multiplied by alpha / r
+    dropout: float = 0.0  # dropout on the adapter's input
+    # Linear layers of the decoder to adapt (names as in transformers' modules).
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 

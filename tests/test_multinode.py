@@ -1,6 +1,6 @@
 """`deepspeed --hostfile` for real: two "nodes" on loopback addresses reached over ssh by DeepSpeed's pdsh runner.
 
-The README's multi-node launch runs `pdsh` over `ssh` to every host of the hostfile. Here the hosts are
+The multi-node launch of docs/training.md runs `pdsh` over `ssh` to every host of the hostfile. Here the hosts are
 127.0.0.1 and 127.0.0.2 (2 ranks each, PP=2 x DP=2), served by an sshd of our own on a free port with keys made
 for the test, installed from Debian's packages (openssh-server, pdsh) when they are missing. It needs root
 (packages, sshd, root's own login); anywhere else it says so and skips. The losses must equal a single-node

@@ -177,6 +177,29 @@ def test_every_choice_is_an_enum_checked_when_composing(override, message):
     assert str(e.value) == message
 
 
+def test_seq_length_that_tp_does_not_divide_is_padded_inside():
+    """TP=3 with seq_length=128 trained before sequence parallelism was on by default; it still does: batches are
+    padded to 129 positions (3 equal shards), the padding after every real token and never a target. Training with
+    such a length equals the single-process reference: the qwen2-tp2-dp2-recompute layout of tests/test_training.py
+    runs seq_length=15 under TP=2."""
+    import torch
+
+    from data.collator import CausalLMCollator
+    from models.loss import IGNORE_INDEX
+    from training.config import padded_seq_length
+
+    cfg = compose_config(["tensor_parallel_size=3", "seq_length=128", "model_name_or_path=m", "train_file=a.jsonl"])
+    validate(cfg)
+    assert (cfg.seq_length, padded_seq_length(cfg)) == (128, 129)
+    cfg.sequence_parallel = False
+    assert padded_seq_length(cfg) == 128
+    ids = torch.arange(1, 129)
+    (input_ids, positions), labels, tokens = CausalLMCollator(129, 0)([(ids, torch.ones(128, dtype=torch.bool))])
+    assert input_ids.shape == positions.shape == labels.shape == (1, 129) and int(tokens) == 128
+    assert torch.equal(input_ids[0, :128], ids) and int(input_ids[0, 128]) == 0
+    assert torch.equal(labels[0, :127], ids[1:]) and (labels[0, 127:] == IGNORE_INDEX).all()
+
+
 @pytest.mark.slow
 def test_rollback_and_overwrite_on_real_runs(converted, sft_data, tmp_path):
     """resume_from=global_step1 after 3 saved steps retrains steps 2-3 exactly (bit-identical losses and

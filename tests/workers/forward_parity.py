@@ -132,7 +132,7 @@ def main():
                 loss_sum, tokens = loss_fn.totals()
                 err, key = None, (case["name"], pp, coords.dp_rank, coords.tp_rank)
                 try:
-                    if tp_size == 1 and not packed:  # bit-identical (the README says so)
+                    if tp_size == 1 and not packed:  # bit-identical (README and docs/architecture.md say so)
                         assert torch.equal(logits, ref_logits), f"max |logit diff| {(logits - ref_logits).abs().max()}"
                     else:  # row-parallel sums add the same terms in another order
                         torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
