@@ -1,8 +1,9 @@
 """Which rows each data-parallel rank reads, in which order, from any step on.
 
 Training: per epoch, the indices `DistributedSampler(shuffle=True, drop_last=True, seed)` would give the
-data-parallel rank, computed as one seeded `torch.randperm` (no sampler object; every rank gets the same count), and a step count derived from the row count alone, so every
-stage, middle ones included, agrees on it without touching the data. Resuming at step k skips
+data-parallel rank, computed as one seeded `torch.randperm` (no sampler object; every rank gets the same
+count), and a step count derived from the row count alone, so every stage, middle ones included, agrees on
+it without touching the data. Resuming at step k skips
 exactly the indices that steps 0..k-1 consumed.
 
 Evaluation: every row exactly once whatever the DP size and micro-batch size. Rows are dealt

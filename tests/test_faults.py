@@ -80,7 +80,7 @@ def saving_after(out: Path, step: int) -> bool:
 
 
 def test_sigkill_during_saves_then_resume_auto(converted, sft_data, tmp_path):
-    """N times (SIGKILL_TRIALS, 8 in CI; docs/measured.md's 20 with SIGKILL_TRIALS=20): SIGKILL the whole job at a random
+    """N times (SIGKILL_TRIALS, 8 in CI; 20 in docs/measured.md): SIGKILL the whole job at a random
     moment of a save; the next `resume=auto` launch loads the newest complete checkpoint (manifest intact) and
     continues. The run pieced together from N + 1 launches equals an uninterrupted one, bit for bit."""
     steps, trials = 120, int(os.environ.get("SIGKILL_TRIALS", "8"))
