@@ -11,56 +11,41 @@ the P rejected after (TRL's order), as `CausalLMCollator` lays out rows (labels 
 from __future__ import annotations
 
 import copy
-import hashlib
-import os
-import tempfile
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from data.collator import CausalLMCollator
 from data.config import DataConfig
+from data.dataset import StoreDataset
 from data.errors import DataError
-from data.sources import mixture_index, paths_of
-from data.store import Store
-from data.store_builder import open_or_build
+from data.pairs import SEQUENCES_PER_PAIR
 
 
-class PairDataset(Dataset):
+class PairDataset(StoreDataset):
     """Preference pairs of one or more data files (arguments as `data.dataset.TokenizedDataset`'s).
     Item: (chosen ids, chosen targets, rejected ids, rejected targets, reference log-probs [2] (chosen, rejected));
     index -1 is a padding pair. `reference` ([store pairs, 2] in the stores' own order, whatever the mixture:
     training/reference_logps.py) is None until the reference pass has run (zeros then, as for the reference-free
     SimPO)."""
 
+    ITEM_ROWS = SEQUENCES_PER_PAIR  # rows 2i (prompt + chosen) and 2i + 1 (prompt + rejected)
+    FINGERPRINT_SALT = b"pairs\n"
     reference: np.ndarray | None = None
 
     def __init__(self, path, tokenizer, seq_length: int, cfg: DataConfig, weights=None, seed: int = 0,
                  cache_dir: str | None = None, workers: int = 0, build: bool = True, beat=None, log=None):  # fmt: skip
-        self.path, self.seq_length = path, seq_length
-        self._tmp = None
-        if cache_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="tokenized-")
-            cache_dir = self._tmp.name
-        extra = {k: v for k, v in (("beat", beat), ("log", log)) if v is not None}
-        opened = [open_or_build(p, tokenizer, cfg, seq_length, False, cache_dir, workers, build=build, pairs=True,
-                                **extra) for p in paths_of(path)]  # fmt: skip
-        self.stores: list[Store] = [store for store, _ in opened]
-        self.from_cache = not any(built for _, built in opened)
-        self.starts = np.cumsum([0] + [s.rows // 2 for s in self.stores])
-        self.index = mixture_index([s.rows // 2 for s in self.stores], weights, seed)
+        super().__init__(path, tokenizer, cfg, truncate=seq_length, pairs=True, weights=weights, seed=seed,
+                         cache_dir=cache_dir, workers=workers, build=build, beat=beat, log=log)  # fmt: skip
+        self.seq_length = seq_length
         if len(self) and not self.has_targets().any():
             raise DataError(f"{path}: none of the {len(self)} pairs has a completion token within "
                             f"seq_length={seq_length} (prompts that fill seq_length)")  # fmt: skip
 
-    def __len__(self) -> int:
-        return int(self.starts[-1]) if self.index is None else len(self.index)
-
     @property
     def store_pairs(self) -> int:
         """Pairs in the stores, each once (the mixture may repeat or skip some)."""
-        return int(self.starts[-1])
+        return self.store_items
 
     def store_order(self) -> PairDataset:
         """This dataset without its mixture: item i is the stores' pair i (what the reference pass scores)."""
@@ -70,12 +55,7 @@ class PairDataset(Dataset):
 
     def pair_id(self, index: int) -> int:
         """The stores' pair behind dataset item `index`."""
-        return int(index if self.index is None else self.index[index])
-
-    def _locate(self, index: int) -> tuple[Store, int]:
-        pair = self.pair_id(index)
-        s = int(np.searchsorted(self.starts, pair, side="right")) - 1
-        return self.stores[s], pair - int(self.starts[s])
+        return self.item_id(index)
 
     def __getitem__(self, index: int):
         index = int(index)
@@ -95,10 +75,8 @@ class PairDataset(Dataset):
         return (*out, ref)
 
     def pair_array(self, name: str) -> np.ndarray:
-        """A per-row array of the stores (`lengths`, `full_lengths`, `row_targets`) as [pairs, 2] (chosen,
-        rejected) in dataset order."""
-        whole = np.concatenate([np.asarray(getattr(s, name)).reshape(-1, 2) for s in self.stores])
-        return whole if self.index is None else whole[self.index]
+        """A per-row array of the stores as [pairs, 2] (chosen, rejected) in dataset order (`item_array`)."""
+        return self.item_array(name)
 
     def has_targets(self) -> np.ndarray:
         """bool [pairs]: both sequences keep a completion token (what TRL keeps)."""
@@ -114,19 +92,8 @@ class PairDataset(Dataset):
             "target_tokens": int(targets.sum(dtype=np.int64)),
             "truncated_pairs": int((self.pair_array("full_lengths") > lengths).any(axis=1).sum()),
             "pairs_without_targets": int((~self.has_targets()).sum()),
-            "no_target_examples": [w for s in self.stores for w in s.meta["no_target_examples"]][:5],
+            "no_target_examples": self.no_target_examples[:5],
         }
-
-    def fingerprint(self) -> str:
-        """What training reads: the stores' content hashes, in order (as `TokenizedDataset.fingerprint`)."""
-        digest = hashlib.sha256(b"pairs\n")
-        for store in self.stores:
-            digest.update(f"{store.rows}:{store.fingerprint}\n".encode())
-        return digest.hexdigest()
-
-    @property
-    def store_dirs(self) -> list[str]:
-        return [os.path.abspath(s.directory) for s in self.stores]
 
 
 class PairCollator(CausalLMCollator):
