@@ -4,6 +4,12 @@ key, exits non-zero, leaves no output that looks complete, and leaves its inputs
 Each case builds its own inputs under tmp_path and returns (command, expected fragment, output
 path, input paths[, ranks]). The inputs are hashed before and after the command. A multi-rank case
 expects the one-line error once per rank (every rank learns of a failure on any rank) and no traceback.
+
+Config cases (`@catalogue.config_case`): a trainer command whose error comes from its overrides alone
+(override checks, `validate`, the model's config, `validate_layout`, the stage bounds), before any data,
+weight or output is touched. They run in-process through the trainer's own functions (`config_error`); one
+case of each of those kinds still launches the trainer (`@catalogue.case`), so the one line on stderr, the
+exit code and the untouched inputs are proven end to end once per kind.
 The cases live in tests/test_bad_inputs.py (inputs that are wrong) and tests/test_bad_outputs.py (commands
 that would destroy or mix what the user has).
 """
@@ -20,11 +26,41 @@ from tests.conftest import one_error_line, run_cmd, small_run
 
 
 class Catalogue(dict):
-    """name -> case function; `@catalogue.case` registers one."""
+    """name -> case function; `@catalogue.case` registers one, `@catalogue.config_case` one checked in-process."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_process: set[str] = set()
 
     def case(self, fn):
         self[fn.__name__] = fn
         return fn
+
+    def config_case(self, fn):
+        self.in_process.add(fn.__name__)
+        return self.case(fn)
+
+
+def config_error(overrides: list[str], world_size: int = 1) -> str:
+    """The error the trainer gives for `overrides` before it reads data, weights or output_dir, found in-process
+    through the trainer's own steps: the override checks and composition, `validate`, the model's config, the
+    layout and the stage bounds (training/assembly.py runs them in this order). AssertionError when none fails."""
+    from models.partition import stage_bounds
+    from training.assembly import load_model_config
+    from training.cli import compose_config
+    from training.config import model_stages
+    from training.errors import RunError
+    from training.validate import validate, validate_layout
+
+    try:
+        cfg = compose_config(overrides)
+        validate(cfg)
+        model_config = load_model_config(cfg)
+        validate_layout(cfg, world_size, model_config)
+        stage_bounds(model_config, model_stages(cfg.pipeline_schedule, cfg.num_stages), cfg.model.partition)
+    except (ValueError, RunError) as e:
+        return str(e)
+    raise AssertionError(f"no error for {overrides}")
 
 
 def trainer_cmd(*overrides: str, script: str = "trainer.py") -> list[str]:
@@ -70,11 +106,19 @@ class Inputs:
         self.env = {}
 
 
-def run_case(fn, t: Inputs, monkeypatch) -> None:
-    """Run one case and check every promise of the catalogue."""
+def run_case(fn, t: Inputs, monkeypatch, in_process: bool = False) -> None:
+    """Run one case and check every promise of the catalogue (a config case in-process: see the module doc)."""
     cmd, fragment, out, inputs, *rest = fn(t)
     ranks = rest[0] if rest else 1
     before = digest(inputs)
+    if in_process:
+        assert cmd[:2] == [sys.executable, "trainer.py"] and ranks == 1 and not t.env, cmd
+        line = config_error(cmd[2:])
+        assert fragment in line and "\n" not in line, line
+        assert digest(inputs) == before, "inputs changed"
+        assert out is None or not out.exists(), os.listdir(out)
+        print(f"{fn.__name__}: {line}")
+        return
     for key, value in t.env.items():
         monkeypatch.setenv(key, value)
     proc = run_cmd(cmd, timeout=300)

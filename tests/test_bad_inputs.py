@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 CASES = Catalogue()
 case = CASES.case
+config_case = CASES.config_case
 
 
 # ---------------------------------------------------------------- conversion inputs
@@ -123,7 +124,7 @@ def corrupt_manifest(t):
 # ---------------------------------------------------------------- run configuration
 
 
-@case
+@config_case
 def num_stages_beyond_layer_count(t):
     return trainer_cmd(*run_args(t.ckpt, t.out, t.train, num_stages=6)), "num_stages=6", t.out, [t.ckpt]
 
@@ -134,7 +135,7 @@ def world_size_not_divisible_by_stages(t):
     return cmd, "num_stages=2 does not divide the world size 1", t.out, [t.ckpt]
 
 
-@case
+@config_case
 def tensor_parallel_not_dividing_the_world(t):
     cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, tensor_parallel_size=2))
     return cmd, "num_stages=1 x tensor_parallel_size=2 does not divide the world size 1", t.out, [t.ckpt]
@@ -160,13 +161,13 @@ def conversion_tp_not_dividing_heads(t):
     return cmd, "--tp 3: must divide num_attention_heads=4", t.out, [t.hf["gqa"]]
 
 
-@case
+@config_case
 def partition_not_summing_to_layers(t):
     cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, **{"model.partition": "[3]"}))
     return cmd, "sum to num_hidden_layers=4", t.out, [t.ckpt]
 
 
-@case
+@config_case
 def sequence_beyond_max_positions(t):
     cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, seq_length=4096))
     return cmd, "exceeds max_position_embeddings=256", t.out, [t.ckpt]
@@ -178,13 +179,13 @@ def unknown_config_key(t):
     return cmd, "lerning_rate: unknown config key (did you mean learning_rate?)", t.out, [t.ckpt]
 
 
-@case
+@config_case
 def value_of_wrong_type(t):
     cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train), "micro_batch_size=two")
     return cmd, "micro_batch_size=two: Value 'two' of type 'str' could not be converted to Integer", t.out, [t.ckpt]
 
 
-@case
+@config_case
 def unknown_model_preset(t):
     return trainer_cmd(*run_args(t.ckpt, t.out, t.train), "model=llama9"), "model=llama9: unknown preset", t.out, []
 
@@ -204,13 +205,13 @@ def model_preset_of_another_size(t):
     return cmd, "model.vocab_size=32000 (preset llama2_7b)", t.out, [t.ckpt]
 
 
-@case
+@config_case
 def flash_attention_without_flash_attn(t):
     cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train), "model.attn_implementation=flash_attention_2")
     return cmd, "flash-attn", t.out, [t.ckpt]
 
 
-@case
+@config_case
 def unknown_lora_target_module(t):
     cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, **{"lora.enabled": "true",
                                                             "lora.target_modules": "[q_proj,qproj]"}))  # fmt: skip
@@ -227,7 +228,7 @@ def checkpoint_without_tokenizer_files(t):
     return cmd, f"model_name_or_path {ckpt}: no tokenizer files", t.out, [ckpt]
 
 
-@case
+@config_case
 def do_eval_without_eval_file(t):
     cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, do_eval="true"))
     return cmd, "do_eval=true needs eval_file", t.out, [t.ckpt]
@@ -343,13 +344,13 @@ def learning_rate_inf_with_skip(t):
     return cmd, "learning_rate=inf must be a finite number in [0, inf]", t.out, [t.ckpt]
 
 
-@case
+@config_case
 def negative_warmup_ratio(t):
     cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, **{"optim.warmup_ratio": -0.5}))
     return cmd, "optim.warmup_ratio=-0.5 must be a finite number in [0, 1]", t.out, [t.ckpt]
 
 
-@case
+@config_case
 def adam_beta1_above_one(t):
     cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, **{"optim.beta1": 1.5}))
     return cmd, "optim.beta1=1.5 must be a finite number in [0, 1)", t.out, [t.ckpt]
@@ -394,4 +395,4 @@ def test_docs_count_the_catalogue():
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input(name, hf_models, converted, sft_data, tmp_path, monkeypatch):
-    run_case(CASES[name], Inputs(tmp_path, hf_models, converted, sft_data), monkeypatch)
+    run_case(CASES[name], Inputs(tmp_path, hf_models, converted, sft_data), monkeypatch, name in CASES.in_process)
