@@ -38,16 +38,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--to-hf", action="store_true", help="export a pipeline checkpoint (converted or trained) to HF")
     p.add_argument("--tag", default=None, help="with --to-hf: checkpoint tag to export (default: the one in 'latest')")
     p.add_argument(
-        "--merge-lora", nargs="?", const=True, metavar="ADAPTER_DIR",
+        "--merge-lora",
+        nargs="?",
+        const=True,
+        metavar="ADAPTER_DIR",
         help="with --to-hf: merge the LoRA adapter trained in --input, or this PEFT adapter directory",
-    )  # fmt: skip
+    )
     p.add_argument("--max-shard-size", default="5GB", help="with --to-hf: safetensors shard size (default 5GB)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: keep stored dtype)")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument(
-        "--workers", type=int, default=1,
+        "--workers",
+        type=int,
+        default=1,
         help="HF -> pipeline with N processes on disjoint layer groups; peak memory is about N x one layer",
-    )  # fmt: skip
+    )
     p.add_argument("--format", choices=FORMATS, default="pt", help="layer file format (both load everywhere)")
     p.add_argument("--layers", help="convert only these pipeline layers (e.g. 0-20,40) into a piece directory")
     p.add_argument("--stages", help="convert only these stages' layers (e.g. 0,1); needs --num-stages")
@@ -89,8 +94,9 @@ def export_to_hf(args) -> None:
     adapter = args.merge_lora if isinstance(args.merge_lora, str) else None
     check_output(args.output, HF_EXPORT, args.force, [("input", args.input), ("adapter", adapter)])
     if not is_hf_dir(args.input):
-        export_pipeline_to_hf(args.input, args.output, args.tag, args.dtype, args.max_shard_size, args.force,
-                              merge_lora=args.merge_lora)  # fmt: skip
+        export_pipeline_to_hf(
+            args.input, args.output, args.tag, args.dtype, args.max_shard_size, args.force, merge_lora=args.merge_lora
+        )
         return
     if adapter is None:
         raise CheckpointError(f"{args.input}: a Hugging Face directory; --to-hf takes a pipeline checkpoint")
@@ -101,8 +107,16 @@ def export_to_hf(args) -> None:
         tmp = make_unique_dir(parent, ".merge-base-")
         source = os.path.join(tmp, "ckpt")
         convert_hf_to_pipeline(args.input, source, log=lambda *_: None)
-        export_pipeline_to_hf(source, args.output, args.tag, args.dtype, args.max_shard_size, args.force,
-                              merge_lora=adapter, recorded_input=args.input)  # fmt: skip
+        export_pipeline_to_hf(
+            source,
+            args.output,
+            args.tag,
+            args.dtype,
+            args.max_shard_size,
+            args.force,
+            merge_lora=adapter,
+            recorded_input=args.input,
+        )
     except OSError as e:
         raise CheckpointError(f"{e.filename or parent}: cannot write ({e.strerror or e})") from None
     finally:
@@ -177,11 +191,14 @@ def main(argv=None) -> int:
                 from checkpoint.reshard import reshard_checkpoint
 
                 if args.dtype or args.workers != 1:  # resharding keeps the stored dtype and runs in one process
-                    raise CheckpointError("--dtype and --workers apply to a Hugging Face --input, not a pipeline "
-                                          "checkpoint (resharding keeps its dtype)")  # fmt: skip
+                    raise CheckpointError(
+                        "--dtype and --workers apply to a Hugging Face --input, not a pipeline "
+                        "checkpoint (resharding keeps its dtype)"
+                    )
 
-                reshard_checkpoint(args.input, args.output, args.tp, tp_ranks(args), layers, args.tag, args.format,
-                                   args.force)  # fmt: skip
+                reshard_checkpoint(
+                    args.input, args.output, args.tp, tp_ranks(args), layers, args.tag, args.format, args.force
+                )
                 return 0
             if args.tag:
                 raise CheckpointError("--tag only applies with --to-hf, --inspect or a pipeline checkpoint --input")

@@ -48,8 +48,9 @@ def settle(cold: bool) -> None:
             f.write("3\n")
 
 
-def build_model(path: str, layers: int, hidden: int, intermediate: int, vocab: int, dtype: str, heads: int,
-                kv_heads: int) -> None:  # fmt: skip
+def build_model(
+    path: str, layers: int, hidden: int, intermediate: int, vocab: int, dtype: str, heads: int, kv_heads: int
+) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -84,13 +85,25 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5, help="runs of cp and of each conversion (medians reported)")
     p.add_argument("--cold", action="store_true", help="drop the page cache before every timed run (root)")
     p.add_argument("--workers", default="1", help="comma-separated worker counts to time, e.g. 1,2,4")
-    p.add_argument("--tp", default="", help="comma-separated tensor-parallel degrees to time (HF -> --tp T, and "
-                   "the converted TP=1 checkpoint resharded to T), e.g. 2,8")  # fmt: skip
+    p.add_argument(
+        "--tp",
+        default="",
+        help="comma-separated tensor-parallel degrees to time (HF -> --tp T, and "
+        "the converted TP=1 checkpoint resharded to T), e.g. 2,8",
+    )
     args = p.parse_args()
     hf = os.path.join(args.work, "hf")
     if not os.path.exists(os.path.join(hf, "config.json")):
-        build_model(hf, args.layers, args.hidden, args.intermediate, args.vocab, args.dtype,
-                    args.heads or args.hidden // 128, args.kv_heads or args.hidden // 512)  # fmt: skip
+        build_model(
+            hf,
+            args.layers,
+            args.hidden,
+            args.intermediate,
+            args.vocab,
+            args.dtype,
+            args.heads or args.hidden // 128,
+            args.kv_heads or args.hidden // 512,
+        )
     size = sum(os.path.getsize(os.path.join(hf, f)) for f in os.listdir(hf)) / 2**20
     out = os.path.join(args.work, "ckpt")
     copy = os.path.join(args.work, "copy")
@@ -120,8 +133,10 @@ def main() -> None:
         conf = json.load(f)
     shape = f"{conf['num_hidden_layers']} layers, hidden {conf['hidden_size']}, vocab {conf['vocab_size']}"
     print(f"model on disk: {size:.0f} MiB ({shape}, {conf.get('dtype') or conf.get('torch_dtype')})")
-    print(f"largest layer file: {largest_layer:.0f} MiB; imports alone: {import_seconds:.1f}s, "
-          f"peak RSS {import_rss:.0f} MiB")  # fmt: skip
+    print(
+        f"largest layer file: {largest_layer:.0f} MiB; imports alone: {import_seconds:.1f}s, "
+        f"peak RSS {import_rss:.0f} MiB"
+    )
     cache = "page cache emptied before each run" if args.cold else "page cache warm"
     print(f"medians of {args.repeat} runs, each timed until its files are on disk (sync), {cache}:")
     for workers, (seconds, rss) in runs.items():
@@ -138,13 +153,16 @@ def main() -> None:
                 shutil.rmtree(split, ignore_errors=True)
                 settle(args.cold)
                 t = time.perf_counter()
-                _, rss = child_peak_rss([sys.executable, "convert2ckpt.py", "--input", source, "--output", split,
-                                         "--tp", str(tp)])  # fmt: skip
+                _, rss = child_peak_rss(
+                    [sys.executable, "convert2ckpt.py", "--input", source, "--output", split, "--tp", str(tp)]
+                )
                 subprocess.run(["sync"])
                 times.append((time.perf_counter() - t, rss))
             seconds, rss = statistics.median(t for t, _ in times), max(r for _, r in times)
-            print(f"convert2ckpt.py --tp {tp} from {what}: {seconds:.1f}s ({size / seconds:.0f} MiB/s), "
-                  f"{seconds / cp_seconds:.2f}x cp, peak RSS {rss:.0f} MiB")  # fmt: skip
+            print(
+                f"convert2ckpt.py --tp {tp} from {what}: {seconds:.1f}s ({size / seconds:.0f} MiB/s), "
+                f"{seconds / cp_seconds:.2f}x cp, peak RSS {rss:.0f} MiB"
+            )
         shutil.rmtree(split, ignore_errors=True)
     exported = os.path.join(args.work, "exported")
     shutil.rmtree(exported, ignore_errors=True)

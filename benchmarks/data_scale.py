@@ -85,8 +85,12 @@ def model_dir(work: str) -> str:
 
     vocab = len(AutoTokenizer.from_pretrained(tok))
     hf = make_hf_model(os.path.join(work, "hf"), tiny_config(num_hidden_layers=2, vocab_size=vocab), tokenizer_dir=tok)
-    subprocess.run([sys.executable, "convert2ckpt.py", "--input", hf, "--output", out], check=True, cwd=REPO,
-                   stdout=subprocess.DEVNULL)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "convert2ckpt.py", "--input", hf, "--output", out],
+        check=True,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+    )
     return out
 
 
@@ -166,15 +170,33 @@ def launch(ckpt: str, data: str, out: str, cache: str, workers: int, seq: int) -
     import psutil
 
     shutil.rmtree(out, ignore_errors=True)
-    overrides = [f"model_name_or_path={ckpt}", f"output_dir={out}", f"train_file={data}", "num_stages=2",
-                 f"seq_length={seq}", "micro_batch_size=2", "gradient_accumulation_steps=2", "max_steps=1",
-                 "deepspeed=fp32", "save_steps=0", "save_manifest=false", "progress_bar=false",
-                 f"data.cache_dir={cache}", f"data.tokenize_workers={workers}"]  # fmt: skip
+    overrides = [
+        f"model_name_or_path={ckpt}",
+        f"output_dir={out}",
+        f"train_file={data}",
+        "num_stages=2",
+        f"seq_length={seq}",
+        "micro_batch_size=2",
+        "gradient_accumulation_steps=2",
+        "max_steps=1",
+        "deepspeed=fp32",
+        "save_steps=0",
+        "save_manifest=false",
+        "progress_bar=false",
+        f"data.cache_dir={cache}",
+        f"data.tokenize_workers={workers}",
+    ]
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, TOKENIZERS_PARALLELISM="false")
     start = time.perf_counter()
-    proc = subprocess.Popen([launcher, "--num_gpus", "2", "trainer.py", *overrides], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [launcher, "--num_gpus", "2", "trainer.py", *overrides],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     peaks: dict[str, int] = {}
     first_step = [None]
     metrics = os.path.join(out, "metrics.jsonl")
@@ -214,10 +236,23 @@ def launch(ckpt: str, data: str, out: str, cache: str, workers: int, seq: int) -
 
 def prepare(ckpt: str, data: str, cache: str, workers: int, seq: int) -> float:
     """`python -m data.prepare`: the store's own build time (tokenizing and concatenating, from its meta.json)."""
-    subprocess.run([sys.executable, "-m", "data.prepare", f"model_name_or_path={ckpt}", f"train_file={data}",
-                    f"seq_length={seq}", f"data.cache_dir={cache}", f"data.tokenize_workers={workers}",
-                    "output_dir=/nonexistent"], check=True, cwd=REPO, stdout=subprocess.DEVNULL,
-                   env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data.prepare",
+            f"model_name_or_path={ckpt}",
+            f"train_file={data}",
+            f"seq_length={seq}",
+            f"data.cache_dir={cache}",
+            f"data.tokenize_workers={workers}",
+            "output_dir=/nonexistent",
+        ],
+        check=True,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
+    )
     (store,) = [n for n in os.listdir(cache) if n.startswith("store-") and "." not in n]
     with open(os.path.join(cache, store, "meta.json")) as f:
         return json.load(f)["build_seconds"]
@@ -257,19 +292,27 @@ def main(argv=None) -> int:
         cached = launch(ckpt, data, os.path.join(args.work, "run"), cache, args.workers, args.seq)
         results[str(rows)] = {"tokenizer_alone": alone, "prepare_seconds": seconds, "build": build, "cached": cached}
         size = os.path.getsize(data) / 2**20
-        print(f"== {rows:,} rows ({size:,.0f} MiB JSONL, {alone['tokens']:,} tokens before truncation), "
-              f"{args.workers} process(es)")  # fmt: skip
+        print(
+            f"== {rows:,} rows ({size:,.0f} MiB JSONL, {alone['tokens']:,} tokens before truncation), "
+            f"{args.workers} process(es)"
+        )
         print(f"tokenizer alone: {alone['rows_s']:,.0f} rows/s, {alone['tokens_s']:,.0f} tokens/s")
-        print(f"data.prepare (store built): {built_rows_s:,.0f} rows/s, {built_tokens_s:,.0f} tokens/s "
-              f"in {seconds:.1f}s = {built_rows_s / alone['rows_s']:.2f}x the tokenizer alone")  # fmt: skip
+        print(
+            f"data.prepare (store built): {built_rows_s:,.0f} rows/s, {built_tokens_s:,.0f} tokens/s "
+            f"in {seconds:.1f}s = {built_rows_s / alone['rows_s']:.2f}x the tokenizer alone"
+        )
         for what in ("build", "cached"):
             peaks, ref = results[str(rows)][what]["peak_rss_anon"], base[what]["peak_rss_anon"]
             above = ", ".join(f"{k} {mib(v - ref.get(k, 0))}" for k, v in sorted(peaks.items()))
-            print(f"launch ({what}): first step {results[str(rows)][what]['first_step_s']:.1f}s "
-                  f"(2,000 rows: {base[what]['first_step_s']:.1f}s); peak RssAnon above the 2,000-row launch: "
-                  f"{above}")  # fmt: skip
-    print(f"2,000-row launches: peak RssAnon build {base['build']['peak_rss_anon']}, cached "
-          f"{base['cached']['peak_rss_anon']} (bytes)")  # fmt: skip
+            print(
+                f"launch ({what}): first step {results[str(rows)][what]['first_step_s']:.1f}s "
+                f"(2,000 rows: {base[what]['first_step_s']:.1f}s); peak RssAnon above the 2,000-row launch: "
+                f"{above}"
+            )
+    print(
+        f"2,000-row launches: peak RssAnon build {base['build']['peak_rss_anon']}, cached "
+        f"{base['cached']['peak_rss_anon']} (bytes)"
+    )
     with open(os.path.join(args.work, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     return 0

@@ -51,8 +51,14 @@ def build(work: str, layers: int, hidden: int, heads: int, rows: int, seed: int 
         words = "the quick brown fox jumps over a lazy dog while pipelines train language models fast".split()
         texts = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 120))) for _ in range(rows)]
         tokenizer = make_sp_tokenizer(os.path.join(work, "tokenizer"), texts[:200], vocab_size=200)
-        config = tiny_config(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
-                             num_attention_heads=heads, num_key_value_heads=heads, vocab_size=256)  # fmt: skip
+        config = tiny_config(
+            num_hidden_layers=layers,
+            hidden_size=hidden,
+            intermediate_size=hidden * 8 // 3,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            vocab_size=256,
+        )
         make_hf_model(hf, config, tokenizer_dir=tokenizer, max_shard_size="2GB")
         write_jsonl(data, [{"text": t} for t in texts])
     return hf, data
@@ -60,12 +66,24 @@ def build(work: str, layers: int, hidden: int, heads: int, rows: int, seed: int 
 
 def trainer_run(hf: str, data: str, out: str, stages: int, args, ga: int, schedule: str = "1f1b") -> list[dict]:
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time (the trainer refuses to mix runs)
-    overrides = [f"model_name_or_path={hf}", f"output_dir={out}", f"train_file={data}", "do_eval=false",
-                 f"num_stages={stages}", f"seq_length={args.seq}", f"micro_batch_size={args.mbs}",
-                 f"gradient_accumulation_steps={ga}", f"max_steps={args.steps}", "deepspeed=fp32",
-                 "progress_bar=false", "save_steps=0", "save_manifest=false",
-                 f"data.packing={str(args.packing).lower()}", "optim.lr_scheduler=constant",
-                 f"pipeline_schedule={schedule}"]  # fmt: skip
+    overrides = [
+        f"model_name_or_path={hf}",
+        f"output_dir={out}",
+        f"train_file={data}",
+        "do_eval=false",
+        f"num_stages={stages}",
+        f"seq_length={args.seq}",
+        f"micro_batch_size={args.mbs}",
+        f"gradient_accumulation_steps={ga}",
+        f"max_steps={args.steps}",
+        "deepspeed=fp32",
+        "progress_bar=false",
+        "save_steps=0",
+        "save_manifest=false",
+        f"data.packing={str(args.packing).lower()}",
+        "optim.lr_scheduler=constant",
+        f"pipeline_schedule={schedule}",
+    ]
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=REPO)
     cmd = [launcher, "--num_gpus", str(stages), "trainer.py", *overrides]
@@ -156,21 +174,27 @@ def main() -> None:
     config = AutoConfig.from_pretrained(hf)
     flops = model_flops_per_token(config, args.seq)
     schedules = args.schedule.split(",")
-    print(f"model: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro-batch {args.mbs}, fp32, "
-          f"packing={args.packing}, {args.threads} thread(s)/rank; medians of {args.repeat} runs")  # fmt: skip
+    print(
+        f"model: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro-batch {args.mbs}, fp32, "
+        f"packing={args.packing}, {args.threads} thread(s)/rank; medians of {args.repeat} runs"
+    )
     for ga in [int(m) for m in args.ga.split(",")]:
         t_plain = None
         if not args.skip_plain:
             plain = [statistics.median(plain_run(hf, data, args, ga)[args.warmup :]) for _ in range(args.repeat)]
             t_plain = statistics.median(plain)
-            print(f"m={ga}: plain loop (LlamaForCausalLM + AdamW): {t_plain:.3f} s/step "
-                  f"(runs: {[round(t, 3) for t in plain]})")  # fmt: skip
+            print(
+                f"m={ga}: plain loop (LlamaForCausalLM + AdamW): {t_plain:.3f} s/step "
+                f"(runs: {[round(t, 3) for t in plain]})"
+            )
         base, first = None, {}
         for stages in [int(s) for s in args.stages.split(",")]:
             for schedule in schedules if stages > 1 else ["1f1b"]:
                 if ga < min_micro_batches(schedule, stages):
-                    print(f"m={ga} PP={stages} {schedule}: needs m >= {min_micro_batches(schedule, stages)}, skipped",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"m={ga} PP={stages} {schedule}: needs m >= {min_micro_batches(schedule, stages)}, skipped",
+                        flush=True,
+                    )
                     continue
                 step, tokens, padded = measure(hf, data, stages, args, ga, schedule)
                 base = base or (step if stages == 1 else None)
@@ -178,8 +202,10 @@ def main() -> None:
                 line = f"m={ga} trainer PP={stages} {schedule}: {step:.3f} s/step"
                 if t_plain:
                     line += f" ({step / t_plain:.2f}x the plain loop)"
-                line += (f", {tokens:.0f} tokens/s ({tokens / stages:.0f} per device; padded {padded:.0f}), "
-                         f"{achieved / 1e9:.2f} model GFLOP/s per device")  # fmt: skip
+                line += (
+                    f", {tokens:.0f} tokens/s ({tokens / stages:.0f} per device; padded {padded:.0f}), "
+                    f"{achieved / 1e9:.2f} model GFLOP/s per device"
+                )
                 if args.peak_tflops:
                     line += f", MFU {achieved / (args.peak_tflops * 1e12):.1%}"
                 if stages > 1:
@@ -191,8 +217,10 @@ def main() -> None:
                     if base:
                         line += f", measured {1 - base / (stages * step):.1%}"
                     if schedule != "1f1b" and first[stages] and schedules[0] == "1f1b":
-                        line += (f"; step time vs 1f1b: measured x{step / first[stages][0]:.3f}, theory "
-                                 f"x{theory.step_time / first[stages][1]:.3f}")  # fmt: skip
+                        line += (
+                            f"; step time vs 1f1b: measured x{step / first[stages][0]:.3f}, theory "
+                            f"x{theory.step_time / first[stages][1]:.3f}"
+                        )
                 print(line, flush=True)
 
 
@@ -203,9 +231,13 @@ def measure(hf: str, data: str, stages: int, args, ga: int, schedule: str) -> tu
         out = os.path.join(args.work, f"run_pp{stages}_{schedule}_m{ga}_{i}")
         metrics = trainer_run(hf, data, out, stages, args, ga, schedule)[args.warmup :]
         shutil.rmtree(out, ignore_errors=True)
-        runs.append((statistics.median(m["step_seconds"] for m in metrics),
-                     statistics.median(m["tokens_per_second"] for m in metrics),
-                     statistics.median(m["padded_tokens_per_second"] for m in metrics)))  # fmt: skip
+        runs.append(
+            (
+                statistics.median(m["step_seconds"] for m in metrics),
+                statistics.median(m["tokens_per_second"] for m in metrics),
+                statistics.median(m["padded_tokens_per_second"] for m in metrics),
+            )
+        )
     return tuple(statistics.median(r[k] for r in runs) for k in range(3))
 
 

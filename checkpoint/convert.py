@@ -37,9 +37,17 @@ from models.config import read_config_fields
 from models.key_table import all_layer_keys, hf_key_to_layer, layer_file_name, pipe_layers
 
 
-def convert_layers(hf_dir: str, step_dir: str, todo: list[int], dtype: str | None, fmt: str = "pt",
-                   tp_size: int = 1, tp_ranks: list[int] | None = None, config=None,
-                   between_layers: Callable[[], None] | None = None) -> ConvertStats:  # fmt: skip
+def convert_layers(
+    hf_dir: str,
+    step_dir: str,
+    todo: list[int],
+    dtype: str | None,
+    fmt: str = "pt",
+    tp_size: int = 1,
+    tp_ranks: list[int] | None = None,
+    config=None,
+    between_layers: Callable[[], None] | None = None,
+) -> ConvertStats:
     """Write the layer files of `todo` (pipeline layer indices), reading only the tensors they need; with
     `tp_size` > 1 each layer is split the moment it is complete (TP ranks `tp_ranks`, default all).
     `config`: the model's (default: read from hf_dir); `between_layers` runs after each layer (it may raise)."""
@@ -201,8 +209,9 @@ def convert_hf_to_pipeline(
         os.makedirs(step_dir)
         if workers > 1:  # worker processes: the checks first (the parent only waits for them)
             source.result(light)
-        stats = _run_workers(hf_dir, step_dir, todo, dtype, workers, fmt, tp_size, tp_ranks, config,
-                             source.raise_if_failed)  # fmt: skip
+        stats = _run_workers(
+            hf_dir, step_dir, todo, dtype, workers, fmt, tp_size, tp_ranks, config, source.raise_if_failed
+        )
         source.result(light)  # before anything is published
         if whole:
             finish_converted(tmp, hf_dir, out_dtype, dtype, known=stats.manifest)

@@ -27,8 +27,9 @@ def describe(ckpt_dir: str, tag: str | None = None) -> dict:
     zero_files = [m for n in names if (m := ZERO_FILE.fullmatch(n))]
     tp_ranks = sorted({tp for _, tp, _ in layer_files.values()}) or [0]
     held = {(index, tp) for index, tp, _ in layer_files.values()}
-    missing = sorted({layer.index for layer in ckpt.layers for tp in range(max(tp_ranks) + 1)
-                      if (layer.index, tp) not in held})  # fmt: skip
+    missing = sorted(
+        {layer.index for layer in ckpt.layers for tp in range(max(tp_ranks) + 1) if (layer.index, tp) not in held}
+    )
     dtypes: Counter = Counter()
     for i, name in enumerate(layer_files):  # every file is opened (memory-mapped: metadata only): none is unsafe
         specs = layer_tensor_specs(os.path.join(step_dir, name))

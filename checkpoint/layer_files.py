@@ -82,8 +82,15 @@ def load_layer_whole(step_dir: str, layer: PipeLayer, vocab_size: int, saved_tp:
     return {k: merge([s[k] for s in shards], tp_split(layer.kind, k), vocab_size) for k in shards[0]}
 
 
-def load_layer_shard(step_dir: str, layer: PipeLayer, vocab_size: int, saved_tp: int, tp_rank: int = 0,
-                     tp_size: int = 1, vocab_multiple: int = 1) -> dict[str, torch.Tensor]:  # fmt: skip
+def load_layer_shard(
+    step_dir: str,
+    layer: PipeLayer,
+    vocab_size: int,
+    saved_tp: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    vocab_multiple: int = 1,
+) -> dict[str, torch.Tensor]:
     """This tensor-parallel rank's share of a layer, from a checkpoint written with `saved_tp` ranks.
 
     Written with this degree (and vocabulary padding): this rank's own file is read, nothing else.
@@ -121,8 +128,9 @@ def load_layer_state(path: str, mmap: bool = False) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{path}: cannot read layer file ({type(e).__name__}: {str(e)[:200]})") from None
     else:
         state = load_pt(path, mmap=mmap, what="layer file")
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                              for k, v in state.items()):  # fmt: skip
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
         raise CheckpointError(f"{path}: not a layer file (expected names -> tensors)")
     return state
 

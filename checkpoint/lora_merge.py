@@ -35,9 +35,18 @@ PEFT_KEY = re.compile(
 )
 # adapter_config.json fields that make an adapter something other than plain LoRA (merge would differ).
 NOT_PLAIN = (
-    "use_dora", "lora_bias", "layer_replication", "target_parameters", "trainable_token_indices",
-    "alora_invocation_tokens", "use_qalora", "use_bdlora", "arrow_config", "kasa_config", "monteclora_config",
-)  # fmt: skip
+    "use_dora",
+    "lora_bias",
+    "layer_replication",
+    "target_parameters",
+    "trainable_token_indices",
+    "alora_invocation_tokens",
+    "use_qalora",
+    "use_bdlora",
+    "arrow_config",
+    "kasa_config",
+    "monteclora_config",
+)
 
 
 def lora_scale(alpha: float, r: int, use_rslora: bool = False) -> float:

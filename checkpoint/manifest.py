@@ -125,8 +125,9 @@ def verify_manifest(step_dir: str) -> list[Problem]:
         listed = read_manifest(step_dir)
     except CheckpointError as e:
         return [Problem(path, str(e).removeprefix(f"{path}: "))]
-    if not isinstance(listed, dict) or not all(isinstance(v, dict) and {"size", "sha256"} <= set(v)
-                                               for v in listed.values()):  # fmt: skip
+    if not isinstance(listed, dict) or not all(
+        isinstance(v, dict) and {"size", "sha256"} <= set(v) for v in listed.values()
+    ):
         return [Problem(path, "not a manifest (entries without size and sha256)")]
     problems = []
     for name, want in listed.items():

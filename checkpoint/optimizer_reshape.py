@@ -48,9 +48,15 @@ class MovedState:
 
 
 def gather_moved_state(
-    step_dir: str, saved_layout: dict, wanted: set[str], rule_of, tp_rank: int = 0, tp_size: int = 1,
-    vocab_size: int | None = None, vocab_multiple: int = 1,
-) -> MovedState:  # fmt: skip
+    step_dir: str,
+    saved_layout: dict,
+    wanted: set[str],
+    rule_of,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    vocab_size: int | None = None,
+    vocab_multiple: int = 1,
+) -> MovedState:
     """Collect the optimizer state of the parameters named in `wanted` from the saved engine files, as this
     tensor-parallel rank's shard.
 

@@ -104,8 +104,9 @@ def check_replaceable(output: str, kind: str, force: bool) -> None:
         record = None  # a training run used it as its output_dir since: it is the run now
     if record is not None and record.get("kind") == kind:
         if not force:
-            raise CheckpointError(f"{out}: output already holds a {kind} written by convert2ckpt; "
-                                  "pass --force to replace it")  # fmt: skip
+            raise CheckpointError(
+                f"{out}: output already holds a {kind} written by convert2ckpt; pass --force to replace it"
+            )
         return
     if record is not None:
         found = f"a {record.get('kind')} written by convert2ckpt {record.get('command', '')}".rstrip()

@@ -112,12 +112,14 @@ class PipelineCheckpoint:
         """A layer's whole tensors (TP shards merged, the vocabulary without padding); memory-mapped files."""
         return load_layer_whole(self.step_dir, layer, self.config.vocab_size, self.tp_size)
 
-    def load_shard(self, layer: PipeLayer, tp_rank: int = 0, tp_size: int = 1,
-                   vocab_multiple: int = 1) -> dict[str, torch.Tensor]:  # fmt: skip
+    def load_shard(
+        self, layer: PipeLayer, tp_rank: int = 0, tp_size: int = 1, vocab_multiple: int = 1
+    ) -> dict[str, torch.Tensor]:
         """TP rank `tp_rank` of `tp_size`'s share of a layer: its own file when the degree matches, else merged
         and split again."""
-        return load_layer_shard(self.step_dir, layer, self.config.vocab_size, self.tp_size, tp_rank, tp_size,
-                                vocab_multiple)  # fmt: skip
+        return load_layer_shard(
+            self.step_dir, layer, self.config.vocab_size, self.tp_size, tp_rank, tp_size, vocab_multiple
+        )
 
     def _check_keys(self, index: int, found) -> None:
         if set(found) != set(self.keys[index]):

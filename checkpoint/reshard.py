@@ -78,6 +78,8 @@ def reshard_checkpoint(
         else:
             finish_piece(tmp, ckpt_dir, [layer.index for layer in todo], dtype, None, tp_size, tp_ranks, known=known)
     stats.seconds = time.perf_counter() - start
-    log(f"{'resharded' if whole else 'piece of'} {step_dir} (TP {saved_tp}) -> {out_dir} (TP {tp_size}): "
-        f"{len(stats.files)} layer files, {stats.bytes_written / 2**20:.1f} MiB in {stats.seconds:.1f}s")  # fmt: skip
+    log(
+        f"{'resharded' if whole else 'piece of'} {step_dir} (TP {saved_tp}) -> {out_dir} (TP {tp_size}): "
+        f"{len(stats.files)} layer files, {stats.bytes_written / 2**20:.1f} MiB in {stats.seconds:.1f}s"
+    )
     return stats

@@ -71,10 +71,19 @@ def ensure_universal(ckpt_dir: str, tag: str) -> str:
     tmp = make_unique_dir(ckpt_dir, f".{universal}.tmp-")
     out = os.path.join(tmp, "out")
     cmd = [
-        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-        "--input_folder", os.path.join(ckpt_dir, tag), "--output_folder", out,
-        "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        os.path.join(ckpt_dir, tag),
+        "--output_folder",
+        out,
+        "--num_extract_workers",
+        "1",
+        "--num_merge_workers",
+        "1",
+        "--inject_missing_state",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -108,8 +117,11 @@ def universal_info(config) -> dict:
         return [f"^{re.escape(name)}$" for name, r in rules.items() if r == rule]
 
     info = {c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE}
-    for key, rule in ((c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS, ROW), (c.PARAMETER_TO_AVERAGE_PATTERNS, REPLICA),
-                      (c.VOCABULARY_PARAMETER_PATTERNS, VOCAB)):  # fmt: skip
+    for key, rule in (
+        (c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS, ROW),
+        (c.PARAMETER_TO_AVERAGE_PATTERNS, REPLICA),
+        (c.VOCABULARY_PARAMETER_PATTERNS, VOCAB),
+    ):
         if patterns(rule):  # DeepSpeed's converter insists every declared pattern matches a parameter
             info[key] = patterns(rule)
     info[c.ORIGINAL_VOCAB_SIZE] = config.vocab_size

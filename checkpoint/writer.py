@@ -45,8 +45,13 @@ def copy_side_files(src_dir: str, dst_dir: str, dtype: str | None, model_files_o
         model_files_only = os.path.exists(os.path.join(src_dir, LATEST))
     for name in sorted(os.listdir(src_dir)):
         src = os.path.join(src_dir, name)
-        if os.path.isfile(src) and not name.endswith(WEIGHT_SUFFIXES) and not name.startswith(".") \
-                and name not in NOT_COPIED and (not model_files_only or name in MODEL_SIDE_FILES):  # fmt: skip
+        if (
+            os.path.isfile(src)
+            and not name.endswith(WEIGHT_SUFFIXES)
+            and not name.startswith(".")
+            and name not in NOT_COPIED
+            and (not model_files_only or name in MODEL_SIDE_FILES)
+        ):
             shutil.copy2(src, os.path.join(dst_dir, name))
     if dtype:
         record_dtype(os.path.join(dst_dir, "config.json"), dtype)
@@ -82,8 +87,9 @@ def engine_metadata(dtype: str) -> dict:
     }
 
 
-def finish_converted(root: str, side_files_from: str, dtype: str, cast: str | None = None,
-                     known: dict[str, dict] | None = None) -> None:  # fmt: skip
+def finish_converted(
+    root: str, side_files_from: str, dtype: str, cast: str | None = None, known: dict[str, dict] | None = None
+) -> None:
     """Make `root` (whose `global_step0/` holds every layer file) a complete converted checkpoint:
     engine metadata, `latest`, config and tokenizer files, manifest (files in `known` are not hashed
     again). Used by conversion, `--combine`, resharding and conversion at load time."""
@@ -95,8 +101,16 @@ def finish_converted(root: str, side_files_from: str, dtype: str, cast: str | No
     write_manifest(step_dir, build_manifest(step_dir, known=known))
 
 
-def finish_piece(root: str, source: str, layers: list[int], dtype: str, cast: str | None = None, tp_size: int = 1,
-                 tp_ranks: list[int] | None = None, known: dict[str, dict] | None = None) -> None:  # fmt: skip
+def finish_piece(
+    root: str,
+    source: str,
+    layers: list[int],
+    dtype: str,
+    cast: str | None = None,
+    tp_size: int = 1,
+    tp_ranks: list[int] | None = None,
+    known: dict[str, dict] | None = None,
+) -> None:
     """Make `root` a piece: some layers or some TP ranks, no `latest` (nothing mistakes it for a whole
     checkpoint); `piece.json` says which, for `--combine` and for a trainer that loads its own ranks from it."""
     ranks = list(range(tp_size)) if tp_ranks is None else sorted(tp_ranks)
@@ -116,13 +130,23 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def write_layer(step_dir: str, layer: PipeLayer, state: dict[str, torch.Tensor], fmt: str, vocab_size: int,
-                tp_size: int = 1, tp_ranks: list[int] | None = None) -> list[str]:  # fmt: skip
+def write_layer(
+    step_dir: str,
+    layer: PipeLayer,
+    state: dict[str, torch.Tensor],
+    fmt: str,
+    vocab_size: int,
+    tp_size: int = 1,
+    tp_ranks: list[int] | None = None,
+) -> list[str]:
     """Write one layer as the files of TP ranks `tp_ranks` (default all) of `tp_size`; returns their paths."""
     paths = []
     for tp_rank in range(tp_size) if tp_ranks is None else tp_ranks:
-        part = state if tp_size == 1 else {k: shard(v, tp_split(layer.kind, k), tp_rank, tp_size, vocab_size)
-                                           for k, v in state.items()}  # fmt: skip
+        part = (
+            state
+            if tp_size == 1
+            else {k: shard(v, tp_split(layer.kind, k), tp_rank, tp_size, vocab_size) for k, v in state.items()}
+        )
         paths.append(layer_path(step_dir, layer.index, fmt, tp_rank))
         save_layer_state(part, paths[-1])
     return paths

@@ -49,17 +49,33 @@ class StoreDataset(Dataset):
     ITEM_ROWS = 1
     FINGERPRINT_SALT = b""
 
-    def __init__(self, path, tokenizer, cfg: DataConfig, *, truncate: int | None, concat: bool = False,
-                 pairs: bool = False, weights=None, seed: int = 0, cache_dir: str | None = None, workers: int = 0,
-                 build: bool = True, beat=None, log=None):  # fmt: skip
+    def __init__(
+        self,
+        path,
+        tokenizer,
+        cfg: DataConfig,
+        *,
+        truncate: int | None,
+        concat: bool = False,
+        pairs: bool = False,
+        weights=None,
+        seed: int = 0,
+        cache_dir: str | None = None,
+        workers: int = 0,
+        build: bool = True,
+        beat=None,
+        log=None,
+    ):
         self.path = path
         self._tmp = None
         if cache_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="tokenized-")
             cache_dir = self._tmp.name
         extra = {k: v for k, v in (("beat", beat), ("log", log)) if v is not None}
-        opened = [open_or_build(p, tokenizer, cfg, truncate, concat, cache_dir, workers, build=build, pairs=pairs,
-                                **extra) for p in paths_of(path)]  # fmt: skip
+        opened = [
+            open_or_build(p, tokenizer, cfg, truncate, concat, cache_dir, workers, build=build, pairs=pairs, **extra)
+            for p in paths_of(path)
+        ]
         self.stores: list[Store] = [store for store, _ in opened]
         self.from_cache = not any(built for _, built in opened)
         counts = [s.rows // self.ITEM_ROWS for s in self.stores]
@@ -113,12 +129,35 @@ class TokenizedDataset(StoreDataset):
     """Rows of one or more data files (`StoreDataset`), truncated to `seq_length` (not with `concat`).
     Index -1 is a padding sample (no tokens, no targets)."""
 
-    def __init__(self, path, tokenizer, seq_length: int, cfg: DataConfig, weights=None, seed: int = 0,
-                 cache_dir: str | None = None, workers: int = 0, concat: bool = False, build: bool = True,
-                 beat=None, log=None):  # fmt: skip
-        super().__init__(path, tokenizer, cfg, truncate=None if concat else seq_length, concat=concat,
-                         weights=weights, seed=seed, cache_dir=cache_dir, workers=workers, build=build, beat=beat,
-                         log=log)  # fmt: skip
+    def __init__(
+        self,
+        path,
+        tokenizer,
+        seq_length: int,
+        cfg: DataConfig,
+        weights=None,
+        seed: int = 0,
+        cache_dir: str | None = None,
+        workers: int = 0,
+        concat: bool = False,
+        build: bool = True,
+        beat=None,
+        log=None,
+    ):
+        super().__init__(
+            path,
+            tokenizer,
+            cfg,
+            truncate=None if concat else seq_length,
+            concat=concat,
+            weights=weights,
+            seed=seed,
+            cache_dir=cache_dir,
+            workers=workers,
+            build=build,
+            beat=beat,
+            log=log,
+        )
         self.seq_length, self.concat = seq_length, concat
         if len(self) and not any(np.asarray(s.row_targets).any() for s in self.stores):
             raise DataError(

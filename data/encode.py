@@ -98,8 +98,10 @@ def check_offsets(text: str, offsets) -> None:
         raise KeyError(_DROPPED.format(where=f"{text[missing[0]]!r} at character {missing[0]}"))
 
 
-_DROPPED = ("the tokenizer does not represent every character of this conversation ({where}): its offsets do not "
-            "match the text, so the chat targets cannot be placed; use a tokenizer with byte fallback")  # fmt: skip
+_DROPPED = (
+    "the tokenizer does not represent every character of this conversation ({where}): its offsets do not "
+    "match the text, so the chat targets cannot be placed; use a tokenizer with byte fallback"
+)
 
 
 def lossy_tokenizer(tokenizer) -> bool:
@@ -138,8 +140,9 @@ def check_unicode(text: str, key: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise KeyError(f"'{key}' is not valid Unicode (a lone surrogate \\u{ord(text[e.start]):04x} at character "
-                       f"{e.start})") from None  # fmt: skip
+        raise KeyError(
+            f"'{key}' is not valid Unicode (a lone surrogate \\u{ord(text[e.start]):04x} at character {e.start})"
+        ) from None
 
 
 def row_kind(row: dict, cfg: DataConfig) -> str:
@@ -153,8 +156,10 @@ def row_kind(row: dict, cfg: DataConfig) -> str:
     if row.get(cfg.text_key) is not None:
         kinds.append(("text", f"'{cfg.text_key}'"))
     if len(kinds) > 1:
-        raise KeyError(f"row has both {kinds[0][1]} and {kinds[1][1]}: a row is one kind (text, prompt/response "
-                       "or messages); drop the other keys")  # fmt: skip
+        raise KeyError(
+            f"row has both {kinds[0][1]} and {kinds[1][1]}: a row is one kind (text, prompt/response "
+            "or messages); drop the other keys"
+        )
     if not kinds:
         raise KeyError(
             f"row has neither a string '{cfg.text_key}' nor '{cfg.prompt_key}'/'{cfg.response_key}' "
@@ -179,8 +184,9 @@ def encode_row(row: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[b
     return ids, [True] * len(ids)
 
 
-def encode_rows(rows: list[tuple[str, dict]], tokenizer, cfg: DataConfig,
-                lost: list[bool] | None = None) -> list[tuple[list[int], list[bool]]]:  # fmt: skip
+def encode_rows(
+    rows: list[tuple[str, dict]], tokenizer, cfg: DataConfig, lost: list[bool] | None = None
+) -> list[tuple[list[int], list[bool]]]:
     """`encode_row` of every (location, row), text and prompt/response rows tokenized in batches.
 
     With `lost` (a list), it receives per row whether the tokenizer lost or replaced one of the row's
@@ -209,8 +215,9 @@ def encode_rows(rows: list[tuple[str, dict]], tokenizer, cfg: DataConfig,
     pairs = [i for i, k in enumerate(kinds) if k == "pair"]
     if pairs:
         prompts = tokenizer([rows[i][1][cfg.prompt_key] for i in pairs], return_attention_mask=False)["input_ids"]
-        responses = tokenizer([rows[i][1][cfg.response_key] for i in pairs], add_special_tokens=False,
-                              return_attention_mask=False)["input_ids"]  # fmt: skip
+        responses = tokenizer(
+            [rows[i][1][cfg.response_key] for i in pairs], add_special_tokens=False, return_attention_mask=False
+        )["input_ids"]
         eos = [tokenizer.eos_token_id] if cfg.add_eos_to_response and tokenizer.eos_token_id is not None else []
         for i, p, r in zip(pairs, prompts, responses, strict=True):
             out[i] = (p + r + eos, [False] * len(p) + [True] * (len(r) + len(eos)))

@@ -33,14 +33,40 @@ class PairDataset(StoreDataset):
     FINGERPRINT_SALT = b"pairs\n"
     reference: np.ndarray | None = None
 
-    def __init__(self, path, tokenizer, seq_length: int, cfg: DataConfig, weights=None, seed: int = 0,
-                 cache_dir: str | None = None, workers: int = 0, build: bool = True, beat=None, log=None):  # fmt: skip
-        super().__init__(path, tokenizer, cfg, truncate=seq_length, pairs=True, weights=weights, seed=seed,
-                         cache_dir=cache_dir, workers=workers, build=build, beat=beat, log=log)  # fmt: skip
+    def __init__(
+        self,
+        path,
+        tokenizer,
+        seq_length: int,
+        cfg: DataConfig,
+        weights=None,
+        seed: int = 0,
+        cache_dir: str | None = None,
+        workers: int = 0,
+        build: bool = True,
+        beat=None,
+        log=None,
+    ):
+        super().__init__(
+            path,
+            tokenizer,
+            cfg,
+            truncate=seq_length,
+            pairs=True,
+            weights=weights,
+            seed=seed,
+            cache_dir=cache_dir,
+            workers=workers,
+            build=build,
+            beat=beat,
+            log=log,
+        )
         self.seq_length = seq_length
         if len(self) and not self.has_targets().any():
-            raise DataError(f"{path}: none of the {len(self)} pairs has a completion token within "
-                            f"seq_length={seq_length} (prompts that fill seq_length)")  # fmt: skip
+            raise DataError(
+                f"{path}: none of the {len(self)} pairs has a completion token within "
+                f"seq_length={seq_length} (prompts that fill seq_length)"
+            )
 
     @property
     def store_pairs(self) -> int:

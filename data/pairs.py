@@ -83,8 +83,9 @@ def _chat_ids(prompt, chosen, rejected, tokenizer) -> tuple[list[int], list[int]
         raise KeyError("conversational pairs need a tokenizer with a chat template (tokenizer_config.json)")
 
     def tokenize(messages, generation_prompt=False):
-        out = apply_template(tokenizer, messages, "pair", tokenize=True, return_dict=True,
-                             add_generation_prompt=generation_prompt)  # fmt: skip
+        out = apply_template(
+            tokenizer, messages, "pair", tokenize=True, return_dict=True, add_generation_prompt=generation_prompt
+        )
         return list(out["input_ids"])
 
     return tokenize(prompt, generation_prompt=True), tokenize(prompt + chosen), tokenize(prompt + rejected)

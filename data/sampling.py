@@ -84,8 +84,7 @@ def eval_num_batches(num_rows: int, dp_size: int, micro_batch_size: int, micro_b
     return max(1, math.ceil(num_rows / (dp_size * micro_batch_size * micro_batches)))
 
 
-def eval_indices(num_rows: int, dp_size: int, dp_rank: int, micro_batch_size: int,
-                 micro_batches: int) -> torch.Tensor:  # fmt: skip
+def eval_indices(num_rows: int, dp_size: int, dp_rank: int, micro_batch_size: int, micro_batches: int) -> torch.Tensor:
     """This rank's eval rows, padded with -1 so all ranks run the same number of micro-batches."""
     total = eval_num_batches(num_rows, dp_size, micro_batch_size, micro_batches) * dp_size
     total *= micro_batch_size * micro_batches

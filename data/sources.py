@@ -56,8 +56,10 @@ def shard_files(path: str) -> list[str]:
             raise DataError(f"{path}: no {', '.join(FORMATS)} files and not a directory saved with datasets")
         return shards
     if not path.endswith(FORMATS):
-        raise DataError(f"{path}: unknown data format (expected {', '.join(FORMATS)}, a directory of such "
-                        "shards, or a datasets directory)")  # fmt: skip
+        raise DataError(
+            f"{path}: unknown data format (expected {', '.join(FORMATS)}, a directory of such "
+            "shards, or a datasets directory)"
+        )
     if not os.path.exists(path):
         raise DataError(f"{path}: cannot read data file (No such file or directory)")
     return [path]
@@ -153,8 +155,11 @@ class JsonlLines:
         return len(self.lines)
 
     def rows(self) -> list[tuple[str, dict]]:
-        return [(f"{self.path}:{n}", row) for n, raw in self.lines
-                if (row := parse_jsonl_line(raw, self.path, n)) is not None]  # fmt: skip
+        return [
+            (f"{self.path}:{n}", row)
+            for n, raw in self.lines
+            if (row := parse_jsonl_line(raw, self.path, n)) is not None
+        ]
 
 
 def iter_chunks(path: str, size: int) -> Iterator[list[tuple[str, dict]] | JsonlLines]:

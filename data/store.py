@@ -39,8 +39,13 @@ META = "meta.json"
 
 
 # Per-row arrays (offsets has one entry more) and their types.
-ARRAYS = {"offsets": np.int64, "lengths": np.int32, "full_lengths": np.int32, "row_targets": np.int32,
-          "lost_characters": np.uint8}  # fmt: skip
+ARRAYS = {
+    "offsets": np.int64,
+    "lengths": np.int32,
+    "full_lengths": np.int32,
+    "row_targets": np.int32,
+    "lost_characters": np.uint8,
+}
 
 
 def tokenizer_identity(tokenizer) -> dict:
@@ -55,8 +60,9 @@ def tokenizer_identity(tokenizer) -> dict:
     }
 
 
-def store_key(path: str, tokenizer, cfg: DataConfig, truncate: int | None, concat: bool,
-              pairs: bool = False) -> tuple[str, dict]:  # fmt: skip
+def store_key(
+    path: str, tokenizer, cfg: DataConfig, truncate: int | None, concat: bool, pairs: bool = False
+) -> tuple[str, dict]:
     """(name, description) of the store for `path` tokenized with these settings (`pairs`: as preference pairs)."""
     files = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in shard_files(path)]
     key = {
@@ -67,7 +73,7 @@ def store_key(path: str, tokenizer, cfg: DataConfig, truncate: int | None, conca
         "data": {
             k: getattr(cfg, k)
             for k in ("text_key", "prompt_key", "response_key", "messages_key", "add_eos_to_response")
-        },  # fmt: skip
+        },
         "truncate": truncate,
         "concat": concat,  # documents end with EOS (data.concatenate)
         **tokenizer_identity(tokenizer),
@@ -86,11 +92,22 @@ class Store:
         with open(os.path.join(directory, META)) as f:
             self.meta = json.load(f)
         self.rows, self.num_tokens = self.meta["rows"], self.meta["tokens"]
-        self.tokens = np.memmap(os.path.join(directory, "tokens.bin"), dtype=self.meta["token_dtype"], mode="r",
-                                shape=(self.num_tokens,)) if self.num_tokens else np.zeros(0, np.uint16)  # fmt: skip
+        self.tokens = (
+            np.memmap(
+                os.path.join(directory, "tokens.bin"),
+                dtype=self.meta["token_dtype"],
+                mode="r",
+                shape=(self.num_tokens,),
+            )
+            if self.num_tokens
+            else np.zeros(0, np.uint16)
+        )
         nbytes = (self.num_tokens + 7) // 8
-        self.target_bits = np.memmap(os.path.join(directory, "targets.bin"), dtype=np.uint8, mode="r",
-                                     shape=(nbytes,)) if nbytes else np.zeros(0, np.uint8)  # fmt: skip
+        self.target_bits = (
+            np.memmap(os.path.join(directory, "targets.bin"), dtype=np.uint8, mode="r", shape=(nbytes,))
+            if nbytes
+            else np.zeros(0, np.uint8)
+        )
         for name in ARRAYS:
             setattr(self, name, np.load(os.path.join(directory, f"{name}.npy"), mmap_mode="r"))
 

@@ -54,14 +54,16 @@ def _encode_part(partial: str, index: int, chunk) -> dict:
     lost_characters = np.array(lost if lost is not None else [False] * len(rows), dtype=np.uint8)
     eos, truncate = w["eos"], w["truncate"]
     if w["concat"] and eos is not None:  # documents end with EOS, so the stream separates them
-        encoded = [(ids + [eos], targets + [True]) if not ids or ids[-1] != eos else (ids, targets)
-                   for ids, targets in encoded]  # fmt: skip
+        encoded = [
+            (ids + [eos], targets + [True]) if not ids or ids[-1] != eos else (ids, targets) for ids, targets in encoded
+        ]
     full = np.array([len(ids) for ids, _ in encoded], dtype=np.int32)
     lengths = np.minimum(full, truncate) if truncate else full
     total = int(lengths.sum())
     kept = lengths.tolist()
-    tokens = np.concatenate([np.zeros(0, w["dtype"])] + [np.asarray(ids[:n], dtype=w["dtype"])
-                                                         for (ids, _), n in zip(encoded, kept)])  # fmt: skip
+    tokens = np.concatenate(
+        [np.zeros(0, w["dtype"])] + [np.asarray(ids[:n], dtype=w["dtype"]) for (ids, _), n in zip(encoded, kept)]
+    )
     flags = [np.asarray(tg[:n], dtype=bool) for (_, tg), n in zip(encoded, kept)]
     targets = np.concatenate([np.zeros(0, bool)] + flags)
     row_targets = np.array([int(f[1:].sum()) for f in flags], dtype=np.int32)
@@ -72,14 +74,27 @@ def _encode_part(partial: str, index: int, chunk) -> dict:
         digest.update(array.tobytes())
     tmp = os.path.join(partial, f".{part_name(index)}.tmp-{os.getpid()}")
     os.makedirs(tmp)
-    arrays = {"tokens": tokens, "targets": targets, "lengths": lengths, "full_lengths": full,
-              "row_targets": row_targets, "lost_characters": lost_characters}  # fmt: skip
+    arrays = {
+        "tokens": tokens,
+        "targets": targets,
+        "lengths": lengths,
+        "full_lengths": full,
+        "row_targets": row_targets,
+        "lost_characters": lost_characters,
+    }
     for name, array in arrays.items():
         np.save(os.path.join(tmp, f"{name}.npy"), array)
-    summary = {"rows": len(rows), "tokens": total, "digest": digest.hexdigest(), "no_target": len(no_target),
-               "no_target_examples": no_target[:NO_TARGET_EXAMPLES], "truncated": int((full > lengths).sum()),
-               "target_tokens": int(row_targets.sum()), "lost": len(lossy_rows),
-               "lost_examples": lossy_rows[:NO_TARGET_EXAMPLES]}  # fmt: skip
+    summary = {
+        "rows": len(rows),
+        "tokens": total,
+        "digest": digest.hexdigest(),
+        "no_target": len(no_target),
+        "no_target_examples": no_target[:NO_TARGET_EXAMPLES],
+        "truncated": int((full > lengths).sum()),
+        "target_tokens": int(row_targets.sum()),
+        "lost": len(lossy_rows),
+        "lost_examples": lossy_rows[:NO_TARGET_EXAMPLES],
+    }
     with open(os.path.join(tmp, "part.json"), "w") as f:
         json.dump(summary, f)
     os.rename(tmp, os.path.join(partial, part_name(index)))
@@ -117,8 +132,10 @@ class Progress:
             self.bar.set_postfix(tokens_s=f"{self.tokens / seconds:,.0f}", refresh=False)
         elif seconds - self.last >= 30:
             self.last = seconds
-            self.log(f"tokenizing {self.what}: {self.rows:,} rows, {self.rows / seconds:,.0f} rows/s, "
-                     f"{self.tokens / seconds:,.0f} tokens/s")  # fmt: skip
+            self.log(
+                f"tokenizing {self.what}: {self.rows:,} rows, {self.rows / seconds:,.0f} rows/s, "
+                f"{self.tokens / seconds:,.0f} tokens/s"
+            )
 
     def close(self) -> float:
         if self.bar is not None:
@@ -164,8 +181,10 @@ def _build_parts(path: str, partial: str, workers: int, beat: Callable[[], None]
                 drain(block=False)
             drain(block=True)
         except BrokenProcessPool:
-            raise WorkerDied(f"{path}: a tokenizer worker process died (out of memory?) while building {partial}; "
-                             "its finished parts are kept for the next launch") from None  # fmt: skip
+            raise WorkerDied(
+                f"{path}: a tokenizer worker process died (out of memory?) while building {partial}; "
+                "its finished parts are kept for the next launch"
+            ) from None
         except BaseException:
             for future in pending:
                 future.cancel()
@@ -180,13 +199,17 @@ def _finalize(partial: str, parts: int, key: dict, dtype: str, start: float, bea
     rows, tokens = sum(s["rows"] for s in summaries), sum(s["tokens"] for s in summaries)
     # NOTE: plain appending writes, not np.memmap: a memory-mapped file on a full disk kills the process with
     # SIGBUS instead of raising ENOSPC.
-    files = {name: _NpyAppender(os.path.join(partial, f"{name}.npy"), dtype, rows + (name == "offsets"))
-             for name, dtype in ARRAYS.items()}  # fmt: skip
+    files = {
+        name: _NpyAppender(os.path.join(partial, f"{name}.npy"), dtype, rows + (name == "offsets"))
+        for name, dtype in ARRAYS.items()
+    }
     files["offsets"].write(np.zeros(1, np.int64))
     token = 0
     carry = np.zeros(0, dtype=bool)  # target bits not yet a whole byte
-    with open(os.path.join(partial, "tokens.bin"), "wb") as tok_f, open(os.path.join(partial, "targets.bin"),
-                                                                         "wb") as tgt_f:  # fmt: skip
+    with (
+        open(os.path.join(partial, "tokens.bin"), "wb") as tok_f,
+        open(os.path.join(partial, "targets.bin"), "wb") as tgt_f,
+    ):
         for i in range(parts):
             part = os.path.join(partial, part_name(i))
             lengths = np.load(os.path.join(part, "lengths.npy"))
@@ -238,8 +261,9 @@ class _NpyAppender:
         from numpy.lib import format as npy
 
         self.dtype, self.file = np.dtype(dtype), open(path, "wb")
-        npy.write_array_header_1_0(self.file, {"descr": npy.dtype_to_descr(self.dtype), "fortran_order": False,
-                                               "shape": (length,)})  # fmt: skip
+        npy.write_array_header_1_0(
+            self.file, {"descr": npy.dtype_to_descr(self.dtype), "fortran_order": False, "shape": (length,)}
+        )
 
     def write(self, array: np.ndarray) -> None:
         self.file.write(np.ascontiguousarray(array, dtype=self.dtype).tobytes())
@@ -277,9 +301,19 @@ def _no_beat() -> None:
     pass
 
 
-def open_or_build(path: str, tokenizer, cfg: DataConfig, truncate: int | None, concat: bool, cache_dir: str,
-                  workers: int = 0, beat: Callable[[], None] = _no_beat, log: Callable[[str], None] = print,
-                  build: bool = True, pairs: bool = False) -> tuple[Store, bool]:  # fmt: skip
+def open_or_build(
+    path: str,
+    tokenizer,
+    cfg: DataConfig,
+    truncate: int | None,
+    concat: bool,
+    cache_dir: str,
+    workers: int = 0,
+    beat: Callable[[], None] = _no_beat,
+    log: Callable[[str], None] = print,
+    build: bool = True,
+    pairs: bool = False,
+) -> tuple[Store, bool]:
     """The store of `path` under `cache_dir`, built first if it is not there (unless `build` is False).
     `pairs`: the rows are preference pairs (data/pairs.py), each stored as two rows: chosen, then rejected.
 
@@ -316,8 +350,16 @@ def _build(path, final, key, tokenizer, cfg, truncate, concat, workers, beat, lo
         if name.startswith("."):
             shutil.rmtree(os.path.join(partial, name), ignore_errors=True)
     dtype = "uint16" if len(tokenizer) <= 2**16 else "uint32"
-    _WORK.update(tokenizer=tokenizer, cfg=cfg, truncate=truncate, concat=concat, dtype=dtype, pairs=pairs,
-                 eos=tokenizer.eos_token_id, lossy=lossy_tokenizer(tokenizer))  # fmt: skip
+    _WORK.update(
+        tokenizer=tokenizer,
+        cfg=cfg,
+        truncate=truncate,
+        concat=concat,
+        dtype=dtype,
+        pairs=pairs,
+        eos=tokenizer.eos_token_id,
+        lossy=lossy_tokenizer(tokenizer),
+    )
     start = time.perf_counter()
     progress = Progress(path, log)
     try:
@@ -335,6 +377,8 @@ def _build(path, final, key, tokenizer, cfg, truncate, concat, workers, beat, lo
     meta = _finalize(partial, parts, key, dtype, start, beat)
     seconds = meta["build_seconds"]
     os.rename(partial, final)
-    log(f"tokenized {path}: {meta['rows']:,} rows, {meta['tokens']:,} tokens in {seconds:.1f}s "
+    log(
+        f"tokenized {path}: {meta['rows']:,} rows, {meta['tokens']:,} tokens in {seconds:.1f}s "
         f"({meta['rows'] / max(seconds, 1e-9):,.0f} rows/s, {meta['tokens'] / max(seconds, 1e-9):,.0f} tokens/s) "
-        f"with {max(workers, 1)} process(es) -> {final}")  # fmt: skip
+        f"with {max(workers, 1)} process(es) -> {final}"
+    )

@@ -32,8 +32,16 @@ def check_target_modules(targets: list[str]) -> None:
             raise ValueError(f"lora.target_modules: {target!r} is not a linear layer of the decoder ({names})")
 
 
-def add_lora(module: nn.Module, r: int, alpha: float, dropout: float, target_modules: list[str], seed: int,
-             tp_rank: int = 0, tp_size: int = 1) -> int:  # fmt: skip
+def add_lora(
+    module: nn.Module,
+    r: int,
+    alpha: float,
+    dropout: float,
+    target_modules: list[str],
+    seed: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> int:
     """Inject LoRA into every decoder layer of `module` and freeze everything else.
 
     Every adapter starts the same whatever the layout: A is drawn (PEFT's kaiming-uniform) on its whole

@@ -119,5 +119,7 @@ def rank_stages(stages: int, num_stages: int, rank: int) -> list[int]:
 def rank_layers(bounds: list[int], num_stages: int) -> list[list[int]]:
     """Pipeline layers of each pipeline rank (`rank_stages`)."""
     stages = len(bounds) - 1
-    return [[i for s in rank_stages(stages, num_stages, r) for i in range(bounds[s], bounds[s + 1])]
-            for r in range(num_stages)]  # fmt: skip
+    return [
+        [i for s in rank_stages(stages, num_stages, r) for i in range(bounds[s], bounds[s + 1])]
+        for r in range(num_stages)
+    ]

@@ -81,16 +81,21 @@ def reward_sums(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) ->
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """fp32 per-token cross-entropy [B, S] (0 where the label is IGNORE_INDEX) from [B, S, V] logits."""
-    flat = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                           reduction="none")  # fmt: skip
+    flat = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    )
     return flat.view(labels.shape)
 
 
 def _token_ce_in_chunks(logits, labels, chunk: int, token_ce) -> torch.Tensor:
     """`token_ce(logits, labels)` [B, S], `chunk` tokens at a time."""
     flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-    out = torch.cat([token_ce(flat_logits[i : i + chunk][None], flat_labels[i : i + chunk][None]).reshape(-1)
-                     for i in range(0, flat_labels.numel(), chunk)])  # fmt: skip
+    out = torch.cat(
+        [
+            token_ce(flat_logits[i : i + chunk][None], flat_labels[i : i + chunk][None]).reshape(-1)
+            for i in range(0, flat_labels.numel(), chunk)
+        ]
+    )
     return out.view(labels.shape)
 
 
@@ -118,8 +123,9 @@ class _ChunkedTokenCrossEntropy(torch.autograd.Function):
         return out.view(logits.shape), None, None, None
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, token_ce=token_cross_entropy,
-                   chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def sequence_logps(
+    logits: torch.Tensor, labels: torch.Tensor, token_ce=token_cross_entropy, chunk: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-prob of each sequence's target tokens [N], their count [N]) from [N, S, V] logits (a vocab shard
     with the vocab-parallel `token_ce`); `chunk` > 0: `chunk` tokens at a time, forward and backward."""
     if chunk and torch.is_grad_enabled() and logits.requires_grad:
@@ -204,7 +210,12 @@ class PreferenceLoss:
         if self.settings.sft_weight:  # the chosen completions of the pairs that count
             loss = loss - self.settings.sft_weight * (logps[:p] * kept).sum() * token_scale.to(losses.device)
         sft = torch.stack([-(logps[:p].detach() * kept).sum(), (tokens[:p] * kept).sum()])
-        sums = torch.cat([torch.stack([losses.detach().sum(), kept.sum()]),
-                          reward_sums(chosen_rewards * kept, rejected_rewards * kept), sft]).double()  # fmt: skip
+        sums = torch.cat(
+            [
+                torch.stack([losses.detach().sum(), kept.sum()]),
+                reward_sums(chosen_rewards * kept, rejected_rewards * kept),
+                sft,
+            ]
+        ).double()
         self.sums = sums if self.sums is None else self.sums + sums
         return loss

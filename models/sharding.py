@@ -41,8 +41,9 @@ def padded_vocab(vocab_size: int, tp_size: int, multiple: int = 1) -> int:
     return -(-vocab_size // step) * step
 
 
-def shard(full: torch.Tensor, rule: str, tp_rank: int, tp_size: int, vocab_size: int | None = None,
-          multiple: int = 1) -> torch.Tensor:  # fmt: skip
+def shard(
+    full: torch.Tensor, rule: str, tp_rank: int, tp_size: int, vocab_size: int | None = None, multiple: int = 1
+) -> torch.Tensor:
     """This rank's shard of a whole tensor, contiguous and owning its storage (REPLICA: the tensor itself when
     it already is; every other rule: a fresh tensor, so the whole one can be freed)."""
     if rule == REPLICA or (tp_size == 1 and rule != VOCAB):

@@ -193,8 +193,9 @@ class VocabParallelEmbeddingPipe(EmbeddingPipe):
     ranks' outputs are summed."""
 
     def __init__(self, config, tp: TensorParallel):
-        nn.Embedding.__init__(self, padded_vocab(config.vocab_size, tp.size, tp.vocab_multiple) // tp.size,
-                              config.hidden_size)  # fmt: skip
+        nn.Embedding.__init__(
+            self, padded_vocab(config.vocab_size, tp.size, tp.vocab_multiple) // tp.size, config.hidden_size
+        )
         self.tp, self.start = tp, tp.rank * self.num_embeddings
         pad = config.pad_token_id
         if pad is not None and self.start <= pad < self.start + self.num_embeddings:
@@ -215,8 +216,9 @@ class VocabParallelLMHeadPipe(LMHeadPipe):
     """This rank's V_local rows of the output projection: logits [B, S, V_local] for `VocabParallelLoss`."""
 
     def __init__(self, config, tp: TensorParallel):
-        nn.Linear.__init__(self, config.hidden_size, padded_vocab(config.vocab_size, tp.size, tp.vocab_multiple)
-                           // tp.size, bias=False)  # fmt: skip
+        nn.Linear.__init__(
+            self, config.hidden_size, padded_vocab(config.vocab_size, tp.size, tp.vocab_multiple) // tp.size, bias=False
+        )
         self.tp = tp
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -265,20 +267,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return out * grad[:, None], None, None, None, None
 
 
-def vocab_parallel_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp: TensorParallel,
-                                       vocab_size: int) -> torch.Tensor:  # fmt: skip
+def vocab_parallel_token_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, tp: TensorParallel, vocab_size: int
+) -> torch.Tensor:
     """Per-token cross-entropy [...] (0 where the label is IGNORE_INDEX) from [..., V_local] logit shards."""
     shape = labels.shape
     logits = logits.float().reshape(-1, logits.shape[-1])
     labels = labels.reshape(-1)
     keep = labels != IGNORE_INDEX
-    per_token = _VocabParallelCrossEntropy.apply(logits, labels.masked_fill(~keep, 0), tp,
-                                                 tp.rank * logits.shape[-1], vocab_size)  # fmt: skip
+    per_token = _VocabParallelCrossEntropy.apply(
+        logits, labels.masked_fill(~keep, 0), tp, tp.rank * logits.shape[-1], vocab_size
+    )
     return (per_token * keep).view(shape)
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp: TensorParallel,
-                                 vocab_size: int) -> torch.Tensor:  # fmt: skip
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, tp: TensorParallel, vocab_size: int
+) -> torch.Tensor:
     """Summed cross-entropy over the labels that are not IGNORE_INDEX, from [..., V_local] logit shards."""
     return vocab_parallel_token_cross_entropy(logits, labels, tp, vocab_size).sum()
 

@@ -83,8 +83,9 @@ class _DeferredLinear(torch.autograd.Function):
         return grad_x, None, None, None
 
 
-def deferred_linear(x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None,
-                    store: WeightGradStore) -> torch.Tensor:  # fmt: skip
+def deferred_linear(
+    x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None, store: WeightGradStore
+) -> torch.Tensor:
     """`F.linear(x, weight, bias)` whose weight and bias gradients go through `store`."""
     return _DeferredLinear.apply(x, weight, bias, store)
 

@@ -82,8 +82,9 @@ def baseline_eval(model, tokenizer_dir: str, eval_file: str, cfg: TrainConfig) -
     from transformers import AutoTokenizer
 
     d = cfg.data
-    dataset = TokenizedDataset(eval_file, AutoTokenizer.from_pretrained(tokenizer_dir), cfg.seq_length, d,
-                               concat=d.concatenate)  # fmt: skip
+    dataset = TokenizedDataset(
+        eval_file, AutoTokenizer.from_pretrained(tokenizer_dir), cfg.seq_length, d, concat=d.concatenate
+    )
     if d.concatenate:
         blocks = BlockDataset(dataset, cfg.seq_length, drop_last=False)
         pieces = [piece for b in range(len(blocks)) for piece in blocks[b]]

@@ -270,9 +270,18 @@ def sft_data(workdir) -> tuple[str, str]:
 
 
 # The longest tests run first, so that with several workers none is left running alone at the end.
-LONGEST_FIRST = ("test_sigkill_during_saves", "test_demo_script", "test_bf16_zero1", "test_fp32_zero0",
-                 "test_resume_moves_across_tp_and_pp", "test_hf_directory_is_converted", "test_tp4_starts",
-                 "test_a_failed_or_hung_rank", "test_lora_pipeline_training", "test_hostfile_launch")  # fmt: skip
+LONGEST_FIRST = (
+    "test_sigkill_during_saves",
+    "test_demo_script",
+    "test_bf16_zero1",
+    "test_fp32_zero0",
+    "test_resume_moves_across_tp_and_pp",
+    "test_hf_directory_is_converted",
+    "test_tp4_starts",
+    "test_a_failed_or_hung_rank",
+    "test_lora_pipeline_training",
+    "test_hostfile_launch",
+)
 
 
 def pytest_collection_modifyitems(config, items):

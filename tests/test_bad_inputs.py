@@ -92,8 +92,17 @@ def tokenizer_larger_than_embedding(t):
 @case
 def shard_size_transformers_does_not_accept(t):
     out = t.tmp / "hf"
-    cmd = [sys.executable, "convert2ckpt.py", "--to-hf", "--input", t.ckpt, "--output", str(out),
-           "--max-shard-size", "5G"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "convert2ckpt.py",
+        "--to-hf",
+        "--input",
+        t.ckpt,
+        "--output",
+        str(out),
+        "--max-shard-size",
+        "5G",
+    ]
     return cmd, "--max-shard-size 5G: expected a whole number with a unit", out, [t.ckpt]
 
 
@@ -151,7 +160,7 @@ def tensor_parallel_not_dividing_kv_heads(t):
         str(free_port()),
         "trainer.py",
         *run_args(t.ckpt, t.out, t.train, tensor_parallel_size=4),
-    ]  # fmt: skip  (4 ranks: each says it)
+    ]  # 4 ranks: each says it
     return cmd, "tensor_parallel_size=4 must divide num_key_value_heads=2", t.out, [t.ckpt], 4
 
 
@@ -213,8 +222,9 @@ def flash_attention_without_flash_attn(t):
 
 @config_case
 def unknown_lora_target_module(t):
-    cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, **{"lora.enabled": "true",
-                                                            "lora.target_modules": "[q_proj,qproj]"}))  # fmt: skip
+    cmd = trainer_cmd(
+        *run_args(t.ckpt, t.out, t.train, **{"lora.enabled": "true", "lora.target_modules": "[q_proj,qproj]"})
+    )
     return cmd, "lora.target_modules: 'qproj' is not a linear layer of the decoder", t.out, [t.ckpt]
 
 
@@ -270,8 +280,15 @@ def bad_json_row_on_four_ranks(t):
     """Rank 0 finds the bad row while tokenizing; ranks 1-3 learn of it and exit with the same line."""
     data = t.tmp / "bad.jsonl"
     data.write_text('{"text": "one two"}\n{"text": "three\n' + '{"text": "four"}\n' * 30)
-    cmd = [LAUNCHER, "--num_gpus", "4", "--master_port", str(free_port()), "trainer.py",
-           *run_args(t.ckpt, t.out, str(data), num_stages=2)]  # fmt: skip
+    cmd = [
+        LAUNCHER,
+        "--num_gpus",
+        "4",
+        "--master_port",
+        str(free_port()),
+        "trainer.py",
+        *run_args(t.ckpt, t.out, str(data), num_stages=2),
+    ]
     return cmd, f"{data}:2: not valid JSON", t.out, [t.ckpt, data], 4
 
 
@@ -326,8 +343,11 @@ def chat_template_that_raises(t):
     )
     (ckpt / "tokenizer_config.json").write_text(json.dumps(conf))
     data = t.tmp / "chat.jsonl"
-    turns = [{"role": "user", "content": "1+1="}, {"role": "tool", "content": "2"},
-             {"role": "assistant", "content": "2"}]  # fmt: skip
+    turns = [
+        {"role": "user", "content": "1+1="},
+        {"role": "tool", "content": "2"},
+        {"role": "assistant", "content": "2"},
+    ]
     good = [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]
     data.write_text(json.dumps({"messages": turns}) + "\n" + json.dumps({"messages": good}) + "\n")
     cmd = trainer_cmd(*run_args(str(ckpt), t.out, str(data)))
@@ -361,8 +381,12 @@ def data_cache_dir_not_writable(t):
     blocker = t.tmp / "a_file"
     blocker.write_text("not a directory")
     cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, **{"data.cache_dir": str(blocker / "cache")}))
-    return cmd, f"{blocker / 'cache'}: cannot write the tokenized store of {t.train} (Not a directory)", t.out, [
-        t.ckpt, blocker]  # fmt: skip
+    return (
+        cmd,
+        f"{blocker / 'cache'}: cannot write the tokenized store of {t.train} (Not a directory)",
+        t.out,
+        [t.ckpt, blocker],
+    )
 
 
 # ---------------------------------------------------------------- while saving

@@ -137,9 +137,11 @@ def export_force_onto_a_converted_checkpoint(t):
 def fresh_run_into_an_output_dir_with_checkpoints(t):
     run = fake_run(t.ckpt, t.tmp / "run")
     cmd = trainer_cmd(*run_args(t.ckpt, run, t.train))
-    fragment = (f"output_dir {run} holds checkpoints of an earlier run (global_step2, global_step3) and resume=false; "
-                "continue it with resume=auto, start elsewhere with a new output_dir, or pass "
-                "overwrite_output_dir=true")  # fmt: skip
+    fragment = (
+        f"output_dir {run} holds checkpoints of an earlier run (global_step2, global_step3) and resume=false; "
+        "continue it with resume=auto, start elsewhere with a new output_dir, or pass "
+        "overwrite_output_dir=true"
+    )
     return cmd, fragment, None, [run, t.ckpt]
 
 

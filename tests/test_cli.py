@@ -84,8 +84,18 @@ def test_stage_bounds_rules():
 def test_safetensors_layer_files_train_export_and_verify(hf_models, converted, sft_data, tmp_path):
     """--format safetensors: the trainer loads it (same eval as .pt), export is bit-identical, verify passes."""
     ckpt = tmp_path / "st"
-    proc = run_cmd([sys.executable, "convert2ckpt.py", "--input", hf_models["gqa"], "--output", str(ckpt),
-                    "--format", "safetensors"])  # fmt: skip
+    proc = run_cmd(
+        [
+            sys.executable,
+            "convert2ckpt.py",
+            "--input",
+            hf_models["gqa"],
+            "--output",
+            str(ckpt),
+            "--format",
+            "safetensors",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     assert all(n.endswith(".safetensors") for n in os.listdir(ckpt / "global_step0") if n.startswith("layer_"))
     results = []

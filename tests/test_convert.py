@@ -70,9 +70,11 @@ def test_layer_modules_match_hf_at_preset_shapes(preset_name):
                 assert ours[k] == hf[hf_key], hf_key
                 seen.add(hf_key)
     assert seen == set(hf)
-    expected = {"llama2_70b": ("model.layers.79.self_attn.k_proj.weight", (1024, 8192)),  # GQA: 8 KV heads x 128
-                "qwen2_5_7b": ("model.layers.27.self_attn.k_proj.bias", (512,)),  # 4 KV heads x 128, biased
-                "qwen3_8b": ("model.layers.35.self_attn.q_norm.weight", (128,))}[preset_name]  # fmt: skip
+    expected = {
+        "llama2_70b": ("model.layers.79.self_attn.k_proj.weight", (1024, 8192)),  # GQA: 8 KV heads x 128
+        "qwen2_5_7b": ("model.layers.27.self_attn.k_proj.bias", (512,)),  # 4 KV heads x 128, biased
+        "qwen3_8b": ("model.layers.35.self_attn.q_norm.weight", (128,)),
+    }[preset_name]
     assert hf[expected[0]] == expected[1]
     # The parameter counts the README and the memory estimate quote (the model cards say 7.61B and 8.19B).
     total = sum(math.prod(shape) for shape in hf.values())
@@ -307,8 +309,9 @@ def test_tp_split_and_merge_between_any_degrees_round_trip_bit_identical(tmp_pat
     assert all(torch.equal(a[f][k], b[f][k]) for f in a for k in a[f])
     for ranks in ("0", "1"):
         assert run_cmd([*run, str(tmp_path / f"piece{ranks}"), "--tp", "2", "--tp-ranks", ranks]).returncode == 0
-    proc = run_cmd([*cli, "--combine", str(tmp_path / "piece0"), str(tmp_path / "piece1"), "--output",
-                    str(tmp_path / "combined")])  # fmt: skip
+    proc = run_cmd(
+        [*cli, "--combine", str(tmp_path / "piece0"), str(tmp_path / "piece1"), "--output", str(tmp_path / "combined")]
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     a, b = layer_files(tmp_path / "tp2"), layer_files(tmp_path / "combined")
     assert a.keys() == b.keys() and all(torch.equal(a[f][k], b[f][k]) for f in a for k in a[f])

@@ -315,9 +315,16 @@ def test_trainer_mixes_parquet_and_datasets_dir(converted, tmp_path):
     a = write_formats([{"prompt": f"{i}+1=", "response": str(i + 1)} for i in range(30)], tmp_path / "a")
     b = write_formats([{"prompt": f"{i}+2=", "response": str(i + 2)} for i in range(10)], tmp_path / "b")
     out = tmp_path / "run"
-    args = [f"model_name_or_path={converted['gqa']}", f"output_dir={out}", "seq_length=16",
-            "micro_batch_size=4", "max_steps=2", "deepspeed=fp32", f"train_file=[{a['parquet']},{b['datasets']}]",
-            "data.train_weights=[1,3]"]  # fmt: skip
+    args = [
+        f"model_name_or_path={converted['gqa']}",
+        f"output_dir={out}",
+        "seq_length=16",
+        "micro_batch_size=4",
+        "max_steps=2",
+        "deepspeed=fp32",
+        f"train_file=[{a['parquet']},{b['datasets']}]",
+        "data.train_weights=[1,3]",
+    ]
     proc = run_cmd([sys.executable, "trainer.py", *args], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.load(open(out / "data_report.json"))["train"]

@@ -7,8 +7,17 @@ import re
 
 from tests.conftest import REPO
 
-PAGES = ("converting", "training", "parallelism", "lora_and_preference", "checkpoints", "reliability_and_security",
-         "architecture", "measured", "configuration")  # fmt: skip
+PAGES = (
+    "converting",
+    "training",
+    "parallelism",
+    "lora_and_preference",
+    "checkpoints",
+    "reliability_and_security",
+    "architecture",
+    "measured",
+    "configuration",
+)
 
 
 def markdown_files():

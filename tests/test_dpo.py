@@ -33,9 +33,13 @@ def arithmetic_pairs(n: int, chat: bool, seed: int) -> list[dict]:
         a, b = rng.randrange(100), rng.randrange(100)
         prompt, good, bad = f"{a}+{b}=", str(a + b), str(a + b + rng.choice([-10, -1, 1, 10]))
         if chat:
-            rows.append({"prompt": [{"role": "user", "content": prompt}],
-                         "chosen": [{"role": "assistant", "content": good}],
-                         "rejected": [{"role": "assistant", "content": bad}]})  # fmt: skip
+            rows.append(
+                {
+                    "prompt": [{"role": "user", "content": prompt}],
+                    "chosen": [{"role": "assistant", "content": good}],
+                    "rejected": [{"role": "assistant", "content": bad}],
+                }
+            )
         else:
             rows.append({"prompt": prompt, "chosen": " " + good, "rejected": " " + bad})
     return rows
@@ -68,9 +72,18 @@ def dpo_models(chat_tokenizers, tmp_path_factory) -> dict[str, tuple[str, str]]:
 
 
 def dpo_args(policy: str, out, **extra) -> list[str]:
-    args = {"model_name_or_path": policy, "output_dir": str(out), "objective": "dpo", "seq_length": SEQ,
-            "micro_batch_size": 2, "gradient_accumulation_steps": 2, "deepspeed": "fp32", "num_stages": 2,
-            "model.attn_implementation": "sdpa", **extra}  # fmt: skip
+    args = {
+        "model_name_or_path": policy,
+        "output_dir": str(out),
+        "objective": "dpo",
+        "seq_length": SEQ,
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "deepspeed": "fp32",
+        "num_stages": 2,
+        "model.attn_implementation": "sdpa",
+        **extra,
+    }
     return [f"{k}={v}" for k, v in args.items()]
 
 
@@ -100,14 +113,24 @@ def test_pipeline_evaluation_equals_trl(kind, dpo_models, tmp_path):
     policy_dir, reference_dir = dpo_models[kind]
     files = [write_jsonl(tmp_path / f"{name}.jsonl", rows) for name, rows in EVAL_GROUPS.items()]
     tok = AutoTokenizer.from_pretrained(policy_dir)
-    policy, reference = (AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
-                         for d in (policy_dir, reference_dir))  # fmt: skip
+    policy, reference = (
+        AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
+        for d in (policy_dir, reference_dir)
+    )
     cache = tmp_path / "cache"
-    for settings in (PreferenceSettings("sigmoid", beta=0.2), PreferenceSettings("ipo", beta=0.1),
-                     PreferenceSettings("simpo", beta=2.0, gamma=0.4)):  # fmt: skip
+    for settings in (
+        PreferenceSettings("sigmoid", beta=0.2),
+        PreferenceSettings("ipo", beta=0.1),
+        PreferenceSettings("simpo", beta=2.0, gamma=0.4),
+    ):
         out = tmp_path / settings.loss_type
-        dpo = {"reference_model": reference_dir, "loss_type": settings.loss_type, "beta": settings.beta,
-               "gamma": settings.gamma, "sft_weight": settings.sft_weight}  # fmt: skip
+        dpo = {
+            "reference_model": reference_dir,
+            "loss_type": settings.loss_type,
+            "beta": settings.beta,
+            "gamma": settings.gamma,
+            "sft_weight": settings.sft_weight,
+        }
         extra = {"data.cache_dir": cache, **{f"dpo.{k}": v for k, v in dpo.items()}}
         args = dpo_args(policy_dir, out, do_train="false", eval_file="[" + ",".join(files) + "]", **extra)
         proc = check(deepspeed_launch(2, *args))
@@ -117,8 +140,9 @@ def test_pipeline_evaluation_equals_trl(kind, dpo_models, tmp_path):
         if settings.loss_type == "simpo":
             groups = [our_evaluation(policy, reference, tok, rows, settings, SEQ) for rows in EVAL_GROUPS.values()]
         else:
-            groups = [trl_evaluation(policy, reference, tok, rows, settings, tmp_path, SEQ)
-                      for rows in EVAL_GROUPS.values()]  # fmt: skip
+            groups = [
+                trl_evaluation(policy, reference, tok, rows, settings, tmp_path, SEQ) for rows in EVAL_GROUPS.values()
+            ]
         theirs = combined([(g["pairs"], g) for g in groups])
         print(f"{kind}/{settings.loss_type}: ours {ours}\n  reference {theirs}")
         assert ours["eval_pairs"] == theirs["pairs"] == 7
@@ -161,8 +185,9 @@ def train_dpo_reference(policy_dir: str, reference_dir: str, cfg: TrainConfig, d
         lo = cfg.lora
         add_lora(model, lo.r, lo.alpha, lo.dropout, lo.target_modules, cfg.seed)
     d = cfg.data
-    pairs = PairDataset(cfg.train_file, AutoTokenizer.from_pretrained(policy_dir), cfg.seq_length, d, d.train_weights,
-                        cfg.seed)  # fmt: skip
+    pairs = PairDataset(
+        cfg.train_file, AutoTokenizer.from_pretrained(policy_dir), cfg.seq_length, d, d.train_weights, cfg.seed
+    )
     plan = TrainPlan(len(pairs), dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
     optimizer, scheduler = make_optimizer(cfg, model.named_parameters(), plan.total_steps(cfg.max_steps, 1))
     settings = cfg.dpo.settings()
@@ -177,8 +202,9 @@ def train_dpo_reference(policy_dir: str, reference_dir: str, cfg: TrainConfig, d
         with torch.no_grad():
             ref, _ = hf_sequence_logps(reference.eval(), sequences)
         n = len(batch)
-        per_pair, chosen, rejected = preference_losses(settings, logps[:n], logps[n:], tokens[:n], tokens[n:],
-                                                       ref[:n], ref[n:])  # fmt: skip
+        per_pair, chosen, rejected = preference_losses(
+            settings, logps[:n], logps[n:], tokens[:n], tokens[n:], ref[:n], ref[n:]
+        )
         loss = per_pair.mean() + settings.sft_weight * sft_loss(logps[:n], tokens[:n])
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)))
@@ -193,18 +219,34 @@ def train_dpo_reference(policy_dir: str, reference_dir: str, cfg: TrainConfig, d
 def train_config(train_files: list[str], **dpo) -> TrainConfig:
     """The parity runs' settings (clipping at 0.05 is active on these steps, so a wrong grad norm would show)."""
     return TrainConfig(
-        train_file=train_files, seq_length=SEQ, micro_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
-        learning_rate=3e-3, seed=7, objective="dpo", dpo=DpoConfig(**dpo),
+        train_file=train_files,
+        seq_length=SEQ,
+        micro_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        learning_rate=3e-3,
+        seed=7,
+        objective="dpo",
+        dpo=DpoConfig(**dpo),
         optim=OptimConfig(weight_decay=0.1, max_grad_norm=0.05, warmup_steps=1, lr_scheduler="cosine"),
-    )  # fmt: skip
+    )
 
 
 def launch_args(cfg: TrainConfig, policy: str, out, stages: int, **extra) -> list[str]:
     d, o = cfg.dpo, cfg.optim
-    args = {"train_file": "[" + ",".join(cfg.train_file) + "]", "max_steps": cfg.max_steps, "seed": cfg.seed,
-            "learning_rate": cfg.learning_rate, "optim.weight_decay": o.weight_decay,
-            "optim.max_grad_norm": o.max_grad_norm, "optim.warmup_steps": o.warmup_steps, "dpo.loss_type": d.loss_type,
-            "dpo.beta": d.beta, "dpo.sft_weight": d.sft_weight, **extra}  # fmt: skip
+    args = {
+        "train_file": "[" + ",".join(cfg.train_file) + "]",
+        "max_steps": cfg.max_steps,
+        "seed": cfg.seed,
+        "learning_rate": cfg.learning_rate,
+        "optim.weight_decay": o.weight_decay,
+        "optim.max_grad_norm": o.max_grad_norm,
+        "optim.warmup_steps": o.warmup_steps,
+        "dpo.loss_type": d.loss_type,
+        "dpo.beta": d.beta,
+        "dpo.sft_weight": d.sft_weight,
+        **extra,
+    }
     if d.reference_model:
         args["dpo.reference_model"] = d.reference_model
     return dpo_args(policy, out, num_stages=stages, **args)
@@ -214,8 +256,10 @@ def launch_args(cfg: TrainConfig, policy: str, out, stages: int, **extra) -> lis
 def train_pairs(tmp_path_factory) -> list[str]:
     """40 training pairs in two files: 24 string pairs and 16 conversational ones."""
     root = tmp_path_factory.mktemp("dpo_train")
-    return [write_jsonl(root / "strings.jsonl", arithmetic_pairs(24, False, 0)),
-            write_jsonl(root / "chat.jsonl", arithmetic_pairs(16, True, 1))]  # fmt: skip
+    return [
+        write_jsonl(root / "strings.jsonl", arithmetic_pairs(24, False, 0)),
+        write_jsonl(root / "chat.jsonl", arithmetic_pairs(16, True, 1)),
+    ]
 
 
 def assert_matches_dpo_reference(out, cfg: TrainConfig, policy_dir: str, reference_dir: str, dp: int):
@@ -232,10 +276,12 @@ def assert_matches_dpo_reference(out, cfg: TrainConfig, policy_dir: str, referen
     assert [m["step"] for m in metrics] == list(range(1, cfg.max_steps + 1))
     assert all(m["pairs"] == cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp for m in metrics)
     torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(torch.tensor([m["grad_norm"] for m in metrics]), torch.tensor(norms), rtol=1e-4,
-                               atol=1e-6)  # fmt: skip
-    torch.testing.assert_close(torch.tensor([m["rewards/margins"] for m in metrics]), torch.tensor(margins),
-                               rtol=1e-4, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        torch.tensor([m["grad_norm"] for m in metrics]), torch.tensor(norms), rtol=1e-4, atol=1e-6
+    )
+    torch.testing.assert_close(
+        torch.tensor([m["rewards/margins"] for m in metrics]), torch.tensor(margins), rtol=1e-4, atol=1e-6
+    )
     assert all(n > cfg.optim.max_grad_norm for n in norms), "clipping should be active in this test"
     config = AutoConfig.from_pretrained(out)
     if cfg.lora.enabled:
@@ -256,10 +302,16 @@ def assert_matches_dpo_reference(out, cfg: TrainConfig, policy_dir: str, referen
 # (stages, TP, dpo settings, reference: a model of its own (else the starting weights), LoRA, trainer overrides)
 DPO_LAYOUTS = {
     "pp2-dp2-sigmoid-sft": (2, 1, {"loss_type": "sigmoid", "beta": 0.1, "sft_weight": 0.3}, True, False, {}),
-    "pp2-tp2-ipo-chunked-recompute": (2, 2, {"loss_type": "ipo", "beta": 0.1}, False, False,
-                                      {"model.loss_chunk_size": 7, "model.activation_checkpointing": "true"}),
+    "pp2-tp2-ipo-chunked-recompute": (
+        2,
+        2,
+        {"loss_type": "ipo", "beta": 0.1},
+        False,
+        False,
+        {"model.loss_chunk_size": 7, "model.activation_checkpointing": "true"},
+    ),
     "pp2-dp2-lora-sigmoid": (2, 1, {"loss_type": "sigmoid", "beta": 0.1}, False, True, {}),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("layout", list(DPO_LAYOUTS))
@@ -287,10 +339,15 @@ def test_dpo_training_matches_single_process_reference(layout, dpo_models, train
         # their order), and an evaluation at the end of 7 pairs in 3 files over 2 DP ranks (padded to 8 on each).
         cfg.data.train_weights = [1.5, 0.5]
         files = [write_jsonl(tmp_path / f"eval_{name}.jsonl", rows) for name, rows in EVAL_GROUPS.items()]
-        extra = {**extra, "eval_file": "[" + ",".join(files) + "]", "eval_micro_batch_size": 1,
-                 "data.train_weights": "[1.5,0.5]"}  # fmt: skip
-    proc = check(deepspeed_launch(4, *launch_args(cfg, policy, out, stages, tensor_parallel_size=tp, save_steps=2,
-                                                  **extra)))  # fmt: skip
+        extra = {
+            **extra,
+            "eval_file": "[" + ",".join(files) + "]",
+            "eval_micro_batch_size": 1,
+            "data.train_weights": "[1.5,0.5]",
+        }
+    proc = check(
+        deepspeed_launch(4, *launch_args(cfg, policy, out, stages, tensor_parallel_size=tp, save_steps=2, **extra))
+    )
     assert "reference log-probs of 40 pairs computed" in proc.stderr
     ref_dir = reference if distinct else policy
     worst, model = assert_matches_dpo_reference(out, cfg, policy, ref_dir, dp=4 // (stages * tp))
@@ -305,8 +362,9 @@ def test_dpo_training_matches_single_process_reference(layout, dpo_models, train
 
     rows = [r for group in EVAL_GROUPS.values() for r in group]
     hf_reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32, attn_implementation="sdpa")
-    expected = our_evaluation(model.eval(), hf_reference, AutoTokenizer.from_pretrained(policy), rows,
-                              cfg.dpo.settings(), SEQ)  # fmt: skip
+    expected = our_evaluation(
+        model.eval(), hf_reference, AutoTokenizer.from_pretrained(policy), rows, cfg.dpo.settings(), SEQ
+    )
     got = json.loads((out / "eval_results.json").read_text())
     assert got["step"] == 4 and got["eval_pairs"] == expected["pairs"] == 7
     for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"):
@@ -333,8 +391,13 @@ def test_dpo_under_each_pipeline_schedule_equals_1f1b(dpo_models, train_pairs, t
     from tools.tiny_models import tiny_config
 
     tok = AutoTokenizer.from_pretrained(dpo_models["bpe"][0])
-    config = tiny_config(vocab_size=len(tok), num_hidden_layers=4, pad_token_id=None, eos_token_id=tok.eos_token_id,
-                         bos_token_id=tok.bos_token_id)  # fmt: skip
+    config = tiny_config(
+        vocab_size=len(tok),
+        num_hidden_layers=4,
+        pad_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
     torch.manual_seed(0)
     policy = tmp_path / "policy4"
     LlamaForCausalLM(config).save_pretrained(policy)
@@ -365,8 +428,15 @@ def dpo_pair_without_rejected_on_two_ranks(t):
     """objective=dpo: a pair row missing 'rejected' is named by file and line, on both ranks (PP=2)."""
     data = t.tmp / "pairs.jsonl"
     data.write_text('{"prompt": "1+1=", "chosen": " 2", "rejected": " 3"}\n{"prompt": "2+2=", "chosen": " 4"}\n')
-    cmd = [LAUNCHER, "--num_gpus", "2", "--master_port", str(free_port()), "trainer.py",
-           *run_args(t.ckpt, t.out, str(data), num_stages=2, objective="dpo")]  # fmt: skip
+    cmd = [
+        LAUNCHER,
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "trainer.py",
+        *run_args(t.ckpt, t.out, str(data), num_stages=2, objective="dpo"),
+    ]
     return cmd, f"{data}:2: preference rows need 'chosen' and 'rejected'", t.out, [t.ckpt, data], 2
 
 

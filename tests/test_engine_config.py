@@ -31,8 +31,11 @@ def test_presets_give_the_documented_engine_configs():
     assert "bf16" not in cpu and "fp16" not in cpu and cpu["zero_optimization"]["stage"] == 0
     assert deepspeed_config(load("optim.max_grad_norm=0"), dp(1))["gradient_clipping"] == float("inf")
     with pytest.raises(ValueError, match="issue 3866"):  # refused by validate(), before data or weights are read
-        validate(load("deepspeed=bf16_zero1", "deepspeed.offload_optimizer=true", "model_name_or_path=m",
-                      "train_file=a.jsonl"))  # fmt: skip
+        validate(
+            load(
+                "deepspeed=bf16_zero1", "deepspeed.offload_optimizer=true", "model_name_or_path=m", "train_file=a.jsonl"
+            )
+        )
 
 
 @pytest.mark.parametrize(
@@ -143,8 +146,14 @@ def test_resume_refuses_a_different_data_order():
     from training.checkpointing import check_data_state
     from training.errors import RunError
 
-    saved = {"seed": 1, "global_batch_size": 8, "seq_length": 16, "train_weights": None, "num_train_rows": 40,
-             "train_data_fingerprint": "a" * 64}  # fmt: skip
+    saved = {
+        "seed": 1,
+        "global_batch_size": 8,
+        "seq_length": 16,
+        "train_weights": None,
+        "num_train_rows": 40,
+        "train_data_fingerprint": "a" * 64,
+    }
     check_data_state(saved, dict(saved), "global_step3")
     check_data_state({"seed": 1, "num_train_rows": 40}, dict(saved), "global_step3")  # older saves: fewer keys
     for key, value, message in [
@@ -186,8 +195,12 @@ def test_checkpoint_types_deepspeed_writes_pass_the_pickle_scan(tmp_path):
     from checkpoint.errors import CheckpointError
     from checkpoint.safe_load import check_pickles, load_pt
 
-    state = {"a": fragment_address(numel=4, start=8), "s": DynamicLossScaler(2**16, 1000, 1, 2, False),
-             "z": ZeroStageEnum.optimizer_states, "t": torch.ones(3)}  # fmt: skip
+    state = {
+        "a": fragment_address(numel=4, start=8),
+        "s": DynamicLossScaler(2**16, 1000, 1, 2, False),
+        "z": ZeroStageEnum.optimizer_states,
+        "t": torch.ones(3),
+    }
     torch.save(state, tmp_path / "zero.pt")
     torch.save({"rng": np.random.get_state(), "t": torch.ones(3)}, tmp_path / "rng.pt")
     check_pickles(str(tmp_path), ["zero.pt", "rng.pt"])

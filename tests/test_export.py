@@ -20,8 +20,19 @@ def test_round_trip_is_bit_identical(variant, hf_models, converted, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "hf"
-    proc = run_cmd([sys.executable, "convert2ckpt.py", "--to-hf", "--input", converted[variant], "--output", str(out),
-                    "--max-shard-size", "150KB"])  # fmt: skip
+    proc = run_cmd(
+        [
+            sys.executable,
+            "convert2ckpt.py",
+            "--to-hf",
+            "--input",
+            converted[variant],
+            "--output",
+            str(out),
+            "--max-shard-size",
+            "150KB",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     original, exported = hf_state(hf_models[variant]), hf_state(out)
     assert set(original) == set(exported)
@@ -45,8 +56,9 @@ def test_round_trip_is_bit_identical(variant, hf_models, converted, tmp_path):
 
 
 def test_dtype_cast_and_tag(converted, tmp_path):
-    stats = export_pipeline_to_hf(converted["gqa"], str(tmp_path / "bf16"), tag="global_step0", dtype="bf16",
-                                  log=lambda *_: None)  # fmt: skip
+    stats = export_pipeline_to_hf(
+        converted["gqa"], str(tmp_path / "bf16"), tag="global_step0", dtype="bf16", log=lambda *_: None
+    )
     assert all(t.dtype == torch.bfloat16 for t in hf_state(tmp_path / "bf16").values())
     assert json.load(open(tmp_path / "bf16" / "config.json"))["dtype"] == "bfloat16"
     assert stats.tensors == 39
@@ -79,8 +91,11 @@ def test_export_errors(converted, tmp_path):
     proc = run_cmd(
         [sys.executable, "convert2ckpt.py", "--to-hf", "--input", converted["gqa"], "--output", str(tmp_path / "taken")]
     )
-    one_error_line(proc, "taken: output exists and holds a directory of 1 entries (config.json) that convert2ckpt did "
-                         "not write", prefix="convert2ckpt: error:")  # fmt: skip
+    one_error_line(
+        proc,
+        "taken: output exists and holds a directory of 1 entries (config.json) that convert2ckpt did not write",
+        prefix="convert2ckpt: error:",
+    )
 
 
 @pytest.mark.slow

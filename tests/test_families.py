@@ -61,8 +61,12 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn):
         reference = hf(input_ids=ids).logits
     assert torch.equal(pipeline_logits(config, state, ids), reference)
     if "window" in name or "sliding" in name:  # the window matters at this length: ignoring it would show
-        full = tiny_config(model_type, num_hidden_layers=3, num_key_value_heads=2,
-                           **{k: v for k, v in overrides.items() if "window" not in k})  # fmt: skip
+        full = tiny_config(
+            model_type,
+            num_hidden_layers=3,
+            num_key_value_heads=2,
+            **{k: v for k, v in overrides.items() if "window" not in k},
+        )
         full._attn_implementation = attn
         assert not torch.equal(pipeline_logits(full, state, ids), reference)
 

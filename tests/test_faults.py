@@ -160,11 +160,13 @@ def test_a_failed_or_hung_rank_stops_every_rank(fault, expect, converted, sft_da
     """4 ranks (PP=2 x DP=2); rank 2 raises (or stops responding) in the middle of step 3: every rank
     exits with a message naming its rank and the step within the configured timeout, no hang."""
     timeout_minutes = 0.25
-    args = run_args(converted["gqa"], tmp_path / "run", sft_data[0], max_steps=6, save_steps=2,
-                    dist_timeout_minutes=timeout_minutes)  # fmt: skip
+    args = run_args(
+        converted["gqa"], tmp_path / "run", sft_data[0], max_steps=6, save_steps=2, dist_timeout_minutes=timeout_minutes
+    )
     start = time.monotonic()
-    proc = start_job(4, args, tmp_path / "job.log", env={"FAULT": f"{fault}:rank=2,step=3"},
-                     script="tests/workers/faulty_trainer.py")  # fmt: skip
+    proc = start_job(
+        4, args, tmp_path / "job.log", env={"FAULT": f"{fault}:rank=2,step=3"}, script="tests/workers/faulty_trainer.py"
+    )
     code = wait(proc, 240)
     elapsed = time.monotonic() - start
     text = (tmp_path / "job.log").read_text()
@@ -181,8 +183,14 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(converted, sft_data, tmp_path)
     out = tmp_path / "run"
     args = run_args(converted["gqa"], out, sft_data[0], num_stages=1, max_steps=4, save_steps=2)
     env = {**subprocess_env(), "FAULT": "nan:step=3", "FAULT_MICRO_BATCHES": "2"}
-    proc = subprocess.run([sys.executable, "tests/workers/faulty_trainer.py", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "tests/workers/faulty_trainer.py", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "loss is nan at step 3; stopped without saving (last checkpoint: global_step2)" in proc.stderr
     assert (out / "latest").read_text() == "global_step2" and not (out / "global_step3").exists()
@@ -191,8 +199,14 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(converted, sft_data, tmp_path)
     # nonfinite_loss=skip: step 3's update is skipped (weights unchanged), training goes on.
     skip = tmp_path / "skip"
     args = run_args(converted["gqa"], skip, sft_data[0], num_stages=1, max_steps=4, save_steps=1, nonfinite_loss="skip")
-    proc = subprocess.run([sys.executable, "tests/workers/faulty_trainer.py", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "tests/workers/faulty_trainer.py", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "loss is nan at step 3: update skipped" in proc.stderr
     losses = [m["loss"] for m in read_jsonl(skip / "metrics.jsonl")]
@@ -221,7 +235,13 @@ def test_two_node_launch_on_loopback(converted, sft_data, single_node_run, tmp_p
 def start_job_cmd(cmd: list[str], log: Path, env: dict | None = None):
     """Any launch command in its own session, output to `log`."""
     out = open(log, "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**subprocess_env(), **(env or {})}, stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**subprocess_env(), **(env or {})},
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     proc.log_file = out
     return proc

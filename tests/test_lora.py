@@ -42,10 +42,12 @@ def assert_matches_peft(run, cfg, hf_dir: str, tokenizer_dir: str, dp: int) -> d
 
     ref_model, ref_losses, ref_norms = train_baseline(hf_dir, tokenizer_dir, cfg, dp=dp, steps=cfg.max_steps)
     metrics = read_jsonl(run / "metrics.jsonl")
-    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]), torch.tensor(ref_losses), rtol=1e-5,
-                               atol=1e-6)  # fmt: skip
-    torch.testing.assert_close(torch.tensor([m["grad_norm"] for m in metrics]), torch.tensor(ref_norms), rtol=1e-4,
-                               atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        torch.tensor([m["loss"] for m in metrics]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6
+    )
+    torch.testing.assert_close(
+        torch.tensor([m["grad_norm"] for m in metrics]), torch.tensor(ref_norms), rtol=1e-4, atol=1e-6
+    )
     ours = adapter_state(run, AutoConfig.from_pretrained(run))
     ref = {f"base_model.model.{k}": v for k, v in ref_model.state_dict().items() if ".lora_" in k}
     assert set(ours) == set(ref)
@@ -87,8 +89,9 @@ def test_lora_pipeline_training_matches_peft_reference_and_merges(
 
     # Merged export == PEFT's unmerged adapter model.
     merged_dir = tmp_path / "merged"
-    proc = run_cmd([sys.executable, "convert2ckpt.py", "--to-hf", "--input", str(run), "--output", str(merged_dir),
-                    "--merge-lora"])  # fmt: skip
+    proc = run_cmd(
+        [sys.executable, "convert2ckpt.py", "--to-hf", "--input", str(run), "--output", str(merged_dir), "--merge-lora"]
+    )
     assert proc.returncode == 0, proc.stderr
     merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
     unmerged = peft_model(hf_models["gqa"], ours)
@@ -151,8 +154,19 @@ def test_merge_peft_adapter_directory_into_checkpoint_or_hf(variant, hf_models, 
 
     for name, source in [("from_ckpt", converted[variant]), ("from_hf", hf_models[variant])]:
         out = tmp_path / name
-        proc = run_cmd([sys.executable, "convert2ckpt.py", "--to-hf", "--input", source, "--output", str(out),
-                        "--merge-lora", str(adapter_dir)])  # fmt: skip
+        proc = run_cmd(
+            [
+                sys.executable,
+                "convert2ckpt.py",
+                "--to-hf",
+                "--input",
+                source,
+                "--output",
+                str(out),
+                "--merge-lora",
+                str(adapter_dir),
+            ]
+        )
         assert proc.returncode == 0, proc.stderr
         merged = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
         with torch.no_grad():
@@ -190,8 +204,9 @@ def test_peft_adapter_settings_merge_exactly(setting, hf_models, converted, tmp_
     model.save_pretrained(str(tmp_path / "adapter"), safe_serialization=not legacy)
     assert (tmp_path / "adapter" / setting).exists() or not legacy
     expected = model.merge_and_unload().state_dict()
-    export_pipeline_to_hf(converted["gqa"], str(tmp_path / "merged"), merge_lora=str(tmp_path / "adapter"),
-                          log=lambda *_: None)  # fmt: skip
+    export_pipeline_to_hf(
+        converted["gqa"], str(tmp_path / "merged"), merge_lora=str(tmp_path / "adapter"), log=lambda *_: None
+    )
     merged = load_file(str(tmp_path / "merged" / "model-00001-of-00001.safetensors"))
     assert set(merged) == set(expected)
     for key, value in expected.items():
@@ -220,8 +235,9 @@ def test_adapters_that_are_not_plain_lora_are_refused(field, value, hf_models, c
     conf[field] = value
     conf_path.write_text(json.dumps(conf))
     capsys.readouterr()  # what loading the models above printed
-    code = convert2ckpt.main(["--to-hf", "--input", converted["gqa"], "--output", str(tmp_path / "out"),
-                              "--merge-lora", str(tmp_path / "a")])  # fmt: skip
+    code = convert2ckpt.main(
+        ["--to-hf", "--input", converted["gqa"], "--output", str(tmp_path / "out"), "--merge-lora", str(tmp_path / "a")]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err  # one line
     assert err[0].startswith("convert2ckpt: error:") and f"{field}=" in err[0]

@@ -23,8 +23,10 @@ def measured_stage(config, layers: range, b: int, s: int, options: DecoderOption
     if tp is None:
         modules = [build_layer(specs[i], config, options).to(dtype) for i in layers]
     else:
-        modules = [cls(*args).to(dtype) for cls, args in (tp_layer_class_and_args(specs[i], config, tp, options)
-                                                          for i in layers)]  # fmt: skip
+        modules = [
+            cls(*args).to(dtype)
+            for cls, args in (tp_layer_class_and_args(specs[i], config, tp, options) for i in layers)
+        ]
     params = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
     saved: dict[int, int] = {}
 
@@ -72,8 +74,9 @@ def test_activation_and_parameter_estimates_match_measurement(layout):
     measured, params = measured_stage(config, layers, b, s, DecoderOptions(packed, every), dtype)
     act_bytes = 4 if dtype == torch.float32 else 2
     kept, live = stage_activation_bytes(config, layers, b, s, 1, act_bytes, attn, packed, every)
-    print(f"{layout}: predicted {kept / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB "
-          f"({kept / measured - 1:+.1%})")  # fmt: skip
+    print(
+        f"{layout}: predicted {kept / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB ({kept / measured - 1:+.1%})"
+    )
     assert abs(kept / measured - 1) <= 0.05
     assert params == sum(layer_param_counts(config)[bounds[stage] : bounds[stage + 1]])
 
@@ -139,8 +142,10 @@ def test_planner_follows_each_schedules_micro_batches_in_flight():
             assert dual[-1] == (0, 0, 0) and min(min(state) for state in dual) >= 0
     config = tiny_config(hidden_size=128, intermediate_size=344, num_attention_heads=4, num_hidden_layers=8)
     cfg = TrainConfig(num_stages=4, seq_length=512, micro_batch_size=2, gradient_accumulation_steps=8)
-    rows = {s: estimate(TrainConfig(**{**cfg.__dict__, "pipeline_schedule": s}), config, 4)
-            for s in ("1f1b", "zero_bubble", "dualpipev")}  # fmt: skip
+    rows = {
+        s: estimate(TrainConfig(**{**cfg.__dict__, "pipeline_schedule": s}), config, 4)
+        for s in ("1f1b", "zero_bubble", "dualpipev")
+    }
     for a, b in zip(rows["1f1b"], rows["zero_bubble"], strict=True):
         assert b.activations > a.activations and (a.params, a.logits) == (b.params, b.logits)
     assert rows["dualpipev"][0].logits > 0 and all(r.logits == 0 for r in rows["dualpipev"][1:])
@@ -148,8 +153,9 @@ def test_planner_follows_each_schedules_micro_batches_in_flight():
     assert rows["1f1b"][-1].logits > 0 and total["dualpipev"] == total["1f1b"] == total["zero_bubble"]
     # Tied embeddings: 1F1B's last stage holds a copy of the embedding as its head; DualPipeV's rank 0 holds both
     # ends of the model and one module for them.
-    tied = tiny_config(hidden_size=128, intermediate_size=344, num_attention_heads=4, num_hidden_layers=8,
-                       tie_word_embeddings=True)  # fmt: skip
+    tied = tiny_config(
+        hidden_size=128, intermediate_size=344, num_attention_heads=4, num_hidden_layers=8, tie_word_embeddings=True
+    )
     one, dual = (
         estimate(TrainConfig(**{**cfg.__dict__, "pipeline_schedule": s}), tied, 4) for s in ("1f1b", "dualpipev")
     )
@@ -177,8 +183,9 @@ def _tp_stage_worker(rank: int, store: str, out: str) -> None:
             for sp in (False, True):
                 tp = TensorParallel(2, rank, group=group, sequence_parallel=sp)
                 layers = range(bounds[stage], bounds[stage + 1])
-                results[f"{name}-sp{int(sp)}"] = measured_stage(config, layers, 2, 96, DecoderOptions(False, every),
-                                                                torch.float32, tp)[0]  # fmt: skip
+                results[f"{name}-sp{int(sp)}"] = measured_stage(
+                    config, layers, 2, 96, DecoderOptions(False, every), torch.float32, tp
+                )[0]
         with open(out, "w") as f:
             json.dump(results, f)
     finally:
@@ -218,8 +225,10 @@ def test_tp_and_sequence_parallel_activation_estimates_match_measurement(tmp_pat
         for sp in (False, True):
             measured = ranks[0][f"{name}-sp{int(sp)}"]
             kept, _ = stage_activation_bytes(config, layers, 2, 96, 2, 4, attn, False, every, sp)
-            print(f"TP=2 {name} sp={sp}: predicted {kept / 2**20:.3f} MiB, measured {measured / 2**20:.3f} MiB "
-                  f"({kept / measured - 1:+.1%})")  # fmt: skip
+            print(
+                f"TP=2 {name} sp={sp}: predicted {kept / 2**20:.3f} MiB, measured {measured / 2**20:.3f} MiB "
+                f"({kept / measured - 1:+.1%})"
+            )
             assert abs(kept / measured - 1) <= 0.05, (name, sp)
         assert ranks[0][f"{name}-sp1"] < ranks[0][f"{name}-sp0"]
 

@@ -69,8 +69,9 @@ def loopback_sshd(tmp_path):
     try:
         for host in ("127.0.0.1", "127.0.0.2"):  # wait until both addresses answer
             for _ in range(100):
-                probe = subprocess.run(["ssh", *options.split(), "-p", str(port), f"root@{host}", "true"],
-                                       capture_output=True, timeout=30)  # fmt: skip
+                probe = subprocess.run(
+                    ["ssh", *options.split(), "-p", str(port), f"root@{host}", "true"], capture_output=True, timeout=30
+                )
                 if probe.returncode == 0:
                     break
                 time.sleep(0.1)
@@ -81,8 +82,9 @@ def loopback_sshd(tmp_path):
         sshd.wait(30)
 
 
-def test_hostfile_launch_over_ssh_equals_a_single_node_run(loopback_sshd, converted, sft_data, single_node_run,
-                                                           tmp_path):  # fmt: skip
+def test_hostfile_launch_over_ssh_equals_a_single_node_run(
+    loopback_sshd, converted, sft_data, single_node_run, tmp_path
+):
     port, options = loopback_sshd
 
     hostfile = tmp_path / "hostfile"
@@ -93,10 +95,22 @@ def test_hostfile_launch_over_ssh_equals_a_single_node_run(loopback_sshd, conver
     two = tmp_path / "two_nodes"
     # NOTE: --no_ssh_check: the launcher's own probe runs plain `ssh HOST` (root's ~/.ssh, which the test leaves
     # alone); the fixture has already logged in to both hosts with the test's key, as pdsh then does.
-    cmd = [LAUNCHER, "--hostfile", str(hostfile), "--launcher", "pdsh", "--no_ssh_check", "--ssh_port", str(port),
-           "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), "trainer.py",
-           *small_run(converted["gqa"], two, sft_data[0], **NODES_RUN)]  # fmt: skip
+    cmd = [
+        LAUNCHER,
+        "--hostfile",
+        str(hostfile),
+        "--launcher",
+        "pdsh",
+        "--no_ssh_check",
+        "--ssh_port",
+        str(port),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "trainer.py",
+        *small_run(converted["gqa"], two, sft_data[0], **NODES_RUN),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = (proc.stdout + proc.stderr).splitlines()  # pdsh prefixes every line with the host it came from

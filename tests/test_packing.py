@@ -64,8 +64,10 @@ def test_packed_rows_give_the_losses_and_gradients_of_unpacked_rows(attn):
     assert int(tokens_p) == int(tokens_u) == sum(len(ids) for ids, _ in samples)
 
     grads, losses = [], []
-    for options, batch in ((DecoderOptions(packed=True), (ids_p, pos_p, labels_p)),
-                           (DecoderOptions(), (ids_u, pos_u, labels_u))):  # fmt: skip
+    for options, batch in (
+        (DecoderOptions(packed=True), (ids_p, pos_p, labels_p)),
+        (DecoderOptions(), (ids_u, pos_u, labels_u)),
+    ):
         hf, blocks = stack(config, options, state)
         per_token = per_token_losses(hf, blocks, *batch)
         scored = per_token[batch[2] != IGNORE_INDEX]

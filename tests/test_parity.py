@@ -10,9 +10,19 @@ from tests.workers.forward_parity import SEQ
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 
-CASES = [("mha", "sdpa"), ("gqa", "sdpa"), ("tied", "sdpa"), ("gqa", "eager"), ("llama3", "sdpa"), ("qwen2", "sdpa"),
-         ("qwen3", "sdpa"), ("mistral", "sdpa"), ("mistral", "eager"), ("gqa", "sdpa-packed"),
-         ("mistral", "eager-packed")]  # fmt: skip
+CASES = [
+    ("mha", "sdpa"),
+    ("gqa", "sdpa"),
+    ("tied", "sdpa"),
+    ("gqa", "eager"),
+    ("llama3", "sdpa"),
+    ("qwen2", "sdpa"),
+    ("qwen3", "sdpa"),
+    ("mistral", "sdpa"),
+    ("mistral", "eager"),
+    ("gqa", "sdpa-packed"),
+    ("mistral", "eager-packed"),
+]
 
 
 def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
@@ -20,10 +30,15 @@ def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
     layouts with sequence parallelism also against themselves without it (within 1e-6). Every family, sliding
     windows (Mistral's 6 < 24 positions) and packed rows (two documents per row, against transformers on each)."""
     cases = [
-        {"name": f"{m}-{attn}", "hf_dir": hf_models[m], "ckpt_dir": converted[m], "attn": attn.split("-")[0],
-         "packed": attn.endswith("-packed")}
+        {
+            "name": f"{m}-{attn}",
+            "hf_dir": hf_models[m],
+            "ckpt_dir": converted[m],
+            "attn": attn.split("-")[0],
+            "packed": attn.endswith("-packed"),
+        }
         for m, attn in CASES
-    ]  # fmt: skip
+    ]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     check(torchrun("tests/workers/forward_parity.py", 4, str(tmp_path / "cases.json"), str(tmp_path)))
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
@@ -55,8 +70,10 @@ def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
         else:  # forward only: stage 1 sends nothing back
             assert t["sent_float_bytes"] == 0 and t["received_positions"] == [SEQ // (2 if t["sp"] else 1)], t
     sent = {(t["tp"], t["sp"]): t["sent_float_bytes"] for t in traffic if t["stage"] == 0}
-    print(f"stage-to-stage bytes per rank and micro-batch: TP=1 {sent[1, False]}, TP=2 {sent[2, False]} "
-          f"(stage 1 all-gathers them), TP=2 + SP {sent[2, True]} (stage 1 keeps the shard)")  # fmt: skip
+    print(
+        f"stage-to-stage bytes per rank and micro-batch: TP=1 {sent[1, False]}, TP=2 {sent[2, False]} "
+        f"(stage 1 all-gathers them), TP=2 + SP {sent[2, True]} (stage 1 keeps the shard)"
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

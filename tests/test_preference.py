@@ -39,15 +39,20 @@ IMPLICIT_PROMPT_PAIRS = [
         "rejected": [{"role": "user", "content": "12+30="}, {"role": "assistant", "content": "24"}],
     },
 ]
-PAIRS = {"strings": STRING_PAIRS, "chat": CHAT_PAIRS, "chat-implicit-prompt": IMPLICIT_PROMPT_PAIRS}  # fmt: skip
+PAIRS = {"strings": STRING_PAIRS, "chat": CHAT_PAIRS, "chat-implicit-prompt": IMPLICIT_PROMPT_PAIRS}
 
 
 def tiny_pair_models(tok):
     """(policy, reference): two differently initialised tiny LLaMAs over the tokenizer's vocabulary."""
     from transformers import LlamaForCausalLM
 
-    config = tiny_config(vocab_size=len(tok), num_hidden_layers=2, pad_token_id=None,
-                         eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)  # fmt: skip
+    config = tiny_config(
+        vocab_size=len(tok),
+        num_hidden_layers=2,
+        pad_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
     config._attn_implementation = "sdpa"
     models = []
     for seed in (0, 1):
@@ -99,12 +104,21 @@ def trl_evaluation(policy, reference, tok, pairs, settings: PreferenceSettings, 
 
     sft = {"loss_type": [settings.loss_type, "sft"], "loss_weights": [1.0, settings.sft_weight]}
     losses = sft if settings.sft_weight else {"loss_type": [settings.loss_type]}
-    args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_eval_batch_size=len(pairs), beta=settings.beta,
-                     report_to="none", **losses, use_cpu=True, max_length=max_length,
-                     dataloader_num_workers=0, bf16=False)  # fmt: skip
+    args = DPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        per_device_eval_batch_size=len(pairs),
+        beta=settings.beta,
+        report_to="none",
+        **losses,
+        use_cpu=True,
+        max_length=max_length,
+        dataloader_num_workers=0,
+        bf16=False,
+    )
     data = Dataset.from_list(pairs)
-    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=data, eval_dataset=data,
-                         processing_class=tok)  # fmt: skip
+    trainer = DPOTrainer(
+        model=policy, ref_model=reference, args=args, train_dataset=data, eval_dataset=data, processing_class=tok
+    )
     out = trainer.evaluate()
     return {
         "loss": out["eval_loss"],
@@ -127,8 +141,11 @@ def test_pair_tokens_losses_and_rewards_equal_trl_dpo(rows, kind, chat_tokenizer
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     policy, reference = tiny_pair_models(tok)
-    for settings in (PreferenceSettings("sigmoid", beta=0.1), PreferenceSettings("ipo", beta=0.1),
-                     PreferenceSettings("sigmoid", beta=0.2, sft_weight=0.5)):  # fmt: skip
+    for settings in (
+        PreferenceSettings("sigmoid", beta=0.1),
+        PreferenceSettings("ipo", beta=0.1),
+        PreferenceSettings("sigmoid", beta=0.2, sft_weight=0.5),
+    ):
         ours = our_evaluation(policy, reference, tok, PAIRS[rows], settings)
         theirs = trl_evaluation(policy, reference, tok, PAIRS[rows], settings, tmp_path)
         print(f"{rows}/{kind}/{settings}: ours {ours}, TRL {theirs}")
@@ -150,10 +167,17 @@ def test_simpo_equals_trl_cpo_simpo_loss():
     chosen, rejected = -torch.rand(6) * 40, -torch.rand(6) * 40
     chosen_tokens, rejected_tokens = torch.randint(1, 20, (6,)), torch.randint(1, 20, (6,))
     settings = PreferenceSettings("simpo", beta=2.0, gamma=0.7)
-    losses, chosen_rewards, rejected_rewards = preference_losses(settings, chosen, rejected, chosen_tokens,
-                                                                 rejected_tokens)  # fmt: skip
-    trl_self = SimpleNamespace(alpha=0.0, loss_type="simpo", simpo_gamma=0.7, beta=2.0, label_smoothing=0.0,
-                               accelerator=SimpleNamespace(device="cpu"))  # fmt: skip
+    losses, chosen_rewards, rejected_rewards = preference_losses(
+        settings, chosen, rejected, chosen_tokens, rejected_tokens
+    )
+    trl_self = SimpleNamespace(
+        alpha=0.0,
+        loss_type="simpo",
+        simpo_gamma=0.7,
+        beta=2.0,
+        label_smoothing=0.0,
+        accelerator=SimpleNamespace(device="cpu"),
+    )
     ref = CPOTrainer.cpo_loss(trl_self, chosen / chosen_tokens, rejected / rejected_tokens)
     for ours, theirs in zip((losses, chosen_rewards, rejected_rewards), ref, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
@@ -202,10 +226,11 @@ def test_pipeline_preference_loss_equals_trl_whole_and_in_chunks(kind, chat_toke
         padded = torch.nn.functional.pad(logits.detach(), (0, 64 - logits.shape[-1] % 64))  # padded vocabulary
         vocab_ce = functools.partial(vocab_parallel_token_cross_entropy, tp=tp, vocab_size=logits.shape[-1])
         grads = {}
-        for name, loss_fn, x in [("whole", PreferenceLoss(settings), logits),
-                                 ("chunks of 7", PreferenceLoss(settings, chunk=7), logits),
-                                 ("vocab-parallel chunks", PreferenceLoss(settings, vocab_ce, chunk=7),
-                                  padded.requires_grad_())]:  # fmt: skip
+        for name, loss_fn, x in [
+            ("whole", PreferenceLoss(settings), logits),
+            ("chunks of 7", PreferenceLoss(settings, chunk=7), logits),
+            ("vocab-parallel chunks", PreferenceLoss(settings, vocab_ce, chunk=7), padded.requires_grad_()),
+        ]:
             x.grad = None
             loss = loss_fn(x, (labels, ref, *scales))
             loss.backward()
@@ -292,8 +317,13 @@ def test_batched_pair_encoding_equals_one_pair_at_a_time(kind, chat_tokenizers):
 
     tok = AutoTokenizer.from_pretrained(chat_tokenizers[kind])
     tok.chat_template = CHATML
-    rows = [r for trio in zip(STRING_PAIRS, CHAT_PAIRS + [STRING_PAIRS[0]], IMPLICIT_PROMPT_PAIRS + [CHAT_PAIRS[0]],
-                              strict=True) for r in trio]  # fmt: skip
+    rows = [
+        r
+        for trio in zip(
+            STRING_PAIRS, CHAT_PAIRS + [STRING_PAIRS[0]], IMPLICIT_PROMPT_PAIRS + [CHAT_PAIRS[0]], strict=True
+        )
+        for r in trio
+    ]
     got = encode_pairs([(f"f:{i}", r) for i, r in enumerate(rows)], tok)
     expected = []
     for row in rows:

@@ -59,8 +59,14 @@ def test_fresh_run_refuses_checkpoints_and_overwrite_moves_the_run_aside(tmp_pat
     with pytest.raises(RunError, match=r"holds checkpoints of an earlier run \(global_step2, global_step3\)"):
         prepare_output_dir(cfg_for(out))
     prepare_output_dir(cfg_for(out, resume="auto"))  # resuming is what the checkpoints are for
-    assert sorted(os.listdir(out)) == ["data_cache", "global_step2", "global_step3", "hf_converted", "latest",
-                                       "metrics.jsonl"]  # fmt: skip
+    assert sorted(os.listdir(out)) == [
+        "data_cache",
+        "global_step2",
+        "global_step3",
+        "hf_converted",
+        "latest",
+        "metrics.jsonl",
+    ]
     prepare_output_dir(cfg_for(out, overwrite_output_dir=True))
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.earlier-")]
     assert sorted(os.listdir(out)) == ["data_cache", "hf_converted"]  # the keyed caches come along
@@ -236,8 +242,15 @@ def test_rollback_and_overwrite_on_real_runs(converted, sft_data, tmp_path):
     assert "the LR schedule follows this run's settings from step 3 on" in longer.stderr
     assert "max_steps/num_train_epochs (total steps): 3 -> 5" in longer.stderr
     five = tmp_path / "five"
-    check(run_cmd([sys.executable, "trainer.py", *small_run(converted["gqa"], five, sft_data[0], max_steps=5,
-                                                             learning_rate=3e-3)]))  # fmt: skip
+    check(
+        run_cmd(
+            [
+                sys.executable,
+                "trainer.py",
+                *small_run(converted["gqa"], five, sft_data[0], max_steps=5, learning_rate=3e-3),
+            ]
+        )
+    )
     again = read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in again] == [1, 2, 3, 4, 5]
     assert [m["lr"] for m in again[3:]] == [m["lr"] for m in read_jsonl(five / "metrics.jsonl")[3:]]

@@ -18,8 +18,11 @@ from training.schedules import Costs, WeightPass, ZeroBubbleSchedule, instructio
 
 
 def comm(program):
-    return [(type(c).__name__, c.buffer_id) for c in program if isinstance(c, (ds.SendActivation, ds.RecvActivation,
-                                                                            ds.SendGrad, ds.RecvGrad))]  # fmt: skip
+    return [
+        (type(c).__name__, c.buffer_id)
+        for c in program
+        if isinstance(c, (ds.SendActivation, ds.RecvActivation, ds.SendGrad, ds.RecvGrad))
+    ]
 
 
 @pytest.mark.parametrize("stages,micro_batches", [(2, 2), (2, 4), (3, 5), (4, 4), (4, 8), (8, 8)])
@@ -55,34 +58,64 @@ def test_timeline_figures_and_dualpipev_needs_2p_micro_batches(tmp_path):
     assert timeline("dualpipev", 4, 2).step_time == 14
     with pytest.raises(ValueError, match="DualPipeV needs at least 2 \\* 2 micro-batches, got 3"):
         instructions("dualpipev", 3, 2)
-    proc = run_cmd([sys.executable, "-m", "tools.schedule", "--stages", "4", "--micro-batches", "8", "--schedule",
-                    "zero_bubble", "--png", str(tmp_path / "zb.png")])  # fmt: skip
+    proc = run_cmd(
+        [
+            sys.executable,
+            "-m",
+            "tools.schedule",
+            "--stages",
+            "4",
+            "--micro-batches",
+            "8",
+            "--schedule",
+            "zero_bubble",
+            "--png",
+            str(tmp_path / "zb.png"),
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     assert "zero_bubble: step time 30 (1f1b 33, ratio 0.909)" in proc.stdout and "theory" in proc.stdout
     assert (tmp_path / "zb.png").stat().st_size > 10_000
-    bad = run_cmd([sys.executable, "-m", "tools.schedule", "--stages", "4", "--micro-batches", "4", "--schedule",
-                   "dualpipev"])  # fmt: skip
+    bad = run_cmd(
+        [sys.executable, "-m", "tools.schedule", "--stages", "4", "--micro-batches", "4", "--schedule", "dualpipev"]
+    )
     assert bad.returncode == 2 and "DualPipeV needs at least 2 * 4 micro-batches" in bad.stderr
 
 
 @pytest.mark.parametrize(
     "settings,message",
     [
-        ({"pipeline_schedule": "dualpipev", "gradient_accumulation_steps": 3},
-         "pipeline_schedule=dualpipev needs gradient_accumulation_steps >= 2 x num_stages = 4"),
-        ({"pipeline_schedule": "dualpipev", "num_stages": 3, "gradient_accumulation_steps": 6},
-         "pipeline_schedule=dualpipev cuts the model into 2 x num_stages = 6 stages, more than its 4 decoder layers"),
-        ({"pipeline_schedule": "dualpipev", "model.partition": [2, 2], "gradient_accumulation_steps": 4},
-         "model.partition=[2, 2] has 2 entries; pipeline_schedule=dualpipev cuts the model into 2 x num_stages = 4"),
-        ({"pipeline_schedule": "zero_bubble", "deepspeed.precision": "fp16"},
-         "pipeline_schedule=zero_bubble runs with fp32 (ZeRO-0) or bf16 (ZeRO-0/1), not fp16"),
-        ({"pipeline_schedule": "zero_bubble", "deepspeed.zero_stage": 1},
-         "pipeline_schedule=zero_bubble runs with fp32 (ZeRO-0) or bf16 (ZeRO-0/1), not fp32 with ZeRO-1"),
-        ({"pipeline_schedule": "zero_bubble", "deepspeed.precision": "bf16", "deepspeed.zero_stage": 1,
-          "deepspeed.grad_accum_dtype": "bf16"},
-         "pipeline_schedule=zero_bubble with bf16 and ZeRO-1 needs deepspeed.grad_accum_dtype=fp32, not bf16"),
+        (
+            {"pipeline_schedule": "dualpipev", "gradient_accumulation_steps": 3},
+            "pipeline_schedule=dualpipev needs gradient_accumulation_steps >= 2 x num_stages = 4",
+        ),
+        (
+            {"pipeline_schedule": "dualpipev", "num_stages": 3, "gradient_accumulation_steps": 6},
+            "pipeline_schedule=dualpipev cuts the model into 2 x num_stages = 6 stages, more than its 4 decoder layers",
+        ),
+        (
+            {"pipeline_schedule": "dualpipev", "model.partition": [2, 2], "gradient_accumulation_steps": 4},
+            "model.partition=[2, 2] has 2 entries; pipeline_schedule=dualpipev cuts the model into 2 x num_stages = 4",
+        ),
+        (
+            {"pipeline_schedule": "zero_bubble", "deepspeed.precision": "fp16"},
+            "pipeline_schedule=zero_bubble runs with fp32 (ZeRO-0) or bf16 (ZeRO-0/1), not fp16",
+        ),
+        (
+            {"pipeline_schedule": "zero_bubble", "deepspeed.zero_stage": 1},
+            "pipeline_schedule=zero_bubble runs with fp32 (ZeRO-0) or bf16 (ZeRO-0/1), not fp32 with ZeRO-1",
+        ),
+        (
+            {
+                "pipeline_schedule": "zero_bubble",
+                "deepspeed.precision": "bf16",
+                "deepspeed.zero_stage": 1,
+                "deepspeed.grad_accum_dtype": "bf16",
+            },
+            "pipeline_schedule=zero_bubble with bf16 and ZeRO-1 needs deepspeed.grad_accum_dtype=fp32, not bf16",
+        ),
     ],
-)  # fmt: skip
+)
 def test_schedule_settings_that_cannot_run_are_refused_in_one_line(settings, message):
     from tools.tiny_models import tiny_config
     from training.config import TrainConfig
@@ -180,8 +213,9 @@ def test_schedule_trains_as_1f1b_and_the_reference(schedule, layout, hf_models, 
     a, b = read_jsonl(os.path.join(base, "metrics.jsonl")), read_jsonl(os.path.join(ours, "metrics.jsonl"))
     assert [m["step"] for m in b] == list(range(1, STEPS + 1))
     for x, y in zip(a, b, strict=True):
-        assert y["loss"] == pytest.approx(x["loss"], rel=1e-6) and y["grad_norm"] == pytest.approx(x["grad_norm"],
-                                                                                                  rel=1e-6)  # fmt: skip
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-6) and y["grad_norm"] == pytest.approx(
+            x["grad_norm"], rel=1e-6
+        )
         assert x["lr"] == y["lr"]
     results = [json.load(open(os.path.join(d, "eval_results.json"))) for d in (base, ours)]
     assert results[0]["eval_tokens"] == results[1]["eval_tokens"]
@@ -192,8 +226,9 @@ def test_schedule_trains_as_1f1b_and_the_reference(schedule, layout, hf_models, 
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
     assert wa.keys() == wb.keys() and worst <= 1e-6, worst
     variant, _, stages, tp, _, _ = LAYOUTS[layout]
-    assert_matches_reference(ours, layout_config(layout, sft_data, gas), hf_models[variant], sft_data,
-                             dp=4 // (stages * tp), layout=layout)  # fmt: skip
+    assert_matches_reference(
+        ours, layout_config(layout, sft_data, gas), hf_models[variant], sft_data, dp=4 // (stages * tp), layout=layout
+    )
     print(f"{schedule} vs 1f1b ({layout}): max |weight diff| {worst:.3g}")
 
 

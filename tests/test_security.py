@@ -73,13 +73,13 @@ def commands(ckpt: str, tmp: Path, hf_dir: str, adapter: str, train: str) -> dic
             str(tmp / "out_m"),
             "--merge-lora",
             adapter,
-        ],  # fmt: skip
+        ],
         "tools.generate": [sys.executable, "-m", "tools.generate", "--checkpoint", ckpt, "--prompt", "1+1="],
         "trainer (initial weights)": [
             sys.executable,
             "trainer.py",
             *small_run(ckpt, tmp / "run", train, max_steps=1),
-        ],  # fmt: skip
+        ],
     }
 
 
@@ -134,7 +134,7 @@ def test_planted_pickle_in_a_hugging_face_directory_is_refused(hf_models, sft_da
             str(tmp_path / "m"),
             "--merge-lora",
             adapter,
-        ],  # fmt: skip
+        ],
     }
     for what, cmd in cases.items():
         assert_refused(run_cmd(cmd, timeout=300), marker, what, "pytorch_model.bin")
@@ -144,8 +144,16 @@ def test_planted_pickle_in_a_hugging_face_directory_is_refused(hf_models, sft_da
     shutil.copytree(adapter, legacy, ignore=shutil.ignore_patterns("*.safetensors"))
     planted = {**load_file(f"{adapter}/adapter_model.safetensors"), "x": Payload(marker)}
     torch.save(planted, legacy / "adapter_model.bin")
-    cmd = [*convert, "--to-hf", "--input", hf_models["gqa"], "--output", str(tmp_path / "m2"), "--merge-lora",
-           str(legacy)]  # fmt: skip
+    cmd = [
+        *convert,
+        "--to-hf",
+        "--input",
+        hf_models["gqa"],
+        "--output",
+        str(tmp_path / "m2"),
+        "--merge-lora",
+        str(legacy),
+    ]
     assert_refused(run_cmd(cmd, timeout=300), marker, "--merge-lora adapter_model.bin", "adapter_model.bin")
 
 
@@ -162,8 +170,9 @@ def test_resume_loads_our_own_files_safely(converted, sft_data, tmp_path):
     assert_refused(proc, marker, "rng state", "rng_state_rank0.pt")
 
     two = tmp_path / "two_stages"  # saved with PP=2, resumed with PP=1: optimizer state reshaped by name
-    args = small_run(converted["gqa"], two, sft_data[0], max_steps=2, num_stages=2, micro_batch_size=1,
-                     gradient_accumulation_steps=2)  # fmt: skip
+    args = small_run(
+        converted["gqa"], two, sft_data[0], max_steps=2, num_stages=2, micro_batch_size=1, gradient_accumulation_steps=2
+    )
     assert deepspeed_launch(2, *args).returncode == 0
     engine = two / "global_step2" / "mp_rank_01_model_states.pt"
     plant(engine, {**torch.load(engine, weights_only=True), "x": Payload(marker)})

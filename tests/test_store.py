@@ -36,8 +36,11 @@ def every_kind_of_row(n: int = 60) -> list[dict]:
         elif i % 3 == 1:
             rows.append({"prompt": f"{i}+{i}= " * (1 + i % 5), "response": str(2 * i)})
         else:
-            turns = [CONVERSATION[0], {"role": "user", "content": f"{i}+1="},
-                     {"role": "assistant", "content": str(i + 1)}]  # fmt: skip
+            turns = [
+                CONVERSATION[0],
+                {"role": "user", "content": f"{i}+1="},
+                {"role": "assistant", "content": str(i + 1)},
+            ]
             rows.append({"messages": turns if i % 2 else CONVERSATION})
     rows.append({"prompt": "filler " * 200, "response": "lost"})  # truncated before any target
     return rows
@@ -112,12 +115,21 @@ def test_characters_the_tokenizer_cannot_represent(tokenizer_dir, chat_tokenizer
 
     lossy = AutoTokenizer.from_pretrained(tokenizer_dir)  # vocabulary 60, no byte fallback
     exact = AutoTokenizer.from_pretrained(chat_tokenizers["sentencepiece"])  # byte fallback
-    assert lossy_tokenizer(lossy) and not lossy_tokenizer(exact) and not lossy_tokenizer(
-        AutoTokenizer.from_pretrained(chat_tokenizers["bpe"]))  # fmt: skip
-    assert lossy("[the] dog", add_special_tokens=False)["input_ids"] == lossy("the dog", add_special_tokens=False)[
-        "input_ids"]  # fmt: skip
-    rows = [{"text": "the lazy dog"}, {"text": "[the] lazy dog"}, {"prompt": "1+1=", "response": "2"},
-            {"prompt": "{1+1}=", "response": "2"}]  # fmt: skip
+    assert (
+        lossy_tokenizer(lossy)
+        and not lossy_tokenizer(exact)
+        and not lossy_tokenizer(AutoTokenizer.from_pretrained(chat_tokenizers["bpe"]))
+    )
+    assert (
+        lossy("[the] dog", add_special_tokens=False)["input_ids"]
+        == lossy("the dog", add_special_tokens=False)["input_ids"]
+    )
+    rows = [
+        {"text": "the lazy dog"},
+        {"text": "[the] lazy dog"},
+        {"prompt": "1+1=", "response": "2"},
+        {"prompt": "{1+1}=", "response": "2"},
+    ]
     path = write_jsonl(str(tmp_path / "rows.jsonl"), rows)
     report = TokenizedDataset(path, lossy, 16, DataConfig()).report()
     assert report["rows_with_lost_characters"] == 2
@@ -125,8 +137,11 @@ def test_characters_the_tokenizer_cannot_represent(tokenizer_dir, chat_tokenizer
     assert TokenizedDataset(path, exact, 16, DataConfig()).report()["rows_with_lost_characters"] == 0
     lossy.chat_template = LLAMA2
     chat = write_jsonl(str(tmp_path / "chat.jsonl"), [{"messages": CONVERSATION}])
-    with pytest.raises(DataError, match=r"chat.jsonl:1: the tokenizer does not represent every character of this "
-                                        r"conversation \('.' at character \d+\)"):  # fmt: skip
+    with pytest.raises(
+        DataError,
+        match=r"chat.jsonl:1: the tokenizer does not represent every character of this "
+        r"conversation \('.' at character \d+\)",
+    ):
         TokenizedDataset(chat, lossy, 256, DataConfig())
 
 
@@ -146,8 +161,11 @@ def test_a_build_waits_for_another_builder_and_a_dead_worker_is_one_line(tokeniz
     beats, result = [], {}
     with open(cache / f"{name}.lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        thread = threading.Thread(target=lambda: result.update(ds=TokenizedDataset(
-            path, tok, 16, DataConfig(), cache_dir=str(cache), beat=lambda: beats.append(1))))  # fmt: skip
+        thread = threading.Thread(
+            target=lambda: result.update(
+                ds=TokenizedDataset(path, tok, 16, DataConfig(), cache_dir=str(cache), beat=lambda: beats.append(1))
+            )
+        )
         thread.start()
         time.sleep(1.5)
         assert thread.is_alive() and beats  # waiting, and beating while it waits
@@ -208,8 +226,15 @@ def test_a_killed_build_leaves_nothing_complete_and_the_next_one_continues(token
     rows = [{"text": f"row {i} " + "the quick brown fox jumps over the lazy dog " * (i % 9)} for i in range(60_000)]
     path = write_jsonl(str(tmp_path / "big.jsonl"), rows)
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "data.prepare", f"model_name_or_path={tokenizer_dir}", f"train_file={path}",
-            f"output_dir={out}", "seq_length=64"]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "data.prepare",
+        f"model_name_or_path={tokenizer_dir}",
+        f"train_file={path}",
+        f"output_dir={out}",
+        "seq_length=64",
+    ]
     proc = subprocess.Popen(args, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     cache = out / "data_cache"
     deadline = time.time() + 120
@@ -246,8 +271,9 @@ def test_a_full_disk_is_one_line_and_leaves_no_store(tokenizer_dir, tmp_path, mo
 
     monkeypatch.setattr(store_builder.np, "save", full)
     with pytest.raises(DataError) as e:
-        TokenizedDataset(path, AutoTokenizer.from_pretrained(tokenizer_dir), 16, DataConfig(),
-                         cache_dir=str(tmp_path / "cache"))  # fmt: skip
+        TokenizedDataset(
+            path, AutoTokenizer.from_pretrained(tokenizer_dir), 16, DataConfig(), cache_dir=str(tmp_path / "cache")
+        )
     assert "cannot write the tokenized store" in str(e.value) and "No space left on device" in str(e.value)
     assert "\n" not in str(e.value)
     names = os.listdir(tmp_path / "cache")
@@ -289,8 +315,10 @@ def test_concatenated_blocks_cover_the_stream_and_equal_unpacked_documents(token
     pieces = [piece for block in samples for piece in block]
     (ids_u, pos_u), labels_u, _ = CausalLMCollator(seq, 0)(pieces)
     losses = []
-    for options, batch in ((DecoderOptions(packed=True), (ids_b, pos_b, labels_b)),
-                           (DecoderOptions(), (ids_u, pos_u, labels_u))):  # fmt: skip
+    for options, batch in (
+        (DecoderOptions(packed=True), (ids_b, pos_b, labels_b)),
+        (DecoderOptions(), (ids_u, pos_u, labels_u)),
+    ):
         hf, layers = stack(config, options, state)
         with torch.no_grad():
             per_token = per_token_losses(hf, layers, *batch)

@@ -28,10 +28,13 @@ LAYERS = {
     "benchmarks": 4,
     "tests": 5,
 }
-# Entry points that live inside a package because their command names it (`python -m data.prepare`): they
-# compose the trainer's config, so they sit where trainer.py sits.
+# Entry points that live inside a package because their command names it: `python -m data.prepare` is a shim
+# over training/prepare.py (it composes the trainer's config), so it sits where trainer.py sits.
 ENTRY_POINTS = {"data.prepare": 3}
+# Lines per file as `ruff format` writes them (no `# fmt: skip` packing): 400 is the budget of library modules;
+# test modules hold tables of cases and get 500 before they are split by theme.
 MAX_LINES = 400
+MAX_TEST_LINES = 500
 
 
 def python_files() -> list[Path]:
@@ -95,8 +98,11 @@ def test_no_import_cycles():
     assert not cycles, cycles
 
 
-def test_no_file_over_400_lines():
-    long = {str(p.relative_to(REPO)): n for p in python_files() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+def test_no_file_over_its_line_budget():
+    def budget(path: Path) -> int:
+        return MAX_TEST_LINES if path.relative_to(REPO).parts[0] == "tests" else MAX_LINES
+
+    long = {str(p.relative_to(REPO)): n for p in python_files() if (n := len(p.read_text().splitlines())) > budget(p)}
     assert not long, long
 
 
@@ -108,8 +114,9 @@ def test_model_maths_and_data_import_without_deepspeed():
         "from tools.tiny_models import tiny_config\n"
         "print(models.partition.stage_bounds(tiny_config(num_hidden_layers=10), 4, [2, 3, 3, 2]))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[0, 3, 6, 9, 13]"
 

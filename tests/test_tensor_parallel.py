@@ -35,9 +35,15 @@ def test_split_then_merge_is_exact_between_any_degrees(rule):
 
 
 def test_megatron_split_rules():
-    expected = {"self_attn.q_proj": COLUMN, "self_attn.k_proj": COLUMN, "self_attn.v_proj": COLUMN,
-                "self_attn.o_proj": ROW, "mlp.gate_proj": COLUMN, "mlp.up_proj": COLUMN,
-                "mlp.down_proj": ROW}  # fmt: skip
+    expected = {
+        "self_attn.q_proj": COLUMN,
+        "self_attn.k_proj": COLUMN,
+        "self_attn.v_proj": COLUMN,
+        "self_attn.o_proj": ROW,
+        "mlp.gate_proj": COLUMN,
+        "mlp.up_proj": COLUMN,
+        "mlp.down_proj": ROW,
+    }
     for module in linear_modules():
         rule = expected[module]
         assert tp_split(DECODER, f"{module}.weight") == rule

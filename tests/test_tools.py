@@ -63,12 +63,21 @@ def test_metrics_reach_tensorboard_and_wandb_offline(converted, sft_data, tmp_pa
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    args = [f"model_name_or_path={converted['gqa']}", f"output_dir={out}", f"train_file={sft_data[0]}",
-            f"eval_file={sft_data[1]}", "seq_length=16", "micro_batch_size=4", "max_steps=3", "deepspeed=fp32",
-            "report_to=[tensorboard,wandb]"]  # fmt: skip
+    args = [
+        f"model_name_or_path={converted['gqa']}",
+        f"output_dir={out}",
+        f"train_file={sft_data[0]}",
+        f"eval_file={sft_data[1]}",
+        "seq_length=16",
+        "micro_batch_size=4",
+        "max_steps=3",
+        "deepspeed=fp32",
+        "report_to=[tensorboard,wandb]",
+    ]
     env = {**subprocess_env(), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    proc = subprocess.run([sys.executable, "trainer.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "trainer.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [m["loss"] for m in read_jsonl(out / "metrics.jsonl")]
     events = EventAccumulator(str(out / "tensorboard"))
@@ -79,8 +88,14 @@ def test_metrics_reach_tensorboard_and_wandb_offline(converted, sft_data, tmp_pa
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), os.listdir(out / "wandb")
 
-    bad = subprocess.run([sys.executable, "trainer.py", *args[:-1], "report_to=[mlflow]"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "trainer.py", *args[:-1], "report_to=[mlflow]"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert bad.returncode == 2 and "report_to: unknown reporter 'mlflow'" in bad.stderr
 
 

@@ -68,17 +68,31 @@ def test_lora_under_tp_matches_peft_reference(hf_models, converted, tokenizer_di
     cfg = parity_cfg(sft_data[0])
     cfg.lora = LORA
     run = tmp_path / "run"
-    check(deepspeed_launch(4, *overrides(cfg, converted["gqa"], str(run), 2, tensor_parallel_size=2),
-                           *lora_overrides()))  # fmt: skip
+    check(
+        deepspeed_launch(4, *overrides(cfg, converted["gqa"], str(run), 2, tensor_parallel_size=2), *lora_overrides())
+    )
     ours = assert_matches_peft(run, cfg, hf_models["gqa"], tokenizer_dir, dp=1)  # TP shards merged
     merged_dir = tmp_path / "merged"
-    check(run_cmd([sys.executable, "convert2ckpt.py", "--to-hf", "--input", str(run), "--output", str(merged_dir),
-                   "--merge-lora"]))  # fmt: skip
+    check(
+        run_cmd(
+            [
+                sys.executable,
+                "convert2ckpt.py",
+                "--to-hf",
+                "--input",
+                str(run),
+                "--output",
+                str(merged_dir),
+                "--merge-lora",
+            ]
+        )
+    )
     merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
     ids = torch.randint(3, 60, (2, 12))
     with torch.no_grad():
-        torch.testing.assert_close(merged(ids).logits, peft_model(hf_models["gqa"], ours)(ids).logits, rtol=1e-5,
-                                   atol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            merged(ids).logits, peft_model(hf_models["gqa"], ours)(ids).logits, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_tp4_starts_from_hf_dir_t1_and_t2_checkpoints(hf_models, converted, sft_data, tmp_path):

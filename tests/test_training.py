@@ -95,8 +95,15 @@ def layout_config(layout: str, sft_data, gas: int | None = None) -> TrainConfig:
     return cfg
 
 
-def layout_run(layout: str, converted, sft_data, tmp_path_factory, schedule: str = "1f1b",
-               gas: int | None = None, sequence_parallel: bool = True) -> str:  # fmt: skip
+def layout_run(
+    layout: str,
+    converted,
+    sft_data,
+    tmp_path_factory,
+    schedule: str = "1f1b",
+    gas: int | None = None,
+    sequence_parallel: bool = True,
+) -> str:
     """The 4-rank run of `layout` with `schedule` (STEPS steps, then an evaluation of every eval row): launched
     once per session, by whichever pytest worker needs it first, for every test that reads it. TP layouts run
     with sequence parallelism (the default) unless `sequence_parallel` is false."""
@@ -124,8 +131,7 @@ def layout_run(layout: str, converted, sft_data, tmp_path_factory, schedule: str
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_training_matches_single_process_reference(layout, hf_models, converted, sft_data, tmp_path,
-                                                   tmp_path_factory):  # fmt: skip
+def test_training_matches_single_process_reference(layout, hf_models, converted, sft_data, tmp_path, tmp_path_factory):
     """4 ranks as PP x TP x DP; every layout's steps equal one HF model trained on the same global batches
     (with packing: the same rows, unpacked), and its evaluation the same model's over every eval row."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -182,8 +188,10 @@ def assert_matches_reference(out: str, cfg: TrainConfig, hf_dir: str, sft_data, 
         if arrangement == "packing":
             assert report["rows_per_packed_row"] > 1.5
             assert report["padding_share_packed"] < report["padding_share_unpacked"]
-            print(f"packing: {report['rows_per_packed_row']:.2f} rows per packed row, padding "
-                  f"{report['padding_share_unpacked']:.1%} -> {report['padding_share_packed']:.1%}")  # fmt: skip
+            print(
+                f"packing: {report['rows_per_packed_row']:.2f} rows per packed row, padding "
+                f"{report['padding_share_unpacked']:.1%} -> {report['padding_share_packed']:.1%}"
+            )
         else:  # no padding at all: every block is full
             assert report["padding_share_packed"] == 0 and report["blocks"] == report["tokens"] // cfg.seq_length
             assert report["tokens_dropped"] == report["tokens"] % cfg.seq_length
@@ -297,8 +305,15 @@ def test_fp32_zero0_checkpoint_moves_between_layouts(converted, sft_data, tmp_pa
     for name, stages, gas, extra in [("moved", 4, 6, ["model.partition=[1,1,1,1]"])]:
         part = tmp_path / f"changed_{name}"
         interrupted_copy(full, part, 3)
-        args = overrides(cfg, converted["tied"], str(part), stages, resume="true", gradient_accumulation_steps=gas,
-                         train_file=str(changed))  # fmt: skip
+        args = overrides(
+            cfg,
+            converted["tied"],
+            str(part),
+            stages,
+            resume="true",
+            gradient_accumulation_steps=gas,
+            train_file=str(changed),
+        )
         proc = deepspeed_launch(4, *args, *extra)
         refused = [line for line in proc.stderr.splitlines() if "the tokenized training rows differ" in line]
         assert proc.returncode != 0 and len(refused) == 4 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -334,8 +349,16 @@ def test_bf16_zero1_trains_resumes_and_moves_between_layouts(converted, sft_data
         part = tmp_path / name
         interrupted_copy(full, part, 3)
         schedule = "zero_bubble" if name == "same" else "1f1b"
-        args = overrides(cfg, converted["tied"], str(part), stages, resume="true", gradient_accumulation_steps=gas,
-                         pipeline_schedule=schedule, **bf16)  # fmt: skip
+        args = overrides(
+            cfg,
+            converted["tied"],
+            str(part),
+            stages,
+            resume="true",
+            gradient_accumulation_steps=gas,
+            pipeline_schedule=schedule,
+            **bf16,
+        )
         proc = check(deepspeed_launch(ranks, *args))
         got = read_jsonl(part / "metrics.jsonl")
         assert [m["step"] for m in got] == list(range(1, 7)) and os.path.isdir(part / "global_step6")

@@ -47,8 +47,9 @@ def sharded_norm_bytes(h: int, act_bytes: int, shards: int) -> float:
     return (norm_bytes(h, act_bytes) - h * act_bytes) / shards + h * act_bytes
 
 
-def layer_activation_bytes(config, b: int, s: int, tp: int, act_bytes: int, attn: str, packed: bool,
-                           sp: bool = False) -> float:  # fmt: skip
+def layer_activation_bytes(
+    config, b: int, s: int, tp: int, act_bytes: int, attn: str, packed: bool, sp: bool = False
+) -> float:
     """Bytes one decoder block keeps for backward per micro-batch (tensors autograd saves, counted once).
 
     Counted from what the HF LLaMA block saves (tests/test_memory_estimate.py measures it with
@@ -72,8 +73,19 @@ def layer_activation_bytes(config, b: int, s: int, tp: int, act_bytes: int, attn
     return b * s * per_token
 
 
-def stage_activation_bytes(config, layers: range, b: int, s: int, tp: int, act_bytes: int, attn: str, packed: bool,
-                           every: int, sp: bool = False, vocab_multiple: int = 1) -> tuple[float, float]:  # fmt: skip
+def stage_activation_bytes(
+    config,
+    layers: range,
+    b: int,
+    s: int,
+    tp: int,
+    act_bytes: int,
+    attn: str,
+    packed: bool,
+    every: int,
+    sp: bool = False,
+    vocab_multiple: int = 1,
+) -> tuple[float, float]:
     """(bytes kept per micro-batch in flight, bytes of the one block being recomputed) for the pipeline layers
     `layers` of a stage; `every`: recompute every k-th block (0: none), keeping only its input. The final
     norm and the LM head's input count on the last stage; the loss's logits are `Estimate.logits`. `sp`: sequence
@@ -110,9 +122,15 @@ def _linear_layers(config, tp: int) -> dict[str, tuple[str, float, float]]:
     h, heads, inter = config.hidden_size, config.num_attention_heads, config.intermediate_size
     head_dim = getattr(config, "head_dim", None) or h // heads
     q, kv = heads * head_dim / tp, config.num_key_value_heads * head_dim / tp
-    return {"q_proj": ("norm1", h, q), "k_proj": ("norm1", h, kv), "v_proj": ("norm1", h, kv),
-            "o_proj": ("attention", q, h), "gate_proj": ("norm2", h, inter / tp), "up_proj": ("norm2", h, inter / tp),
-            "down_proj": ("act", inter / tp, h)}  # fmt: skip
+    return {
+        "q_proj": ("norm1", h, q),
+        "k_proj": ("norm1", h, kv),
+        "v_proj": ("norm1", h, kv),
+        "o_proj": ("attention", q, h),
+        "gate_proj": ("norm2", h, inter / tp),
+        "up_proj": ("norm2", h, inter / tp),
+        "down_proj": ("act", inter / tp, h),
+    }
 
 
 def deferred_weight_grad_bytes(config, b: int, s: int, tp: int, act_bytes: int, lora_targets=(), r: int = 0) -> float:
@@ -176,8 +194,12 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
         params = sum(counts[i] for i in held_layers)
         if config.tie_word_embeddings and {0, len(counts) - 1} <= held_layers:
             params -= counts[-1]  # a tied head on the embedding's rank is the embedding itself (PP=1, DualPipeV)
-        per_half = [stage_activation_bytes(config, r, b, s, tp, act_bytes, attn, packed, every, sp,
-                                           cfg.model.vocab_pad_multiple) for r in own]  # fmt: skip
+        per_half = [
+            stage_activation_bytes(
+                config, r, b, s, tp, act_bytes, attn, packed, every, sp, cfg.model.vocab_pad_multiple
+            )
+            for r in own
+        ]
         kept = [k for k, _ in per_half] + [0.0]
         blocks = sum(1 for r in own for i in r if block_of(i, n) is not None)
         states = memory_states(schedule, cfg.gradient_accumulation_steps, pp, stage)
@@ -197,7 +219,7 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
                 params * optim_bytes * optim_share,
                 activations,
                 logits,
-            )  # fmt: skip
+            )
         )
     return out
 
@@ -230,15 +252,20 @@ def suggest(cfg, config, world_size: int, gpu_gib: float) -> list[str]:
                 if busiest <= 0.9 * gpu_gib:
                     if best is None or mbs > best[0]:
                         bubble = timeline(schedule, m, pp).bubble if pp > 1 else 0.0
-                        best = (mbs, bubble, f"pipeline_schedule={schedule} model.partition={partition} "
-                                             f"micro_batch_size={mbs} gradient_accumulation_steps={m}: busiest stage "
-                                             f"{busiest:.1f} GiB, bubble {bubble:.0%}")  # fmt: skip
+                        best = (
+                            mbs,
+                            bubble,
+                            f"pipeline_schedule={schedule} model.partition={partition} "
+                            f"micro_batch_size={mbs} gradient_accumulation_steps={m}: busiest stage "
+                            f"{busiest:.1f} GiB, bubble {bubble:.0%}",
+                        )
                     break
         if best:
             found.append(best[1:])
     found.sort(key=lambda f: f[0])
-    return [line for _, line in found] or [f"nothing fits {gpu_gib} GiB with PP={pp}: add stages, TP, or activation "
-                                           "checkpointing"]  # fmt: skip
+    return [line for _, line in found] or [
+        f"nothing fits {gpu_gib} GiB with PP={pp}: add stages, TP, or activation checkpointing"
+    ]
 
 
 def main(argv: list[str]) -> int:
@@ -264,11 +291,13 @@ def main(argv: list[str]) -> int:
     dp = world_size // (cfg.num_stages * cfg.tensor_parallel_size)
     sp = f", sequence_parallel={str(sequence_parallel(cfg)).lower()}" if cfg.tensor_parallel_size > 1 else ""
     pairs = f" pairs ({sequences_per_sample(cfg)} sequences each)" if cfg.objective == "dpo" else ""
-    print(f"PP={cfg.num_stages} x TP={cfg.tensor_parallel_size} x DP={dp}, "
-          f"micro-batch {cfg.micro_batch_size}{pairs} x "
-          f"{cfg.seq_length} tokens, "
-          f"{cfg.deepspeed.precision}, recompute={cfg.model.activation_checkpointing}, "
-          f"pipeline_schedule={cfg.pipeline_schedule}{sp}")  # fmt: skip
+    print(
+        f"PP={cfg.num_stages} x TP={cfg.tensor_parallel_size} x DP={dp}, "
+        f"micro-batch {cfg.micro_batch_size}{pairs} x "
+        f"{cfg.seq_length} tokens, "
+        f"{cfg.deepspeed.precision}, recompute={cfg.model.activation_checkpointing}, "
+        f"pipeline_schedule={cfg.pipeline_schedule}{sp}"
+    )
     print(" ".join(f"{c:>8}" for c in ("stage", "params", "weights", "grads", "optim", "activ", "logits", "total")))
     for r in rows:
         cells = [r.weights, r.gradients, r.optimizer, r.activations, r.logits, r.total]

@@ -74,11 +74,21 @@ def plot(output_dir: str, out_dir: str | None = None, smooth: int = 0) -> list[s
                     steps, values, color="tab:blue", alpha=0.35 if smooth > 1 and key != "lr" else 1.0, lw=1, label=key
                 )
                 if smooth > 1 and key != "lr":
-                    ax.plot(steps, moving_average(list(values), smooth), color="tab:blue", lw=2,
-                            label=f"{key} (mean of {smooth})")  # fmt: skip
+                    ax.plot(
+                        steps,
+                        moving_average(list(values), smooth),
+                        color="tab:blue",
+                        lw=2,
+                        label=f"{key} (mean of {smooth})",
+                    )
             if key == "loss" and evaluation:
-                ax.scatter([evaluation["step"]], [evaluation["eval_loss"]], color="tab:red", zorder=3,
-                           label=f"eval loss {evaluation['eval_loss']:.3f}")  # fmt: skip
+                ax.scatter(
+                    [evaluation["step"]],
+                    [evaluation["eval_loss"]],
+                    color="tab:red",
+                    zorder=3,
+                    label=f"eval loss {evaluation['eval_loss']:.3f}",
+                )
             if log_scale and points and min(v for _, v in points) > 0:
                 ax.set_yscale("log")
             ax.set(title=title, xlabel="optimizer step", ylabel=ylabel)

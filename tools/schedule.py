@@ -43,16 +43,30 @@ def png(tl, stages: int, path: str, title: str) -> None:
     colors = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
     fig, ax = plt.subplots(figsize=(max(6, tl.step_time * 0.35), 0.6 * stages + 1.2))
     for span in tl.spans:
-        ax.barh(stages - 1 - span.stage, span.end - span.start, left=span.start, color=colors[span.kind],
-                edgecolor="white", alpha=0.6 if span.phase else 1.0)  # fmt: skip
-        ax.text((span.start + span.end) / 2, stages - 1 - span.stage, str(span.micro_batch), ha="center",
-                va="center", fontsize=7, color="white")  # fmt: skip
+        ax.barh(
+            stages - 1 - span.stage,
+            span.end - span.start,
+            left=span.start,
+            color=colors[span.kind],
+            edgecolor="white",
+            alpha=0.6 if span.phase else 1.0,
+        )
+        ax.text(
+            (span.start + span.end) / 2,
+            stages - 1 - span.stage,
+            str(span.micro_batch),
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="white",
+        )
     ax.set_yticks(range(stages), [f"rank {s}" for s in reversed(range(stages))])
     ax.set_xlabel("time (forward = 1)")
     ax.set_title(title, fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, ["forward", "backward (input grads with zero_bubble)", "weight grads"], fontsize=7,
-              loc="upper right")  # fmt: skip
+    ax.legend(
+        handles, ["forward", "backward (input grads with zero_bubble)", "weight grads"], fontsize=7, loc="upper right"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -78,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(text(tl, args.stages, unit)))
     p_, m = args.stages, args.micro_batches
     ratio = tl.step_time / base.step_time
-    print(f"{args.schedule}: step time {tl.step_time:g} (1f1b {base.step_time:g}, ratio {ratio:.3f}), bubble "
-          f"{tl.bubble:.1%}; 1F1B theory (p - 1) / (m + p - 1) = {(p_ - 1) / (m + p_ - 1):.1%}")  # fmt: skip
+    print(
+        f"{args.schedule}: step time {tl.step_time:g} (1f1b {base.step_time:g}, ratio {ratio:.3f}), bubble "
+        f"{tl.bubble:.1%}; 1F1B theory (p - 1) / (m + p - 1) = {(p_ - 1) / (m + p_ - 1):.1%}"
+    )
     if args.png:
         png(tl, args.stages, args.png, f"{args.schedule}, {p_} ranks, {m} micro-batches: bubble {tl.bubble:.1%}")
         print(f"drawn: {args.png}")

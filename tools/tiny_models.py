@@ -41,16 +41,29 @@ def make_sp_tokenizer(out_dir: str, texts: list[str], vocab_size: int = 32, byte
     options = {}
     if byte_fallback:  # keep whitespace as written: newlines and repeated spaces are part of chat templates
         vocab_size = max(vocab_size, 260 + len(set("".join(texts))) + 16)  # bytes + every character + merges
-        options = dict(byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
-                       allow_whitespace_only_pieces=True)  # fmt: skip
+        options = dict(
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True,
+        )
     with tempfile.TemporaryDirectory() as tmp:
         prefix = os.path.join(tmp, "sp")
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(texts), model_prefix=prefix, vocab_size=vocab_size, model_type="bpe",
-            character_coverage=1.0, split_digits=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+            sentence_iterator=iter(texts),
+            model_prefix=prefix,
+            vocab_size=vocab_size,
+            model_type="bpe",
+            character_coverage=1.0,
+            split_digits=True,
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=-1,
             hard_vocab_limit=False,  # small corpora may not support vocab_size pieces
-            minloglevel=2, **options,
-        )  # fmt: skip
+            minloglevel=2,
+            **options,
+        )
         os.makedirs(out_dir, exist_ok=True)
         with open(prefix + ".model", "rb") as src, open(os.path.join(out_dir, "tokenizer.model"), "wb") as dst:
             dst.write(src.read())
@@ -68,9 +81,15 @@ def make_sp_tokenizer(out_dir: str, texts: list[str], vocab_size: int = 32, byte
     return out_dir
 
 
-def make_bpe_tokenizer(out_dir: str, texts: list[str], vocab_size: int = 400, special_tokens: list[str] = (),
-                       bos_token: str = "<|begin_of_text|>", eos_token: str = "<|end_of_text|>",
-                       add_bos: bool = True) -> str:  # fmt: skip
+def make_bpe_tokenizer(
+    out_dir: str,
+    texts: list[str],
+    vocab_size: int = 400,
+    special_tokens: list[str] = (),
+    bos_token: str = "<|begin_of_text|>",
+    eos_token: str = "<|end_of_text|>",
+    add_bos: bool = True,
+) -> str:
     """A byte-level BPE `tokenizer.json` tokenizer (the Llama-3 / Qwen kind) trained on `texts`.
 
     Args:
@@ -88,8 +107,12 @@ def make_bpe_tokenizer(out_dir: str, texts: list[str], vocab_size: int = 400, sp
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
     if add_bos:
         bos_id = tok.token_to_id(bos_token)
@@ -170,9 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         make_sp_tokenizer(tok_dir, SAMPLE_TEXTS * 10, vocab_size=300, byte_fallback=True)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    config = tiny_config(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                         num_hidden_layers=args.layers, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    config = tiny_config(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     make_hf_model(args.out_dir, config, seed=args.seed, tokenizer_dir=tok_dir)
     print(f"{args.out_dir}: {args.layers}-layer LLaMA, hidden {args.hidden}, {len(tokenizer)}-token {args.tokenizer}")
     return 0

@@ -164,8 +164,9 @@ def assemble(cfg: TrainConfig) -> Run:
             bounds = stage_bounds(model_config, stages, cfg.model.partition)  # once per run
         except ValueError as e:
             raise _user_error(e) from None
-    tp = TensorParallel(cfg.tensor_parallel_size, coords.tp_rank, cfg.model.vocab_pad_multiple,
-                        sequence_parallel=sequence_parallel(cfg))  # fmt: skip
+    tp = TensorParallel(
+        cfg.tensor_parallel_size, coords.tp_rank, cfg.model.vocab_pad_multiple, sequence_parallel=sequence_parallel(cfg)
+    )
     run = Run(cfg, coords, model_config, _loss_fn(cfg, model_config, tp), bounds, tp=tp)
     run.layout = checkpointing.saved_layout(cfg, coords, model_config, bounds)
     resume = checkpointing.plan_resume(cfg, coords, run.layout)  # before slow work: a bad resume fails now
@@ -182,8 +183,9 @@ def assemble(cfg: TrainConfig) -> Run:
         attach_reference(run)
 
     source = _weights_source(run, resume)
-    module = build_module(cfg, coords, model_config, run.loss_fn, tp, bounds,
-                          skip_init=cfg.model_name_or_path is not None)  # fmt: skip
+    module = build_module(
+        cfg, coords, model_config, run.loss_fn, tp, bounds, skip_init=cfg.model_name_or_path is not None
+    )
     with agreed():
         if source:
             run.loaded_layers = checkpointing.load_stage_weights(module, source, model_config, tp)
@@ -194,17 +196,25 @@ def assemble(cfg: TrainConfig) -> Run:
         lo = cfg.lora
         trainable = add_lora(module, lo.r, lo.alpha, lo.dropout, lo.target_modules, cfg.seed, tp.rank, tp.size)
         parallelize_lora(module, tp)
-        log.info("LoRA r=%d alpha=%g on %s: %d trainable parameters on rank %d", lo.r, lo.alpha,
-                 lo.target_modules, trainable, rank)  # fmt: skip
+        log.info(
+            "LoRA r=%d alpha=%g on %s: %d trainable parameters on rank %d",
+            lo.r,
+            lo.alpha,
+            lo.target_modules,
+            trainable,
+            rank,
+        )
         with agreed():
             if resume.moved:  # the adapter, saved per global layer like the weights
                 adapter = os.path.join(cfg.output_dir, resume.tag)
                 checkpointing.load_stage_weights(module, adapter, model_config, tp, trainable_only=True)
-    run.engine = initialize_engine(cfg, coords, module, max(run.total_steps, 1),
-                                   load_universal=bool(resume.universal_tag))  # fmt: skip
+    run.engine = initialize_engine(
+        cfg, coords, module, max(run.total_steps, 1), load_universal=bool(resume.universal_tag)
+    )
     if resume.tag:
-        run.step = checkpointing.resume(run.engine, cfg, resume, run.data_state, model_config, tp,
-                                        max(run.total_steps, 1))  # fmt: skip
+        run.step = checkpointing.resume(
+            run.engine, cfg, resume, run.data_state, model_config, tp, max(run.total_steps, 1)
+        )
         with agreed():
             checkpointing.restore_rng(cfg, coords, resume)
             if cfg.resume_from and rank == 0:  # only once the resume is known to work: newer steps move aside

@@ -44,8 +44,17 @@ from training.topology import Coords
 log = logging.getLogger("trainer")
 
 # What decides which rows each step reads, in the order a mismatch is reported (see `check_data_state`).
-DATA_KEYS = ("objective", "seed", "global_batch_size", "seq_length", "train_weights", "packing", "concatenate",
-             "num_train_rows", "train_data_fingerprint")  # fmt: skip
+DATA_KEYS = (
+    "objective",
+    "seed",
+    "global_batch_size",
+    "seq_length",
+    "train_weights",
+    "packing",
+    "concatenate",
+    "num_train_rows",
+    "train_data_fingerprint",
+)
 
 
 @dataclass
@@ -125,9 +134,17 @@ def plan_resume(cfg: TrainConfig, coords: Coords, current: dict) -> ResumePlan:
                 universal = ensure_universal(cfg.output_dir, plan.tag)
         plan.universal_tag = broadcast_object(universal)
         how = "optimizer state reshaped by parameter name" if plan.reshape else plan.universal_tag
-        log.info("resuming %s saved with PP=%d x TP=%d x DP=%d in PP=%d x TP=%d x DP=%d (%s)",
-                 os.path.join(cfg.output_dir, plan.tag), saved["num_stages"], saved.get("tp_size", 1), saved["dp_size"],
-                 current["num_stages"], current["tp_size"], current["dp_size"], how)  # fmt: skip
+        log.info(
+            "resuming %s saved with PP=%d x TP=%d x DP=%d in PP=%d x TP=%d x DP=%d (%s)",
+            os.path.join(cfg.output_dir, plan.tag),
+            saved["num_stages"],
+            saved.get("tp_size", 1),
+            saved["dp_size"],
+            current["num_stages"],
+            current["tp_size"],
+            current["dp_size"],
+            how,
+        )
     return plan
 
 
@@ -175,8 +192,10 @@ def load_stage_weights(module, step_dir: str, config, tp: TensorParallel, traina
 def check_data_state(saved: dict, now: dict, tag: str) -> None:
     """Refuse a resume whose data order would differ, naming what changed (keys missing from older saves pass)."""
     if "train_rows_sha256" in saved and "train_data_fingerprint" not in saved and saved.get("train_weights"):
-        raise RunError(f"resume: the checkpoint {tag} was saved before the tokenized store, whose mixture of "
-                       "weighted train files draws rows differently: the data order would not continue")  # fmt: skip
+        raise RunError(
+            f"resume: the checkpoint {tag} was saved before the tokenized store, whose mixture of "
+            "weighted train files draws rows differently: the data order would not continue"
+        )
     for key in DATA_KEYS:
         if key not in saved or saved[key] == now.get(key):
             continue
@@ -188,8 +207,9 @@ def check_data_state(saved: dict, now: dict, tag: str) -> None:
         raise RunError(f"resume: {key}={now.get(key)} but the checkpoint {tag} was saved with {saved[key]}")
 
 
-def resume(engine, cfg: TrainConfig, plan: ResumePlan, data_state: dict, config, tp: TensorParallel,
-           total_steps: int) -> int:  # fmt: skip
+def resume(
+    engine, cfg: TrainConfig, plan: ResumePlan, data_state: dict, config, tp: TensorParallel, total_steps: int
+) -> int:
     """Load `plan.tag` into `engine` (weights, optimizer, step) and check its data; the LR schedule then follows
     this run's settings (`total_steps`, warmup, kind, ratios, learning rate) from the restored step. Returns
     the step."""
@@ -205,8 +225,11 @@ def resume(engine, cfg: TrainConfig, plan: ResumePlan, data_state: dict, config,
     check_data_state(client.get("data", {}), data_state, plan.tag)
     changes = follow_new_schedule(engine.lr_scheduler, cfg, total_steps)
     if changes:
-        log.info("resume: the LR schedule follows this run's settings from step %d on (%s)", engine.global_steps,
-                 "; ".join(changes))  # fmt: skip
+        log.info(
+            "resume: the LR schedule follows this run's settings from step %d on (%s)",
+            engine.global_steps,
+            "; ".join(changes),
+        )
     return engine.global_steps
 
 
@@ -230,8 +253,16 @@ def _load_reshaped(engine, step_dir: str, config, tp: TensorParallel) -> dict:
     def rule_of(name: str) -> str:
         return param_tp_split(name, config.num_hidden_layers, config.tie_word_embeddings)
 
-    moved = gather_moved_state(step_dir, read_layout(step_dir), {n for g in names for n in g}, rule_of, tp.rank,
-                               tp.size, config.vocab_size, tp.vocab_multiple)  # fmt: skip
+    moved = gather_moved_state(
+        step_dir,
+        read_layout(step_dir),
+        {n for g in names for n in g},
+        rule_of,
+        tp.rank,
+        tp.size,
+        config.vocab_size,
+        tp.vocab_multiple,
+    )
     load_moved_state(engine, names, moved)
     return moved.client_state
 

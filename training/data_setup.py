@@ -55,11 +55,13 @@ def load_data(run: Run) -> None:
 
     def load(build: bool, beat=None) -> None:
         if cfg.do_train:
-            run.train_set = open_dataset(cfg, cfg.train_file, run.tokenizer, train=True, cache_dir=cache, build=build,
-                                         beat=beat)  # fmt: skip
+            run.train_set = open_dataset(
+                cfg, cfg.train_file, run.tokenizer, train=True, cache_dir=cache, build=build, beat=beat
+            )
         if evaluating(cfg):
-            run.eval_set = open_dataset(cfg, cfg.eval_file, run.tokenizer, train=False, cache_dir=cache, build=build,
-                                        beat=beat)  # fmt: skip
+            run.eval_set = open_dataset(
+                cfg, cfg.eval_file, run.tokenizer, train=False, cache_dir=cache, build=build, beat=beat
+            )
 
     rank0_works(lambda beat: load(True, beat), f"waiting for rank 0 to find or build the tokenized data in {cache}")
     counts = None
@@ -93,29 +95,46 @@ def _log_rows(run: Run) -> None:
             log.info("%s data: %d %s, tokenized store %s %s", name, len(ds), what, how, ", ".join(ds.store_dirs))
     if isinstance(run.train_set, PairDataset) and run.train_set.report()["pairs_without_targets"]:
         r = run.train_set.report()
-        log.warning("%s: %d of %d pairs keep no completion token within seq_length=%d and score nothing (first: %s)",
-                    cfg.train_file, r["pairs_without_targets"], r["pairs"], cfg.seq_length,
-                    (r["no_target_examples"] or ["?"])[0])  # fmt: skip
+        log.warning(
+            "%s: %d of %d pairs keep no completion token within seq_length=%d and score nothing (first: %s)",
+            cfg.train_file,
+            r["pairs_without_targets"],
+            r["pairs"],
+            cfg.seq_length,
+            (r["no_target_examples"] or ["?"])[0],
+        )
     if isinstance(run.train_set, TokenizedDataset):
         missing = run.train_set.report()["rows_without_targets"]
         if missing:
             first = (run.train_set.no_target_examples or ["?"])[0]
-            log.warning("%s: %d of %d rows have no target token within seq_length=%d (first: %s)",
-                        cfg.train_file, missing, len(run.train_set), cfg.seq_length, first)  # fmt: skip
+            log.warning(
+                "%s: %d of %d rows have no target token within seq_length=%d (first: %s)",
+                cfg.train_file,
+                missing,
+                len(run.train_set),
+                cfg.seq_length,
+                first,
+            )
     for name, ds in (("train", run.train_set), ("eval", run.eval_set)):
         report = ds.report() if isinstance(ds, TokenizedDataset) else {}
         if report.get("rows_with_lost_characters"):
-            log.warning("%s data: %d rows hold characters the tokenizer drops or replaces by an unknown token "
-                        "(first: %s); see data_report.json", name, report["rows_with_lost_characters"],
-                        report["lost_character_examples"][0])  # fmt: skip
+            log.warning(
+                "%s data: %d rows hold characters the tokenizer drops or replaces by an unknown token "
+                "(first: %s); see data_report.json",
+                name,
+                report["rows_with_lost_characters"],
+                report["lost_character_examples"][0],
+            )
 
 
 def train_plan(cfg: TrainConfig, coords: Coords, num_rows: int, what: str = "rows") -> tuple[TrainPlan, int]:
     """(the plan of which rows each step reads, total optimizer steps); RunError if the rows make no full step."""
     plan = TrainPlan(num_rows, coords.dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
     if cfg.do_train and plan.steps_per_epoch == 0:
-        raise RunError(f"train_file {cfg.train_file}: {num_rows} {what} give no full step of "
-                       f"{plan.rows_per_step} rows per DP rank x {coords.dp} DP ranks")  # fmt: skip
+        raise RunError(
+            f"train_file {cfg.train_file}: {num_rows} {what} give no full step of "
+            f"{plan.rows_per_step} rows per DP rank x {coords.dp} DP ranks"
+        )
     return plan, plan.total_steps(cfg.max_steps, cfg.num_train_epochs) if cfg.do_train else 0
 
 
@@ -143,21 +162,53 @@ def write_data_report(run: Run) -> None:
     for name, ds in (("train", run.train_set), ("eval", run.eval_set)):
         if isinstance(ds, PairDataset):
             report[name] = r = ds.report()
-            log.info("%s data %s: %d pairs, %d tokens, %d completion tokens, %d pairs truncated to %d tokens, %d pairs "
-                     "without completion tokens", name, r["file"], r["pairs"], r["tokens"], r["target_tokens"],
-                     r["truncated_pairs"], cfg.seq_length, r["pairs_without_targets"])  # fmt: skip
+            log.info(
+                "%s data %s: %d pairs, %d tokens, %d completion tokens, %d pairs truncated to %d tokens, %d pairs "
+                "without completion tokens",
+                name,
+                r["file"],
+                r["pairs"],
+                r["tokens"],
+                r["target_tokens"],
+                r["truncated_pairs"],
+                cfg.seq_length,
+                r["pairs_without_targets"],
+            )
         if isinstance(ds, (TokenizedDataset, PackedDataset, BlockDataset)):
             report[name] = r = ds.report()
-            log.info("%s data %s: %d rows, %d tokens, %.1f%% of them targets, %d rows truncated to %d tokens, "
-                     "%d rows without targets", name, r["file"], r["rows"], r["tokens"], 100 * r["target_share"],
-                     r["truncated_rows"], cfg.seq_length, r["rows_without_targets"])  # fmt: skip
+            log.info(
+                "%s data %s: %d rows, %d tokens, %.1f%% of them targets, %d rows truncated to %d tokens, "
+                "%d rows without targets",
+                name,
+                r["file"],
+                r["rows"],
+                r["tokens"],
+                100 * r["target_share"],
+                r["truncated_rows"],
+                cfg.seq_length,
+                r["rows_without_targets"],
+            )
             if "packed_rows" in r:
-                log.info("%s data packed: %d rows in %d rows of %d tokens (%.2f per row), padding %.1f%% -> %.1f%%",
-                         name, r["rows"], r["packed_rows"], cfg.seq_length, r["rows_per_packed_row"],
-                         100 * r["padding_share_unpacked"], 100 * r["padding_share_packed"])  # fmt: skip
+                log.info(
+                    "%s data packed: %d rows in %d rows of %d tokens (%.2f per row), padding %.1f%% -> %.1f%%",
+                    name,
+                    r["rows"],
+                    r["packed_rows"],
+                    cfg.seq_length,
+                    r["rows_per_packed_row"],
+                    100 * r["padding_share_unpacked"],
+                    100 * r["padding_share_packed"],
+                )
             if "blocks" in r:
-                log.info("%s data concatenated: %d documents in %d blocks of %d tokens, %d tokens of a partial block "
-                         "dropped", name, r["rows"], r["blocks"], cfg.seq_length, r["tokens_dropped"])  # fmt: skip
+                log.info(
+                    "%s data concatenated: %d documents in %d blocks of %d tokens, %d tokens of a partial block "
+                    "dropped",
+                    name,
+                    r["rows"],
+                    r["blocks"],
+                    cfg.seq_length,
+                    r["tokens_dropped"],
+                )
     if report:
         with open(os.path.join(cfg.output_dir, "data_report.json"), "w") as f:
             json.dump(report, f, indent=2)

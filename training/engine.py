@@ -23,9 +23,11 @@ from training.topology import Coords
 
 def describe_auto_precision(precision: str) -> str:
     """The log line for `deepspeed.precision=auto`: what it chose and why."""
-    why = {"bf16": "bf16 with fp32 master weights (this GPU supports bf16)",
-           "fp16": "fp16 with dynamic loss scaling (this GPU has no bf16)",
-           "fp32": "fp32 (no GPU)"}  # fmt: skip
+    why = {
+        "bf16": "bf16 with fp32 master weights (this GPU supports bf16)",
+        "fp16": "fp16 with dynamic loss scaling (this GPU has no bf16)",
+        "fp32": "fp32 (no GPU)",
+    }
     return f"deepspeed.precision=auto: {why[precision]}"
 
 
@@ -118,9 +120,12 @@ def follow_new_schedule(scheduler, cfg: TrainConfig, total_steps: int) -> list[s
     new, base = lr_schedule(cfg, total_steps), cfg.learning_rate
     changes = []
     for old in scheduler.lr_lambdas:
-        for field, what in (("total_steps", "max_steps/num_train_epochs (total steps)"),
-                            ("warmup_steps", "warmup steps"), ("kind", "optim.lr_scheduler"),
-                            ("min_ratio", "optim.min_lr_ratio")):  # fmt: skip
+        for field, what in (
+            ("total_steps", "max_steps/num_train_epochs (total steps)"),
+            ("warmup_steps", "warmup steps"),
+            ("kind", "optim.lr_scheduler"),
+            ("min_ratio", "optim.min_lr_ratio"),
+        ):
             before, after = getattr(old, field, None), getattr(new, field)
             if before != after:
                 changes.append(f"{what}: {before} -> {after}")
@@ -146,8 +151,15 @@ def make_optimizer(cfg: TrainConfig, named_params, total_steps: int):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg, total_steps))
 
 
-def build_module(cfg: TrainConfig, coords: Coords, model_config, loss_fn, tp: TensorParallel, bounds: list[int],
-                 skip_init: bool = True):  # fmt: skip
+def build_module(
+    cfg: TrainConfig,
+    coords: Coords,
+    model_config,
+    loss_fn,
+    tp: TensorParallel,
+    bounds: list[int],
+    skip_init: bool = True,
+):
     """Build this rank's pipeline stage (and nothing else; with tensor parallelism, its shard of it).
 
     Args:

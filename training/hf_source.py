@@ -42,8 +42,9 @@ def source_record(hf_dir: str) -> dict:
     return {"source": os.path.abspath(hf_dir), "files": files}
 
 
-def convert_on_load(hf_dir: str, output_dir: str, coords: Coords, bounds: list[int],
-                    name: str = CONVERTED_DIR) -> tuple[str, bool]:  # fmt: skip
+def convert_on_load(
+    hf_dir: str, output_dir: str, coords: Coords, bounds: list[int], name: str = CONVERTED_DIR
+) -> tuple[str, bool]:
     """Convert (or reuse) `hf_dir` for this run into `output_dir/name`. Collective. Returns (checkpoint directory,
     reused)."""
     final = os.path.join(output_dir, name)

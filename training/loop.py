@@ -75,8 +75,16 @@ class Trainer:
                 data_iter = self._scaled(data_iter, cfg.gradient_accumulation_steps)
         tokens_per_step = c.global_batch(cfg.micro_batch_size, cfg.gradient_accumulation_steps) * cfg.seq_length
         tokens_per_step *= sequences_per_sample(cfg)
-        log.info("training steps %d..%d of %d (%d per epoch), PP=%d x TP=%d x DP=%d", r.step + 1, r.total_steps,
-                 r.total_steps, r.plan.steps_per_epoch, cfg.num_stages, c.tp, c.dp)  # fmt: skip
+        log.info(
+            "training steps %d..%d of %d (%d per epoch), PP=%d x TP=%d x DP=%d",
+            r.step + 1,
+            r.total_steps,
+            r.total_steps,
+            r.plan.steps_per_epoch,
+            cfg.num_stages,
+            c.tp,
+            c.dp,
+        )
         while r.step < r.total_steps:
             lr = r.engine.get_lr()[0]
             start = time.perf_counter()
@@ -87,8 +95,9 @@ class Trainer:
             if self.reporter is not None:
                 self._report(loss, lr, seconds, tokens_per_step, data_iter, rewards)
             if not math.isfinite(loss) and cfg.nonfinite_loss == "skip":
-                log.warning("loss is %s at step %d: update skipped (weights and optimizer state unchanged)",
-                            loss, r.step)  # fmt: skip
+                log.warning(
+                    "loss is %s at step %d: update skipped (weights and optimizer state unchanged)", loss, r.step
+                )
             elif not math.isfinite(loss):
                 last = step_tag(self.last_saved_step) if self.last_saved_step is not None else "none"
                 raise RunError(f"loss is {loss} at step {r.step}; stopped without saving (last checkpoint: {last})")
@@ -97,8 +106,11 @@ class Trainer:
             if self._stop_requested():
                 if self.last_saved_step != r.step:
                     self.save()
-                log.info("%s: stopped after step %d with a checkpoint; resume with resume=auto",
-                         self.stop_signal or "a signal on another rank", r.step)  # fmt: skip
+                log.info(
+                    "%s: stopped after step %d with a checkpoint; resume with resume=auto",
+                    self.stop_signal or "a signal on another rank",
+                    r.step,
+                )
                 break
             if evaluating(cfg) and cfg.eval_steps and r.step % cfg.eval_steps == 0 and r.step < r.total_steps:
                 self.evaluate()
@@ -120,8 +132,15 @@ class Trainer:
             dist.all_reduce(sums, group=r.dp_group())
         return {f"{prefix}{k}": v for k, v in r.loss_fn.totals(sums).items()}
 
-    def _report(self, loss: float, lr: float, seconds: float, tokens_per_step: int, batches: LossScaledBatches,
-                rewards: dict | None = None) -> None:  # fmt: skip
+    def _report(
+        self,
+        loss: float,
+        lr: float,
+        seconds: float,
+        tokens_per_step: int,
+        batches: LossScaledBatches,
+        rewards: dict | None = None,
+    ) -> None:
         r = self.assembled
         record = {
             "step": r.step,
@@ -139,8 +158,15 @@ class Trainer:
             record.update({k: v for k, v in rewards.items() if k != "loss"})
         self.reporter.step(record)
         if r.step % self.cfg.logging_steps == 0 or r.step == r.total_steps:
-            log.info("step %d/%d loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f", r.step, r.total_steps, loss, lr,
-                     record["grad_norm"] or 0.0, record["tokens_per_second"])  # fmt: skip
+            log.info(
+                "step %d/%d loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f",
+                r.step,
+                r.total_steps,
+                loss,
+                lr,
+                record["grad_norm"] or 0.0,
+                record["tokens_per_second"],
+            )
 
     def _train_step(self, data_iter) -> float:
         """One optimizer step. A failure names the rank and step; the traceback goes to this rank's log."""
@@ -150,8 +176,9 @@ class Trainer:
         except Exception as e:  # noqa: BLE001 - any failure inside a step, ours or a peer's
             log.exception("step %d failed", r.step + 1)
             log_file = rank_log_path(self.cfg.output_dir, r.coords.rank)
-            raise RunError(describe_failure(e, r.coords.rank, r.step + 1, self.cfg.dist_timeout_minutes,
-                                            log_file)) from None  # fmt: skip
+            raise RunError(
+                describe_failure(e, r.coords.rank, r.step + 1, self.cfg.dist_timeout_minutes, log_file)
+            ) from None
 
     def _on_sigterm(self, signum, frame) -> None:
         self.stop_signal = signal.Signals(signum).name
@@ -188,9 +215,14 @@ class Trainer:
         if c.is_last and cfg.objective == "dpo":
             results = {"step": r.step, **self._preference_metrics("eval_")}  # PairDataset refuses pairless files
             self._write_results(results)
-            log.info("eval at step %d: loss %.4f over %d pairs, reward accuracy %.3f, margin %.4f", r.step,
-                     results["eval_loss"], results["eval_pairs"], results["eval_rewards/accuracies"],
-                     results["eval_rewards/margins"])  # fmt: skip
+            log.info(
+                "eval at step %d: loss %.4f over %d pairs, reward accuracy %.3f, margin %.4f",
+                r.step,
+                results["eval_loss"],
+                results["eval_pairs"],
+                results["eval_rewards/accuracies"],
+                results["eval_rewards/margins"],
+            )
         elif c.is_last:
             totals = torch.tensor(r.loss_fn.totals(), dtype=torch.float64)
             if c.dp > 1:
@@ -207,8 +239,13 @@ class Trainer:
             }
             self._write_results(results)
             if c.reporting:
-                log.info("eval at step %d: loss %.4f over %d tokens, perplexity %.3f", r.step, results["eval_loss"],
-                         tokens, results["perplexity"])  # fmt: skip
+                log.info(
+                    "eval at step %d: loss %.4f over %d tokens, perplexity %.3f",
+                    r.step,
+                    results["eval_loss"],
+                    tokens,
+                    results["perplexity"],
+                )
         r.loss_fn.reset()
         return results
 
@@ -225,8 +262,9 @@ class Trainer:
         cfg, r, self.stopped, self.reporter = self.cfg, self.assembled, False, None
         if r.coords.reporting:
             run_config = OmegaConf.to_container(OmegaConf.structured(cfg))
-            self.reporter = StepReporter(cfg.output_dir, cfg.report_to, r.total_steps, r.step, run_config,
-                                         cfg.progress_bar and cfg.do_train)  # fmt: skip
+            self.reporter = StepReporter(
+                cfg.output_dir, cfg.report_to, r.total_steps, r.step, run_config, cfg.progress_bar and cfg.do_train
+            )
         try:
             if cfg.do_train:
                 self.train()

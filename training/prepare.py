@@ -46,8 +46,11 @@ def main(argv: list[str] | None = None) -> int:
             ds = open_dataset(cfg, spec, tokenizer, train=train, cache_dir=cache, log=lambda s: print(s, flush=True))
             how = "found" if ds.from_cache else "built"
             what = "pairs" if isinstance(ds, PairDataset) else "rows"
-            print(f"{spec}: {len(ds):,} {what}, {ds.report()['tokens']:,} tokens, store {how}: "
-                  f"{', '.join(ds.store_dirs)}", flush=True)  # fmt: skip
+            print(
+                f"{spec}: {len(ds):,} {what}, {ds.report()['tokens']:,} tokens, store {how}: "
+                f"{', '.join(ds.store_dirs)}",
+                flush=True,
+            )
     except (DataError, ValueError) as e:
         print(f"data.prepare: error: {e}", file=sys.stderr, flush=True)
         return 2

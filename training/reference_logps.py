@@ -45,10 +45,28 @@ log = logging.getLogger("trainer")
 REFERENCE_DIR = "reference_logps"
 REDUCE_PAIRS = 1 << 20  # pairs per reduce of the scores to rank 0 (8 MiB)
 # What must agree between the policy and a reference model of its own: everything that changes the numbers.
-ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
-                "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings", "attention_bias", "mlp_bias",
-                "sliding_window", "use_sliding_window", "max_window_layers", "layer_types")  # fmt: skip
+ARCHITECTURE = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "layer_types",
+)
 
 
 def needs_reference(cfg: TrainConfig) -> bool:
@@ -92,13 +110,19 @@ def check_architecture(cfg: TrainConfig, model_config) -> None:
     for key in ARCHITECTURE:
         mine, theirs = getattr(model_config, key, None), getattr(reference, key, None)
         if mine != theirs:
-            raise RunError(f"dpo.reference_model {path}: {key}={theirs} but the policy has {key}={mine} (the "
-                           "reference must have the policy's architecture)")  # fmt: skip
+            raise RunError(
+                f"dpo.reference_model {path}: {key}={theirs} but the policy has {key}={mine} (the "
+                "reference must have the policy's architecture)"
+            )
 
 
 def cache_file(cfg: TrainConfig, fingerprint: str, identity: dict) -> str:
-    key = {"pairs": fingerprint, "reference": identity, "precision": resolve_precision(cfg.deepspeed.precision),
-           "attn_implementation": str(cfg.model.attn_implementation)}  # fmt: skip
+    key = {
+        "pairs": fingerprint,
+        "reference": identity,
+        "precision": resolve_precision(cfg.deepspeed.precision),
+        "attn_implementation": str(cfg.model.attn_implementation),
+    }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     return os.path.join(cache_root(cfg.data.cache_dir, cfg.output_dir)[0], REFERENCE_DIR, f"{digest}.npy")
 
@@ -140,8 +164,10 @@ def _read(path: str, pairs: int) -> np.ndarray:
     except (OSError, ValueError, EOFError) as e:
         raise RunError(f"{path}: cannot read the reference log-probs ({e}); remove it to compute them again") from None
     if ref.shape != (pairs, 2) or ref.dtype != np.float32:
-        raise RunError(f"{path}: holds {ref.shape} {ref.dtype} reference log-probs for {pairs} pairs (damaged: "
-                       "remove it to compute them again)")  # fmt: skip
+        raise RunError(
+            f"{path}: holds {ref.shape} {ref.dtype} reference log-probs for {pairs} pairs (damaged: "
+            "remove it to compute them again)"
+        )
     return ref
 
 
@@ -190,8 +216,14 @@ def score_pairs(run, todo: list[tuple[str, int, str]]) -> None:
         with agreed():
             if c.rank == 0:
                 _write(path, scores)
-        log.info("%s pairs: reference log-probs of %d pairs computed with %s in %.1f s, saved to %s", name, n, source,
-                 time.perf_counter() - start, path)  # fmt: skip
+        log.info(
+            "%s pairs: reference log-probs of %d pairs computed with %s in %.1f s, saved to %s",
+            name,
+            n,
+            source,
+            time.perf_counter() - start,
+            path,
+        )
     # NOTE: the engine's process groups stay (torch offers no safe way to drop them all); its tensors go.
     del engine, module, scorer
     gc.collect()

@@ -31,8 +31,15 @@ def check_reporters(report_to: list[str]) -> None:
 class StepReporter:
     """Writes each step's record to every sink; `close()` at the end. Build it on the reporting rank."""
 
-    def __init__(self, output_dir: str, report_to: list[str], total_steps: int, first_step: int,
-                 run_config: dict, progress_bar: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        output_dir: str,
+        report_to: list[str],
+        total_steps: int,
+        first_step: int,
+        run_config: dict,
+        progress_bar: bool = True,
+    ):
         self.output_dir, self.jsonl = output_dir, None  # metrics.jsonl is opened at the first step
         self.tensorboard = self.wandb = self.bar = None
         if "tensorboard" in report_to:
@@ -76,8 +83,9 @@ class StepReporter:
             self.tensorboard.add_scalar("eval/loss", results["eval_loss"], results["step"])
             self.tensorboard.add_scalar("eval/perplexity", results["perplexity"], results["step"])
         if self.wandb is not None:
-            self.wandb.log({"eval/loss": results["eval_loss"], "eval/perplexity": results["perplexity"]},
-                           step=results["step"])  # fmt: skip
+            self.wandb.log(
+                {"eval/loss": results["eval_loss"], "eval/perplexity": results["perplexity"]}, step=results["step"]
+            )
 
     def close(self) -> None:
         if self.jsonl is not None:

@@ -52,8 +52,10 @@ def check_paths(cfg: TrainConfig) -> None:
     out = real_path(cfg.output_dir)
     for key, path in _inputs(cfg):
         if real_path(path) == out:
-            raise RunError(f"output_dir {cfg.output_dir} is {key}: a run writes config.json, tokenizer and report "
-                           "files there; choose another output_dir")  # fmt: skip
+            raise RunError(
+                f"output_dir {cfg.output_dir} is {key}: a run writes config.json, tokenizer and report "
+                "files there; choose another output_dir"
+            )
 
 
 def _inputs(cfg: TrainConfig) -> list[tuple[str, str]]:
@@ -62,9 +64,16 @@ def _inputs(cfg: TrainConfig) -> list[tuple[str, str]]:
         value = getattr(cfg, key)
         for path in [value] if isinstance(value, str) else list(value or []):
             files.append((key, path))
-    return [(k, p) for k, p in [("model_name_or_path", cfg.model_name_or_path),
-                                ("tokenizer_name_or_path", cfg.tokenizer_name_or_path),
-                                ("dpo.reference_model", cfg.dpo.reference_model), *files] if p]  # fmt: skip
+    return [
+        (k, p)
+        for k, p in [
+            ("model_name_or_path", cfg.model_name_or_path),
+            ("tokenizer_name_or_path", cfg.tokenizer_name_or_path),
+            ("dpo.reference_model", cfg.dpo.reference_model),
+            *files,
+        ]
+        if p
+    ]
 
 
 def move_earlier_run(cfg: TrainConfig) -> str:
@@ -77,8 +86,10 @@ def move_earlier_run(cfg: TrainConfig) -> str:
     for key, path in _inputs(cfg):
         real = real_path(path)
         if under(real, out) and not any(under(real, os.path.join(out, c)) for c in CACHES):
-            raise RunError(f"output_dir {cfg.output_dir} holds {key} {path}; moving the earlier run aside would "
-                           "move it too: choose another output_dir")  # fmt: skip
+            raise RunError(
+                f"output_dir {cfg.output_dir} holds {key} {path}; moving the earlier run aside would "
+                "move it too: choose another output_dir"
+            )
     aside = _free(f"{out}.earlier-{_stamp()}")
     os.rename(out, aside)
     os.makedirs(out)
@@ -100,9 +111,11 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
     records = [name for name in RECORDS if os.path.exists(os.path.join(out, name))]
     if (tags or latest) and not cfg.overwrite_output_dir:
         found = ", ".join(tags[-3:]) if tags else f"'latest' -> {latest}"
-        raise RunError(f"output_dir {out} holds checkpoints of an earlier run ({found}) and resume=false; "
-                       "continue it with resume=auto, start elsewhere with a new output_dir, or pass "
-                       "overwrite_output_dir=true to move the earlier run aside")  # fmt: skip
+        raise RunError(
+            f"output_dir {out} holds checkpoints of an earlier run ({found}) and resume=false; "
+            "continue it with resume=auto, start elsewhere with a new output_dir, or pass "
+            "overwrite_output_dir=true to move the earlier run aside"
+        )
     if tags or latest or records:
         aside = move_earlier_run(cfg)
         why = "overwrite_output_dir=true" if tags or latest else f"a fresh run found {', '.join(records)}"
@@ -124,8 +137,10 @@ def check_resume_from(output_dir: str, tag: str) -> None:
         for name, entry in files.items():
             path = os.path.join(step_dir, name)
             if not os.path.exists(path) or os.path.getsize(path) != entry.get("size"):
-                raise RunError(f"resume_from={tag}: {path} is missing or resized (incomplete checkpoint; "
-                               f"complete ones: {complete})")  # fmt: skip
+                raise RunError(
+                    f"resume_from={tag}: {path} is missing or resized (incomplete checkpoint; "
+                    f"complete ones: {complete})"
+                )
 
 
 def roll_back(output_dir: str, tag: str) -> list[str]:
@@ -134,8 +149,9 @@ def roll_back(output_dir: str, tag: str) -> list[str]:
     try:
         return _roll_back(output_dir, tag)
     except OSError as e:
-        raise RunError(f"resume_from={tag}: cannot move the newer checkpoints of {output_dir} aside "
-                       f"({e.strerror or e})") from None  # fmt: skip
+        raise RunError(
+            f"resume_from={tag}: cannot move the newer checkpoints of {output_dir} aside ({e.strerror or e})"
+        ) from None
 
 
 def _roll_back(output_dir: str, tag: str) -> list[str]:

@@ -141,8 +141,11 @@ def timeline(name: str, micro_batches: int, stages: int, costs: Costs = Costs())
     programs = instructions(name, micro_batches, stages)
     dual, split = name == "dualpipev", name == "zero_bubble"
     chunk = 0.5 if dual else 1.0  # a DualPipeV rank holds two stages of half the layers each
-    cost = {ds.ForwardPass: chunk * costs.forward, WeightPass: costs.weight,
-            ds.BackwardPass: chunk * (costs.backward - costs.weight if split else costs.backward)}  # fmt: skip
+    cost = {
+        ds.ForwardPass: chunk * costs.forward,
+        WeightPass: costs.weight,
+        ds.BackwardPass: chunk * (costs.backward - costs.weight if split else costs.backward),
+    }
     keys = [_p2p_keys(stage, program) for stage, program in enumerate(programs)]
     clock, pc = [0.0] * stages, [0] * stages
     arrived: dict[tuple, tuple[int, float]] = {}  # p2p key -> (rank, time) of the first side to reach it
@@ -188,8 +191,9 @@ def timeline(name: str, micro_batches: int, stages: int, costs: Costs = Costs())
                 pc[s] += 1
                 moved = True
         if not moved:
-            raise RuntimeError(f"{name}: the instruction lists deadlock at {pc} ({stages} stages, {micro_batches} "
-                               "micro-batches)")  # fmt: skip
+            raise RuntimeError(
+                f"{name}: the instruction lists deadlock at {pc} ({stages} stages, {micro_batches} micro-batches)"
+            )
     out.finish = clock
     return out
 

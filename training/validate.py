@@ -55,11 +55,15 @@ def validate_numbers(cfg: TrainConfig) -> None:
     for key in ("save_steps", "eval_steps"):
         _need(getattr(cfg, key) >= 0, f"{key}={getattr(cfg, key)} must be >= 0")
     _need(cfg.logging_steps >= 1, f"logging_steps={cfg.logging_steps} must be >= 1")
-    _need(cfg.eval_micro_batch_size is None or cfg.eval_micro_batch_size >= 1,
-          f"eval_micro_batch_size={cfg.eval_micro_batch_size} must be >= 1")  # fmt: skip
+    _need(
+        cfg.eval_micro_batch_size is None or cfg.eval_micro_batch_size >= 1,
+        f"eval_micro_batch_size={cfg.eval_micro_batch_size} must be >= 1",
+    )
     _need(cfg.deepspeed.steps_per_print >= 1, f"deepspeed.steps_per_print={cfg.deepspeed.steps_per_print} must be >= 1")
-    _need(0 <= cfg.deepspeed.initial_scale_power <= 32,
-          f"deepspeed.initial_scale_power={cfg.deepspeed.initial_scale_power} must be in [0, 32]")  # fmt: skip
+    _need(
+        0 <= cfg.deepspeed.initial_scale_power <= 32,
+        f"deepspeed.initial_scale_power={cfg.deepspeed.initial_scale_power} must be in [0, 32]",
+    )
     for key in ("tokenize_workers", "num_workers"):
         _need(getattr(cfg.data, key) >= 0, f"data.{key}={getattr(cfg.data, key)} must be >= 0")
     for i, w in enumerate(cfg.data.train_weights or []):
@@ -77,10 +81,14 @@ def validate(cfg: TrainConfig) -> None:
     """Checks that need more than types. Raises ValueError naming the key; changes nothing."""
     need = _need
     need(str(cfg.resume).lower() in RESUME_MODES, f"resume={cfg.resume} must be true, false or auto")
-    need(cfg.resume_from is None or re.fullmatch(r"global_step\d+", cfg.resume_from) is not None,
-         f"resume_from={cfg.resume_from} must name a checkpoint like global_step500")  # fmt: skip
-    need(not cfg.overwrite_output_dir or (str(cfg.resume).lower() == "false" and not cfg.resume_from),
-         "overwrite_output_dir=true starts a fresh run; it cannot be combined with resume or resume_from")  # fmt: skip
+    need(
+        cfg.resume_from is None or re.fullmatch(r"global_step\d+", cfg.resume_from) is not None,
+        f"resume_from={cfg.resume_from} must name a checkpoint like global_step500",
+    )
+    need(
+        not cfg.overwrite_output_dir or (str(cfg.resume).lower() == "false" and not cfg.resume_from),
+        "overwrite_output_dir=true starts a fresh run; it cannot be combined with resume or resume_from",
+    )
     validate_numbers(cfg)
     need(cfg.keep_last_n >= 0, f"keep_last_n={cfg.keep_last_n} must be >= 0")
     check_reporters(cfg.report_to)
@@ -94,8 +102,10 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
     need(cfg.deepspeed.zero_stage in (None, 0, 1), "deepspeed.zero_stage must be 0 or 1 with pipeline parallelism")
     validate_offload(cfg)
-    need(cfg.tokenizer_name_or_path is not None or cfg.model_name_or_path is not None,
-         "tokenizer_name_or_path (or model_name_or_path) is not set")  # fmt: skip
+    need(
+        cfg.tokenizer_name_or_path is not None or cfg.model_name_or_path is not None,
+        "tokenizer_name_or_path (or model_name_or_path) is not set",
+    )
     need(not cfg.do_train or cfg.train_file is not None, "do_train=true needs train_file")
     weights = cfg.data.train_weights
     files = [cfg.train_file] if isinstance(cfg.train_file, str) else list(cfg.train_file or [])
@@ -105,12 +115,16 @@ def validate(cfg: TrainConfig) -> None:
     )
     need(cfg.do_eval is not True or cfg.eval_file is not None, "do_eval=true needs eval_file")
     least = min_micro_batches(cfg.pipeline_schedule, cfg.num_stages)
-    need(cfg.gradient_accumulation_steps >= least,
-         f"pipeline_schedule=dualpipev needs gradient_accumulation_steps >= 2 x num_stages = {least} "
-         f"micro-batches per step, got {cfg.gradient_accumulation_steps}")  # fmt: skip
-    need(not (cfg.data.packing and cfg.data.concatenate),
-         "data.packing=true and data.concatenate=true: choose one (packing places whole rows, concatenation cuts "
-         "the document stream into blocks)")  # fmt: skip
+    need(
+        cfg.gradient_accumulation_steps >= least,
+        f"pipeline_schedule=dualpipev needs gradient_accumulation_steps >= 2 x num_stages = {least} "
+        f"micro-batches per step, got {cfg.gradient_accumulation_steps}",
+    )
+    need(
+        not (cfg.data.packing and cfg.data.concatenate),
+        "data.packing=true and data.concatenate=true: choose one (packing places whole rows, concatenation cuts "
+        "the document stream into blocks)",
+    )
     if cfg.objective == "dpo":
         validate_dpo(cfg)
     if cfg.lora.enabled:
@@ -127,11 +141,16 @@ def validate_dpo(cfg: TrainConfig) -> None:
     """`objective=dpo` settings. Raises ValueError naming the key."""
     d = cfg.dpo
     for key in ("packing", "concatenate"):
-        _need(not getattr(cfg.data, key), f"data.{key}=true: objective=dpo scores each pair's two sequences as rows "
-              "of their own (packing or concatenating pairs is not supported)")  # fmt: skip
-    _need(d.loss_type == "simpo" or d.reference_model is not None or cfg.model_name_or_path is not None,
-          f"dpo.loss_type={d.loss_type} compares against a reference model: set model_name_or_path (the reference "
-          "is the starting weights) or dpo.reference_model")  # fmt: skip
+        _need(
+            not getattr(cfg.data, key),
+            f"data.{key}=true: objective=dpo scores each pair's two sequences as rows "
+            "of their own (packing or concatenating pairs is not supported)",
+        )
+    _need(
+        d.loss_type == "simpo" or d.reference_model is not None or cfg.model_name_or_path is not None,
+        f"dpo.loss_type={d.loss_type} compares against a reference model: set model_name_or_path (the reference "
+        "is the starting weights) or dpo.reference_model",
+    )
 
 
 def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
@@ -182,7 +201,9 @@ def validate_offload(cfg: TrainConfig) -> None:
     ds = cfg.deepspeed
     if not ds.offload_optimizer:
         return
-    _need(resolve_precision(ds.precision) != "bf16",
-          "deepspeed.offload_optimizer=true with bf16 is not supported by DeepSpeed's pipeline engine "
-          "(DeepSpeed issue 3866); use deepspeed=fp16_offload")  # fmt: skip
+    _need(
+        resolve_precision(ds.precision) != "bf16",
+        "deepspeed.offload_optimizer=true with bf16 is not supported by DeepSpeed's pipeline engine "
+        "(DeepSpeed issue 3866); use deepspeed=fp16_offload",
+    )
     _need(resolve_zero_stage(ds.zero_stage) >= 1, "deepspeed.offload_optimizer=true needs deepspeed.zero_stage=1")

@@ -57,8 +57,12 @@ class ZeroBubbleEngine(PipelineEngine):
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 
     # NOTE: the map holds functions, not method names: the overridden backward must be entered here too.
-    _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, BackwardPass: _exec_backward_pass,
-                        RecvGrad: _exec_recv_grads, WeightPass: _exec_weight_pass}  # fmt: skip
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        BackwardPass: _exec_backward_pass,
+        RecvGrad: _exec_recv_grads,
+        WeightPass: _exec_weight_pass,
+    }
 
 
 def make_zero_bubble(engine: PipelineEngine) -> ZeroBubbleEngine:

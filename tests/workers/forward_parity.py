@@ -90,8 +90,14 @@ def main():
     for case in json.load(open(cases_path)):
         packed = case.get("packed", False)
         for pp, tp_size, sp in LAYOUTS:
-            cfg = TrainConfig(num_stages=pp, tensor_parallel_size=tp_size, micro_batch_size=BATCH,
-                              gradient_accumulation_steps=1, seq_length=SEQ, sequence_parallel=sp)  # fmt: skip
+            cfg = TrainConfig(
+                num_stages=pp,
+                tensor_parallel_size=tp_size,
+                micro_batch_size=BATCH,
+                gradient_accumulation_steps=1,
+                seq_length=SEQ,
+                sequence_parallel=sp,
+            )
             cfg.data.packing = packed
             config = AutoConfig.from_pretrained(case["ckpt_dir"])
             config._attn_implementation = case["attn"]
@@ -117,9 +123,17 @@ def main():
                 iter([((ids, pos), (labels, scale))]), return_logits=True, num_micro_batches=1
             )
             if pp == 2:
-                traffic.append({"case": case["name"], "tp": tp_size, "sp": sp, "stage": coords.stage,
-                                "sent_float_bytes": SENT["float_bytes"], "received_positions": received[:1],
-                                "hidden_bytes": BATCH * SEQ * config.hidden_size * 4})  # fmt: skip
+                traffic.append(
+                    {
+                        "case": case["name"],
+                        "tp": tp_size,
+                        "sp": sp,
+                        "stage": coords.stage,
+                        "sent_float_bytes": SENT["float_bytes"],
+                        "received_positions": received[:1],
+                        "hidden_bytes": BATCH * SEQ * config.hidden_size * 4,
+                    }
+                )
             if coords.is_last and tp_size > 1:  # this rank's vocabulary rows: gather them all
                 shards = [torch.empty_like(logits) for _ in range(tp_size)]
                 dist.all_gather(shards, logits.contiguous(), group=tp.group)

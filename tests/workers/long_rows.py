@@ -76,8 +76,14 @@ def main():
     rank, world = init_distributed()
     from transformers import AutoConfig
 
-    cfg = TrainConfig(num_stages=2, tensor_parallel_size=2, sequence_parallel=sp, micro_batch_size=1,
-                      gradient_accumulation_steps=1, seq_length=LONG_SEQ)  # fmt: skip
+    cfg = TrainConfig(
+        num_stages=2,
+        tensor_parallel_size=2,
+        sequence_parallel=sp,
+        micro_batch_size=1,
+        gradient_accumulation_steps=1,
+        seq_length=LONG_SEQ,
+    )
     cfg.model.activation_checkpointing = 1  # every block
     cfg.model.loss_chunk_size = CHUNK
     config = AutoConfig.from_pretrained(ckpt_dir)
@@ -100,8 +106,13 @@ def main():
     ids, pos, labels = long_row(config.vocab_size)
     scale = torch.tensor(1.0 / int((labels != -100).sum()))
     loss = engine.train_batch(iter([((ids, pos), (labels, scale))]))
-    record = {"rank": rank, "stage": coords.stage, "loss": float(loss), "peak_saved_bytes": saved.peak,
-              "live_after_step": saved.live}  # fmt: skip
+    record = {
+        "rank": rank,
+        "stage": coords.stage,
+        "loss": float(loss),
+        "peak_saved_bytes": saved.peak,
+        "live_after_step": saved.live,
+    }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     shutdown_distributed()
