@@ -398,3 +398,32 @@ def test_reference_scores_reach_rank_0_in_chunks(tmp_path):
         assert p.exitcode == 0
     pairs = np.arange(9, dtype=np.float32)
     assert np.array_equal(np.load(out), np.stack([10 * pairs + 1, 10 * pairs + 2], axis=1))
+
+
+def test_data_prepare_builds_the_pair_stores_the_trainer_reads(chat_tokenizers, tmp_path, capsys):
+    """`python -m data.prepare objective=dpo train_file=pairs.jsonl` prepares pairs (it used to read them as SFT rows
+    and fail on 'response'): the store it builds is the one the trainer's `open_dataset` then finds, unbuilt."""
+    import json
+
+    from training.cli import compose_config
+    from training.data_setup import open_dataset
+    from training.prepare import main
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(p) + "\n" for p in STRING_PAIRS))
+    tok_dir = chat_tokenizers["bpe"]
+    args = [f"model_name_or_path={tok_dir}", "objective=dpo", f"train_file={pairs}", f"output_dir={tmp_path / 'run'}"]
+    assert main([*args, "seq_length=32"]) == 0
+    assert f"{pairs}: 3 pairs" in capsys.readouterr().out
+    cfg = compose_config([*args, "seq_length=32"])
+    from transformers import AutoTokenizer
+
+    ds = open_dataset(
+        cfg,
+        str(pairs),
+        AutoTokenizer.from_pretrained(tok_dir),
+        train=True,
+        cache_dir=str(tmp_path / "run" / "data_cache"),
+        build=False,
+    )
+    assert ds.from_cache and len(ds) == 3 and ds.report()["pairs"] == 3

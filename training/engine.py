@@ -213,6 +213,10 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
     optimizer, scheduler = make_optimizer(cfg, module.named_parameters(), total_steps)
     config = deepspeed_config(cfg, coords, load_universal)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    # NOTE: DeepSpeed copies its zero_to_fp32.py and zero_to_torch.py into every ZeRO checkpoint. They cannot read
+    # pipeline checkpoints (the layer files carry no parameter shapes for them: "'NoneType' object has no attribute
+    # 'items'"), so none is left for a user to run; `convert2ckpt.py --to-hf --dtype fp32` gets the weights out.
+    engine._copy_recovery_script = lambda save_path: None
     if cfg.pipeline_schedule == "zero_bubble":
         from training.zero_bubble_engine import make_zero_bubble
 
