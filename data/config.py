@@ -4,6 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.config import Choice
+
+
+class DataFormat(Choice):
+    auto = "auto"  # per file, from its first row's keys (data/formats.py)
+    native = "native"  # text, prompt/response, messages, preference pairs
+    alpaca = "alpaca"  # LLaMA-Factory's alpaca: instruction, input, output, system, history
+    sharegpt = "sharegpt"  # LLaMA-Factory's ShareGPT: conversations of {from, value}
+
 
 @dataclass
 class DataConfig:
@@ -11,6 +20,20 @@ class DataConfig:
     prompt_key: str = "prompt"  # the column of a prompt (no targets) ...
     response_key: str = "response"  # ... and of its response (the targets)
     messages_key: str = "messages"  # chat rows: [{role, content}, ...] rendered with the tokenizer's chat template
+    format: DataFormat = DataFormat.auto  # how files are read; auto: detected per file (docs/training.md)
+    instruction_key: str = "instruction"  # alpaca: the user turn is instruction + "\n" + input
+    input_key: str = "input"  # alpaca: left out of the user turn when empty
+    output_key: str = "output"  # alpaca: the assistant turn (the targets)
+    system_key: str = "system"  # alpaca and ShareGPT: the system turn
+    history_key: str = "history"  # alpaca: earlier [instruction, response] pairs, before the user turn
+    conversations_key: str = "conversations"  # ShareGPT: the turns
+    role_tag: str = "from"  # ShareGPT: who speaks in a turn
+    content_tag: str = "value"  # ShareGPT: what a turn says
+    user_tag: str = "human"  # ShareGPT: the user's turns
+    assistant_tag: str = "gpt"  # ShareGPT: the assistant's turns (the targets)
+    system_tag: str = "system"  # ShareGPT: a first turn that is the system prompt
+    function_tag: str = "function_call"  # ShareGPT: an assistant tool call (JSON {name, arguments}; a target)
+    observation_tag: str = "observation"  # ShareGPT: a tool's answer (the chat template's tool role)
     train_weights: list[float] | None = None  # one per train_file entry: mix the files by these weights
     cache_dir: str | None = None  # tokenized stores live here (default: output_dir/data_cache; "": only for the run)
     tokenize_workers: int = 0  # tokenize in this many processes (0/1: in the building rank itself)

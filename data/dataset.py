@@ -115,6 +115,11 @@ class StoreDataset(Dataset):
     def no_target_examples(self) -> list[str]:
         return [w for s in self.stores for w in s.meta["no_target_examples"]]
 
+    @property
+    def formats(self) -> dict[str, str]:
+        """data file -> the format its rows were read as (native, alpaca, sharegpt: data/formats.py)."""
+        return {s.meta["key"]["source"]: s.meta.get("format", "native") for s in self.stores}
+
     def fingerprint(self) -> str:
         """What training reads, whatever files, tokenizer and settings produced it: the stores' content hashes
         (computed once, when each store was built), in order. A resume compares it (training/checkpointing.py);
@@ -202,6 +207,7 @@ class TokenizedDataset(StoreDataset):
             # characters the tokenizer dropped or replaced by an unknown token (not byte-level, no byte fallback)
             "rows_with_lost_characters": int(self.row_array("lost_characters").sum(dtype=np.int64)),
             "lost_character_examples": [w for s in self.stores for w in s.meta["lost_character_examples"]][:5],
+            "formats": self.formats,
         }
 
 

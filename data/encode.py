@@ -13,6 +13,8 @@ row kind (the fast tokenizer is several times faster on a list than called per r
 
 from __future__ import annotations
 
+import json
+
 from data.config import DataConfig
 from data.errors import DataError
 
@@ -80,6 +82,21 @@ def encode_messages(messages, tokenizer) -> tuple[list[int], list[bool]]:
         return any(start < e and end > s for s, e in spans)
 
     return list(ids), [is_target(start, end) for start, end in offsets]
+
+
+def check_tool_turns(messages: list[dict], template) -> None:
+    """KeyError when the conversation has tool calls or tool answers (ShareGPT's function_call and observation
+    turns) and the chat template has no place for them: it would render them as something else, or drop them."""
+    import re
+
+    text = template if isinstance(template, str) else json.dumps(template)
+    if any(m.get("tool_calls") for m in messages) and "tool_calls" not in text:
+        raise KeyError(
+            "the tokenizer's chat template has no tool calls ('tool_calls'): function_call turns cannot "
+            "be rendered with it"
+        )
+    if any(m.get("role") == "tool" for m in messages) and not re.search(r"""['"]tool['"]""", text):
+        raise KeyError("the tokenizer's chat template has no 'tool' role: observation turns cannot be rendered with it")
 
 
 def check_offsets(text: str, offsets) -> None:
@@ -163,7 +180,7 @@ def row_kind(row: dict, cfg: DataConfig) -> str:
     if not kinds:
         raise KeyError(
             f"row has neither a string '{cfg.text_key}' nor '{cfg.prompt_key}'/'{cfg.response_key}' "
-            f"nor '{cfg.messages_key}'"
+            f"nor '{cfg.messages_key}' (nor alpaca's '{cfg.instruction_key}' or ShareGPT's '{cfg.conversations_key}')"
         )
     return kinds[0][0]
 

@@ -119,6 +119,7 @@ class PairDataset(StoreDataset):
             "truncated_pairs": int((self.pair_array("full_lengths") > lengths).any(axis=1).sum()),
             "pairs_without_targets": int((~self.has_targets()).sum()),
             "no_target_examples": self.no_target_examples[:5],
+            "formats": self.formats,
         }
 
 

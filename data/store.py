@@ -32,6 +32,24 @@ import numpy as np
 from data.config import DataConfig
 from data.sources import shard_files
 
+# The settings of data/formats.py: how alpaca and ShareGPT rows become our rows.
+FORMAT_KEYS = (
+    "format",
+    "instruction_key",
+    "input_key",
+    "output_key",
+    "system_key",
+    "history_key",
+    "conversations_key",
+    "role_tag",
+    "content_tag",
+    "user_tag",
+    "assistant_tag",
+    "system_tag",
+    "function_tag",
+    "observation_tag",
+)
+
 VERSION = 2
 CHUNK_ROWS = 4096
 NO_TARGET_EXAMPLES = 5
@@ -80,6 +98,9 @@ def store_key(
     }
     if pairs:  # (only then: the names of other stores stay what they were)
         key["pairs"] = True
+    formats = {k: str(getattr(cfg, k)) for k in FORMAT_KEYS if getattr(cfg, k) != getattr(DataConfig, k)}
+    if formats:  # alpaca / ShareGPT settings that differ from the defaults (the same rule)
+        key["formats"] = formats
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return f"store-{digest}", key
 

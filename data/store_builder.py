@@ -24,6 +24,7 @@ from data import store as fmt
 from data.config import DataConfig
 from data.encode import encode_rows, lossy_tokenizer
 from data.errors import DataError
+from data.formats import detect_format, to_native
 from data.pairs import encode_pairs
 from data.sources import JsonlLines, count_source, iter_chunks
 from data.store import ARRAYS, META, NO_TARGET_EXAMPLES, Store, store_key
@@ -45,6 +46,15 @@ def _encode_part(partial: str, index: int, chunk) -> dict:
     """Tokenize one chunk and write it as part `index` of `partial`; returns its summary."""
     w = _WORK
     rows = chunk.rows() if isinstance(chunk, JsonlLines) else chunk
+    form = detect_format(rows[0][1], w["cfg"]) if rows else "native"  # alpaca, ShareGPT: data/formats.py
+    if form != "native":
+        native, template = [], getattr(w["tokenizer"], "chat_template", None)
+        for where, row in rows:
+            try:
+                native.append((where, to_native(row, form, w["cfg"], w["pairs"], template)))
+            except KeyError as e:
+                raise DataError(f"{where}: {e.args[0]} (read as {form}, from the keys of its first row)") from None
+        rows = native
     lost: list[bool] | None = [] if w["lossy"] and not w["pairs"] else None
     if w["pairs"]:  # preference pairs: two store rows each, the chosen and the rejected sequence
         encoded = encode_pairs(rows, w["tokenizer"])
@@ -94,6 +104,7 @@ def _encode_part(partial: str, index: int, chunk) -> dict:
         "target_tokens": int(row_targets.sum()),
         "lost": len(lossy_rows),
         "lost_examples": lossy_rows[:NO_TARGET_EXAMPLES],
+        "format": form,
     }
     with open(os.path.join(tmp, "part.json"), "w") as f:
         json.dump(summary, f)
@@ -196,6 +207,9 @@ def _finalize(partial: str, parts: int, key: dict, dtype: str, start: float, bea
     """Concatenate the parts into the store's arrays (one part in memory at a time, each deleted once
     copied) and write meta.json last."""
     summaries = [_read_summary(partial, i) for i in range(parts)]
+    formats = sorted({s.get("format", "native") for s in summaries})
+    if len(formats) > 1:
+        raise DataError(f"{key['source']}: rows of {' and '.join(formats)} formats; one source holds one format")
     rows, tokens = sum(s["rows"] for s in summaries), sum(s["tokens"] for s in summaries)
     # NOTE: plain appending writes, not np.memmap: a memory-mapped file on a full disk kills the process with
     # SIGBUS instead of raising ENOSPC.
@@ -244,6 +258,7 @@ def _finalize(partial: str, parts: int, key: dict, dtype: str, start: float, bea
         "no_target_examples": [w for s in summaries for w in s["no_target_examples"]][:NO_TARGET_EXAMPLES],
         "rows_with_lost_characters": sum(s["lost"] for s in summaries),
         "lost_character_examples": [w for s in summaries for w in s["lost_examples"]][:NO_TARGET_EXAMPLES],
+        "format": formats[0],  # how the rows were read (data/formats.py)
         "build_seconds": time.perf_counter() - start,  # tokenizing and concatenating (this launch's share)
         "key": key,
     }
@@ -374,7 +389,11 @@ def _build(path, final, key, tokenizer, cfg, truncate, concat, workers, beat, lo
     if parts == 0:
         shutil.rmtree(partial, ignore_errors=True)
         raise DataError(f"{path}: empty dataset (no rows)")
-    meta = _finalize(partial, parts, key, dtype, start, beat)
+    try:
+        meta = _finalize(partial, parts, key, dtype, start, beat)
+    except DataError:  # rows of two formats: nothing to continue from
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     seconds = meta["build_seconds"]
     os.rename(partial, final)
     log(
