@@ -7,9 +7,11 @@ expects the one-line error once per rank (every rank learns of a failure on any 
 
 Config cases (`@catalogue.config_case`): a trainer command whose error comes from its overrides alone
 (override checks, `validate`, the model's config, `validate_layout`, the stage bounds), before any data,
-weight or output is touched. They run in-process through the trainer's own functions (`config_error`); one
-case of each of those kinds still launches the trainer (`@catalogue.case`), so the one line on stderr, the
-exit code and the untouched inputs are proven end to end once per kind.
+weight or output is touched. Data cases (`@catalogue.data_case`): one whose error comes from reading its train
+file. Both run in-process through the trainer's own functions (`config_error`, `data_error`); cases of each
+kind still launch the trainer (`@catalogue.case`: an unknown key, a value, a preset, a layout, a missing file,
+a bad row on 4 ranks), so the one line on stderr, once per rank, the exit code and the untouched inputs are
+proven end to end for every kind.
 The cases live in tests/test_bad_inputs.py (inputs that are wrong) and tests/test_bad_outputs.py (commands
 that would destroy or mix what the user has).
 """
@@ -30,14 +32,18 @@ class Catalogue(dict):
 
     def __init__(self):
         super().__init__()
-        self.in_process: set[str] = set()
+        self.in_process: dict[str, str] = {}  # name -> "config" or "data"
 
     def case(self, fn):
         self[fn.__name__] = fn
         return fn
 
     def config_case(self, fn):
-        self.in_process.add(fn.__name__)
+        self.in_process[fn.__name__] = "config"
+        return self.case(fn)
+
+    def data_case(self, fn):
+        self.in_process[fn.__name__] = "data"
         return self.case(fn)
 
 
@@ -59,6 +65,29 @@ def config_error(overrides: list[str], world_size: int = 1) -> str:
         validate_layout(cfg, world_size, model_config)
         stage_bounds(model_config, model_stages(cfg.pipeline_schedule, cfg.num_stages), cfg.model.partition)
     except (ValueError, RunError) as e:
+        return str(e)
+    raise AssertionError(f"no error for {overrides}")
+
+
+def data_error(overrides: list[str]) -> str:
+    """The error the trainer gives while reading the train file of `overrides` (a valid config), found
+    in-process through its own steps: the tokenizer, then `open_dataset` into the run's data cache
+    (training/assembly.py and training/data_setup.py). AssertionError when the data reads."""
+    from data.dataset import cache_root
+    from data.errors import DataError
+    from models.tokenizer import configured_tokenizer
+    from training.cli import compose_config
+    from training.data_setup import open_dataset
+    from training.validate import validate
+
+    cfg = compose_config(overrides)
+    validate(cfg)
+    tokenizer, _ = configured_tokenizer(cfg.tokenizer_name_or_path, cfg.model_name_or_path)
+    try:
+        open_dataset(
+            cfg, cfg.train_file, tokenizer, train=True, cache_dir=cache_root(cfg.data.cache_dir, cfg.output_dir)[0]
+        )
+    except DataError as e:
         return str(e)
     raise AssertionError(f"no error for {overrides}")
 
@@ -106,17 +135,21 @@ class Inputs:
         self.env = {}
 
 
-def run_case(fn, t: Inputs, monkeypatch, in_process: bool = False) -> None:
-    """Run one case and check every promise of the catalogue (a config case in-process: see the module doc)."""
+def run_case(fn, t: Inputs, monkeypatch, in_process: str | None = None) -> None:
+    """Run one case and check every promise of the catalogue (config and data cases in-process: the module doc)."""
     cmd, fragment, out, inputs, *rest = fn(t)
     ranks = rest[0] if rest else 1
     before = digest(inputs)
     if in_process:
         assert cmd[:2] == [sys.executable, "trainer.py"] and ranks == 1 and not t.env, cmd
-        line = config_error(cmd[2:])
+        line = config_error(cmd[2:]) if in_process == "config" else data_error(cmd[2:])
         assert fragment in line and "\n" not in line, line
         assert digest(inputs) == before, "inputs changed"
-        assert out is None or not out.exists(), os.listdir(out)
+        if in_process == "config":
+            assert out is None or not out.exists(), os.listdir(out)
+        else:
+            assert not looks_complete(out, inputs), os.listdir(out)
+            assert not [p for p in (out.rglob("*") if out.exists() else []) if ".partial" in p.name], "half-built store"
         print(f"{fn.__name__}: {line}")
         return
     for key, value in t.env.items():

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.slow
 CASES = Catalogue()
 case = CASES.case
 config_case = CASES.config_case
+data_case = CASES.data_case
 
 
 # ---------------------------------------------------------------- conversion inputs
@@ -261,14 +262,14 @@ def output_dir_not_writable(t):
 # ---------------------------------------------------------------- data
 
 
-@case
+@data_case
 def empty_dataset(t):
     data = t.tmp / "empty.jsonl"
     data.write_text("\n")
     return trainer_cmd(*run_args(t.ckpt, t.out, str(data))), f"{data}: empty dataset", t.out, [t.ckpt, data]
 
 
-@case
+@data_case
 def jsonl_row_not_json(t):
     data = t.tmp / "bad.jsonl"
     data.write_text('{"text": "one two"}\n{"text": "three\n')
@@ -292,7 +293,7 @@ def bad_json_row_on_four_ranks(t):
     return cmd, f"{data}:2: not valid JSON", t.out, [t.ckpt, data], 4
 
 
-@case
+@data_case
 def rows_without_target_tokens(t):
     data = t.tmp / "prompts_only.jsonl"  # every prompt fills seq_length, so no response token survives
     rows = [{"prompt": "one two three four " * 8, "response": "five"} for _ in range(8)]
@@ -307,7 +308,7 @@ def missing_train_file(t):
     return trainer_cmd(*run_args(t.ckpt, t.out, missing)), f"{missing}: cannot read", t.out, [t.ckpt]
 
 
-@case
+@data_case
 def lone_surrogate_in_jsonl(t):
     data = t.tmp / "surrogate.jsonl"
     data.write_text('{"text": "one two"}\n{"text": "three \\ud800 four"}\n')
@@ -315,7 +316,7 @@ def lone_surrogate_in_jsonl(t):
     return cmd, f"{data}:2: 'text' is not valid Unicode (a lone surrogate \\ud800", t.out, [t.ckpt, data]
 
 
-@case
+@data_case
 def jsonl_bytes_not_utf8(t):
     data = t.tmp / "latin1.jsonl"
     data.write_bytes('{"text": "one two"}\n{"text": "caf\u00e9"}\n'.encode("latin-1"))
@@ -323,7 +324,7 @@ def jsonl_bytes_not_utf8(t):
     return cmd, f"{data}:2: not UTF-8 text (byte 0xe9 at column 14)", t.out, [t.ckpt, data]
 
 
-@case
+@data_case
 def row_with_text_and_prompt(t):
     data = t.tmp / "both.jsonl"
     data.write_text('{"text": "one two"}\n{"text": "three", "prompt": "1+1=", "response": "2"}\n')
@@ -331,7 +332,7 @@ def row_with_text_and_prompt(t):
     return cmd, f"{data}:2: row has both 'prompt'/'response' and 'text'", t.out, [t.ckpt, data]
 
 
-@case
+@data_case
 def chat_template_that_raises(t):
     """A `tool` turn under a template that allows only alternating user/assistant turns (Llama-2 style)."""
     ckpt = copy(t.ckpt, t.tmp / "ckpt")
@@ -376,7 +377,7 @@ def adam_beta1_above_one(t):
     return cmd, "optim.beta1=1.5 must be a finite number in [0, 1)", t.out, [t.ckpt]
 
 
-@case
+@data_case
 def data_cache_dir_not_writable(t):
     blocker = t.tmp / "a_file"
     blocker.write_text("not a directory")
@@ -419,4 +420,4 @@ def test_docs_count_the_catalogue():
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input(name, hf_models, converted, sft_data, tmp_path, monkeypatch):
-    run_case(CASES[name], Inputs(tmp_path, hf_models, converted, sft_data), monkeypatch, name in CASES.in_process)
+    run_case(CASES[name], Inputs(tmp_path, hf_models, converted, sft_data), monkeypatch, CASES.in_process.get(name))
