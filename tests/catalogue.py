@@ -9,7 +9,7 @@ Config cases (`@catalogue.config_case`): a trainer command whose error comes fro
 (override checks, `validate`, the model's config, `validate_layout`, the stage bounds), before any data,
 weight or output is touched. Data cases (`@catalogue.data_case`): one whose error comes from reading its train
 file. Both run in-process through the trainer's own functions (`config_error`, `data_error`); cases of each
-kind still launch the trainer (`@catalogue.case`: an unknown key, a value, a preset, a layout, a missing file,
+kind still launch the trainer (`@catalogue.case`: an unknown key, a value, a layout on 4 ranks, a missing file,
 a bad row on 4 ranks), so the one line on stderr, once per rank, the exit code and the untouched inputs are
 proven end to end for every kind.
 The cases live in tests/test_bad_inputs.py (inputs that are wrong) and tests/test_bad_outputs.py (commands

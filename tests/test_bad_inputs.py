@@ -139,7 +139,7 @@ def num_stages_beyond_layer_count(t):
     return trainer_cmd(*run_args(t.ckpt, t.out, t.train, num_stages=6)), "num_stages=6", t.out, [t.ckpt]
 
 
-@case
+@config_case
 def world_size_not_divisible_by_stages(t):
     cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, num_stages=2))
     return cmd, "num_stages=2 does not divide the world size 1", t.out, [t.ckpt]
@@ -209,7 +209,7 @@ def checkpoint_of_another_model_size(t):
     return cmd, f"{layer}: does not fit this model", t.out, [ckpt]
 
 
-@case
+@config_case
 def model_preset_of_another_size(t):
     cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train), "model=llama2_7b")
     return cmd, "model.vocab_size=32000 (preset llama2_7b)", t.out, [t.ckpt]
