@@ -52,6 +52,23 @@ def to_native(row, fmt: str, cfg: DataConfig, pairs: bool, chat_template=None) -
     return out
 
 
+def chunk_as_native(rows: list[tuple[str, dict]], cfg: DataConfig, pairs: bool, chat_template=None):
+    """(rows as our own rows, the format they were read as) for a chunk of one file's (location, row) pairs; the
+    format comes from the first row. DataError naming the row's location when one does not fit."""
+    from data.errors import DataError
+
+    form = detect_format(rows[0][1], cfg) if rows else "native"
+    if form == "native":
+        return rows, form
+    native = []
+    for where, row in rows:
+        try:
+            native.append((where, to_native(row, form, cfg, pairs, chat_template)))
+        except KeyError as e:
+            raise DataError(f"{where}: {e.args[0]} (read as {form}, from the keys of its first row)") from None
+    return native, form
+
+
 def _string(row: dict, key: str, fmt: str, required: bool = True) -> str:
     value = row.get(key)
     if value is None and not required:

@@ -24,7 +24,7 @@ from data import store as fmt
 from data.config import DataConfig
 from data.encode import encode_rows, lossy_tokenizer
 from data.errors import DataError
-from data.formats import detect_format, to_native
+from data.formats import chunk_as_native
 from data.pairs import encode_pairs
 from data.sources import JsonlLines, count_source, iter_chunks
 from data.store import ARRAYS, META, NO_TARGET_EXAMPLES, Store, store_key
@@ -46,15 +46,7 @@ def _encode_part(partial: str, index: int, chunk) -> dict:
     """Tokenize one chunk and write it as part `index` of `partial`; returns its summary."""
     w = _WORK
     rows = chunk.rows() if isinstance(chunk, JsonlLines) else chunk
-    form = detect_format(rows[0][1], w["cfg"]) if rows else "native"  # alpaca, ShareGPT: data/formats.py
-    if form != "native":
-        native, template = [], getattr(w["tokenizer"], "chat_template", None)
-        for where, row in rows:
-            try:
-                native.append((where, to_native(row, form, w["cfg"], w["pairs"], template)))
-            except KeyError as e:
-                raise DataError(f"{where}: {e.args[0]} (read as {form}, from the keys of its first row)") from None
-        rows = native
+    rows, form = chunk_as_native(rows, w["cfg"], w["pairs"], getattr(w["tokenizer"], "chat_template", None))
     lost: list[bool] | None = [] if w["lossy"] and not w["pairs"] else None
     if w["pairs"]:  # preference pairs: two store rows each, the chosen and the rejected sequence
         encoded = encode_pairs(rows, w["tokenizer"])

@@ -140,3 +140,41 @@ def test_hydra_multirun_sweeps_learning_rate(converted, sft_data, tmp_path):
     second = [json.loads(x)["lr"] for x in open(runs["0.003"] / "metrics.jsonl")]
     assert second[0] == pytest.approx(3 * first[0])
     assert not (REPO / "multirun").exists() and not (REPO / "multirun.yaml").exists()
+
+
+def test_ranks_come_from_the_launcher_srun_or_nothing():
+    """training/launch_env.py: a launcher's RANK/WORLD_SIZE win; an srun task reads SLURM's variables; SLURM's batch
+    script without srun (SLURM_PROCID=0, no step) is a world of one and says why."""
+    from training.launch_env import first_host, resolve_launch, tasks_on_node
+
+    launcher = {"RANK": "3", "WORLD_SIZE": "8", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}
+    assert resolve_launch(launcher).startswith("ranks from the launcher") and launcher["RANK"] == "3"
+    task = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "16",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_ID": "4321",
+        "SLURM_JOB_NODELIST": "gpu007",
+        "SLURM_STEP_TASKS_PER_NODE": "8(x2)",
+    }
+    assert "ranks from SLURM (srun step 4321.0): world size 16" in resolve_launch(task)
+    assert {k: task[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")} == {
+        "RANK": "5",
+        "WORLD_SIZE": "16",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "8",
+        "MASTER_ADDR": "gpu007",
+    }
+    assert task["MASTER_PORT"] == str(20000 + 4321 % 20000)
+    exported = {**task, "MASTER_PORT": "29511"}
+    for key in ("RANK", "WORLD_SIZE"):
+        exported.pop(key)
+    resolve_launch(exported)
+    assert exported["MASTER_PORT"] == "29511"  # a port the job exports is kept
+    batch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "16", "SLURM_JOB_ID": "4321"}
+    assert "not an srun task" in resolve_launch(batch) and batch["WORLD_SIZE"] == "1"
+    assert resolve_launch({}) == "a world of one (no launcher)"
+    assert [tasks_on_node("4(x2),3", n) for n in range(3)] == [4, 4, 3]
+    assert first_host("node12") == "node12"

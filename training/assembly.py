@@ -34,7 +34,7 @@ from models.tokenizer import check_tokenizer_fits, configured_tokenizer
 from training import checkpointing
 from training.config import TrainConfig, model_stages, padded_seq_length, sequence_parallel
 from training.data_setup import data_state, load_data, pad_id, write_data_report
-from training.distributed import agreed, init_distributed
+from training.distributed import LAUNCH, agreed, init_distributed
 from training.engine import build_module, describe_auto_precision, initialize_engine
 from training.errors import RunError
 from training.logs import configure_logging, log_to_file
@@ -130,6 +130,7 @@ def assemble(cfg: TrainConfig) -> Run:
     rank, world = init_distributed(cfg.dist_timeout_minutes)
     coords = Coords(rank, world, cfg.num_stages, cfg.tensor_parallel_size, cfg.pipeline_schedule == "dualpipev")
     configure_logging(coords, cfg.log_all_ranks)
+    log.info("%s", LAUNCH[0])
     with agreed():
         try:
             validate(cfg)

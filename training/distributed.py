@@ -23,9 +23,11 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from training.errors import USER_ERRORS, RunError
+from training.launch_env import resolve_launch
 
 log = logging.getLogger("trainer")
 _CONTROL: list = []  # the gloo group for small CPU collectives (made once per process group)
+LAUNCH: list[str] = []  # where this process's rank and world size came from
 
 
 def _free_port() -> int:
@@ -35,15 +37,21 @@ def _free_port() -> int:
 
 
 def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int]:
-    """Join the process group started by `deepspeed`/`torchrun`, or make a one-rank group for `python`.
+    """Join the process group started by `deepspeed`/`torchrun` or `srun` (training/launch_env.py), or make a
+    one-rank group for `python`. `LAUNCH[0]` says where the ranks came from (the run's first log line).
 
     Returns:
         (global rank, world size).
+    Raises:
+        RunError: a SLURM environment that cannot be read.
     """
     import deepspeed
 
-    if "RANK" not in os.environ:  # plain `python trainer.py`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    try:
+        LAUNCH[:] = [resolve_launch(os.environ)]
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    if os.environ["WORLD_SIZE"] == "1":  # a world of one: any free port on this machine
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it
