@@ -37,6 +37,12 @@ class Precision(Choice):
     fp16 = "fp16"
 
 
+class AccumDtype(Choice):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
 class Scheduler(Choice):
     cosine = "cosine"
     linear = "linear"
@@ -55,7 +61,7 @@ class DeepSpeedConfig:
     precision: Precision = Precision.auto  # auto: bf16 on a bf16-capable GPU, fp16 on other GPUs, fp32 on CPU
     zero_stage: int | None = None  # None: 1 on GPU, 0 on CPU; the pipeline engine allows <= 1
     offload_optimizer: bool = False  # CPU offload; DeepSpeed supports it under PP with fp16 only
-    grad_accum_dtype: str | None = None  # None: fp32 when precision is bf16
+    grad_accum_dtype: AccumDtype | None = None  # gradient accumulation dtype; None: fp32 when precision is bf16
     initial_scale_power: int = 16  # fp16 dynamic loss scale start, 2**N
     steps_per_print: int = 1_000_000  # DeepSpeed's own console line; we log every step ourselves
     wall_clock_breakdown: bool = False  # DeepSpeed's timing of forward, backward and step in its log

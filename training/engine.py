@@ -55,11 +55,11 @@ def deepspeed_config(cfg: TrainConfig, coords: Coords, load_universal: bool = Fa
     }
     if precision == "bf16":
         conf["bf16"] = {"enabled": True}
-        conf["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype or "fp32"}
+        conf["data_types"] = {"grad_accum_dtype": str(ds.grad_accum_dtype or "fp32")}
     elif precision == "fp16":
         conf["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": ds.initial_scale_power}
     elif ds.grad_accum_dtype:
-        conf["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype}
+        conf["data_types"] = {"grad_accum_dtype": str(ds.grad_accum_dtype)}
     if load_universal:
         conf["checkpoint"] = {"load_universal": True}
     if cfg.pipeline_schedule == "dualpipev" or sequence_parallel(cfg):
