@@ -28,12 +28,17 @@ FORMATS = tuple(str(f) for f in DataFormat if f != DataFormat.auto)
 
 
 def detect_format(row, cfg: DataConfig) -> str:
-    """The format of a file whose first row is `row`: `data.format` when set, else from the row's keys."""
+    """The format of a file whose first row is `row`: `data.format` when set, else from the row's keys. A row with
+    one of our own keys (text, prompt/response, messages) is ours, whatever else it carries (the original alpaca
+    set has a 'text' column beside instruction/input/output, and stays read as text)."""
     if cfg.format != DataFormat.auto:
         return str(cfg.format)
-    if isinstance(row, dict) and cfg.conversations_key in row:
+    ours = (cfg.text_key, cfg.prompt_key, cfg.response_key, cfg.messages_key)
+    if not isinstance(row, dict) or any(key in row for key in ours):
+        return "native"
+    if cfg.conversations_key in row:
         return "sharegpt"
-    if isinstance(row, dict) and cfg.instruction_key in row:
+    if cfg.instruction_key in row:
         return "alpaca"
     return "native"
 

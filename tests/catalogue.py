@@ -6,11 +6,12 @@ path, input paths[, ranks]). The inputs are hashed before and after the command.
 expects the one-line error once per rank (every rank learns of a failure on any rank) and no traceback.
 
 Config cases (`@catalogue.config_case`): a trainer command whose error comes from its overrides alone
-(override checks, `validate`, the model's config, `validate_layout`, the stage bounds), before any data,
-weight or output is touched. Data cases (`@catalogue.data_case`): one whose error comes from reading its train
-file. Both run in-process through the trainer's own functions (`config_error`, `data_error`); cases of each
-kind still launch the trainer (`@catalogue.case`: an unknown key, a value, a layout on 4 ranks, a missing file,
-a bad row on 4 ranks), so the one line on stderr, once per rank, the exit code and the untouched inputs are
+(override checks, `validate`, the model's config, `validate_layout`, the stage bounds), before any data or
+weight is read (the trainer has only made output_dir and its log by then). Data cases
+(`@catalogue.data_case`): one whose error comes from reading its train file. Both run in-process through the
+trainer's own functions (`config_error`, `data_error`); cases of each kind still launch the trainer
+(`@catalogue.case`: an unknown key, a value, a layout on 4 ranks, a missing file, a bad row on 4 ranks), so the
+one line on stderr, once per rank, the exit code and the untouched inputs are
 proven end to end for every kind.
 The cases live in tests/test_bad_inputs.py (inputs that are wrong) and tests/test_bad_outputs.py (commands
 that would destroy or mix what the user has).
@@ -48,7 +49,7 @@ class Catalogue(dict):
 
 
 def config_error(overrides: list[str], world_size: int = 1) -> str:
-    """The error the trainer gives for `overrides` before it reads data, weights or output_dir, found in-process
+    """The error the trainer gives for `overrides` before it reads data or weights, found in-process
     through the trainer's own steps: the override checks and composition, `validate`, the model's config, the
     layout and the stage bounds (training/assembly.py runs them in this order). AssertionError when none fails."""
     from models.partition import stage_bounds
@@ -145,10 +146,8 @@ def run_case(fn, t: Inputs, monkeypatch, in_process: str | None = None) -> None:
         line = config_error(cmd[2:]) if in_process == "config" else data_error(cmd[2:])
         assert fragment in line and "\n" not in line, line
         assert digest(inputs) == before, "inputs changed"
-        if in_process == "config":
-            assert out is None or not out.exists(), os.listdir(out)
-        else:
-            assert not looks_complete(out, inputs), os.listdir(out)
+        assert not looks_complete(out, inputs), os.listdir(out)
+        if in_process == "data":
             assert not [p for p in (out.rglob("*") if out.exists() else []) if ".partial" in p.name], "half-built store"
         print(f"{fn.__name__}: {line}")
         return

@@ -99,7 +99,8 @@ def free_port() -> int:
 def subprocess_env() -> dict:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    # (and SLURM's: tests run inside an srun step would otherwise make every trainer an srun task)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_ID", "SLURM_PROCID"):
         env.pop(key, None)
     return env
 

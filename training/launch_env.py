@@ -2,10 +2,12 @@
 `srun` (its task variables), or nothing (`python trainer.py`: a world of one).
 
 `srun python trainer.py ...` starts one task per rank and sets no RANK/WORLD_SIZE: the rank is SLURM_PROCID, the
-world SLURM_NTASKS, the local rank SLURM_LOCALID and the master the first host of SLURM_JOB_NODELIST (through
-`scontrol show hostnames`); MASTER_PORT is kept when the job exports one, else derived from the job id so every
-task picks the same. Only inside an `srun` step (SLURM_STEP_ID set): the batch script itself also carries
-SLURM_PROCID=0 and SLURM_NTASKS, and a trainer started there without `srun` is alone.
+world SLURM_NTASKS, the local rank SLURM_LOCALID and the master the first host of the step's nodes
+(SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST, through `scontrol show hostnames`, or read directly where a
+container has no scontrol); MASTER_PORT is kept when the job exports one, else derived from the job id so every
+task picks the same. Only inside an `srun` step of several tasks (SLURM_STEP_ID set): the batch script itself
+also carries SLURM_PROCID=0 and SLURM_NTASKS, and a trainer started there without `srun`, or in a one-task step,
+is alone (127.0.0.1 and a free port, as `python trainer.py`).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import subprocess
 
 
 def slurm_step(environ) -> bool:
-    """Whether this process is a task of an `srun` step (not the batch script, not a launcher's child)."""
-    return "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ
+    """Whether this process is a task of an `srun` step of several tasks (not the batch script, not a launcher's
+    child, not a one-task step such as `srun --pty bash`)."""
+    steps = "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ
+    return steps and environ.get("SLURM_NTASKS", "1") != "1"
 
 
 def tasks_on_node(tasks_per_node: str, node: int) -> int:
@@ -32,21 +36,29 @@ def tasks_on_node(tasks_per_node: str, node: int) -> int:
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list ("gpu[003-004,007]" -> "gpu003"), as `scontrol show hostnames` says."""
+    """The first host of a SLURM node list ("gpu[003-004,007]" -> "gpu003"), as `scontrol show hostnames` says;
+    read directly where scontrol is missing or fails (a container without SLURM's config)."""
+    if not nodelist:
+        raise ValueError("an srun task without SLURM_STEP_NODELIST or SLURM_JOB_NODELIST: export MASTER_ADDR")
     if not re.search(r"[\[,]", nodelist):
         return nodelist
     try:
         out = subprocess.run(
             ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60, check=True
-        ).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise ValueError(
-            f"SLURM_JOB_NODELIST={nodelist}: cannot expand it with scontrol show hostnames ({e})"
-        ) from None
-    hosts = out.split()
-    if not hosts:
-        raise ValueError(f"SLURM_JOB_NODELIST={nodelist}: scontrol show hostnames gave no host")
-    return hosts[0]
+        ).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    m = re.match(r"([^\[,]+)(?:\[(\d+)[^\]]*\])?(?:,|$)", nodelist)  # a plain `prefix[a-b,c],...` list
+    if m is None:
+        raise ValueError(f"SLURM node list {nodelist}: scontrol show hostnames cannot expand it; export MASTER_ADDR")
+    return m[1] + (m[2] or "")
+
+
+def step_nodes(environ) -> str:
+    """The nodes of this srun step (SLURM_STEP_NODELIST), else of the job."""
+    return environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", "")
 
 
 def slurm_environment(environ) -> dict[str, str]:
@@ -55,7 +67,7 @@ def slurm_environment(environ) -> dict[str, str]:
         "RANK": environ["SLURM_PROCID"],
         "WORLD_SIZE": environ["SLURM_NTASKS"],
         "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
-        "MASTER_ADDR": environ.get("MASTER_ADDR") or first_host(environ["SLURM_JOB_NODELIST"]),
+        "MASTER_ADDR": environ.get("MASTER_ADDR") or first_host(step_nodes(environ)),
         "MASTER_PORT": environ.get("MASTER_PORT") or str(20000 + int(environ.get("SLURM_JOB_ID", "0")) % 20000),
     }
     if "SLURM_STEP_TASKS_PER_NODE" in environ:

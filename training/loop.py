@@ -20,7 +20,14 @@ from data.sampling import eval_batches, eval_indices, eval_num_batches, train_ba
 from training import checkpointing
 from training.assembly import assemble
 from training.batches import LossScaledBatches, PairScaledBatches
-from training.config import TrainConfig, eval_micro_batch_size, evaluating, resume_mode, sequences_per_sample
+from training.config import (
+    TrainConfig,
+    eval_micro_batch_size,
+    evaluating,
+    padded_seq_length,
+    resume_mode,
+    sequences_per_sample,
+)
 from training.distributed import control_group
 from training.errors import RunError
 from training.logs import rank_log_path
@@ -73,7 +80,7 @@ class Trainer:
             data_iter = train_batches(r.train_set, r.plan, c.dp_rank, cfg.seed, r.step, r.collate, cfg.data.num_workers)
             if c.is_last:
                 data_iter = self._scaled(data_iter, cfg.gradient_accumulation_steps)
-        tokens_per_step = c.global_batch(cfg.micro_batch_size, cfg.gradient_accumulation_steps) * cfg.seq_length
+        tokens_per_step = c.global_batch(cfg.micro_batch_size, cfg.gradient_accumulation_steps) * padded_seq_length(cfg)
         tokens_per_step *= sequences_per_sample(cfg)
         log.info(
             "training steps %d..%d of %d (%d per epoch), PP=%d x TP=%d x DP=%d",

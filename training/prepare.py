@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = compose_config(overrides)
-        validate(cfg)
+        validate(cfg, training_here=False)
         d = cfg.data
         if d.cache_dir == "":
             raise ValueError("data.cache_dir='' keeps tokenized data only for one run: nothing to prepare")

@@ -77,8 +77,13 @@ def validate_numbers(cfg: TrainConfig) -> None:
         _finite(cfg.lora.dropout, "lora.dropout", 0, 1, high_open=True)
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Checks that need more than types. Raises ValueError naming the key; changes nothing."""
+def validate(cfg: TrainConfig, training_here: bool = True) -> None:
+    """Checks that need more than types. Raises ValueError naming the key; changes nothing.
+
+    Args:
+        training_here: also check what depends on this machine's accelerator (precision and ZeRO stage as it
+            resolves them); false for `data.prepare`, which may run on a CPU box for a GPU run.
+    """
     need = _need
     need(str(cfg.resume).lower() in RESUME_MODES, f"resume={cfg.resume} must be true, false or auto")
     need(
@@ -101,7 +106,8 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.micro_batch_size >= 1, f"micro_batch_size={cfg.micro_batch_size} must be >= 1")
     need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
     need(cfg.deepspeed.zero_stage in (None, 0, 1), "deepspeed.zero_stage must be 0 or 1 with pipeline parallelism")
-    validate_offload(cfg)
+    if training_here:
+        validate_offload(cfg)
     need(
         cfg.tokenizer_name_or_path is not None or cfg.model_name_or_path is not None,
         "tokenizer_name_or_path (or model_name_or_path) is not set",
