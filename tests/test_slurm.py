@@ -33,7 +33,7 @@ PACKAGES = {
     "/usr/bin/srun": "slurm-client",
     "/usr/sbin/munged": "munge",
 }
-PREEMPTED_RUN = {**NODES_RUN, "max_steps": 16}
+PREEMPTED_RUN = {**NODES_RUN, "max_steps": 64}  # room for two stops however late a signal lands
 
 
 def ensure_packages() -> None:
