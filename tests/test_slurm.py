@@ -6,6 +6,8 @@ The ranks of an `srun` step read their place from SLURM's variables (training/la
 `scancel --signal=TERM` (the tasks save and exit 0; `scontrol requeue` starts it again) and once by the USR1 the
 sbatch file asks for before its time limit (it stops the ranks and requeues itself), runs every step once and ends
 with an uninterrupted run's losses and weights. Root only (packages, daemons); anywhere else it says so and skips.
+SLURM holds a requeued job until its old credentials expire (`cred_expire`, 120 s by default; 5 s here): a job
+started again sooner is killed as "Job credential revoked".
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class Slurm:
         self.conf.write_text(
             f"ClusterName=tests\nSlurmctldHost={node}(127.0.0.1)\nSlurmctldPort={free_port()}\n"
             f"SlurmdPort={free_port()}\nSlurmUser=root\nSlurmdUser=root\nAuthType=auth/munge\n"
-            f"AuthInfo=socket={root / 'run' / 'munge.sock'}\nStateSaveLocation={root / 'state'}\n"
+            f"AuthInfo=socket={root / 'run' / 'munge.sock'},cred_expire=5\nStateSaveLocation={root / 'state'}\n"
             f"SlurmdSpoolDir={root / 'spool'}\nSlurmctldPidFile={root / 'run' / 'slurmctld.pid'}\n"
             f"SlurmdPidFile={root / 'run' / 'slurmd.pid'}\nSlurmctldLogFile={root / 'log' / 'slurmctld.log'}\n"
             f"SlurmdLogFile={root / 'log' / 'slurmd.log'}\nProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n"
@@ -109,8 +111,10 @@ class Slurm:
         return state
 
     def release(self, job_id: str) -> None:
-        """A requeued job waits 120 s before it may start again (slurmctld's fixed delay): let it start now."""
-        self.wait_state(job_id, ("PENDING", "RUNNING"))
+        """Start a requeued job as soon as its old credentials have expired (cred_expire=5), not at the
+        scheduler's next periodic pass."""
+        self.wait_state(job_id, ("PENDING", "CONFIGURING", "RUNNING"))
+        time.sleep(6)
         self.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"])
 
     def logs(self) -> str:
