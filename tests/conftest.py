@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -94,6 +95,19 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free port found below the ephemeral range")
+
+
+def ensure_packages(packages: dict[str, str]) -> None:
+    """Install the Debian packages (path that must exist -> package) that are missing; skip where apt-get is not."""
+    missing = [pkg for path, pkg in packages.items() if not os.path.exists(path)]
+    if not missing:
+        return
+    if shutil.which("apt-get") is None:
+        pytest.skip(f"needs {', '.join(missing)} and there is no apt-get to install them")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}"
 
 
 def subprocess_env() -> dict:

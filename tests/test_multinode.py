@@ -22,6 +22,7 @@ from tests.conftest import (
     LAUNCHER,
     NODES_RUN,
     REPO,
+    ensure_packages,
     free_port,
     read_jsonl,
     small_run,
@@ -33,24 +34,12 @@ pytestmark = pytest.mark.slow
 PACKAGES = {"/usr/sbin/sshd": "openssh-server", "/usr/bin/pdsh": "pdsh"}
 
 
-def ensure_packages() -> None:
-    missing = [pkg for path, pkg in PACKAGES.items() if not os.path.exists(path)]
-    if not missing:
-        return
-    if shutil.which("apt-get") is None:
-        pytest.skip(f"needs {', '.join(missing)} and there is no apt-get to install them")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}"
-
-
 @pytest.fixture
 def loopback_sshd(tmp_path):
     """An sshd on 127.0.0.1 and 127.0.0.2 that lets root in with a key made for the test. Yields the ssh options."""
     if os.geteuid() != 0:
         pytest.skip("needs root: installs sshd and pdsh from Debian's packages and logs in as root over loopback")
-    ensure_packages()
+    ensure_packages(PACKAGES)
     keys = tmp_path / "ssh"
     keys.mkdir(mode=0o700)
     for name in ("host", "user"):

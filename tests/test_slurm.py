@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import NODES_RUN, REPO, free_port, read_jsonl, small_run, subprocess_env
+from tests.conftest import NODES_RUN, REPO, ensure_packages, free_port, read_jsonl, small_run, subprocess_env
 from tests.test_faults import assert_same_run
 
 pytestmark = pytest.mark.slow
@@ -36,18 +35,6 @@ PACKAGES = {
     "/usr/sbin/munged": "munge",
 }
 PREEMPTED_RUN = {**NODES_RUN, "max_steps": 64}  # room for two stops however late a signal lands
-
-
-def ensure_packages() -> None:
-    missing = [pkg for path, pkg in PACKAGES.items() if not os.path.exists(path)]
-    if not missing:
-        return
-    if shutil.which("apt-get") is None:
-        pytest.skip(f"needs {', '.join(missing)} and there is no apt-get to install them")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}"
 
 
 class Slurm:
@@ -135,7 +122,7 @@ class Slurm:
 def slurm(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("needs root: installs slurm-wlm and munge from Debian's packages and runs their daemons")
-    ensure_packages()
+    ensure_packages(PACKAGES)
     cluster = Slurm(tmp_path / "slurm")
     try:
         yield cluster
