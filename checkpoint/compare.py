@@ -12,7 +12,7 @@ from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import read_model_config
 from checkpoint.pipeline_reader import PipelineCheckpoint
 from models.key_table import EMBED, pipe_layers
-from models.layers import build_layer, tied_lm_head_forward
+from models.layers import build_layer, split_stats, tied_lm_head_forward
 
 
 @torch.inference_mode()
@@ -32,7 +32,7 @@ def probe_logits_streamed(ckpt: PipelineCheckpoint, input_ids: torch.Tensor) -> 
         x = module(x)
         if layer.kind == EMBED:
             embedding = module
-    return x
+    return split_stats(x)[0]
 
 
 def compare_with_hf(ckpt_dir: str, tag: str, hf_dir: str, seq_len: int = 16) -> float:

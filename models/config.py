@@ -179,6 +179,8 @@ def read_config_fields(path: str) -> ConfigFields | None:
     from dataclasses import MISSING, fields
 
     raw = _read_config_json(path)
+    if FAMILIES[raw["model_type"]].moe is not None:  # experts: their count and layout need the config class
+        return None
     values = {}
     for f in fields(ConfigFields):
         if f.name not in raw or raw[f.name] is None:

@@ -10,6 +10,15 @@ HF's own. What differs between families, as data:
     qwen2     q, k, v always                    -              -            layer_types == "sliding_attention"
     qwen3     config.attention_bias (all four)  -              per head     layer_types == "sliding_attention"
 
+Mixture-of-experts families (`Family.moe`, models/moe.py) share that attention and put a sparse MLP block in
+some or all layers; what differs is where their keys live and which layers are sparse:
+
+    family      attention as   expert keys on the hub              sparse layers             shared expert
+    mixtral     mistral        block_sparse_moe.experts.N.w1/w3/w2  every one                 -
+    qwen2_moe   qwen2          mlp.experts.N.gate/up/down_proj     decoder_sparse_step,      mlp.shared_expert (+ gate)
+                                                                   mlp_only_layers
+    qwen3_moe   qwen3          mlp.experts.N.gate/up/down_proj     as qwen2_moe              -
+
 Model code only: no DeepSpeed, no distributed code.
 """
 
@@ -20,12 +29,35 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """How a mixture-of-experts family names and places its sparse blocks.
+
+    hub_block: the sparse block's name in hub checkpoints (transformers keeps it as `mlp` in memory).
+    expert_names: each expert's gate, up and down projection on the hub (`{hub_block}.experts.N.<name>.weight`).
+    num_experts / expert_size: the config fields with the number of experts and each expert's MLP width.
+    every_layer: every decoder layer is sparse (else `decoder_sparse_step` and `mlp_only_layers` decide).
+    shared_expert: a sigmoid-gated dense expert every token goes through (`mlp.shared_expert`, `.shared_expert_gate`).
+    always_renormalise: top-k weights always divided by their sum (else only with `config.norm_topk_prob`).
+    """
+
+    hub_block: str
+    expert_names: tuple[str, str, str]
+    num_experts: str
+    expert_size: str
+    every_layer: bool
+    shared_expert: bool = False
+    always_renormalise: bool = False
+
+
+@dataclass(frozen=True)
 class Family:
     model_type: str
     prefix: str  # transformers class prefix: Llama, Mistral, Qwen2, Qwen3
-    attention_bias: str  # "config" (config.attention_bias), "qkv" (q/k/v always) or "none"
+    attention_bias: str  # "config" (config.attention_bias), "qkv" (q/k/v always), "qkv_bias" (config.qkv_bias), "none"
     mlp_bias: bool  # config.mlp_bias applies
     qk_norm: bool  # RMSNorm over head_dim on q and k (self_attn.q_norm / k_norm)
+    window_everywhere: bool = False  # config.sliding_window applies to every layer (else per attention module)
+    moe: MoeSpec | None = None  # a mixture-of-experts family
 
     def module(self):
         return importlib.import_module(f"transformers.models.{self.model_type}.modeling_{self.model_type}")
@@ -43,9 +75,51 @@ FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
         Family("llama", "Llama", attention_bias="config", mlp_bias=True, qk_norm=False),
-        Family("mistral", "Mistral", attention_bias="none", mlp_bias=False, qk_norm=False),
+        Family("mistral", "Mistral", attention_bias="none", mlp_bias=False, qk_norm=False, window_everywhere=True),
         Family("qwen2", "Qwen2", attention_bias="qkv", mlp_bias=False, qk_norm=False),
         Family("qwen3", "Qwen3", attention_bias="config", mlp_bias=False, qk_norm=True),
+        Family(
+            "mixtral",
+            "Mixtral",
+            attention_bias="none",
+            mlp_bias=False,
+            qk_norm=False,
+            window_everywhere=True,
+            moe=MoeSpec(
+                "block_sparse_moe",
+                ("w1", "w3", "w2"),
+                "num_local_experts",
+                "intermediate_size",
+                every_layer=True,
+                always_renormalise=True,
+            ),
+        ),
+        Family(
+            "qwen2_moe",
+            "Qwen2Moe",
+            attention_bias="qkv_bias",
+            mlp_bias=False,
+            qk_norm=False,
+            moe=MoeSpec(
+                "mlp",
+                ("gate_proj", "up_proj", "down_proj"),
+                "num_experts",
+                "moe_intermediate_size",
+                every_layer=False,
+                shared_expert=True,
+            ),
+        ),
+        Family(
+            "qwen3_moe",
+            "Qwen3Moe",
+            attention_bias="config",
+            mlp_bias=False,
+            qk_norm=True,
+            window_everywhere=True,
+            moe=MoeSpec(
+                "mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", "moe_intermediate_size", every_layer=False
+            ),
+        ),
     )
 }
 
@@ -62,6 +136,20 @@ def family_of(config) -> Family:
 
 def sliding_window(config, attention) -> int | None:
     """The window of one layer's attention module (None: full causal attention), as HF applies it."""
-    if family_of(config).model_type == "mistral":
+    if family_of(config).window_everywhere:
         return getattr(config, "sliding_window", None)
     return getattr(attention, "sliding_window", None)
+
+
+def is_sparse_layer(config, block: int) -> bool:
+    """Whether decoder block `block` has a mixture-of-experts MLP (as the family's decoder layer decides)."""
+    moe = family_of(config).moe
+    if moe is None:
+        return False
+    if moe.every_layer:
+        return True
+    return (
+        block not in (config.mlp_only_layers or [])
+        and config.num_experts > 0
+        and (block + 1) % config.decoder_sparse_step == 0
+    )

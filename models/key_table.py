@@ -17,8 +17,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from models.families import family_of
-from models.sharding import COLUMN, REPLICA, ROW, VOCAB
+from models.families import family_of, is_sparse_layer
+from models.sharding import COLUMN, EXPERT_ROW, GATE_UP, REPLICA, ROW, VOCAB
 
 EMBED, DECODER, NORM, LM_HEAD = "embed", "decoder", "norm", "lm_head"
 
@@ -53,6 +53,23 @@ KEY_TABLE: dict[str, dict[str, str]] = {
     LM_HEAD: {"weight": "lm_head.weight"},
 }
 
+# Mixture-of-experts blocks (models/families.py `MoeSpec`): our layer files keep the hub's keys, one per expert
+# ("{e}" stands for the expert number), and models/moe.py stacks them into transformers' fused in-memory
+# parameters at load (and back at save). {hub_block}: "block_sparse_moe" (Mixtral) or "mlp" (Qwen-MoE).
+MOE_KEYS: dict[str, str] = {
+    "router": "{hub_block}.gate.weight",
+    "gate": "{hub_block}.experts.{e}.{gate}.weight",
+    "up": "{hub_block}.experts.{e}.{up}.weight",
+    "down": "{hub_block}.experts.{e}.{down}.weight",
+}
+SHARED_EXPERT_KEYS = (
+    "mlp.shared_expert.gate_proj.weight",
+    "mlp.shared_expert.up_proj.weight",
+    "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_expert_gate.weight",
+)
+_DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
 # HF keys that hold no weights (old checkpoints saved RoPE buffers): dropped on import.
 DROPPED_HF_KEYS: tuple[str, ...] = ("model.layers.{}.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq")
 
@@ -66,7 +83,7 @@ def _optional_keys(config) -> set[str]:
     """The optional decoder keys a model has, by its family (models/families.py) and config."""
     family = family_of(config)
     keys = set()
-    if family.attention_bias == "qkv":
+    if family.attention_bias == "qkv" or (family.attention_bias == "qkv_bias" and getattr(config, "qkv_bias", False)):
         keys |= _QKV_BIAS
     elif family.attention_bias == "config" and getattr(config, "attention_bias", False):
         keys |= _ATTN_BIAS
@@ -81,7 +98,34 @@ def _template_regex(template: str) -> re.Pattern:
     return re.compile("^" + re.escape(template).replace(r"\{\}", r"(\d+)") + "$")
 
 
+def moe_key(config, part: str, expert: int | None = None) -> str:
+    """Our (and the hub's, below `model.layers.N.`) key of a sparse block's router or of one expert's projection
+    (`part`: "router", "gate", "up" or "down")."""
+    moe = family_of(config).moe
+    gate, up, down = moe.expert_names
+    return MOE_KEYS[part].format(hub_block=moe.hub_block, e=expert, gate=gate, up=up, down=down)
+
+
+def sparse_block_keys(config) -> list[str]:
+    """Our keys of one sparse MLP block: the router, each expert's gate, up and down, the shared expert."""
+    experts = getattr(config, family_of(config).moe.num_experts)
+    keys = [moe_key(config, "router")]
+    keys += [moe_key(config, part, e) for e in range(experts) for part in ("gate", "up", "down")]
+    return keys + list(SHARED_EXPERT_KEYS if family_of(config).moe.shared_expert else ())
+
+
+def _moe_regex(template: str) -> re.Pattern:
+    """`model.layers.{}.` + a MOE_KEYS template, any block and expert number, either hub block name."""
+    body = re.escape(template).replace(r"\{hub_block\}", "(?:block_sparse_moe|mlp)").replace(r"\{e\}", r"\d+")
+    for name in ("gate", "up", "down"):
+        body = body.replace(r"\{" + name + r"\}", r"(?:w1|w2|w3|gate_proj|up_proj|down_proj)")
+    return re.compile(r"^model\.layers\.(\d+)\.(" + body + ")$")
+
+
 _HF_PATTERNS = [(kind, ours, _template_regex(tpl)) for kind, keys in KEY_TABLE.items() for ours, tpl in keys.items()]
+_MOE_PATTERNS = [_moe_regex(tpl) for tpl in MOE_KEYS.values()] + [
+    re.compile(r"^model\.layers\.(\d+)\.(" + re.escape(key) + ")$") for key in SHARED_EXPERT_KEYS
+]
 _DROP_PATTERNS = [_template_regex(tpl) for tpl in DROPPED_HF_KEYS]
 
 
@@ -161,6 +205,9 @@ def layer_keys(layer: PipeLayer, config) -> dict[str, str]:
         optional = _ATTN_BIAS | _MLP_BIAS | _QK_NORM
         present = _optional_keys(config)
         keys = {ours: tpl.format(layer.block) for ours, tpl in keys.items() if ours not in optional or ours in present}
+        if is_sparse_layer(config, layer.block):
+            keys = {ours: hf for ours, hf in keys.items() if ours not in _DENSE_MLP}
+            keys |= {ours: DECODER_PREFIX.format(layer.block) + ours for ours in sparse_block_keys(config)}
     return dict(keys)
 
 
@@ -188,6 +235,13 @@ def hf_key_to_layer(hf_key: str, num_layers: int, tie_word_embeddings: bool) -> 
             return num_layers + 1, ours
         # LM head: with tied embeddings it is the embedding's weight, stored once in layer 0.
         return None if tie_word_embeddings else (num_layers + 2, ours)
+    for pattern in _MOE_PATTERNS:
+        m = pattern.match(hf_key)
+        if m:
+            block = int(m.group(1))
+            if block >= num_layers:
+                raise KeyError(f"{hf_key}: block {block} >= num_hidden_layers={num_layers}")
+            return decoder_index(block), m.group(2)
     raise KeyError(f"{hf_key}: not a key of the supported decoder families (models/key_table.py)")
 
 
@@ -204,6 +258,14 @@ def hf_decoder_module(block: int, module: str) -> str:
 # How each key of a pipeline layer splits across tensor-parallel ranks (Megatron's split; models/sharding.py).
 TP_COLUMN_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 TP_ROW_MODULES = ("self_attn.o_proj", "mlp.down_proj")
+# Experts and shared experts split as dense MLPs do: gate and up by rows, down by columns (router: replicated).
+_EXPERT_COLUMN = re.compile(
+    r"(block_sparse_moe|mlp)\.(experts\.\d+\.(w1|w3|gate_proj|up_proj)|shared_expert\.(gate|up)_proj)"
+)
+_EXPERT_ROW = re.compile(r"(block_sparse_moe|mlp)\.(experts\.\d+\.(w2|down_proj)|shared_expert\.down_proj)")
+# transformers' fused in-memory expert parameters (the optimizer's view): gate_up [E, 2I, H] holds each rank's gate
+# rows then its up rows (GATE_UP), down [E, H, I] its columns (dim 2: EXPERT_ROW).
+FUSED_GATE_UP, FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
 _LORA_KEY = re.compile(r"(.+)\.lora_([AB])\.[^.]+\.weight")
 # LoRA factors follow the layer they adapt: a column layer's B is split like it and its A replicated; a row
 # layer's A is split like it and its B replicated.
@@ -219,6 +281,14 @@ def tp_split(kind: str, key: str) -> str:
     lora = _LORA_KEY.fullmatch(key)
     module, param = (lora.group(1), "weight") if lora else key.replace(".base_layer", "").rsplit(".", 1)
     rule = COLUMN if module in TP_COLUMN_MODULES else ROW if module in TP_ROW_MODULES else REPLICA
+    if _EXPERT_COLUMN.fullmatch(module):
+        rule = COLUMN
+    elif _EXPERT_ROW.fullmatch(module):
+        rule = ROW
+    elif key == FUSED_GATE_UP:
+        return GATE_UP
+    elif key == FUSED_DOWN:
+        return EXPERT_ROW
     if lora:
         return _LORA_SPLIT.get((rule, lora.group(2)), REPLICA)
     return REPLICA if rule == ROW and param == "bias" else rule

@@ -13,6 +13,13 @@ Only `hidden` is a floating tensor, so it is the only tensor that crosses a stag
 gradient. RoPE cos/sin and the causal mask are rebuilt inside every decoder layer from the integer
 `position_ids`: a float mask would need a gradient, cost B*S*S of traffic and block SDPA/flash.
 
+Mixture-of-experts models (models/moe.py) carry two more tensors from the embedding to the norm: each row's
+length (long [B], where padding starts) and the router statistics of the sparse layers so far (fp32 [2E + 2],
+with a gradient); the norm hands the statistics on to the head and the loss:
+
+    (input_ids, position_ids, lengths) -> (hidden, position_ids, lengths, stats) x L -> (hidden, stats)
+      -> (logits, stats)
+
 Packed rows (`data.packing`): several documents share a row and `position_ids` restart at 0 at each
 one. Each decoder layer rebuilds the per-document causal mask from them (`document_mask`; flash-attn
 gets the equivalent `cu_seqlens`), so attention never crosses a document boundary.
@@ -23,6 +30,7 @@ listed in `models.key_table.KEY_TABLE`, and their maths is HF's own.
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
 
@@ -31,8 +39,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.families import FAMILIES, family_of, hf_classes, sliding_window
+from models.families import FAMILIES, family_of, hf_classes, is_sparse_layer, sliding_window
 from models.key_table import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
+from models.moe import (
+    DEFAULT_EXPERTS_IMPLEMENTATION,
+    add_stats,
+    empty_stats,
+    expert_keys,
+    is_moe,
+    layer_stats,
+    token_mask,
+)
 
 
 class _Fp32Rotary:
@@ -67,14 +84,27 @@ class EmbeddingPipe(nn.Embedding):
 
     def __init__(self, config):
         super().__init__(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.moe_config = config if is_moe(config) else None
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        input_ids, position_ids = inputs  # [B, S], [B, S]
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        input_ids, *rest = inputs  # [B, S]; position_ids [B, S] (and lengths [B] with experts)
         hidden = super().forward(input_ids)  # [B, S, H]
-        if torch.is_grad_enabled() and not self.weight.requires_grad:
-            # NOTE: a frozen embedding (LoRA) still has to hand the next stage a tensor that takes a gradient.
-            hidden.requires_grad_()
-        return hidden, position_ids
+        return embedded(self, hidden, rest)
+
+
+def embedded(embedding: nn.Module, hidden: torch.Tensor, rest: list) -> tuple[torch.Tensor, ...]:
+    """The embedding's output tuple: (hidden, position_ids), and the router statistics of no layer yet with
+    experts."""
+    grad = torch.is_grad_enabled()
+    if grad and not embedding.weight.requires_grad:
+        # NOTE: a frozen embedding (LoRA) still has to hand the next stage a tensor that takes a gradient.
+        hidden.requires_grad_()
+    if embedding.moe_config is None:
+        return hidden, *rest
+    if len(rest) == 1:  # no lengths given: every position is a real token
+        rest.append(torch.full(hidden.shape[:1], hidden.shape[1], dtype=torch.long, device=hidden.device))
+    stats = empty_stats(embedding.moe_config, hidden.device).requires_grad_(grad)
+    return hidden, *rest, stats
 
 
 @dataclass(frozen=True)
@@ -137,19 +167,43 @@ class DecoderPipe:
     """
 
     def __init__(self, config, layer_idx: int, options: DecoderOptions | None = None):
+        if is_moe(config) and config._experts_implementation is None:  # what transformers' models default to
+            config = copy.copy(config)
+            config._experts_implementation = DEFAULT_EXPERTS_IMPLEMENTATION
         super().__init__(config, layer_idx)
+        self.sparse = is_sparse_layer(config, layer_idx)
+        if self.sparse:
+            self.top_k = config.num_experts_per_tok
+            self.mlp.gate.register_forward_hook(self._keep_router_logits)
+            expert_keys(self, config)
         self.attn_implementation = config._attn_implementation or "sdpa"
         self.rotary_emb = rotary_class(family_of(config).model_type)(config)  # non-persistent buffers: no keys
         self.options = options or DecoderOptions()
         self.recompute = self.options.recompute(layer_idx)
         self.window = sliding_window(config, self.self_attn)
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, position_ids = inputs  # [B, S, H], [B, S]
+    def _keep_router_logits(self, _module, _inputs, outputs) -> None:
+        self._router_logits = outputs[0]  # [B * S, E]
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, position_ids, *moe = inputs  # [B, S, H], [B, S]; with experts: lengths [B], stats [2E + 2]
+        run = self._sparse_block if self.sparse else self._block
+        args = (hidden, position_ids, moe[0]) if self.sparse else (hidden, position_ids)
         if self.recompute and torch.is_grad_enabled():
             # Non-reentrant: works with a frozen input (LoRA) and restores the RNG state (dropout) on recompute.
-            return checkpoint(self._block, hidden, position_ids, use_reentrant=False), position_ids
-        return self._block(hidden, position_ids), position_ids
+            out = checkpoint(run, *args, use_reentrant=False)
+        else:
+            out = run(*args)
+        if not self.sparse:
+            return out, position_ids, *moe
+        hidden, stats = out
+        return hidden, position_ids, moe[0], add_stats(moe[1], stats)
+
+    def _sparse_block(self, hidden: torch.Tensor, position_ids: torch.Tensor, lengths: torch.Tensor):
+        """The block's output and its router statistics (models/moe.py), over the row's real tokens."""
+        out = self._block(hidden, position_ids)
+        logits, self._router_logits = self._router_logits, None
+        return out, layer_stats(logits, self.top_k, token_mask(lengths, position_ids.shape[-1]))
 
     def _block(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         cos_sin = self.rotary_emb(hidden, position_ids)  # 2 x [B, S, head_dim]
@@ -182,9 +236,9 @@ class _NormPipe:
     def __init__(self, config):
         super().__init__(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        hidden, _ = inputs
-        return super().forward(hidden)
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        hidden, _, *moe = inputs
+        return super().forward(hidden) if not moe else (super().forward(hidden), moe[1])
 
 
 @functools.cache
@@ -199,13 +253,26 @@ class LMHeadPipe(nn.Linear):
     def __init__(self, config):
         super().__init__(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return super().forward(hidden)  # [B, S, V]
+    def forward(self, hidden: torch.Tensor | tuple) -> torch.Tensor | tuple:
+        return with_stats(hidden, super().forward)  # [B, S, V]
 
 
-def tied_lm_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+def with_stats(inputs: torch.Tensor | tuple, head) -> torch.Tensor | tuple:
+    """`head(hidden)`, and the router statistics passed on beside the logits when a model has experts."""
+    if isinstance(inputs, tuple):
+        hidden, stats = inputs
+        return head(hidden), stats
+    return head(inputs)
+
+
+def split_stats(outputs: torch.Tensor | tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits, router statistics or None) of the last stage's output."""
+    return outputs if isinstance(outputs, tuple) else (outputs, None)
+
+
+def tied_lm_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor | tuple) -> torch.Tensor | tuple:
     """LM head that reuses the (tied) input embedding's weight: `TiedLayerSpec.forward_fn`."""
-    return F.linear(hidden, embedding.weight)  # [B, S, V]
+    return with_stats(hidden, lambda h: F.linear(h, embedding.weight))  # [B, S, V]
 
 
 def layer_class_and_args(

@@ -7,6 +7,9 @@ One rule per key (`models.key_table.tp_split`), Megatron's split:
     VOCAB   dim 0 of the vocabulary padded to `padded_vocab(V, T, multiple)`, then COLUMN; merged shards lose
             the padding again (rows >= V), so a checkpoint of any T holds the same V real rows
     REPLICA the whole tensor on every rank: norms, row-parallel biases, LoRA A of column layers, LoRA B of row layers
+    GATE_UP transformers' fused experts [E, 2I, H] (gate rows, then up rows): each half in T blocks along dim 1,
+            a rank holding its gate block then its up block (what a layer file's per-expert COLUMN keys stack to)
+    EXPERT_ROW  fused expert down projections [E, H, I]: dim 2 in T contiguous blocks
 
 Contiguous blocks are `torch.chunk`'s, so these shards are the ones DeepSpeed's universal checkpoint
 slices (its loader takes `full.chunk(T, dim)[rank]`). Merging then splitting goes through the whole
@@ -20,6 +23,7 @@ import math
 import torch
 
 COLUMN, ROW, VOCAB, REPLICA = "column", "row", "vocab", "replica"
+GATE_UP, EXPERT_ROW = "gate_up", "expert_row"
 
 
 TP_DIVIDES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
@@ -48,6 +52,11 @@ def shard(
     it already is; every other rule: a fresh tensor, so the whole one can be freed)."""
     if rule == REPLICA or (tp_size == 1 and rule != VOCAB):
         return full.contiguous() if full.is_contiguous() else full.clone()
+    if rule == GATE_UP:
+        gate, up = full.chunk(2, 1)
+        return torch.cat([gate.chunk(tp_size, 1)[tp_rank], up.chunk(tp_size, 1)[tp_rank]], 1)
+    if rule == EXPERT_ROW:
+        return full.chunk(tp_size, 2)[tp_rank].clone()
     if rule == VOCAB:
         rows = padded_vocab(vocab_size, tp_size, multiple)
         full = full[:vocab_size]
@@ -64,6 +73,11 @@ def merge(shards: list[torch.Tensor], rule: str, vocab_size: int | None = None) 
     """The whole tensor from every rank's shard, in rank order (VOCAB: the padding dropped)."""
     if rule == REPLICA or len(shards) == 1 and rule != VOCAB:
         return shards[0]
+    if rule == GATE_UP:
+        halves = [s.chunk(2, 1) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 1)
+    if rule == EXPERT_ROW:
+        return torch.cat(shards, 2)
     dim = 1 if rule == ROW else 0
     whole = torch.cat(shards, dim) if len(shards) > 1 else shards[0]
     return whole[:vocab_size] if rule == VOCAB else whole
@@ -74,6 +88,6 @@ def merged_shape(shapes: list[tuple[int, ...]], rule: str, vocab_size: int | Non
     first = list(shapes[0])
     if rule == REPLICA:
         return tuple(first)
-    dim = 1 if rule == ROW else 0
+    dim = {ROW: 1, GATE_UP: 1, EXPERT_ROW: 2}.get(rule, 0)
     first[dim] = vocab_size if rule == VOCAB else sum(s[dim] for s in shapes)
     return tuple(first)

@@ -127,8 +127,8 @@ def make_bpe_tokenizer(
 
 
 def tiny_config(model_type: str = "llama", **overrides):
-    """A small config of a supported family (llama, mistral, qwen2, qwen3; transformers' own config class);
-    override any field (e.g. num_key_value_heads, tie_word_embeddings, head_dim, sliding_window)."""
+    """A small config of a supported family (transformers' own config class; 4 experts, top-2, for the
+    mixture-of-experts families); override any field (e.g. num_key_value_heads, tie_word_embeddings, head_dim)."""
     from transformers import AutoConfig
 
     kwargs = dict(
@@ -144,6 +144,12 @@ def tiny_config(model_type: str = "llama", **overrides):
         bos_token_id=1,
         eos_token_id=2,
     )
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)  # Qwen-MoE's names
+    kwargs |= {
+        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+        "qwen2_moe": experts | dict(shared_expert_intermediate_size=96),
+        "qwen3_moe": experts,
+    }.get(model_type, {})
     kwargs.update(overrides)
     return AutoConfig.for_model(model_type, **kwargs)
 

@@ -1,0 +1,147 @@
+"""Mixture-of-experts blocks as pipeline layers: keys, router statistics and the load-balancing loss.
+
+The sparse block is transformers' own (`MixtralSparseMoeBlock`, `Qwen3MoeSparseMoeBlock`, ...: router, fused
+experts, shared expert), run inside the family's own decoder layer. This module adds what a pipeline needs:
+
+Keys. transformers keeps a layer's experts fused in memory (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows
+then up rows; `mlp.experts.down_proj` [E, H, I]) while hub checkpoints hold one key per expert
+(models/key_table.py `MOE_KEYS`). Our layer files keep the hub's keys: a state-dict hook splits the fused
+parameters at save and stacks them at load (`expert_keys`), so conversion and export stay key-for-key copies
+and a tensor-parallel layer file holds each expert's own shard (gate/up by rows, down by columns).
+
+Router statistics. transformers' load-balancing loss (`load_balancing_loss_func`) pools every sparse layer of
+the model before its product:
+
+    aux = E * sum_e (F_e / N) * (P_e / N)      F_e: tokens routed to e (top-k, summed over layers)
+                                               P_e: router probability of e (summed over tokens and layers)
+                                               N:   tokens x sparse layers (padding excluded)
+
+so it is no sum of per-layer terms and its layers live on different stages. Each stage adds its layers' F, P
+and N to one fp32 tensor that travels with the hidden states (`RouterStats`, [2E + 2]: P, F, N, and the largest
+expert load seen so far); only P carries a gradient, and it reaches every stage's routers through the
+pipeline's own backward. The last stage forms `aux` exactly as transformers does (`aux_loss`).
+
+Model code only: no DeepSpeed, no distributed code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.families import family_of, is_sparse_layer
+from models.key_table import moe_key
+
+# How the experts of a block run (transformers' `experts_implementation`): its models' default. One grouped
+# matmul over all local experts (torch's `grouped_mm`, with transformers' own loop where the kernel cannot run).
+DEFAULT_EXPERTS_IMPLEMENTATION = "grouped_mm"
+
+
+def num_experts(config) -> int:
+    return getattr(config, family_of(config).moe.num_experts)
+
+
+def is_moe(config) -> bool:
+    return family_of(config).moe is not None
+
+
+def empty_stats(config, device=None) -> torch.Tensor:
+    """The statistics of no layer yet: zeros [2E + 2] fp32."""
+    return torch.zeros(2 * num_experts(config) + 2, dtype=torch.float32, device=device)
+
+
+def token_mask(lengths: torch.Tensor, seq: int) -> torch.Tensor:
+    """[B * S] fp32: 1 at the real tokens of each row (the first `lengths[b]` positions), 0 at padding."""
+    return (torch.arange(seq, device=lengths.device)[None, :] < lengths[:, None]).reshape(-1).float()
+
+
+def layer_stats(router_logits: torch.Tensor, top_k: int, mask: torch.Tensor) -> torch.Tensor:
+    """One sparse layer's [P | F | N | load] from its router logits [N, E], as `load_balancing_loss_func` reduces
+    them (its softmax in the logits' dtype, its own top-k, the padding mask as a weight)."""
+    experts = router_logits.shape[-1]
+    probs = F.softmax(router_logits, dim=-1)
+    _, selected = torch.topk(probs, top_k, dim=-1)
+    counts = torch.zeros(experts, dtype=torch.float32, device=probs.device).scatter_add_(
+        0, selected.reshape(-1), mask.repeat_interleave(top_k)
+    )
+    prob_sum = (probs.float() * mask[:, None]).sum(dim=0)
+    load = counts.max() / counts.mean().clamp_min(1e-12)  # the busiest expert's tokens over the mean
+    return torch.cat([prob_sum, counts, mask.sum()[None], load[None]])
+
+
+def add_stats(total: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+    """Running statistics plus one layer's: sums add, the load is the larger of the two."""
+    experts = (total.shape[0] - 2) // 2
+    summed = total[: 2 * experts + 1] + layer[: 2 * experts + 1]
+    return torch.cat([summed, torch.maximum(total[-1:], layer[-1:]).detach()])
+
+
+def aux_loss(stats: torch.Tensor) -> torch.Tensor:
+    """transformers' load-balancing loss from the statistics of every sparse layer (0 when there are none)."""
+    experts = (stats.shape[0] - 2) // 2
+    prob_sum, counts, rows = stats[:experts], stats[experts : 2 * experts].detach(), stats[2 * experts].detach()
+    rows = rows.clamp_min(1.0)
+    return (counts / rows * (prob_sum / rows)).sum() * experts
+
+
+def expert_load(stats: torch.Tensor) -> float:
+    """The largest per-layer expert load (busiest expert's tokens over the mean) the statistics saw."""
+    return float(stats[-1])
+
+
+# ---------------------------------------------------------------------------------------------------- keys
+
+
+def _fused_names(prefix: str) -> tuple[str, str]:
+    return prefix + "mlp.experts.gate_up_proj", prefix + "mlp.experts.down_proj"
+
+
+def _hub_names(config, prefix: str) -> tuple[str, str, str, str]:
+    """(router, gate, up, down) key templates of the layer at `prefix` (expert number as {e})."""
+    return tuple(prefix + moe_key(config, part, "{e}") for part in ("router", "gate", "up", "down"))
+
+
+def expert_keys(layer: nn.Module, config) -> None:
+    """Give a decoder layer with a sparse block the hub's per-expert keys (see the module docstring)."""
+    router_mem = "mlp.gate.weight"
+
+    def to_hub(module, state_dict, prefix, local_metadata):
+        gate_up_name, down_name = _fused_names(prefix)
+        router, gate, up, down = _hub_names(config, prefix)
+        if prefix + router_mem in state_dict and router != prefix + router_mem:
+            state_dict[router] = state_dict.pop(prefix + router_mem)
+        if gate_up_name in state_dict:
+            gate_up, down_proj = state_dict.pop(gate_up_name), state_dict.pop(down_name)
+            half = gate_up.shape[1] // 2
+            for e in range(gate_up.shape[0]):
+                state_dict[gate.format(e=e)] = gate_up[e, :half].clone()
+                state_dict[up.format(e=e)] = gate_up[e, half:].clone()
+                state_dict[down.format(e=e)] = down_proj[e].clone()
+
+    def from_hub(module, state_dict, prefix, *args):
+        gate_up_name, down_name = _fused_names(prefix)
+        router, gate, up, down = _hub_names(config, prefix)
+        if router in state_dict and router != prefix + router_mem:
+            state_dict[prefix + router_mem] = state_dict.pop(router)
+        if gate.format(e=0) in state_dict:
+            experts = num_experts(config)
+            gates = [state_dict.pop(gate.format(e=e)) for e in range(experts)]
+            ups = [state_dict.pop(up.format(e=e)) for e in range(experts)]
+            state_dict[gate_up_name] = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)
+            state_dict[down_name] = torch.stack([state_dict.pop(down.format(e=e)) for e in range(experts)])
+
+    layer.register_state_dict_post_hook(to_hub)
+    layer.register_load_state_dict_pre_hook(from_hub)
+
+
+def file_keys_of(config, block: int, name: str) -> list[str]:
+    """The layer-file keys of in-memory parameter `name` of decoder block `block` (LoRA's frozen-key filter)."""
+    if not is_sparse_layer(config, block):
+        return [name]
+    if name == "mlp.gate.weight":
+        return [moe_key(config, "router")]
+    parts = {"mlp.experts.gate_up_proj": ("gate", "up"), "mlp.experts.down_proj": ("down",)}.get(name)
+    if parts is None:
+        return [name]
+    return [moe_key(config, part, e) for e in range(num_experts(config)) for part in parts]
