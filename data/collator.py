@@ -19,10 +19,14 @@ from models.loss import IGNORE_INDEX
 
 
 class CausalLMCollator:
-    def __init__(self, seq_length: int, pad_token_id: int, packing: bool = False):
+    """`lengths`: add each row's length (long [B], where its padding starts) to the inputs, for models with
+    experts (their load-balancing statistics leave padding out, as transformers' do with an attention mask)."""
+
+    def __init__(self, seq_length: int, pad_token_id: int, packing: bool = False, lengths: bool = False):
         self.seq_length = seq_length
         self.pad_token_id = pad_token_id
         self.packing = packing
+        self.lengths = lengths
 
     def __call__(self, samples: list):
         batch, seq = len(samples), self.seq_length
@@ -30,6 +34,7 @@ class CausalLMCollator:
         labels = torch.full((batch, seq), IGNORE_INDEX, dtype=torch.long)  # [B, S]
         position_ids = torch.arange(seq, dtype=torch.long).expand(batch, seq).contiguous()  # [B, S]
         tokens = 0
+        lengths = torch.zeros(batch, dtype=torch.long)  # [B]
         for i, sample in enumerate(samples):
             at = 0
             for ids, targets in sample if self.packing else [sample]:
@@ -43,4 +48,6 @@ class CausalLMCollator:
             if self.packing:
                 position_ids[i, at:] = torch.arange(seq - at)  # the padding tail: a row of its own
             tokens += at
-        return (input_ids, position_ids), labels, torch.tensor(tokens)
+            lengths[i] = at
+        inputs = (input_ids, position_ids, lengths) if self.lengths else (input_ids, position_ids)
+        return inputs, labels, torch.tensor(tokens)

@@ -128,8 +128,8 @@ class PairCollator(CausalLMCollator):
     as `CausalLMCollator` lays out rows: the chosen sequences in rows 0..P-1, the rejected in P..2P-1 (TRL's
     order)."""
 
-    def __init__(self, seq_length: int, pad_token_id: int):
-        super().__init__(seq_length, pad_token_id)
+    def __init__(self, seq_length: int, pad_token_id: int, lengths: bool = False):
+        super().__init__(seq_length, pad_token_id, lengths=lengths)
 
     def __call__(self, samples: list):
         inputs, labels, tokens = super().__call__([(s[0], s[1]) for s in samples] + [(s[2], s[3]) for s in samples])

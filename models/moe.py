@@ -145,3 +145,47 @@ def file_keys_of(config, block: int, name: str) -> list[str]:
     if parts is None:
         return [name]
     return [moe_key(config, part, e) for e in range(num_experts(config)) for part in parts]
+
+
+# ---------------------------------------------------------------------------------------------------- the loss
+
+
+def default_aux_loss_coef(config) -> float:
+    """transformers' coefficient of the load-balancing loss: `router_aux_loss_coef` when the model config asks for
+    router logits (`output_router_logits`), else 0 (what its ForCausalLM adds to the loss)."""
+    return float(config.router_aux_loss_coef) if getattr(config, "output_router_logits", False) else 0.0
+
+
+class WithAuxLoss:
+    """The last stage's loss of a model with experts: the wrapped loss (`models.loss.CausalLMLoss`,
+    `models.preference.PreferenceLoss`) on the logits, plus `coef` x transformers' load-balancing loss of the
+    micro-batch (`aux_loss`; DeepSpeed's averaging over micro-batches and DP ranks makes it the mean over the
+    step's micro-batches, as gradient accumulation with transformers' models does). With `coef` 0 the statistics
+    still get a (zero) gradient: every float tensor a stage receives must get one back.
+
+    `router_sums` ([aux sum, micro-batches, largest expert load]) accumulate for the metrics until `reset()`.
+    Everything else is the wrapped loss's.
+    """
+
+    def __init__(self, loss, coef: float):
+        self.loss, self.coef = loss, coef
+        self.__name__ = f"{loss.__name__}+aux"
+        self.router_sums: torch.Tensor | None = None
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["loss"], name)
+
+    def reset(self) -> None:
+        self.loss.reset()
+        self.router_sums = None
+
+    def __call__(self, outputs, labels):
+        logits, stats = outputs
+        loss = self.loss(logits, labels)
+        aux = aux_loss(stats)
+        sums = torch.stack([aux.detach().double(), torch.ones((), dtype=torch.float64), stats[-1].detach().double()])
+        if self.router_sums is None:
+            self.router_sums = sums
+        else:
+            self.router_sums = torch.cat([self.router_sums[:2] + sums[:2], torch.maximum(self.router_sums[2:], sums[2:])])
+        return loss + self.coef * aux.to(loss.dtype)

@@ -60,11 +60,15 @@ def train_baseline(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, s
     optimizer, scheduler = make_optimizer(cfg, model.named_parameters(), total)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     losses, norms, step_tokens = [], [], []
+    experts = getattr(model.config, "num_experts_per_tok", None) is not None
     for step in range(steps):
         ids, mask, labels = global_batch(dataset, plan, step, cfg.seed, cfg.seq_length, pad_id)
         step_tokens.append(int(mask.sum()))
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
+        if experts:
+            loss = _micro_batch_steps(model, ids, mask, labels, cfg)
+        else:
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
         max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         optimizer.step()
@@ -73,6 +77,31 @@ def train_baseline(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, s
         losses.append(float(loss.detach()))
     model.step_tokens = step_tokens
     return model, losses, norms
+
+
+def _micro_batch_steps(model, ids, mask, labels, cfg: TrainConfig) -> torch.Tensor:
+    """A model with experts: transformers' load-balancing loss is a function of the micro-batch (its expert
+    shares over the micro-batch's tokens), so each micro-batch (in the order DP ranks and gradient accumulation
+    take the rows) runs on its own, as gradient accumulation over transformers' model does: the step's loss is
+    the mean cross-entropy over every target token of the global batch plus the coefficient times the mean of the
+    micro-batches' `aux_loss` (transformers' own, with the padding mask). Backward per micro-batch."""
+    coef = cfg.moe.aux_loss_coef
+    if coef is None:
+        coef = model.config.router_aux_loss_coef if model.config.output_router_logits else 0.0
+    chunks = range(0, ids.shape[0], cfg.micro_batch_size)
+    targets = int((labels[:, 1:] != IGNORE_INDEX).sum())
+    total = torch.zeros(())
+    for start in chunks:
+        rows = slice(start, start + cfg.micro_batch_size)
+        out = model(input_ids=ids[rows], attention_mask=mask[rows], output_router_logits=True)
+        logits = out.logits[:, :-1].float()
+        ce = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels[rows, 1:].reshape(-1), reduction="sum"
+        )
+        loss = ce / targets + coef * out.aux_loss / len(chunks)
+        loss.backward()
+        total += loss.detach()
+    return total
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ from models.config import check_preset, config_from_preset, load_hf_config
 from models.lora import add_lora
 from models.loss import CausalLMLoss
 from models.partition import stage_bounds
+from models.moe import WithAuxLoss, default_aux_loss_coef, is_moe
 from models.preference import PreferenceLoss
 from models.tensor_parallel import (
     TensorParallel,
@@ -53,11 +54,16 @@ def _loss_fn(cfg: TrainConfig, model_config, tp: TensorParallel):
     cross-entropy when the head is split (no rank holds [B, S, V] logits; padded rows never reach the loss)."""
     split = vocab_parallel(model_config, tp)
     if cfg.objective == "dpo":
-        return PreferenceLoss(cfg.dpo.settings(), token_cross_entropy_for(model_config, tp), cfg.model.loss_chunk_size)
-    cross_entropy = None
-    if split:
-        cross_entropy = functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=model_config.vocab_size)
-    return CausalLMLoss(cross_entropy, cfg.model.loss_chunk_size)
+        loss = PreferenceLoss(cfg.dpo.settings(), token_cross_entropy_for(model_config, tp), cfg.model.loss_chunk_size)
+    else:
+        cross_entropy = None
+        if split:
+            cross_entropy = functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=model_config.vocab_size)
+        loss = CausalLMLoss(cross_entropy, cfg.model.loss_chunk_size)
+    if not is_moe(model_config):
+        return loss
+    coef = cfg.moe.aux_loss_coef
+    return WithAuxLoss(loss, default_aux_loss_coef(model_config) if coef is None else coef)
 
 
 def _user_error(e: Exception) -> RunError:
@@ -176,9 +182,11 @@ def assemble(cfg: TrainConfig) -> Run:
             run.tokenizer = _tokenizer(cfg, model_config.vocab_size)
     load_data(run)
     if cfg.objective == "dpo":
-        run.collate = PairCollator(padded_seq_length(cfg), pad_id(run.tokenizer))
+        run.collate = PairCollator(padded_seq_length(cfg), pad_id(run.tokenizer), lengths=is_moe(model_config))
     else:
-        run.collate = CausalLMCollator(padded_seq_length(cfg), pad_id(run.tokenizer), cfg.data.documents_share_rows)
+        run.collate = CausalLMCollator(
+            padded_seq_length(cfg), pad_id(run.tokenizer), cfg.data.documents_share_rows, lengths=is_moe(model_config)
+        )
     run.data_state = data_state(run)
     if needs_reference(cfg):  # before the training stage exists: the pass builds (and drops) a stage of its own
         attach_reference(run)

@@ -100,6 +100,15 @@ class DpoConfig:
 
 
 @dataclass
+class MoeConfig:
+    """Mixture-of-experts models (mixtral, qwen2_moe, qwen3_moe; models/moe.py)."""
+
+    # Weight of transformers' load-balancing loss, added per micro-batch over every sparse layer of the model. None:
+    # the model config's router_aux_loss_coef when its output_router_logits is true, else 0 (as transformers does).
+    aux_loss_coef: float | None = None
+
+
+@dataclass
 class TrainConfig:
     model_name_or_path: str | None = None  # a converted pipeline checkpoint (convert2ckpt.py) or an HF directory
     tokenizer_name_or_path: str | None = None  # default: model_name_or_path
@@ -148,6 +157,7 @@ class TrainConfig:
     lora: LoraSettings = field(default_factory=LoraSettings)
     objective: Objective = Objective.sft  # sft: next-token loss on rows; dpo: preference pairs (the `dpo` settings)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
 
 
 def register_configs() -> None:

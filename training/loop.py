@@ -98,9 +98,11 @@ class Trainer:
             loss = self._train_step(data_iter)
             seconds = time.perf_counter() - start
             r.step += 1
-            rewards = self._preference_metrics() if cfg.objective == "dpo" and c.is_last else None
+            extra = self._router_metrics() if c.is_last else {}
+            if cfg.objective == "dpo" and c.is_last:
+                extra.update(self._preference_metrics())
             if self.reporter is not None:
-                self._report(loss, lr, seconds, tokens_per_step, data_iter, rewards)
+                self._report(loss, lr, seconds, tokens_per_step, data_iter, extra)
             if not math.isfinite(loss) and cfg.nonfinite_loss == "skip":
                 log.warning(
                     "loss is %s at step %d: update skipped (weights and optimizer state unchanged)", loss, r.step
@@ -128,6 +130,22 @@ class Trainer:
         kind = PairScaledBatches if self.cfg.objective == "dpo" else LossScaledBatches
         return kind(batches, micro_batches, r.dp_group(), r.coords.dp)
 
+    def _router_metrics(self, prefix: str = "") -> dict:
+        """Last stage of a model with experts: the load-balancing loss (mean over the micro-batches since the last
+        call, over the DP group) and the largest expert load (busiest expert's tokens over the mean, any layer)."""
+        r = self.assembled
+        if not hasattr(r.loss_fn, "router_sums"):
+            return {}
+        sums = r.loss_fn.router_sums if r.loss_fn.router_sums is not None else torch.zeros(3, dtype=torch.float64)
+        sums = sums.detach().to("cpu", torch.float64)
+        r.loss_fn.router_sums = None
+        if r.coords.dp > 1:
+            load = sums[2:].clone()
+            dist.all_reduce(sums, group=r.dp_group())
+            dist.all_reduce(load, op=dist.ReduceOp.MAX, group=r.dp_group())
+            sums[2:] = load
+        return {f"{prefix}aux_loss": float(sums[0] / sums[1].clamp_min(1)), f"{prefix}expert_load_max": float(sums[2])}
+
     def _preference_metrics(self, prefix: str = "") -> dict:
         """Last stage, objective=dpo: the loss and TRL's reward means over every pair scored since the last call (the
         step's, or the evaluation's), summed over the DP group (`prefix`: "eval_" for TRL's evaluation names)."""
@@ -146,7 +164,7 @@ class Trainer:
         seconds: float,
         tokens_per_step: int,
         batches: LossScaledBatches,
-        rewards: dict | None = None,
+        extra: dict | None = None,
     ) -> None:
         r = self.assembled
         record = {
@@ -161,8 +179,8 @@ class Trainer:
             "input_tokens": batches.step_input_tokens,
             "step_seconds": seconds,
         }
-        if rewards:  # objective=dpo: TRL's reward means over the step's pairs (its loss is `loss` above)
-            record.update({k: v for k, v in rewards.items() if k != "loss"})
+        if extra:  # experts: aux_loss, expert_load_max; dpo: TRL's reward means over the step's pairs (`loss` above)
+            record.update({k: v for k, v in extra.items() if k != "loss"})
         self.reporter.step(record)
         if r.step % self.cfg.logging_steps == 0 or r.step == r.total_steps:
             log.info(
@@ -219,8 +237,9 @@ class Trainer:
         if mbs != cfg.micro_batch_size:
             r.engine.reset_activation_shape()
         results = None
+        router = self._router_metrics("eval_") if c.is_last else {}
         if c.is_last and cfg.objective == "dpo":
-            results = {"step": r.step, **self._preference_metrics("eval_")}  # PairDataset refuses pairless files
+            results = {"step": r.step, **self._preference_metrics("eval_"), **router}  # PairDataset refuses pairless files
             self._write_results(results)
             log.info(
                 "eval at step %d: loss %.4f over %d pairs, reward accuracy %.3f, margin %.4f",
@@ -243,6 +262,7 @@ class Trainer:
                 "eval_tokens": tokens,
                 "eval_rows": r.num_eval_rows,
                 "perplexity": math.exp(min(loss_sum / tokens, 700.0)),
+                **router,
             }
             self._write_results(results)
             if c.reporting:

@@ -13,6 +13,7 @@ import re
 from models.config import checkpoint_every
 from models.lora import check_target_modules
 from models.sharding import tp_indivisible
+from models.moe import is_moe
 from training.config import (
     RESUME_MODES,
     TrainConfig,
@@ -200,6 +201,22 @@ def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
     )
     bad = tp_indivisible(model_config, tp)
     _need(bad is None, f"tensor_parallel_size={tp} must divide {bad[0]}={bad[1]}" if bad else "")
+    if is_moe(model_config):
+        validate_experts(cfg, model_config)
+
+
+def validate_experts(cfg: TrainConfig, model_config) -> None:
+    """A model with experts: routing that transformers computes and we reproduce exactly, never approximated."""
+    jitter = getattr(model_config, "router_jitter_noise", 0.0) or 0.0
+    _need(
+        jitter == 0.0,
+        f"router_jitter_noise={jitter} in the model's config.json: random multiplicative noise on the router's "
+        "input cannot be reproduced exactly (set it to 0.0)",
+    )
+    _need(
+        cfg.moe.aux_loss_coef is None or cfg.moe.aux_loss_coef >= 0,
+        f"moe.aux_loss_coef={cfg.moe.aux_loss_coef} must be >= 0",
+    )
 
 
 def validate_offload(cfg: TrainConfig) -> None:
