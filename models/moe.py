@@ -187,5 +187,7 @@ class WithAuxLoss:
         if self.router_sums is None:
             self.router_sums = sums
         else:
-            self.router_sums = torch.cat([self.router_sums[:2] + sums[:2], torch.maximum(self.router_sums[2:], sums[2:])])
+            self.router_sums = torch.cat(
+                [self.router_sums[:2] + sums[:2], torch.maximum(self.router_sums[2:], sums[2:])]
+            )
         return loss + self.coef * aux.to(loss.dtype)

@@ -30,9 +30,10 @@ TP_DIVIDES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
 
 
 def tp_indivisible(config, tp_size: int) -> tuple[str, int] | None:
-    """The one rule for a tensor-parallel degree: it must divide the heads, the KV heads (GQA) and the MLP width.
-    Returns the first (config field, value) it does not divide, or None."""
-    for name in TP_DIVIDES:
+    """The one rule for a tensor-parallel degree: it must divide the heads, the KV heads (GQA) and the MLP widths
+    (the experts' and the shared expert's too). Returns the first (config field, value) it does not divide, or None."""
+    experts = [n for n in ("moe_intermediate_size", "shared_expert_intermediate_size") if getattr(config, n, None)]
+    for name in (*TP_DIVIDES, *experts):
         value = getattr(config, name)
         if tp_size < 1 or value % tp_size:
             return name, value

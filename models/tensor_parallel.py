@@ -114,6 +114,17 @@ def reduce_from_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
 
 
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
 def sum_grad_over_tp(param: nn.Parameter, tp: TensorParallel) -> None:
     """A replicated parameter used inside a split region: sum its per-rank partial gradients."""
     if tp.size == 1:
@@ -138,6 +149,9 @@ def local_config(config, tp: TensorParallel):
     local.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     local.num_attention_heads, local.num_key_value_heads = heads // tp.size, kv // tp.size
     local.intermediate_size = config.intermediate_size // tp.size
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # experts split as dense MLPs are
+        if getattr(config, name, None):
+            setattr(local, name, getattr(config, name) // tp.size)
     local._attn_implementation = config._attn_implementation
     return local
 
@@ -171,7 +185,10 @@ class TPDecoderPipe:
         super().__init__(local_config(config, tp), layer_idx, options)
         self.tp = tp
         _row_parallel(self.self_attn.o_proj, tp)
-        _row_parallel(self.mlp.down_proj, tp)
+        if self.sparse:
+            split_sparse_block(self.mlp, tp)
+        else:
+            _row_parallel(self.mlp.down_proj, tp)
         for norm in (self.input_layernorm, self.post_attention_layernorm):
             norm.register_forward_hook(lambda _module, _inputs, out: enter_tp(out, self.tp))
             if tp.sp:
@@ -179,6 +196,30 @@ class TPDecoderPipe:
         if family_of(config).qk_norm:
             for norm in (self.self_attn.q_norm, self.self_attn.k_norm):
                 sum_grad_over_tp(norm.weight, tp)
+
+
+def split_sparse_block(block: nn.Module, tp: TensorParallel) -> None:
+    """A sparse MLP block (transformers' router, fused experts, shared expert) with each expert split as a dense
+    MLP is: gate and up rows, down columns (the layer was built from `local_config`). Its input is whole on every
+    rank (`enter_tp` after the norm) and its output partial: summed over TP once, after the routed and shared
+    experts are added (`leave_tp`). The router is replicated and routes every rank's tokens alike; the top-k
+    weights multiply partial expert outputs, so their gradient is summed over TP, and the router's whole
+    gradient reaching its (already copied) input is divided by T so that the input's TP sum counts it once. The
+    shared expert's gate multiplies the partial shared output: its weight's gradient is summed over TP."""
+    router = block.gate
+
+    def router_input(_module, args):
+        return (_ScaleGrad.apply(args[0], 1.0 / tp.size), *args[1:])
+
+    def router_output(_module, _args, out):
+        logits, scores, indices = out
+        return logits, copy_to_tp(scores, tp), indices
+
+    router.register_forward_pre_hook(router_input)
+    router.register_forward_hook(router_output)
+    if hasattr(block, "shared_expert_gate"):
+        sum_grad_over_tp(block.shared_expert_gate.weight, tp)
+    block.register_forward_hook(lambda _module, _inputs, out: leave_tp(out, tp))
 
 
 @functools.cache

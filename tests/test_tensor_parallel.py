@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from models.key_table import DECODER, EMBED, linear_modules, tp_split
 from models.layers import DecoderOptions, decoder_layer_class
 from models.loss import IGNORE_INDEX
+from models.moe import aux_loss, empty_stats, is_moe
 from models.sharding import COLUMN, REPLICA, ROW, VOCAB, merge, merged_shape, padded_vocab, shard
 from tools.tiny_models import tiny_config
 
@@ -96,6 +97,17 @@ def _block_io(config):
     return x, torch.arange(SEQ).expand(2, SEQ), torch.linspace(-1, 1, x.numel()).view_as(x)
 
 
+def _run_block(layer, config, x, position_ids, weight):
+    """The block's output and the loss (y * weight).sum(), plus 0.5 x the load-balancing loss of its router
+    statistics for a block with experts (the second row padded from position 6: its tail is left out)."""
+    if not is_moe(config):
+        y, _ = layer((x, position_ids))
+        return y, (y * weight).sum(), None
+    stats = empty_stats(config).requires_grad_()
+    y, _, _, stats = layer((x, position_ids, torch.tensor([SEQ, 6]), stats))
+    return y, (y * weight).sum() + 0.5 * aux_loss(stats), stats.detach()
+
+
 def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
     """Rank `rank` of 2: its shard of one decoder block, without and with sequence parallelism (then its input,
     output and input gradient are its half of the positions); saves outputs and merged-ready gradients."""
@@ -121,21 +133,23 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
             x, position_ids, weight = _block_io(config)
             mine = slice(rank * SEQ // 2, (rank + 1) * SEQ // 2) if sp else slice(None)
             x = x[:, mine].clone().requires_grad_()
-            y, _ = layer((x, position_ids))
-            (y * weight[:, mine]).sum().backward()
+            y, loss, stats = _run_block(layer, config, x, position_ids, weight[:, mine])
+            loss.backward()
             grads = {k: p.grad for k, p in layer.named_parameters()}
-            results[sp] = {"y": y.detach(), "x_grad": x.grad, "grads": grads}
+            results[sp] = {"y": y.detach(), "x_grad": x.grad, "grads": grads, "stats": stats}
         torch.save(results, out)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tmp_path):
     """TP=2 shards of a LLaMA block (o_proj and down_proj biases, added once after the row-parallel sum), a Qwen2
     block (q/k/v biases split with their rows) and a Qwen3 block (per-head q/k norms, replicated, their gradients
     summed over TP), without and with sequence parallelism: output, input gradient and every parameter gradient
-    equal the whole block's, and replicated parameters' gradients are identical on both ranks."""
+    equal the whole block's, and replicated parameters' gradients are identical on both ranks. Blocks with experts
+    (each expert split as an MLP, the router replicated; Qwen2-MoE's gated shared expert) also under the
+    load-balancing loss: their router statistics equal the whole block's on both ranks."""
     import torch.multiprocessing as mp
 
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
@@ -153,10 +167,12 @@ def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tm
     whole.load_state_dict(ranks[0]["whole"])
     x, position_ids, weight = _block_io(config)
     x.requires_grad_()
-    y, _ = whole((x, position_ids))
-    (y * weight).sum().backward()
+    y, loss, stats = _run_block(whole, config, x, position_ids, weight)
+    loss.backward()
     keys = dict(whole.named_parameters())
-    assert (model_type == "qwen3") == ("self_attn.q_norm.weight" in keys)
+    assert model_type.startswith("qwen3") == ("self_attn.q_norm.weight" in keys)
+    assert is_moe(config) == ("mlp.experts.gate_up_proj" in keys)
+    assert (model_type == "qwen2_moe") == ("mlp.shared_expert_gate.weight" in keys)
     assert (model_type == "llama") == ("mlp.down_proj.bias" in keys)
     for sp in (False, True):
         got_y = [r[sp]["y"] for r in ranks]
@@ -165,6 +181,8 @@ def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tm
             assert got_y[0].shape[1] == SEQ // 2
             got_y, got_x_grad = [torch.cat(got_y, dim=1)] * 2, [torch.cat(got_x_grad, dim=1)] * 2
         for r in range(2):
+            if stats is not None:
+                torch.testing.assert_close(ranks[r][sp]["stats"], stats, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(got_y[r], y.detach(), rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(got_x_grad[r], x.grad, rtol=1e-5, atol=1e-6)
         for key, p in keys.items():

@@ -21,8 +21,8 @@ from data.pair_dataset import PairCollator
 from models.config import check_preset, config_from_preset, load_hf_config
 from models.lora import add_lora
 from models.loss import CausalLMLoss
-from models.partition import stage_bounds
 from models.moe import WithAuxLoss, default_aux_loss_coef, is_moe
+from models.partition import stage_bounds
 from models.preference import PreferenceLoss
 from models.tensor_parallel import (
     TensorParallel,

@@ -239,7 +239,11 @@ class Trainer:
         results = None
         router = self._router_metrics("eval_") if c.is_last else {}
         if c.is_last and cfg.objective == "dpo":
-            results = {"step": r.step, **self._preference_metrics("eval_"), **router}  # PairDataset refuses pairless files
+            results = {
+                "step": r.step,
+                **self._preference_metrics("eval_"),
+                **router,
+            }  # PairDataset refuses pairless files
             self._write_results(results)
             log.info(
                 "eval at step %d: loss %.4f over %d pairs, reward accuracy %.3f, margin %.4f",

@@ -12,8 +12,8 @@ import re
 
 from models.config import checkpoint_every
 from models.lora import check_target_modules
-from models.sharding import tp_indivisible
 from models.moe import is_moe
+from models.sharding import tp_indivisible
 from training.config import (
     RESUME_MODES,
     TrainConfig,
