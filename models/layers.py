@@ -101,8 +101,9 @@ def embedded(embedding: nn.Module, hidden: torch.Tensor, rest: list) -> tuple[to
         hidden.requires_grad_()
     if embedding.moe_config is None:
         return hidden, *rest
-    if len(rest) == 1:  # no lengths given: every position is a real token
-        rest.append(torch.full(hidden.shape[:1], hidden.shape[1], dtype=torch.long, device=hidden.device))
+    if len(rest) == 1:  # no lengths given: every position is a real token (hidden may hold S/T of them under SP)
+        position_ids = rest[0]
+        rest.append(torch.full(position_ids.shape[:1], position_ids.shape[-1], dtype=torch.long, device=hidden.device))
     stats = empty_stats(embedding.moe_config, hidden.device).requires_grad_(grad)
     return hidden, *rest, stats
 

@@ -44,11 +44,14 @@ from models.layers import (
     EmbeddingPipe,
     LMHeadPipe,
     decoder_layer_class,
+    embedded,
     layer_class_and_args,
     norm_class,
     tied_lm_head_forward,
+    with_stats,
 )
 from models.loss import IGNORE_INDEX
+from models.moe import is_moe
 from models.sequence_parallel import gather_sequence, scatter_sequence
 from models.sharding import padded_vocab, tp_indivisible
 
@@ -237,20 +240,19 @@ class VocabParallelEmbeddingPipe(EmbeddingPipe):
         nn.Embedding.__init__(
             self, padded_vocab(config.vocab_size, tp.size, tp.vocab_multiple) // tp.size, config.hidden_size
         )
+        self.moe_config = config if is_moe(config) else None
         self.tp, self.start = tp, tp.rank * self.num_embeddings
         pad = config.pad_token_id
         if pad is not None and self.start <= pad < self.start + self.num_embeddings:
             self.padding_idx = pad - self.start  # as HF's embedding: no gradient into the pad row
 
     def forward(self, inputs):
-        input_ids, position_ids = inputs  # [B, S], [B, S]
+        input_ids, *rest = inputs  # [B, S]; position_ids [B, S] (and lengths [B] with experts)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.num_embeddings)
         hidden = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)  # [B, S, H]
         hidden = leave_tp(hidden.masked_fill(outside[..., None], 0.0), self.tp)  # [B, S/T, H] under SP
-        if torch.is_grad_enabled() and not self.weight.requires_grad:
-            hidden.requires_grad_()  # a frozen embedding (LoRA) still hands the next stage a tensor with a gradient
-        return hidden, position_ids
+        return embedded(self, hidden, rest)
 
 
 class VocabParallelLMHeadPipe(LMHeadPipe):
@@ -262,8 +264,8 @@ class VocabParallelLMHeadPipe(LMHeadPipe):
         )
         self.tp = tp
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(enter_tp(hidden, self.tp), self.weight)
+    def forward(self, hidden: torch.Tensor | tuple) -> torch.Tensor | tuple:
+        return with_stats(hidden, lambda h: F.linear(enter_tp(h, self.tp), self.weight))
 
 
 class TiedVocabParallelHead:
@@ -272,8 +274,8 @@ class TiedVocabParallelHead:
     def __init__(self, tp: TensorParallel):
         self.tp = tp
 
-    def __call__(self, embedding: nn.Embedding, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(enter_tp(hidden, self.tp), embedding.weight)  # [B, S, V_local]
+    def __call__(self, embedding: nn.Embedding, hidden: torch.Tensor | tuple) -> torch.Tensor | tuple:
+        return with_stats(hidden, lambda h: F.linear(enter_tp(h, self.tp), embedding.weight))  # [B, S, V_local]
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

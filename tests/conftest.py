@@ -30,6 +30,7 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8,
 }
+MOE_AUX = dict(output_router_logits=True, router_aux_loss_coef=0.1)
 # name -> tiny_config arguments (model_type and overrides). vocab 64 >= every test tokenizer.
 MODEL_VARIANTS = {
     "mha": dict(num_attention_heads=4, num_key_value_heads=4),
@@ -48,8 +49,17 @@ MODEL_VARIANTS = {
     "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32),
     "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=6),
+    # Mixture of experts (4 experts, top-2), the load-balancing loss on (coefficient 0.1): Mixtral with its window,
+    # Qwen2-MoE's gated shared expert in every 2nd layer (tied embeddings), Qwen3-MoE with its first layer dense.
+    "mixtral": dict(model_type="mixtral", num_key_value_heads=2, sliding_window=6, **MOE_AUX),
+    "qwen2_moe": dict(model_type="qwen2_moe", num_key_value_heads=2, decoder_sparse_step=2, tie_word_embeddings=True)
+    | MOE_AUX,
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", num_key_value_heads=2, head_dim=32, norm_topk_prob=True, mlp_only_layers=[0]
+    )
+    | MOE_AUX,
 }
-FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral"]
+FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 LAUNCHER = str(Path(sys.executable).parent / "deepspeed")  # the `deepspeed` launcher of this environment

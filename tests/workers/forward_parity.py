@@ -20,7 +20,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+from models.layers import split_stats
 from models.loss import IGNORE_INDEX
+from models.moe import WithAuxLoss, aux_loss, empty_stats, is_moe
 from models.partition import stage_bounds
 from models.tensor_parallel import TensorParallel, vocab_parallel, vocab_parallel_cross_entropy
 from training.checkpointing import load_stage_weights
@@ -53,11 +55,13 @@ def reference(hf, ids, labels, packed: bool):
         if packed:
             logits = torch.cat([hf(input_ids=ids[:, :FIRST_DOC]).logits, hf(input_ids=ids[:, FIRST_DOC:]).logits], 1)
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-            return logits, loss
+            return logits, loss, None
         hf_labels = torch.full_like(ids, IGNORE_INDEX)
         hf_labels[:, 1:] = labels[:, :-1]  # HF shifts labels itself
-        ref = hf(input_ids=ids, labels=hf_labels)
-        return ref.logits, ref.loss
+        experts = getattr(hf.config, "num_experts_per_tok", None) is not None
+        ref = hf(input_ids=ids, **({"output_router_logits": True} if experts else {}))
+        loss = torch.nn.functional.cross_entropy(ref.logits[:, :-1].flatten(0, 1), hf_labels[:, 1:].flatten())
+        return ref.logits, loss, ref.aux_loss if experts else None
 
 
 SENT = {"float_bytes": 0}
@@ -107,6 +111,8 @@ def main():
             if vocab_parallel(config, tp):
                 ce = functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=config.vocab_size)
             loss_fn = CausalLMLoss(ce)
+            if is_moe(config):
+                loss_fn = WithAuxLoss(loss_fn, 0.1)
             module = build_module(cfg, coords, config, loss_fn, tp, stage_bounds(config, pp, cfg.model.partition))
             load_stage_weights(module, os.path.join(case["ckpt_dir"], "global_step0"), config, tp)
             module._synchronize_tied_weights()
@@ -119,9 +125,10 @@ def main():
                 )
             SENT["float_bytes"] = 0
             scale = torch.tensor(1.0)
-            _, logits = engine.eval_batch(
+            _, outputs = engine.eval_batch(
                 iter([((ids, pos), (labels, scale))]), return_logits=True, num_micro_batches=1
             )
+            logits, stats = split_stats(outputs) if coords.is_last else (outputs, None)
             if pp == 2:
                 traffic.append(
                     {
@@ -132,6 +139,7 @@ def main():
                         "sent_float_bytes": SENT["float_bytes"],
                         "received_positions": received[:1],
                         "hidden_bytes": BATCH * SEQ * config.hidden_size * 4,
+                        "stats_bytes": empty_stats(config).numel() * 4 if is_moe(config) else 0,
                     }
                 )
             if coords.is_last and tp_size > 1:  # this rank's vocabulary rows: gather them all
@@ -142,7 +150,7 @@ def main():
                 hf = AutoModelForCausalLM.from_pretrained(
                     case["hf_dir"], attn_implementation=case["attn"], dtype=torch.float32
                 )
-                ref_logits, ref_loss = reference(hf, ids, labels, packed)
+                ref_logits, ref_loss, ref_aux = reference(hf, ids, labels, packed)
                 loss_sum, tokens = loss_fn.totals()
                 err, key = None, (case["name"], pp, coords.dp_rank, coords.tp_rank)
                 try:
@@ -156,6 +164,8 @@ def main():
                         without_sp[key] = logits
                     # the loss is HF's fp32 mean vs our fp64 division
                     torch.testing.assert_close(torch.tensor(loss_sum / tokens), ref_loss, rtol=1e-6, atol=1e-6)
+                    if ref_aux is not None:  # transformers' load-balancing loss over every sparse layer of the model
+                        torch.testing.assert_close(aux_loss(stats), ref_aux, rtol=1e-6, atol=1e-6)
                 except AssertionError as e:
                     err = str(e)
                 records.append(
