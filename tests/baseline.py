@@ -7,6 +7,8 @@ target token of the global batch) and torch clips and steps. Only the choice of 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from data.dataset import TokenizedDataset
@@ -127,3 +129,21 @@ def baseline_eval(model, tokenizer_dir: str, eval_file: str, cfg: TrainConfig) -
         total += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
         tokens += int((labels != IGNORE_INDEX).sum())
     return total / tokens, tokens
+
+
+def hub_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's weights under the hub's keys, as `save_pretrained` writes them (experts one key each; the tied
+    head under its own name too, as our reader returns it)."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    state = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        for name in sorted(os.listdir(tmp)):
+            if name.endswith(".safetensors"):
+                state.update(load_file(os.path.join(tmp, name)))
+    if model.config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state

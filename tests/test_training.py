@@ -14,8 +14,8 @@ import torch
 
 from checkpoint.pipeline_reader import load_hf_state_dict
 from checkpoint.safe_load import load_pt
-from tests.baseline import baseline_eval, train_baseline
-from tests.conftest import built_once, check, deepspeed_launch, read_jsonl, run_cmd, shared_path
+from tests.baseline import baseline_eval, hub_state_dict, train_baseline
+from tests.conftest import built_once, check, deepspeed_launch, hf_state, read_jsonl, run_cmd, shared_path
 from training.config import OptimConfig, TrainConfig
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
@@ -75,6 +75,12 @@ LAYOUTS = {
     "qwen3-pp2-tp2": ("qwen3", "false", 2, 2, "", 0),
     "qwen2-tp2-dp2-recompute": ("qwen2", "true", 1, 2, "", 0),
     "mistral-pp2-dp2": ("mistral", "false", 2, 1, "", 0),
+    # Mixture of experts, transformers' load-balancing loss on (coefficient 0.1) across stages: Mixtral's sparse
+    # blocks recomputed; Qwen3-MoE's experts split over TP with sequence parallelism and the chunked vocab-parallel
+    # loss; Qwen2-MoE's gated shared expert (every 2nd layer sparse, tied embeddings) under TP with DP.
+    "mixtral-pp2-dp2-recompute": ("mixtral", "true", 2, 1, "", 0),
+    "qwen3_moe-pp2-tp2-chunked": ("qwen3_moe", "false", 2, 2, "", 5),
+    "qwen2_moe-tp2-dp2": ("qwen2_moe", "false", 1, 2, "", 0),
 }
 
 
@@ -144,9 +150,10 @@ def test_training_matches_single_process_reference(layout, hf_models, converted,
     # The trained checkpoint exported to Hugging Face is the same model.
     export = tmp_path / "hf_export"
     check(run_cmd([sys.executable, "convert2ckpt.py", "--to-hf", "--input", out, "--output", str(export)]))
-    exported = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).state_dict()
-    assert set(exported) == set(ours) and (export / "generation_config.json").exists()
-    for key in ours:
+    AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32)  # transformers loads it
+    exported = hf_state(str(export))  # the hub's keys (one per expert), the tied head once
+    assert set(exported) | {"lm_head.weight"} == set(ours) and (export / "generation_config.json").exists()
+    for key in exported:
         assert torch.equal(exported[key], ours[key]), key
     config = AutoConfig.from_pretrained(out)
     moved = max(float((ours[k] - v).abs().max()) for k, v in load_hf_state_dict(converted[variant], config).items())
@@ -178,6 +185,8 @@ def assert_matches_reference(out: str, cfg: TrainConfig, hf_dir: str, sft_data, 
         torch.tensor([m["grad_norm"] for m in metrics]), torch.tensor(ref_norms), rtol=1e-4, atol=1e-6
     )
     assert all(n > cfg.optim.max_grad_norm for n in ref_norms[:2]), "clipping should be active in this test"
+    if "moe" in layout or "mixtral" in layout:  # transformers' load-balancing loss, reported per step
+        assert all(m["aux_loss"] > 1.0 and m["expert_load_max"] >= 1.0 for m in metrics)
 
     results = json.load(open(f"{out}/eval_results.json"))
     ref_loss, ref_tokens = baseline_eval(ref_model, hf_dir, sft_data[1], cfg)
@@ -198,7 +207,7 @@ def assert_matches_reference(out: str, cfg: TrainConfig, hf_dir: str, sft_data, 
 
     config = AutoConfig.from_pretrained(out)
     ours = load_hf_state_dict(out, config)
-    ref = ref_model.state_dict()
+    ref = hub_state_dict(ref_model)
     assert set(ours) == set(ref)
     # NOTE: Adam turns a gradient into a step of about lr whatever its size, so the fp32 summation-order
     # differences of near-zero gradients (DP all-reduce, micro-batch accumulation) can move single
