@@ -82,7 +82,8 @@ class ModelSettings:
     rope_theta: float | None = None  # RoPE's base
     tie_word_embeddings: bool | None = None  # the LM head shares the embedding's weights
     attn_implementation: AttnImplementation = AttnImplementation.sdpa
-    # How decoder blocks are split over stages: "parameters" (balanced by parameter count), "uniform", or blocks
+    # How decoder blocks are split over stages: "parameters" (balanced by parameter count), "compute" (by the
+    # parameters a token uses: a sparse block's top-k experts), "uniform", or blocks
     # per stage, e.g. [2, 3, 3, 2]. NOTE: Any because omegaconf has no unions.
     partition: Any = "parameters"
     # Recompute activations in backward: true (every decoder block), false, or k (every k-th block; 0 off).

@@ -310,3 +310,6 @@ def init_weights(module: nn.Module, initializer_range: float) -> None:
                 m.weight[m.padding_idx].zero_()
         elif isinstance(m, hf_classes("RMSNorm")):  # every family's, our final norm and q/k norms included
             m.weight.fill_(1.0)
+        elif type(m).__name__.endswith(("Experts", "TopKRouter")):  # fused experts, routers: as transformers does
+            for p in m.parameters(recurse=False):
+                p.normal_(0.0, initializer_range)

@@ -14,20 +14,29 @@ from collections.abc import Sequence
 
 import torch
 
-from models.key_table import LM_HEAD, num_pipe_layers, pipe_layers, stage_bounds_from_blocks
+from models.families import is_sparse_layer
+from models.key_table import DECODER, LM_HEAD, num_pipe_layers, pipe_layers, stage_bounds_from_blocks
 from models.layers import build_layer
+from models.moe import num_experts
 
-PARTITION_METHODS = ("parameters", "uniform")
+PARTITION_METHODS = ("parameters", "compute", "uniform")
 
 
-def layer_param_counts(config, tp=None) -> list[int]:
+def _shape_of(layer, config) -> tuple:
+    """Layers of the same shape have the same parameter count (decoder blocks: sparse or dense)."""
+    return (layer.kind, is_sparse_layer(config, layer.block) if layer.kind == DECODER else None)
+
+
+def layer_param_counts(config, tp=None, active: bool = False) -> list[int]:
     """Parameters per pipeline layer, counted on the meta device (no memory, no init); with `tp` (a
-    `models.tensor_parallel.TensorParallel`), one tensor-parallel rank's share."""
+    `models.tensor_parallel.TensorParallel`), one tensor-parallel rank's share. `active`: the parameters one
+    token uses (a sparse block's top-k experts of E), the measure of compute."""
     layers = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings)
     sizes = {}
     with torch.device("meta"):
         for layer in layers:
-            if layer.kind != LM_HEAD and layer.kind not in sizes:
+            shape = _shape_of(layer, config)
+            if layer.kind != LM_HEAD and shape not in sizes:
                 if tp is None:
                     module = build_layer(layer, config)
                 else:
@@ -35,10 +44,15 @@ def layer_param_counts(config, tp=None) -> list[int]:
 
                     cls, args = tp_layer_class_and_args(layer, config, tp)
                     module = cls(*args)
-                sizes[layer.kind] = sum(p.numel() for p in module.parameters())
+                count = sum(p.numel() for p in module.parameters())
+                if active and shape[1]:
+                    experts = module.mlp.experts
+                    fused = sum(p.numel() for p in experts.parameters())
+                    count -= fused - fused * config.num_experts_per_tok // num_experts(config)
+                sizes[shape] = count
     first = layers[0]
-    sizes[LM_HEAD] = sizes[first.kind]  # the head costs what the embedding costs, tied or not
-    return [sizes[layer.kind] for layer in layers]
+    sizes[LM_HEAD, None] = sizes[_shape_of(first, config)]  # the head costs what the embedding costs, tied or not
+    return [sizes[_shape_of(layer, config)] for layer in layers]
 
 
 def balanced_partition(weights: Sequence[float], num_parts: int) -> list[int]:
@@ -78,7 +92,8 @@ def stage_bounds(config, num_stages: int, partition: str | Sequence[int] = "para
     Args:
         config: a transformers config of the model.
         num_stages: pipeline stages.
-        partition: "parameters" (balance parameter counts), "uniform" (decoder blocks spread
+        partition: "parameters" (balance parameter counts: memory), "compute" (balance the parameters a token
+            uses: with experts, a sparse block counts its top-k experts of E), "uniform" (decoder blocks spread
             evenly; embedding on the first stage, norm and head on the last), or a list with the
             number of decoder blocks of each stage, e.g. [2, 3, 3, 2].
 
@@ -91,8 +106,8 @@ def stage_bounds(config, num_stages: int, partition: str | Sequence[int] = "para
     if num_stages > num_layers:
         raise ValueError(f"num_stages={num_stages} is larger than the model's {num_layers} decoder layers")
     if isinstance(partition, str):
-        if partition == "parameters":
-            bounds = balanced_partition(layer_param_counts(config), num_stages)
+        if partition in ("parameters", "compute"):
+            bounds = balanced_partition(layer_param_counts(config, active=partition == "compute"), num_stages)
             if all(b < e for b, e in zip(bounds[:-1], bounds[1:])) and bounds[-1] == num_pipe_layers(num_layers):
                 return [int(b) for b in bounds]
             partition = "uniform"  # NOTE: balancing left a stage empty (huge vocab, few layers)

@@ -1,0 +1,130 @@
+"""Mixture-of-experts pieces in one process: the load-balancing loss over stages, the hub's keys in layer files,
+stage balancing of mixed sparse and dense layers, and the one-line refusals (fast)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.families import is_sparse_layer
+from models.key_table import all_layer_keys, pipe_layers
+from models.layers import DecoderOptions, build_layer, decoder_layer_class
+from models.moe import add_stats, aux_loss, empty_stats, layer_stats, token_mask
+from models.partition import layer_param_counts, stage_bounds
+from tools.tiny_models import tiny_config
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_aux_loss_summed_over_stages_equals_transformers(model_type):
+    """Router statistics added layer by layer (as stages do, in any grouping) give transformers'
+    `load_balancing_loss_func` over all layers at once, padding masked, and the same gradient to every router."""
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    torch.manual_seed(0)
+    batch, seq, experts, top_k = 3, 7, 4, 2
+    logits = [torch.randn(batch * seq, experts, requires_grad=True) for _ in range(3)]
+    lengths = torch.tensor([7, 4, 1])
+    mask = token_mask(lengths, seq)
+    attention_mask = mask.view(batch, seq).long()
+    ref = module.load_balancing_loss_func(tuple(logits), experts, top_k, attention_mask)
+    ref_grads = torch.autograd.grad(ref, logits)
+    stage0 = add_stats(empty_stats(tiny_config(model_type)), layer_stats(logits[0], top_k, mask))
+    stage1 = add_stats(add_stats(stage0, layer_stats(logits[1], top_k, mask)), layer_stats(logits[2], top_k, mask))
+    ours = aux_loss(stage1)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-7)
+    for got, want in zip(torch.autograd.grad(ours, logits), ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-8)
+
+
+def test_layer_files_hold_the_hubs_per_expert_keys():
+    """A sparse layer's state dict has one key per expert (Mixtral's w1/w3/w2 under block_sparse_moe), exactly the
+    table's, and loading them back rebuilds transformers' fused experts."""
+    config = tiny_config("mixtral", num_hidden_layers=2)
+    layer = pipe_layers(2, False)[1]
+    module = build_layer(layer, config)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    state = module.state_dict()
+    assert set(state) == set(all_layer_keys(config)[layer.index])
+    assert state["block_sparse_moe.experts.3.w3.weight"].shape == (config.intermediate_size, config.hidden_size)
+    again = build_layer(layer, config)
+    again.load_state_dict(state)
+    for (name, a), (_, b) in zip(module.named_parameters(), again.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    gate_up = again.mlp.experts.gate_up_proj  # [E, 2I, H]: expert 1's gate rows, then its up rows
+    assert torch.equal(gate_up[1, : config.intermediate_size], state["block_sparse_moe.experts.1.w1.weight"])
+    assert torch.equal(gate_up[1, config.intermediate_size :], state["block_sparse_moe.experts.1.w3.weight"])
+
+
+def test_stages_balance_sparse_and_dense_layers():
+    """Qwen3-MoE with every 2nd layer sparse: sparse and dense blocks are counted apart; "compute" counts the
+    top-k experts a token uses, "parameters" all of them, and each balances its own measure."""
+    config = tiny_config("qwen3_moe", num_hidden_layers=8, decoder_sparse_step=2, num_experts=8)
+    params, active = layer_param_counts(config), layer_param_counts(config, active=True)
+    blocks = [b for b in range(8)]
+    sparse = [is_sparse_layer(config, b) for b in blocks]
+    assert sparse == [False, True] * 4
+    dense_count, sparse_count = params[1], params[2]  # pipeline layer b + 1 is block b
+    assert sparse_count > dense_count and active[2] < sparse_count and active[1] == dense_count
+    experts = sum(p.numel() for p in decoder_layer_class("qwen3_moe")(config, 1).mlp.experts.parameters())
+    assert sparse_count - active[2] == experts - experts * 2 // 8
+    for method, weights in (("parameters", params), ("compute", active)):
+        bounds = stage_bounds(config, 2, method)
+        parts = [sum(weights[bounds[s] : bounds[s + 1]]) for s in range(2)]
+        assert max(parts) - min(parts) <= max(weights), (method, bounds)
+
+
+def test_router_jitter_and_a_negative_coefficient_are_refused(tmp_path):
+    """One line each, before any data or weight is read."""
+    from tests.catalogue import config_error
+
+    tiny_config("mixtral", router_jitter_noise=0.01).save_pretrained(tmp_path / "jitter")
+    tiny_config("mixtral").save_pretrained(tmp_path / "plain")
+    base = [f"train_file={tmp_path}/t.jsonl", f"output_dir={tmp_path}/out", "seq_length=64"]
+    message = config_error([*base, f"model_name_or_path={tmp_path}/jitter"])
+    assert message.startswith("router_jitter_noise=0.01 in the model's config.json") and "\n" not in message
+    message = config_error([*base, f"model_name_or_path={tmp_path}/plain", "moe.aux_loss_coef=-1"])
+    assert message == "moe.aux_loss_coef=-1.0 must be >= 0"
+
+
+def test_tp_must_divide_the_expert_width():
+    from models.sharding import tp_indivisible
+
+    config = tiny_config("qwen3_moe", moe_intermediate_size=66)
+    assert tp_indivisible(config, 4) == ("moe_intermediate_size", 66)
+    assert tp_indivisible(config, 2) is None
+
+
+def test_decoder_layer_options_apply_to_sparse_blocks():
+    """Recompute (checkpointed sparse block) gives the same output and statistics as running it plainly."""
+    config = tiny_config("qwen2_moe", num_hidden_layers=2)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    plain = decoder_layer_class("qwen2_moe")(config, 0, DecoderOptions())
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.normal_(0, 0.1)
+    again = decoder_layer_class("qwen2_moe")(config, 0, DecoderOptions(checkpoint_every=1))
+    again.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 5, config.hidden_size)
+    inputs = (x, torch.arange(5).expand(2, 5), torch.tensor([5, 3]), empty_stats(config))
+    outs = [layer((inputs[0].clone().requires_grad_(), *inputs[1:])) for layer in (plain, again)]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][3], outs[1][3])
+
+
+def test_training_from_scratch_initialises_experts_and_routers():
+    """`init_weights` (no checkpoint) draws the fused experts and the routers as transformers does: N(0, std)."""
+    from models.layers import init_weights
+
+    config = tiny_config("qwen3_moe", num_hidden_layers=1)
+    layer = decoder_layer_class("qwen3_moe")(config, 0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.fill_(float("nan"))
+    init_weights(layer, 0.02)
+    for name, p in layer.named_parameters():
+        assert torch.isfinite(p).all(), name
+    for p in (layer.mlp.experts.gate_up_proj, layer.mlp.gate.weight):
+        assert 0.015 < float(p.std()) < 0.025
