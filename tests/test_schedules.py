@@ -196,15 +196,19 @@ def test_deferred_weight_gradients_of_a_decoder_block_equal_autograd(checkpoint_
 
 
 SCHEDULE_LAYOUTS = ["tied-pp2-dp2", "gqa-pp2-dp2-packed-recompute2-chunked", "gqa-pp2-tp2-chunked"]
+# (schedule, layout): both schedules on every layout above; DualPipeV also carries the router statistics of a model
+# with experts (and their load-balancing loss) through its two stages per rank.
+SCHEDULE_CASES = [(s, layout) for layout in SCHEDULE_LAYOUTS for s in ("zero_bubble", "dualpipev")]
+SCHEDULE_CASES.append(("dualpipev", "mixtral-pp2-dp2-recompute"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", SCHEDULE_LAYOUTS)
-@pytest.mark.parametrize("schedule", ["zero_bubble", "dualpipev"])
+@pytest.mark.parametrize("schedule,layout", SCHEDULE_CASES)
 def test_schedule_trains_as_1f1b_and_the_reference(schedule, layout, hf_models, converted, sft_data, tmp_path_factory):
     """4 AdamW steps with clipping active: losses and grad norms within 1e-6 relative of 1F1B on the same batches,
     weights within 1e-6, evaluation equal; and the single-process HF reference as for 1F1B (tied embeddings, TP=2,
-    packing, recompute and the chunked loss across the three layouts)."""
+    packing, recompute and the chunked loss across the three layouts; Mixtral's experts with the load-balancing
+    loss)."""
     from tests.test_training import LAYOUTS, STEPS, assert_matches_reference, layout_config, layout_run
 
     gas = 4 if schedule == "dualpipev" else None  # DualPipeV needs 2 x PP micro-batches; others: the layout's
@@ -224,7 +228,10 @@ def test_schedule_trains_as_1f1b_and_the_reference(schedule, layout, hf_models, 
 
     wa, wb = load_hf_state_dict(base), load_hf_state_dict(ours)
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
-    assert wa.keys() == wb.keys() and worst <= 1e-6, worst
+    # NOTE: with experts, DualPipeV's other micro-batch order sums each expert's gradient in another order, and
+    # Adam turns those fp32 rounding differences of near-zero gradients into steps of about lr (3e-3): 2.6e-6 here.
+    bound = 1e-5 if "mixtral" in layout else 1e-6
+    assert wa.keys() == wb.keys() and worst <= bound, worst
     variant, _, stages, tp, _, _ = LAYOUTS[layout]
     assert_matches_reference(
         ours, layout_config(layout, sft_data, gas), hf_models[variant], sft_data, dp=4 // (stages * tp), layout=layout

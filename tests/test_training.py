@@ -85,7 +85,7 @@ LAYOUTS = {
 
 
 # Micro-batches per step: 3, or 4 where tests/test_schedules.py's DualPipeV (which needs 2 x PP) shares the 1F1B run.
-LAYOUT_GAS = {"gqa-pp2-dp2-packed-recompute2-chunked": 4, "gqa-pp2-tp2-chunked": 4}
+LAYOUT_GAS = {"gqa-pp2-dp2-packed-recompute2-chunked": 4, "gqa-pp2-tp2-chunked": 4, "mixtral-pp2-dp2-recompute": 4}
 
 
 def layout_config(layout: str, sft_data, gas: int | None = None) -> TrainConfig:
