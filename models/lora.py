@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.families import hf_classes
+from models.families import family_of, hf_classes
 from models.key_table import DECODER, linear_modules, tp_split
 from models.sharding import ROW, shard
 
@@ -22,14 +22,23 @@ ADAPTER = "default"
 LORA_A, LORA_B = f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"
 
 
-def check_target_modules(targets: list[str]) -> None:
+def check_target_modules(targets: list[str], config=None) -> None:
     """Every `lora.target_modules` entry must name a linear layer of the decoder (PEFT matches a name or its
-    last dotted parts; it only complains when nothing at all matches). Raises ValueError naming the entry."""
+    last dotted parts; it only complains when nothing at all matches). With experts (`config`): adapters go on
+    attention and dense MLP layers; the fused experts (PEFT's `target_parameters`) and a shared expert's layers are
+    refused. Raises ValueError naming the entry."""
     modules = linear_modules()
     for target in targets:
         if not any(m == target or m.endswith("." + target) for m in modules):
             names = ", ".join(m.rsplit(".", 1)[-1] for m in modules)
             raise ValueError(f"lora.target_modules: {target!r} is not a linear layer of the decoder ({names})")
+    moe = family_of(config).moe if config is not None else None
+    mlp = [t for t in targets if any(m.startswith("mlp.") and (m == t or m.endswith("." + t)) for m in modules)]
+    if moe is not None and moe.shared_expert and mlp:
+        raise ValueError(
+            f"lora.target_modules: {mlp[0]!r} would also adapt the shared expert of every sparse block "
+            f"({config.model_type}), which is not supported: adapt attention (q_proj, k_proj, v_proj, o_proj)"
+        )
 
 
 def add_lora(
@@ -70,7 +79,10 @@ def add_lora(
 def _init_adapters(layer: nn.Module, seed: int, tp_rank: int, tp_size: int) -> None:
     block = layer.self_attn.layer_idx
     for i, name in enumerate(linear_modules()):
-        target = layer.get_submodule(name)
+        try:
+            target = layer.get_submodule(name)
+        except AttributeError:  # a sparse block has no dense MLP
+            continue
         if not hasattr(target, "lora_A"):
             continue
         a = target.lora_A[ADAPTER].weight  # [r, in] (this rank's columns of a row-parallel layer)

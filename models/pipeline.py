@@ -15,6 +15,7 @@ from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
 from models.key_table import TIED_KEY, pipe_layers
 from models.layers import DecoderOptions
+from models.moe import file_keys_of
 from models.tensor_parallel import TensorParallel, tp_layer_class_and_args, tp_tied_head_forward
 
 
@@ -52,6 +53,14 @@ class PipelineStageModule(PipelineModule):
         # The grid exists now and the layers are built next: give them their tensor-parallel group (DeepSpeed's
         # "slice" group: the ranks of this stage and DP replica).
         self._tp.group = self._grid.get_slice_parallel_group()
+
+    def _get_frozen_parameter_names(self, layer):
+        """The layer-file keys of `layer`'s frozen parameters (LoRA saves without them): a sparse block's fused
+        experts and router are stored under the hub's keys (models/moe.py)."""
+        names = super()._get_frozen_parameter_names(layer)
+        if not getattr(layer, "sparse", False):
+            return names
+        return [key for name in names for key in file_keys_of(self.model_config, layer.self_attn.layer_idx, name)]
 
     def local_layer_indices(self) -> list[int]:
         """The pipeline layers this rank holds."""

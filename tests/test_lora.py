@@ -56,12 +56,13 @@ def assert_matches_peft(run, cfg, hf_dir: str, tokenizer_dir: str, dp: int) -> d
     return ours
 
 
-def peft_model(hf_dir: str, adapters: dict[str, torch.Tensor] | None = None):
+def peft_model(hf_dir: str, adapters: dict[str, torch.Tensor] | None = None, targets: list[str] | None = None):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, target_modules=LORA.target_modules))
+    config = LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, target_modules=targets or LORA.target_modules)
+    model = get_peft_model(base, config)
     if adapters is not None:
         missing = model.load_state_dict(adapters, strict=False)
         assert not missing.unexpected_keys
@@ -137,10 +138,28 @@ def test_lora_under_each_pipeline_schedule_matches_peft(schedule, tp, hf_models,
 
 
 @pytest.mark.slow
+def test_lora_on_a_model_with_experts_matches_peft(hf_models, converted, tokenizer_dir, sft_data, tmp_path):
+    """Mixtral (4 experts, top-2, the load-balancing loss on) with adapters on attention, PP=2 x DP=2: 4 AdamW steps
+    with clipping equal PEFT on transformers' model trained per micro-batch; only adapters are saved (the frozen
+    experts' per-expert keys left out of every layer file)."""
+    cfg = parity_cfg(sft_data[0])
+    cfg.lora = LoraSettings(enabled=True, r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj"])
+    run = tmp_path / "run"
+    lora = ["lora.enabled=true", "lora.r=4", "lora.alpha=8.0", "lora.target_modules=[q_proj,v_proj,o_proj]"]
+    check(deepspeed_launch(4, *overrides(cfg, converted["mixtral"], str(run), 2), *lora))
+    ours = assert_matches_peft(run, cfg, hf_models["mixtral"], tokenizer_dir, dp=2)
+    assert len(ours) == 4 * 3 * 2  # layers x targets x (A, B)
+    assert all(".lora_" in k for k in load_layer_state(find_layer_file(str(run / "global_step4"), 1)))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["gqa", *FAMILY_VARIANTS])
 def test_merge_peft_adapter_directory_into_checkpoint_or_hf(variant, hf_models, converted, tmp_path):
+    """A PEFT adapter directory merged into a pipeline checkpoint or an HF directory gives PEFT's logits (with experts:
+    adapters on attention; PEFT puts `down_proj` on the fused experts' parameters, which merging refuses)."""
     adapter_dir = tmp_path / "adapter"
-    model = peft_model(hf_models[variant])
+    moe = variant in ("mixtral", "qwen2_moe", "qwen3_moe")
+    model = peft_model(hf_models[variant], targets=["q_proj", "v_proj"] if moe else None)
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():

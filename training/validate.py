@@ -213,6 +213,8 @@ def validate_experts(cfg: TrainConfig, model_config) -> None:
         f"router_jitter_noise={jitter} in the model's config.json: random multiplicative noise on the router's "
         "input cannot be reproduced exactly (set it to 0.0)",
     )
+    if cfg.lora.enabled:
+        check_target_modules(cfg.lora.target_modules, model_config)
     _need(
         cfg.moe.aux_loss_coef is None or cfg.moe.aux_loss_coef >= 0,
         f"moe.aux_loss_coef={cfg.moe.aux_loss_coef} must be >= 0",
