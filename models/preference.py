@@ -149,7 +149,9 @@ class ReferenceScorer:
         self.token_ce, self.chunk = token_ce or token_cross_entropy, chunk
         self.scored: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def __call__(self, logits: torch.Tensor, labels_and_extras) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor | tuple, labels_and_extras) -> torch.Tensor:
+        if isinstance(logits, tuple):  # a model with experts: (logits, router statistics), unused here
+            logits = logits[0]
         labels, _, pair_ids = labels_and_extras
         with torch.no_grad():
             logps, _ = sequence_logps(logits, labels, self.token_ce, self.chunk)
