@@ -99,19 +99,24 @@ def universal_info(config) -> dict:
     how each merges across tensor-parallel ranks, by exact name. Column-parallel weights need no entry (DeepSpeed
     concatenates along dim 0 by default); row-parallel ones concatenate along dim 1; replicated ones are averaged;
     the vocabulary loses its padding (and is padded again for the new degree); the tied embedding is kept from
-    the first stage only."""
+    the first stage only. A sparse block's fused experts get no entry: DeepSpeed's default (dim 0) puts each rank's
+    shard back where it was, which is right as long as the TP degree stays (training/checkpointing.py refuses a TP
+    change for them)."""
     import re
 
     from deepspeed.checkpoint import constants as c
 
-    from models.key_table import TIED_PARAM, layer_keys, pipe_layers, tp_split
+    from models.key_table import DECODER, TIED_PARAM, layer_keys, pipe_layers, tp_split
+    from models.moe import param_name_of
     from models.sharding import REPLICA, ROW, VOCAB
 
     rules = {}
     for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):
         for key in layer_keys(layer, config):
             tied = config.tie_word_embeddings and layer.index == 0
-            rules[TIED_PARAM if tied else f"{layer.index}.{key}"] = tp_split(layer.kind, key)
+            name = param_name_of(config, key) if layer.kind == DECODER else key
+            if name is not None:
+                rules[TIED_PARAM if tied else f"{layer.index}.{name}"] = tp_split(layer.kind, key)
 
     def patterns(rule: str) -> list[str]:
         return [f"^{re.escape(name)}$" for name, r in rules.items() if r == rule]

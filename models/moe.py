@@ -135,6 +135,16 @@ def expert_keys(layer: nn.Module, config) -> None:
     layer.register_load_state_dict_pre_hook(from_hub)
 
 
+def param_name_of(config, key: str) -> str | None:
+    """The in-memory parameter a layer-file key of a decoder layer belongs to when it is one parameter: the key
+    itself, the router's transformers name, or None for one expert's slice of the fused experts."""
+    if family_of(config).moe is None:
+        return key
+    if key == moe_key(config, "router"):
+        return "mlp.gate.weight"
+    return None if ".experts." in key else key
+
+
 def file_keys_of(config, block: int, name: str) -> list[str]:
     """The layer-file keys of in-memory parameter `name` of decoder block `block` (LoRA's frozen-key filter)."""
     if not is_sparse_layer(config, block):

@@ -18,18 +18,20 @@ from tests.test_training import STEPS, interrupted_copy, layout_config, layout_r
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16_zero1"])
-def test_resume_moves_across_tp_and_pp(precision, converted, sft_data, tmp_path):
+@pytest.mark.parametrize("precision,variant", [("fp32", "tied"), ("bf16_zero1", "tied"), ("fp32", "qwen3_moe")])
+def test_resume_moves_across_tp_and_pp(precision, variant, converted, sft_data, tmp_path):
     """Saved with PP=2 x TP=2 (sequence parallel) at step 3 of 6, resumed as PP=2 x TP=1 (2 ranks), PP=4 x TP=1
     (4 ranks) and (fp32) PP=2 x TP=2 without sequence parallelism: the loss curve, LR and (fp32) final weights
     continue the unmoved run's. fp32 (ZeRO-0) moves its Adam
     moments by parameter name, merged and split across TP; bf16 + ZeRO-1 through DeepSpeed's universal
-    checkpoint with our split rules (checkpoint/universal.universal_info)."""
+    checkpoint with our split rules (checkpoint/universal.universal_info). Qwen3-MoE (fp32): the fused experts' Adam
+    moments merged and split by their own rules (each rank's gate rows then its up rows), the load-balancing loss
+    on."""
     from transformers import AutoConfig
 
     cfg = parity_cfg(sft_data[0])
     cfg.max_steps = 6
-    ckpt, full = converted["tied"], tmp_path / "full"
+    ckpt, full = converted[variant], tmp_path / "full"
     extra = {"save_steps": 3, "deepspeed": precision}
     check(deepspeed_launch(4, *overrides(cfg, ckpt, str(full), 2, tensor_parallel_size=2, **extra)))
     expected = read_jsonl(full / "metrics.jsonl")

@@ -176,7 +176,7 @@ def assemble(cfg: TrainConfig) -> Run:
     )
     run = Run(cfg, coords, model_config, _loss_fn(cfg, model_config, tp), bounds, tp=tp)
     run.layout = checkpointing.saved_layout(cfg, coords, model_config, bounds)
-    resume = checkpointing.plan_resume(cfg, coords, run.layout)  # before slow work: a bad resume fails now
+    resume = checkpointing.plan_resume(cfg, coords, run.layout, is_moe(model_config))  # bad resumes fail now
     with agreed():
         if coords.has_data:
             run.tokenizer = _tokenizer(cfg, model_config.vocab_size)

@@ -109,10 +109,10 @@ def find_resume_tag(cfg: TrainConfig) -> str | None:
     return tag
 
 
-def plan_resume(cfg: TrainConfig, coords: Coords, current: dict) -> ResumePlan:
+def plan_resume(cfg: TrainConfig, coords: Coords, current: dict, experts: bool = False) -> ResumePlan:
     """Collective. Find the checkpoint to resume; if it was saved in another layout, choose how its optimizer
     state moves (and, for ZeRO-1, have rank 0 convert it to a universal checkpoint once). `current`: this run's
-    layout record (`saved_layout`)."""
+    layout record (`saved_layout`); `experts`: the model has experts."""
     plan = ResumePlan()
     with agreed():
         plan.tag = find_resume_tag(cfg)
@@ -121,6 +121,13 @@ def plan_resume(cfg: TrainConfig, coords: Coords, current: dict) -> ResumePlan:
             where = os.path.join(cfg.output_dir, plan.tag)
             check_movable(saved, current, where)
             plan.reshape = saved.get("zero_stage", 0) == 0
+            if not plan.reshape and experts and saved.get("tp_size", 1) != current["tp_size"]:
+                raise CheckpointError(
+                    f"{where}: a model with experts saved with ZeRO-1 cannot change tensor_parallel_size "
+                    f"({saved.get('tp_size', 1)} -> {current['tp_size']}): DeepSpeed's universal checkpoint cannot "
+                    "split transformers' fused experts; resume with the saved TP (PP and DP may change), or train "
+                    "with deepspeed=fp32 to move it"
+                )
             if not plan.reshape and cfg.lora.enabled:
                 raise CheckpointError(
                     f"{where}: a LoRA run saved with ZeRO-1 cannot move to another layout (DeepSpeed's universal "

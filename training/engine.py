@@ -13,6 +13,7 @@ from checkpoint.universal import universal_info
 from models.config import checkpoint_every
 from models.key_table import param_tp_split
 from models.layers import DecoderOptions, init_weights
+from models.moe import is_moe
 from models.pipeline import build_pipeline_module
 from models.sharding import REPLICA
 from models.tensor_parallel import TensorParallel
@@ -31,13 +32,14 @@ def describe_auto_precision(precision: str) -> str:
     return f"deepspeed.precision=auto: {why[precision]}"
 
 
-def deepspeed_config(cfg: TrainConfig, coords: Coords, load_universal: bool = False) -> dict:
+def deepspeed_config(cfg: TrainConfig, coords: Coords, load_universal: bool = False, experts: bool = False) -> dict:
     """The engine config. Batch sizes and clipping come from the top-level run config.
 
     Args:
         cfg: run config.
         coords: where this rank sits (the DP size).
         load_universal: the checkpoint to resume is a DeepSpeed universal checkpoint (layout change).
+        experts: the model has experts (its stages send router statistics that take a gradient).
     """
     ds = cfg.deepspeed
     precision = resolve_precision(ds.precision)
@@ -62,11 +64,12 @@ def deepspeed_config(cfg: TrainConfig, coords: Coords, load_universal: bool = Fa
         conf["data_types"] = {"grad_accum_dtype": str(ds.grad_accum_dtype)}
     if load_universal:
         conf["checkpoint"] = {"load_universal": True}
-    if cfg.pipeline_schedule == "dualpipev" or sequence_parallel(cfg):
+    if cfg.pipeline_schedule == "dualpipev" or sequence_parallel(cfg) or (experts and coords.tp > 1):
         # NOTE: under sequence parallelism each TP rank's stage output is its own S/T positions: it sends them as
         # they are (DeepSpeed's partitioning would cut a tensor that differs between ranks). Without it,
-        # DeepSpeed's DualPipeV engine cannot split stage-to-stage tensors across the TP group: each TP rank sends
-        # the whole activation (T times 1F1B's per-rank traffic).
+        # DeepSpeed's DualPipeV engine cannot split stage-to-stage tensors across the TP group, and its 1F1B
+        # engine splits only stage outputs whose tensors after the first take no gradient (a model with experts
+        # sends its router statistics): each TP rank sends the whole activation (T times the per-rank traffic).
         conf["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if ds.offload_optimizer:
         conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
@@ -189,12 +192,35 @@ def build_module(
     return module
 
 
+def keep_buffer_dtypes(engine) -> None:
+    """DeepSpeed's pipeline engine keeps one list of receive buffers for activations and gradients alike, by position
+    in the stage's tuple, and reuses one whenever it is large enough, whatever its dtype. A model with experts sends
+    (hidden, position_ids, lengths, stats): a middle stage then received the statistics' fp32 gradient (position 1
+    of the float tensors) into position 1's int64 activation buffer, and its bytes read as integers reached every
+    router (a gradient norm of inf). Reallocate a buffer whose dtype differs (DeepSpeed 0.19.8,
+    `PipelineEngine._allocate_or_extend_buffers`)."""
+    from functools import reduce
+    from operator import mul
+
+    allocate = engine._allocate_or_extend_buffers
+
+    def same_dtype(idx, shape, dtype):
+        numel = reduce(mul, shape) if len(shape) > 0 else 1
+        buffers = engine._grad_layer_buf  # NOTE: reset_activation_shape() replaces the list
+        if len(buffers) > idx and buffers[idx].dtype != dtype and buffers[idx].numel() >= numel:
+            buffers[idx] = engine._allocate_buffer(shape, dtype=dtype, num_buffers=1)[0]
+        return allocate(idx, shape, dtype)
+
+    engine._allocate_or_extend_buffers = same_dtype
+
+
 def initialize_forward_engine(cfg: TrainConfig, coords: Coords, module):
     """DeepSpeed's pipeline engine for forward passes only (`eval_batch`): no optimizer, no optimizer state; the
     stage cast to the run's precision. The reference pass of `objective=dpo` runs it, then drops it."""
-    config = deepspeed_config(cfg, coords)
+    config = deepspeed_config(cfg, coords, experts=is_moe(module.model_config))
     config["zero_optimization"] = {"stage": 0}  # nothing to partition without an optimizer
     engine, _, _, _ = deepspeed.initialize(model=module, config=config)
+    keep_buffer_dtypes(engine)
     return engine
 
 
@@ -211,12 +237,13 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
         split = param_tp_split(name, config.num_hidden_layers, config.tie_word_embeddings) != REPLICA
         p.model_parallel = not getattr(p, "ds_pipe_replicated", False) and (coords.tp_rank == 0 or split)
     optimizer, scheduler = make_optimizer(cfg, module.named_parameters(), total_steps)
-    config = deepspeed_config(cfg, coords, load_universal)
+    config = deepspeed_config(cfg, coords, load_universal, experts=is_moe(module.model_config))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     # NOTE: DeepSpeed copies its zero_to_fp32.py and zero_to_torch.py into every ZeRO checkpoint. They cannot read
     # pipeline checkpoints (the layer files carry no parameter shapes for them: "'NoneType' object has no attribute
     # 'items'"), so none is left for a user to run; `convert2ckpt.py --to-hf --dtype fp32` gets the weights out.
     engine._copy_recovery_script = lambda save_path: None
+    keep_buffer_dtypes(engine)
     if cfg.pipeline_schedule == "zero_bubble":
         from training.zero_bubble_engine import make_zero_bubble
 
