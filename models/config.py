@@ -54,7 +54,20 @@ ARCH_KEYS = (
     "rms_norm_eps",
     "rope_theta",
     "tie_word_embeddings",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
 )
+
+
+def config_field(model_type: str | None, key: str) -> str:
+    """The transformers config field of preset key `key` for a family (Mixtral counts experts in num_local_experts)."""
+    family = FAMILIES.get(model_type or "llama")
+    return family.moe.num_experts if key == "num_experts" and family is not None and family.moe else key
+
+
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
@@ -81,6 +94,11 @@ class ModelSettings:
     rms_norm_eps: float | None = None  # RMSNorm's epsilon
     rope_theta: float | None = None  # RoPE's base
     tie_word_embeddings: bool | None = None  # the LM head shares the embedding's weights
+    num_experts: int | None = None  # experts per sparse block (Mixtral's num_local_experts)
+    num_experts_per_tok: int | None = None  # experts each token is routed to (top-k)
+    moe_intermediate_size: int | None = None  # each expert's MLP width (Qwen-MoE; Mixtral's is intermediate_size)
+    norm_topk_prob: bool | None = None  # Qwen-MoE: the top-k routing weights renormalised to sum to 1
+    decoder_sparse_step: int | None = None  # Qwen-MoE: every k-th decoder layer is sparse
     attn_implementation: AttnImplementation = AttnImplementation.sdpa
     # How decoder blocks are split over stages: "parameters" (balanced by parameter count), "compute" (by the
     # parameters a token uses: a sparse block's top-k experts), "uniform", or blocks
@@ -213,7 +231,8 @@ def preset_values(model: ModelSettings) -> dict:
 def check_preset(config, model: ModelSettings, where: str) -> None:
     """A preset named on the command line must describe the checkpoint's model. Raises ValueError."""
     for key, want in preset_values(model).items():
-        have = config.rope_parameters.get("rope_theta") if key == "rope_theta" else getattr(config, key)
+        field = config_field(getattr(config, "model_type", None), key)
+        have = config.rope_parameters.get("rope_theta") if key == "rope_theta" else getattr(config, field, None)
         if have != want:
             raise ValueError(f"model.{key}={want} (preset {model.name}) but {where} has {key}={have}")
 
@@ -226,7 +245,8 @@ def config_from_preset(model: ModelSettings):
     model_type = preset.pop("model_type", "llama")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model.model_type={model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
-    config = AutoConfig.for_model(model_type, **{k: v for k, v in preset.items() if k != "rope_theta"})
+    fields = {config_field(model_type, k): v for k, v in preset.items() if k != "rope_theta"}
+    config = AutoConfig.for_model(model_type, **fields)
     if "rope_theta" in preset:
         config.rope_parameters["rope_theta"] = preset["rope_theta"]
     return config

@@ -48,10 +48,11 @@ def test_every_tensor_lands_once_in_its_file(variant, hf_models, converted):
         assert os.path.exists(os.path.join(ckpt, name)), name
 
 
-@pytest.mark.parametrize("preset_name", ["llama2_70b", "qwen2_5_7b", "qwen3_8b"])
+@pytest.mark.parametrize("preset_name", ["llama2_70b", "qwen2_5_7b", "qwen3_8b", "qwen3_30b_a3b", "mixtral_8x7b"])
 def test_layer_modules_match_hf_at_preset_shapes(preset_name):
-    """Shape-only conversion of the shipped presets (LLaMA-2-70B, Qwen2.5-7B, Qwen3-8B) on the meta device:
-    our layer modules' keys and shapes are exactly what the table maps from the transformers model."""
+    """Shape-only conversion of the shipped presets (LLaMA-2-70B, Qwen2.5-7B, Qwen3-8B, Qwen3-30B-A3B, Mixtral 8x7B)
+    on the meta device: our layer modules' keys and shapes are exactly what the table maps from the hub's layout
+    (transformers' own per-expert names for the experts it fuses in memory)."""
     from transformers import AutoModelForCausalLM
 
     from models.config import config_from_preset
@@ -60,7 +61,7 @@ def test_layer_modules_match_hf_at_preset_shapes(preset_name):
 
     config = config_from_preset(compose_config([f"model={preset_name}"]).model)  # the shipped preset, source cited
     with torch.device("meta"):
-        hf = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+        hf = hub_shapes(AutoModelForCausalLM.from_config(config))
         seen = set()
         for layer in pipe_layers(config.num_hidden_layers, tie_word_embeddings=False):
             ours = {k: v.shape for k, v in build_layer(layer, config).state_dict().items()}
@@ -74,11 +75,23 @@ def test_layer_modules_match_hf_at_preset_shapes(preset_name):
         "llama2_70b": ("model.layers.79.self_attn.k_proj.weight", (1024, 8192)),  # GQA: 8 KV heads x 128
         "qwen2_5_7b": ("model.layers.27.self_attn.k_proj.bias", (512,)),  # 4 KV heads x 128, biased
         "qwen3_8b": ("model.layers.35.self_attn.q_norm.weight", (128,)),
+        "qwen3_30b_a3b": ("model.layers.47.mlp.experts.127.down_proj.weight", (2048, 768)),
+        "mixtral_8x7b": ("model.layers.31.block_sparse_moe.experts.7.w3.weight", (14336, 4096)),
     }[preset_name]
     assert hf[expected[0]] == expected[1]
     # The parameter counts the README and the memory estimate quote (the model cards say 7.61B and 8.19B).
     total = sum(math.prod(shape) for shape in hf.values())
-    assert round(total / 1e9, 2) == {"llama2_70b": 68.98, "qwen2_5_7b": 7.62, "qwen3_8b": 8.19}[preset_name]
+    # Qwen3-30B-A3B's card says 30.5B, Mixtral's paper 46.7B.
+    expected = {"llama2_70b": 68.98, "qwen2_5_7b": 7.62, "qwen3_8b": 8.19, "qwen3_30b_a3b": 30.53, "mixtral_8x7b": 46.7}
+    assert round(total / 1e9, 2) == expected[preset_name]
+
+
+def hub_shapes(model) -> dict[str, tuple[int, ...]]:
+    """{hub key: shape} of a transformers model (on any device): its fused experts under the hub's per-expert keys
+    (transformers' own conversion, reversed as save_pretrained does: `revert_weight_conversion`)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return {k: tuple(v.shape) for k, v in revert_weight_conversion(model, model.state_dict()).items()}
 
 
 def test_bin_checkpoint_and_dtype_cast(tmp_path, hf_models, tokenizer_dir):

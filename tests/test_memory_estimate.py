@@ -7,6 +7,7 @@ import torch
 
 from models.key_table import pipe_layers
 from models.layers import DecoderOptions, build_layer
+from models.moe import empty_stats, is_moe
 from models.partition import layer_param_counts, stage_bounds
 from tools.memory_estimate import stage_activation_bytes
 from tools.tiny_models import tiny_config
@@ -42,6 +43,8 @@ def measured_stage(config, layers: range, b: int, s: int, options: DecoderOption
     if layers[0] != 0:  # a later stage receives hidden states (this rank's positions under sequence parallelism)
         shard = s // tp.size if tp is not None and tp.sp else s
         x = (torch.randn(b, shard, config.hidden_size, dtype=dtype, requires_grad=True), position_ids)
+        if is_moe(config):  # and each row's length and the router statistics so far
+            x = (*x, torch.full((b,), s), empty_stats(config).requires_grad_())
     tied_head = config.tie_word_embeddings and layers[-1] == len(specs) - 1
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for i, module in zip(layers, modules):
@@ -60,6 +63,17 @@ LAYOUTS = {  # (config overrides, attention, stages, stage, packed, checkpoint e
     "packed-sdpa-pp1": ({}, "sdpa", 1, 0, True, 0, torch.float32),
     "recompute2-pp1": ({}, "sdpa", 1, 0, False, 2, torch.float32),
     "wide-bf16-pp2-stage1": ({"hidden_size": 256, "intermediate_size": 688}, "sdpa", 2, 1, False, 0, torch.bfloat16),
+    # Sparse blocks: Mixtral's 8 experts top-2 (expert width 344); Qwen2-MoE's shared expert in every 2nd layer.
+    "mixtral-pp2-stage1": ({"model_type": "mixtral", "num_local_experts": 8}, "sdpa", 2, 1, False, 0, torch.float32),
+    "qwen2_moe-sparse-step-bf16": (
+        {"model_type": "qwen2_moe", "decoder_sparse_step": 2, "moe_intermediate_size": 96},
+        "sdpa",
+        1,
+        0,
+        False,
+        0,
+        torch.bfloat16,
+    ),
 }
 
 
@@ -67,6 +81,8 @@ LAYOUTS = {  # (config overrides, attention, stages, stage, packed, checkpoint e
 def test_activation_and_parameter_estimates_match_measurement(layout):
     overrides, attn, stages, stage, packed, every, dtype = LAYOUTS[layout]
     config = tiny_config(**{"hidden_size": 128, "intermediate_size": 344, "num_attention_heads": 4, **overrides})
+    if is_moe(config):
+        config.output_router_logits = False
     config._attn_implementation = attn
     b, s = 2, 96
     bounds = stage_bounds(config, stages, "uniform")

@@ -17,6 +17,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from models.families import family_of, is_sparse_layer
+
 GIB = 1024**3
 
 
@@ -47,8 +49,23 @@ def sharded_norm_bytes(h: int, act_bytes: int, shards: int) -> float:
     return (norm_bytes(h, act_bytes) - h * act_bytes) / shards + h * act_bytes
 
 
+def sparse_mlp_bytes(config, tp: int, act_bytes: int) -> float:
+    """Per token, what a sparse block saves (models/moe.py), in place of the dense MLP's 4 x intermediate: for each
+    of its k routed copies the gathered row and the expert's output (2h) and the expert's gate, up, act(gate) and
+    down's input (4 x the expert width, split over TP); the router's logits and probabilities and the top-k
+    (fp32); a shared expert's four MLP tensors and its gated output. Measured on Mixtral and Qwen2-MoE blocks
+    (tests/test_memory_estimate.py)."""
+    moe = family_of(config).moe
+    experts, k, h = getattr(config, moe.num_experts), config.num_experts_per_tok, config.hidden_size
+    width = getattr(config, moe.expert_size)
+    per_token = k * (2 * h + 4 * width / tp) * act_bytes + (2 * experts + 2 * k + 10) * 4
+    if moe.shared_expert:
+        per_token += (4 * config.shared_expert_intermediate_size / tp + h) * act_bytes + 4
+    return per_token
+
+
 def layer_activation_bytes(
-    config, b: int, s: int, tp: int, act_bytes: int, attn: str, packed: bool, sp: bool = False
+    config, b: int, s: int, tp: int, act_bytes: int, attn: str, packed: bool, sp: bool = False, sparse: bool = False
 ) -> float:
     """Bytes one decoder block keeps for backward per micro-batch (tensors autograd saves, counted once).
 
@@ -56,7 +73,8 @@ def layer_activation_bytes(
     `torch.autograd.graph.saved_tensors_hooks`), per token: each RMSNorm `norm_bytes`; RoPE cos/sin
     2 x head_dim; attention q, k, v after RoPE, the SDPA/flash output rows and o_proj's input:
     2h + 2 x kv_dim, plus the log-sum-exp per head (fp32); SwiGLU gate, up, act(gate) and down's input:
-    4 x intermediate. Tensor parallelism divides attention and MLP, not the norms or RoPE; sequence
+    4 x intermediate (a sparse block: `sparse_mlp_bytes`). Tensor parallelism divides attention and MLP, not the
+    norms or RoPE; sequence
     parallelism (`sp`) divides the norms' own tensors too (`sharded_norm_bytes`). Eager
     attention adds the probabilities (heads x S per token); packed rows on SDPA/eager add the mask
     (S per token); flash-attn keeps neither (Korthikanti et al.'s sbh(34 + 5as/h), specialised to LLaMA).
@@ -65,7 +83,10 @@ def layer_activation_bytes(
     head_dim = getattr(config, "head_dim", None) or h // heads
     kv_dim = config.num_key_value_heads * head_dim
     per_token = 2 * sharded_norm_bytes(h, act_bytes, tp if sp else 1) + 2 * head_dim * act_bytes
-    per_token += ((heads * head_dim + h + 2 * kv_dim + 4 * inter) * act_bytes + heads * 4) / tp
+    mlp = 0 if sparse else 4 * inter * act_bytes / tp
+    per_token += ((heads * head_dim + h + 2 * kv_dim) * act_bytes + heads * 4) / tp + mlp
+    if sparse:  # a sparse block (`sparse_mlp_bytes`): the experts' and the router's tensors
+        per_token += sparse_mlp_bytes(config, tp, act_bytes)
     if attn == "eager":
         per_token += heads / tp * s * act_bytes
     if packed and attn != "flash_attention_2":
@@ -94,18 +115,22 @@ def stage_activation_bytes(
     from models.key_table import EMBED, NORM, block_of, pipe_layers
     from models.tensor_parallel import TensorParallel, vocab_parallel
 
+    moe = family_of(config).moe is not None
+
     n = config.num_hidden_layers
     per_layer = layer_activation_bytes(config, b, s, tp, act_bytes, attn, packed, sp)
+    per_sparse = layer_activation_bytes(config, b, s, tp, act_bytes, attn, packed, sp, sparse=True) if moe else 0
     shards = tp if sp else 1  # positions of the residual stream per rank: s / shards
     split_vocab = vocab_parallel(config, TensorParallel(tp, 0, vocab_multiple))
     kept, live = 0.0, 0.0
     kinds = {layer.index: layer.kind for layer in pipe_layers(n, config.tie_word_embeddings)}
     for index in layers:
         block = block_of(index, n)
+        own = per_sparse if block is not None and is_sparse_layer(config, block) else per_layer
         if block is not None and every and block % every == 0:
-            kept, live = kept + b * s * config.hidden_size * act_bytes / shards, per_layer
+            kept, live = kept + b * s * config.hidden_size * act_bytes / shards, max(live, own)
         elif block is not None:
-            kept += per_layer
+            kept += own
         elif kinds[index] == NORM:
             # + the LM head's own copy of its input (nn.Linear's; the vocab-parallel head under TP saves none)
             head_input = 0 if split_vocab else config.hidden_size * act_bytes
@@ -303,6 +328,17 @@ def main(argv: list[str]) -> int:
         cells = [r.weights, r.gradients, r.optimizer, r.activations, r.logits, r.total]
         print(f"{r.stage:>5} {r.params / 1e9:>7.2f}B " + " ".join(f"{c / GIB:>7.1f}G" for c in cells))
     print(f"busiest stage: {max(r.total for r in rows) / GIB:.1f} GiB per GPU, plus CUDA context and fragmentation")
+    moe = family_of(config).moe
+    if moe is not None:
+        from models.partition import layer_param_counts
+
+        counts, active = layer_param_counts(config), layer_param_counts(config, active=True)
+        tied = counts[-1] if config.tie_word_embeddings else 0  # a tied head is the embedding
+        experts = getattr(config, moe.num_experts)
+        print(
+            f"parameters: {(sum(counts) - tied) / 1e9:.2f}B in all, {(sum(active) - tied) / 1e9:.2f}B used per "
+            f"token ({experts} experts, {config.num_experts_per_tok} routed per token)"
+        )
     if gpu:
         gib = float(gpu[-1].split("=", 1)[1])
         print(f"fits {gib:g} GiB per GPU:")
