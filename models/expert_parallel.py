@@ -34,6 +34,7 @@ class ExpertParallel:
     size: int = 1
     rank: int = 0
     group: Any = None  # the E ranks that split the experts (all-to-all)
+    data_group: Any = None  # the DP / E ranks that hold the same experts (their gradients are reduced there)
 
     def local_experts(self, num_experts: int) -> range:
         """The experts this rank holds: a contiguous block of num_experts / size."""
@@ -66,6 +67,8 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
 
 def local_experts_config(config, ep: ExpertParallel):
     """A copy of `config` whose experts module holds this rank's E / ep experts (the router is rebuilt whole)."""
+    if ep.size == 1:
+        return config
     field = family_of(config).moe.num_experts
     local = copy.copy(config)
     setattr(local, field, getattr(config, field) // ep.size)

@@ -102,9 +102,13 @@ def _hub_names(config, prefix: str) -> tuple[str, str, str, str]:
     return tuple(prefix + moe_key(config, part, "{e}") for part in ("router", "gate", "up", "down"))
 
 
-def expert_keys(layer: nn.Module, config) -> None:
-    """Give a decoder layer with a sparse block the hub's per-expert keys (see the module docstring)."""
+def expert_keys(layer: nn.Module, config, ep=None) -> None:
+    """Give a decoder layer with a sparse block the hub's per-expert keys (see the module docstring). With expert
+    parallelism (`ep`, models/expert_parallel.py) the layer holds experts `ep.local_experts(E)`: loading takes those
+    from the file's E, and saving writes all E from `layer.gathered_experts` (set by the caller, which gathered
+    them over the group) when it is there."""
     router_mem = "mlp.gate.weight"
+    mine = ep.local_experts(num_experts(config)) if ep is not None else range(num_experts(config))
 
     def to_hub(module, state_dict, prefix, local_metadata):
         gate_up_name, down_name = _fused_names(prefix)
@@ -113,11 +117,14 @@ def expert_keys(layer: nn.Module, config) -> None:
             state_dict[router] = state_dict.pop(prefix + router_mem)
         if gate_up_name in state_dict:
             gate_up, down_proj = state_dict.pop(gate_up_name), state_dict.pop(down_name)
+            gathered = getattr(module, "gathered_experts", None)
+            gate_up, down_proj = gathered or (gate_up, down_proj)
+            first = 0 if gathered else mine.start  # not gathered: this rank's experts under their own numbers
             half = gate_up.shape[1] // 2
             for e in range(gate_up.shape[0]):
-                state_dict[gate.format(e=e)] = gate_up[e, :half].clone()
-                state_dict[up.format(e=e)] = gate_up[e, half:].clone()
-                state_dict[down.format(e=e)] = down_proj[e].clone()
+                state_dict[gate.format(e=first + e)] = gate_up[e, :half].clone()
+                state_dict[up.format(e=first + e)] = gate_up[e, half:].clone()
+                state_dict[down.format(e=first + e)] = down_proj[e].clone()
 
     def from_hub(module, state_dict, prefix, *args):
         gate_up_name, down_name = _fused_names(prefix)
@@ -128,8 +135,10 @@ def expert_keys(layer: nn.Module, config) -> None:
             experts = num_experts(config)
             gates = [state_dict.pop(gate.format(e=e)) for e in range(experts)]
             ups = [state_dict.pop(up.format(e=e)) for e in range(experts)]
-            state_dict[gate_up_name] = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)
-            state_dict[down_name] = torch.stack([state_dict.pop(down.format(e=e)) for e in range(experts)])
+            downs = [state_dict.pop(down.format(e=e)) for e in range(experts)]
+            local = slice(mine.start, mine.stop)
+            state_dict[gate_up_name] = torch.cat([torch.stack(gates[local]), torch.stack(ups[local])], dim=1)
+            state_dict[down_name] = torch.stack(downs[local])
 
     layer.register_state_dict_post_hook(to_hub)
     layer.register_load_state_dict_pre_hook(from_hub)

@@ -13,17 +13,20 @@ from collections.abc import Sequence
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
+from models.expert_parallel import ExpertParallel
 from models.key_table import TIED_KEY, pipe_layers
 from models.layers import DecoderOptions
 from models.moe import file_keys_of
 from models.tensor_parallel import TensorParallel, tp_layer_class_and_args, tp_tied_head_forward
 
 
-def layer_specs(config, tp: TensorParallel, options: DecoderOptions | None = None) -> list[LayerSpec]:
+def layer_specs(
+    config, tp: TensorParallel, options: DecoderOptions | None = None, ep: ExpertParallel | None = None
+) -> list[LayerSpec]:
     """One spec per entry of `models.key_table.pipe_layers`, in the same order."""
     specs = []
     for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):
-        cls, args = tp_layer_class_and_args(layer, config, tp, options)
+        cls, args = tp_layer_class_and_args(layer, config, tp, options, ep)
         if config.tie_word_embeddings and not layer.has_file:  # the LM head: a second use of layer 0's module
             specs.append(TiedLayerSpec(TIED_KEY, cls, *args, forward_fn=tp_tied_head_forward(config, tp)))
         elif config.tie_word_embeddings and layer.index == 0:
@@ -36,13 +39,15 @@ def layer_specs(config, tp: TensorParallel, options: DecoderOptions | None = Non
 class PipelineStageModule(PipelineModule):
     """`PipelineModule` whose stage bounds come from `stage_bounds` instead of building every layer."""
 
-    def __init__(self, config, bounds: list[int], tp: TensorParallel, options: DecoderOptions, **kwargs):
+    def __init__(
+        self, config, bounds: list[int], tp: TensorParallel, options: DecoderOptions, ep: ExpertParallel, **kwargs
+    ):
         # NOTE: set before nn.Module.__init__ on purpose: PipelineModule.__init__ partitions and
         # builds immediately, and plain attributes are allowed before Module's own fields exist.
         self._precomputed_bounds = list(bounds)
         self.model_config = config
-        self._tp = tp
-        super().__init__(layers=layer_specs(config, tp, options), partition_method="precomputed", **kwargs)
+        self._tp, self._ep = tp, ep
+        super().__init__(layers=layer_specs(config, tp, options, ep), partition_method="precomputed", **kwargs)
 
     def _partition_layers(self, method="precomputed"):
         stage_id = self._topo.get_coord(self.global_rank).pipe
@@ -51,8 +56,10 @@ class PipelineStageModule(PipelineModule):
             raise ValueError(f"stage bounds {self.parts} do not fit {self.num_stages} stages")
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
         # The grid exists now and the layers are built next: give them their tensor-parallel group (DeepSpeed's
-        # "slice" group: the ranks of this stage and DP replica).
+        # "slice" group: the ranks of this stage and DP replica), and their expert-parallel groups.
         self._tp.group = self._grid.get_slice_parallel_group()
+        if self._ep.size > 1:
+            expert_groups(self._topo, self.global_rank, self._ep)
 
     def _get_frozen_parameter_names(self, layer):
         """The layer-file keys of `layer`'s frozen parameters (LoRA saves without them): a sparse block's fused
@@ -95,6 +102,26 @@ class DualPipeStageModule(PipelineStageModule, DualPipeVModule):
         DualPipeVModule.activate_phase(self, phase)
 
 
+def expert_groups(topology, rank: int, ep: ExpertParallel) -> None:
+    """Carve every stage's expert-parallel groups out of its DP ranks (each TP rank apart): E consecutive DP ranks
+    split the experts (`ep.group`, ep.rank = DP rank mod E); the DP ranks holding the same experts reduce their
+    gradients (`ep.data_group`, DP / E of them). Collective: every rank creates every group, in one order."""
+    import torch.distributed as dist
+
+    dims = topology.get_dim("pipe"), topology.get_dim("data"), topology.get_dim("model")
+    for stage in range(dims[0]):
+        for tp_rank in range(dims[2]):
+            ranks = [topology.get_rank(pipe=stage, data=d, model=tp_rank) for d in range(dims[1])]
+            for first in range(0, dims[1], ep.size):
+                group = dist.new_group(ranks[first : first + ep.size])
+                if rank in ranks[first : first + ep.size]:
+                    ep.group, ep.rank = group, ranks.index(rank) % ep.size
+            for offset in range(ep.size):
+                group = dist.new_group(ranks[offset :: ep.size])
+                if rank in ranks[offset :: ep.size]:
+                    ep.data_group = group
+
+
 def build_pipeline_module(
     config,
     topology,
@@ -104,6 +131,7 @@ def build_pipeline_module(
     loss_fn=None,
     skip_init: bool = True,
     dual: bool = False,
+    ep: ExpertParallel | None = None,
 ) -> PipelineStageModule:
     """Build this rank's stage of the pipeline.
 
@@ -117,6 +145,7 @@ def build_pipeline_module(
         loss_fn: `models.loss.CausalLMLoss` or any callable (logits, labels) -> loss.
         skip_init: leave weights uninitialised because a checkpoint will overwrite them.
         dual: DualPipeV: `bounds` cut the model into 2 x pipe stages, rank r builds stages r and 2p - 1 - r.
+        ep: expert parallelism (its groups are carved from the topology here); None: every rank holds every expert.
     """
     from transformers.initialization import no_init_weights
 
@@ -127,6 +156,7 @@ def build_pipeline_module(
             bounds,
             tp,
             options or DecoderOptions(),
+            ep or ExpertParallel(),
             topology=topology,
             loss_fn=loss_fn,
             activation_checkpoint_interval=0,

@@ -184,8 +184,10 @@ class TPDecoderPipe:
     are summed over TP so they stay identical on every rank. Under sequence parallelism the block's input and
     output are this rank's S/T positions, and so are the two RMSNorms' (their gradients summed over TP too)."""
 
-    def __init__(self, config, layer_idx: int, tp: TensorParallel, options: DecoderOptions | None = None):
-        super().__init__(local_config(config, tp), layer_idx, options)
+    def __init__(
+        self, config, layer_idx: int, tp: TensorParallel, options: DecoderOptions | None = None, ep=None
+    ) -> None:
+        super().__init__(local_config(config, tp), layer_idx, options, ep)
         self.tp = tp
         _row_parallel(self.self_attn.o_proj, tp)
         if self.sparse:
@@ -359,18 +361,19 @@ def token_cross_entropy_for(config, tp: TensorParallel):
 
 
 def tp_layer_class_and_args(
-    layer: PipeLayer, config, tp: TensorParallel, options: DecoderOptions | None = None
+    layer: PipeLayer, config, tp: TensorParallel, options: DecoderOptions | None = None, ep=None
 ) -> tuple[type[nn.Module], tuple]:
-    """`models.layers.layer_class_and_args` with this rank's shard of each layer."""
+    """`models.layers.layer_class_and_args` with this rank's shard of each layer (and with `ep`, a
+    `models.expert_parallel.ExpertParallel`, its experts of each sparse block)."""
     if layer.kind == DECODER and tp.size > 1:
-        return tp_decoder_layer_class(family_of(config).model_type), (config, layer.block, tp, options)
+        return tp_decoder_layer_class(family_of(config).model_type), (config, layer.block, tp, options, ep)
     if layer.kind == EMBED or (layer.kind == LM_HEAD and not layer.has_file):  # a tied head uses the embedding
         return (VocabParallelEmbeddingPipe, (config, tp)) if vocab_parallel(config, tp) else (EmbeddingPipe, (config,))
     if layer.kind == LM_HEAD and vocab_parallel(config, tp):
         return VocabParallelLMHeadPipe, (config, tp)
     if layer.kind == NORM and tp.sp:
         return sp_norm_class(family_of(config).model_type), (config, tp)
-    return layer_class_and_args(layer, config, options)
+    return layer_class_and_args(layer, config, options, ep)
 
 
 def tp_tied_head_forward(config, tp: TensorParallel):

@@ -235,3 +235,29 @@ def test_experts_split_over_two_ranks_equal_the_whole_block(model_type, tmp_path
     for name, grad in expert_grads.items():
         got = torch.cat([ranks[0]["grads"][name], ranks[1]["grads"][name]])  # experts 0-1, then 2-3
         close(got, grad)
+
+
+@pytest.mark.parametrize(
+    "extra,world,message",
+    [
+        (["expert_parallel_size=3"], 4, "expert_parallel_size=3 does not divide the data-parallel size 4"),
+        (["expert_parallel_size=8"], 8, "expert_parallel_size=8 does not divide the model's 4 experts"),
+        (
+            ["expert_parallel_size=2", "deepspeed=bf16_zero1"],
+            4,
+            "expert_parallel_size=2 runs with deepspeed=fp32 (ZeRO-0) for now, not bf16 with ZeRO-1",
+        ),
+        (["expert_parallel_size=2", "lora.enabled=true"], 4, "expert_parallel_size=2 with LoRA is not supported yet"),
+    ],
+)
+def test_expert_parallel_settings_that_cannot_run_are_refused(extra, world, message, tmp_path):
+    """One line naming the key, before any data or weight is read."""
+    from tests.catalogue import config_error
+
+    tiny_config("mixtral").save_pretrained(tmp_path / "m")
+    base = [f"train_file={tmp_path}/t.jsonl", f"output_dir={tmp_path}/out", "seq_length=64"]
+    got = config_error([*base, f"model_name_or_path={tmp_path}/m", "deepspeed=fp32", *extra], world_size=world)
+    assert got.startswith(message) and "\n" not in got, got
+    tiny_config("llama").save_pretrained(tmp_path / "dense")
+    got = config_error([*base, f"model_name_or_path={tmp_path}/dense", "expert_parallel_size=2"], world_size=4)
+    assert got == "expert_parallel_size=2: the model (llama) has no experts"

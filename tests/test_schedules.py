@@ -197,9 +197,9 @@ def test_deferred_weight_gradients_of_a_decoder_block_equal_autograd(checkpoint_
 
 SCHEDULE_LAYOUTS = ["tied-pp2-dp2", "gqa-pp2-dp2-packed-recompute2-chunked", "gqa-pp2-tp2-chunked"]
 # (schedule, layout): both schedules on every layout above; DualPipeV also carries the router statistics of a model
-# with experts (and their load-balancing loss) through its two stages per rank.
+# with experts (and their load-balancing loss) through its two stages per rank, its experts split over EP=2.
 SCHEDULE_CASES = [(s, layout) for layout in SCHEDULE_LAYOUTS for s in ("zero_bubble", "dualpipev")]
-SCHEDULE_CASES.append(("dualpipev", "mixtral-pp2-dp2-recompute"))
+SCHEDULE_CASES.append(("dualpipev", "mixtral-pp2-dp2-ep2-recompute"))
 
 
 @pytest.mark.slow

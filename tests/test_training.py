@@ -75,17 +75,18 @@ LAYOUTS = {
     "qwen3-pp2-tp2": ("qwen3", "false", 2, 2, "", 0),
     "qwen2-tp2-dp2-recompute": ("qwen2", "true", 1, 2, "", 0),
     "mistral-pp2-dp2": ("mistral", "false", 2, 1, "", 0),
-    # Mixture of experts, transformers' load-balancing loss on (coefficient 0.1) across stages: Mixtral's sparse
-    # blocks recomputed; Qwen3-MoE's experts split over TP with sequence parallelism and the chunked vocab-parallel
-    # loss; Qwen2-MoE's gated shared expert (every 2nd layer sparse, tied embeddings) under TP with DP.
-    "mixtral-pp2-dp2-recompute": ("mixtral", "true", 2, 1, "", 0),
+    # Mixture of experts, transformers' load-balancing loss on (coefficient 0.1) across stages: Mixtral's experts
+    # split over EP=2 (2 of 4 per rank, tokens sent by all-to-all), its sparse blocks recomputed; Qwen3-MoE's experts
+    # split over TP with sequence parallelism and the chunked vocab-parallel loss; Qwen2-MoE's gated shared expert
+    # (every 2nd layer sparse, tied embeddings) with its experts split over TP=2 and EP=2 at once.
+    "mixtral-pp2-dp2-ep2-recompute": ("mixtral", "true", 2, 1, "", 0),
     "qwen3_moe-pp2-tp2-chunked": ("qwen3_moe", "false", 2, 2, "", 5),
-    "qwen2_moe-tp2-dp2": ("qwen2_moe", "false", 1, 2, "", 0),
+    "qwen2_moe-tp2-dp2-ep2": ("qwen2_moe", "false", 1, 2, "", 0),
 }
 
 
 # Micro-batches per step: 3, or 4 where tests/test_schedules.py's DualPipeV (which needs 2 x PP) shares the 1F1B run.
-LAYOUT_GAS = {"gqa-pp2-dp2-packed-recompute2-chunked": 4, "gqa-pp2-tp2-chunked": 4, "mixtral-pp2-dp2-recompute": 4}
+LAYOUT_GAS = {"gqa-pp2-dp2-packed-recompute2-chunked": 4, "gqa-pp2-tp2-chunked": 4, "mixtral-pp2-dp2-ep2-recompute": 4}
 
 
 def layout_config(layout: str, sft_data, gas: int | None = None) -> TrainConfig:
@@ -130,6 +131,8 @@ def layout_run(
     }
     if not sequence_parallel:
         extra["sequence_parallel"] = "false"
+    if "-ep2" in layout:
+        extra["expert_parallel_size"] = 2
     if arrangement:
         extra[f"data.{arrangement}"] = "true"
     built_once(root, lambda: check(deepspeed_launch(4, *overrides(cfg, converted[variant], out, stages, **extra))))
@@ -234,6 +237,35 @@ def interrupted_copy(full, part, at: int) -> None:
     (part / "latest").write_text(f"global_step{at}")
     lines = (part / "metrics.jsonl").read_text().splitlines(keepends=True)[:at]
     (part / "metrics.jsonl").write_text("".join(lines))
+
+
+def test_expert_parallel_checkpoint_resumes_with_any_ep(converted, sft_data, tmp_path):
+    """Mixtral saved at step 2 of 4 with its experts split over EP=2 (PP=2 x DP=2): the layer files hold every
+    expert (the checkpoint exports to the hub's 4 experts per layer) and the optimizer state every expert's Adam
+    moments, so resuming with EP=2 continues the unmoved run's losses and grad norms bit for bit, and with EP=1
+    within 1e-6."""
+    cfg = parity_cfg(sft_data[0])
+    full = tmp_path / "full"
+    common = {"save_steps": 2, "expert_parallel_size": 2}
+    check(deepspeed_launch(4, *overrides(cfg, converted["mixtral"], str(full), 2, **common)))
+    layer = load_pt(str(full / "global_step2" / "layer_01-model_00-model_states.pt"))
+    assert {k for k in layer if ".experts." in k} == {
+        f"block_sparse_moe.experts.{e}.{w}.weight" for e in range(4) for w in ("w1", "w2", "w3")
+    }
+    expected = read_jsonl(full / "metrics.jsonl")
+    for ep in (1, 2):
+        part = tmp_path / f"ep{ep}"
+        interrupted_copy(full, part, 2)
+        args = overrides(cfg, converted["mixtral"], str(part), 2, resume="true", save_steps=2)
+        check(deepspeed_launch(4, *args, f"expert_parallel_size={ep}"))
+        got = read_jsonl(part / "metrics.jsonl")
+        if ep == 2:  # as saved: bit for bit
+            assert [(m["loss"], m["grad_norm"]) for m in got] == [(m["loss"], m["grad_norm"]) for m in expected]
+        else:  # the experts' gradients now summed in another order (DP all-reduce instead of all-to-all)
+            for a, b in zip(expected, got, strict=True):
+                assert b["loss"] == pytest.approx(a["loss"], rel=1e-6) and b["grad_norm"] == pytest.approx(
+                    a["grad_norm"], rel=1e-6
+                ), (a, b)
 
 
 def test_resume_matches_uninterrupted(converted, sft_data, tmp_path):

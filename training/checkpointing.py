@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -37,6 +38,7 @@ from training.config import TrainConfig, resume_mode, sequence_parallel
 from training.distributed import agreed, broadcast_object
 from training.engine import follow_new_schedule
 from training.errors import RunError
+from training.expert_parallel import every_expert, keep_own_experts
 from training.precision import resolve_precision, resolve_zero_stage
 from training.run_dir import check_resume_from
 from training.topology import Coords
@@ -229,6 +231,8 @@ def resume(
         )
         if path is None:
             raise RunError(f"{step_dir}: checkpoint could not be loaded")
+    if engine.module._ep.size > 1:  # the saved Adam moments hold every expert: keep this rank's
+        keep_own_experts(engine, engine.module._ep)
     check_data_state(client.get("data", {}), data_state, plan.tag)
     changes = follow_new_schedule(engine.lr_scheduler, cfg, total_steps)
     if changes:
@@ -303,13 +307,15 @@ def _save_into(engine, cfg: TrainConfig, coords: Coords, layout: dict, staging: 
     names = optimizer_param_names(engine.module, engine.optimizer)
     if names is not None:  # lets a ZeRO-0 checkpoint move to another layout
         client[OPTIMIZER_NAMES] = names
-    engine.save_checkpoint(
-        cfg.output_dir,
-        tag=staging,
-        client_state=client,
-        save_latest=False,  # `latest` moves in publish_checkpoint(), after the rename
-        exclude_frozen_parameters=cfg.lora.enabled,  # LoRA: layer files hold the adapter only
-    )
+    ep = engine.module._ep
+    with every_expert(engine, ep) if ep.size > 1 else contextlib.nullcontext():  # files hold every expert
+        engine.save_checkpoint(
+            cfg.output_dir,
+            tag=staging,
+            client_state=client,
+            save_latest=False,  # `latest` moves in publish_checkpoint(), after the rename
+            exclude_frozen_parameters=cfg.lora.enabled,  # LoRA: layer files hold the adapter only
+        )
     torch.save(rng_state(), os.path.join(step_dir, rng_file(coords.rank)))
     dist.barrier()
     if cfg.save_manifest:

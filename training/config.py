@@ -118,6 +118,9 @@ class TrainConfig:
     # in a V, DeepSpeed's; needs gradient_accumulation_steps >= 2 x num_stages).
     pipeline_schedule: PipelineSchedule = PipelineSchedule["1f1b"]
     tensor_parallel_size: int = 1  # TP ranks per stage (adjacent ranks, one node): world = PP x TP x DP
+    # Models with experts: split each sparse block's experts over this many data-parallel ranks of a stage (E must
+    # divide the DP size and the number of experts); tokens reach their experts by all-to-all.
+    expert_parallel_size: int = 1
     # With TP: each TP rank holds seq_length / TP positions between the split regions (norms, residual stream,
     # stage-to-stage tensors). None: on whenever tensor_parallel_size > 1; false: every rank holds them all.
     sequence_parallel: bool | None = None

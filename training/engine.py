@@ -11,6 +11,7 @@ from deepspeed.runtime.utils import clip_grad_norm_
 
 from checkpoint.universal import universal_info
 from models.config import checkpoint_every
+from models.expert_parallel import ExpertParallel
 from models.key_table import param_tp_split
 from models.layers import DecoderOptions, init_weights
 from models.moe import is_moe
@@ -184,6 +185,7 @@ def build_module(
         loss_fn=loss_fn,
         skip_init=skip_init,
         dual=cfg.pipeline_schedule == "dualpipev",
+        ep=ExpertParallel(cfg.expert_parallel_size),
     )
     module.universal_checkpoint_info = universal_info(model_config)  # saved with the engine state (ZeRO-1 moves)
     if not skip_init:
@@ -236,6 +238,10 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
     for name, p in module.named_parameters():
         split = param_tp_split(name, config.num_hidden_layers, config.tie_word_embeddings) != REPLICA
         p.model_parallel = not getattr(p, "ds_pipe_replicated", False) and (coords.tp_rank == 0 or split)
+    if module._ep.size > 1:  # each rank's own experts: DeepSpeed must not broadcast DP rank 0's over them
+        from training.expert_parallel import keep_from_broadcast
+
+        keep_from_broadcast(module)
     optimizer, scheduler = make_optimizer(cfg, module.named_parameters(), total_steps)
     config = deepspeed_config(cfg, coords, load_universal, experts=is_moe(module.model_config))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config)
@@ -269,4 +275,8 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
         optimizer.overflow = not math.isfinite(engine._global_grad_norm)
 
     engine.clip_fp32_gradients = clip_and_record
+    if module._ep.size > 1:  # expert gradients reduced over their own group, counted once in the norm
+        from training.expert_parallel import attach
+
+        attach(engine, module._ep)
     return engine

@@ -12,7 +12,7 @@ import re
 
 from models.config import checkpoint_every
 from models.lora import check_target_modules
-from models.moe import is_moe
+from models.moe import is_moe, num_experts
 from models.sharding import tp_indivisible
 from training.config import (
     RESUME_MODES,
@@ -201,8 +201,29 @@ def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
     )
     bad = tp_indivisible(model_config, tp)
     _need(bad is None, f"tensor_parallel_size={tp} must divide {bad[0]}={bad[1]}" if bad else "")
+    validate_expert_parallel(cfg, world_size, model_config)
     if is_moe(model_config):
         validate_experts(cfg, model_config)
+
+
+def validate_expert_parallel(cfg: TrainConfig, world_size: int, model_config) -> None:
+    """expert_parallel_size against the model and the layout."""
+    ep = cfg.expert_parallel_size
+    _need(ep >= 1, f"expert_parallel_size={ep} must be >= 1")
+    if ep == 1:
+        return
+    _need(is_moe(model_config), f"expert_parallel_size={ep}: the model ({model_config.model_type}) has no experts")
+    dp = world_size // (cfg.num_stages * cfg.tensor_parallel_size)
+    _need(dp % ep == 0, f"expert_parallel_size={ep} does not divide the data-parallel size {dp} of each stage")
+    experts = num_experts(model_config)
+    _need(experts % ep == 0, f"expert_parallel_size={ep} does not divide the model's {experts} experts")
+    precision, zero = resolve_precision(cfg.deepspeed.precision), resolve_zero_stage(cfg.deepspeed.zero_stage)
+    _need(
+        (precision, zero) == ("fp32", 0),
+        f"expert_parallel_size={ep} runs with deepspeed=fp32 (ZeRO-0) for now, not {precision} with ZeRO-{zero}: "
+        "DeepSpeed's bf16/fp16 and ZeRO-1 optimizers reduce gradients in buffers of their own",
+    )
+    _need(not cfg.lora.enabled, f"expert_parallel_size={ep} with LoRA is not supported yet (lora.enabled=true)")
 
 
 def validate_experts(cfg: TrainConfig, model_config) -> None:
