@@ -114,11 +114,21 @@ def layout_run(
     """The 4-rank run of `layout` with `schedule` (STEPS steps, then an evaluation of every eval row): launched
     once per session, by whichever pytest worker needs it first, for every test that reads it. TP layouts run
     with sequence parallelism (the default) unless `sequence_parallel` is false."""
+    gas = layout_config(layout, sft_data, gas).gradient_accumulation_steps
+    root = shared_path(tmp_path_factory, f"run_{layout}_{schedule}_gas{gas}" + ("" if sequence_parallel else "_nosp"))
+    out = str(root / "run")
+    args = layout_args(layout, converted, sft_data, out, schedule, gas, sequence_parallel)
+    built_once(root, lambda: check(deepspeed_launch(4, *args)))
+    return out
+
+
+def layout_args(
+    layout: str, converted, sft_data, out: str, schedule: str = "1f1b", gas=None, sequence_parallel=True, **more
+) -> list[str]:
+    """The trainer overrides of `layout_run` (`more` adds or replaces keys). Layouts with EP=2 save at step 2."""
     variant, recompute, stages, tp, arrangement, chunk = LAYOUTS[layout]
     cfg = layout_config(layout, sft_data, gas)
     gas = cfg.gradient_accumulation_steps
-    root = shared_path(tmp_path_factory, f"run_{layout}_{schedule}_gas{gas}" + ("" if sequence_parallel else "_nosp"))
-    out = str(root / "run")
     extra = {
         "model.activation_checkpointing": recompute,
         "tensor_parallel_size": tp,
@@ -132,11 +142,10 @@ def layout_run(
     if not sequence_parallel:
         extra["sequence_parallel"] = "false"
     if "-ep2" in layout:
-        extra["expert_parallel_size"] = 2
+        extra |= {"expert_parallel_size": 2, "save_steps": 2}
     if arrangement:
         extra[f"data.{arrangement}"] = "true"
-    built_once(root, lambda: check(deepspeed_launch(4, *overrides(cfg, converted[variant], out, stages, **extra))))
-    return out
+    return overrides(cfg, converted[variant], out, stages, **{**extra, **more})
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -239,15 +248,12 @@ def interrupted_copy(full, part, at: int) -> None:
     (part / "metrics.jsonl").write_text("".join(lines))
 
 
-def test_expert_parallel_checkpoint_resumes_with_any_ep(converted, sft_data, tmp_path):
-    """Mixtral saved at step 2 of 4 with its experts split over EP=2 (PP=2 x DP=2): the layer files hold every
-    expert (the checkpoint exports to the hub's 4 experts per layer) and the optimizer state every expert's Adam
-    moments, so resuming with EP=2 continues the unmoved run's losses and grad norms bit for bit, and with EP=1
-    within 1e-6."""
-    cfg = parity_cfg(sft_data[0])
-    full = tmp_path / "full"
-    common = {"save_steps": 2, "expert_parallel_size": 2}
-    check(deepspeed_launch(4, *overrides(cfg, converted["mixtral"], str(full), 2, **common)))
+def test_expert_parallel_checkpoint_resumes_with_any_ep(converted, sft_data, tmp_path, tmp_path_factory):
+    """Mixtral saved at step 2 of 4 with its experts split over EP=2 (the parity layout's run, PP=2 x DP=2): the
+    layer files hold every expert (the hub's 4 per layer) and the optimizer state every expert's Adam moments, so
+    resuming with EP=2 continues the run's losses and grad norms bit for bit, and with EP=1 within 1e-6."""
+    layout = "mixtral-pp2-dp2-ep2-recompute"
+    full = Path(layout_run(layout, converted, sft_data, tmp_path_factory))
     layer = load_pt(str(full / "global_step2" / "layer_01-model_00-model_states.pt"))
     assert {k for k in layer if ".experts." in k} == {
         f"block_sparse_moe.experts.{e}.{w}.weight" for e in range(4) for w in ("w1", "w2", "w3")
@@ -256,8 +262,8 @@ def test_expert_parallel_checkpoint_resumes_with_any_ep(converted, sft_data, tmp
     for ep in (1, 2):
         part = tmp_path / f"ep{ep}"
         interrupted_copy(full, part, 2)
-        args = overrides(cfg, converted["mixtral"], str(part), 2, resume="true", save_steps=2)
-        check(deepspeed_launch(4, *args, f"expert_parallel_size={ep}"))
+        args = layout_args(layout, converted, sft_data, str(part), resume="true", expert_parallel_size=ep)
+        check(deepspeed_launch(4, *args))
         got = read_jsonl(part / "metrics.jsonl")
         if ep == 2:  # as saved: bit for bit
             assert [(m["loss"], m["grad_norm"]) for m in got] == [(m["loss"], m["grad_norm"]) for m in expected]
