@@ -41,6 +41,15 @@ class ExpertParallel:
         per = num_experts // self.size
         return range(self.rank * per, (self.rank + 1) * per)
 
+    def local_config(self, config):
+        """`local_experts_config`: what the decoder layer builds its sparse block from."""
+        return local_experts_config(config, self)
+
+    def split(self, block, config) -> None:
+        """`dispatch_to_experts` on a sparse block built from `local_config` (a no-op at size 1)."""
+        if self.size > 1:
+            dispatch_to_experts(block, config, self)
+
 
 class _AllToAll(torch.autograd.Function):
     """`all_to_all_single` with split sizes; backward sends the gradients back the way the rows came."""

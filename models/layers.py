@@ -39,7 +39,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.expert_parallel import ExpertParallel, dispatch_to_experts, local_experts_config
 from models.families import FAMILIES, family_of, hf_classes, is_sparse_layer, sliding_window
 from models.key_table import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
 from models.moe import (
@@ -168,20 +167,20 @@ class DecoderPipe:
     flash-attn gets `cu_seqlens` for packed rows and applies the window itself (HF passes it).
     """
 
-    def __init__(self, config, layer_idx: int, options: DecoderOptions | None = None, ep: ExpertParallel | None = None):
+    def __init__(self, config, layer_idx: int, options: DecoderOptions | None = None, ep=None):
         if is_moe(config) and config._experts_implementation is None:  # what transformers' models default to
             config = copy.copy(config)
             config._experts_implementation = DEFAULT_EXPERTS_IMPLEMENTATION
-        self.ep = ep or ExpertParallel()
         sparse = is_sparse_layer(config, layer_idx)
-        super().__init__(local_experts_config(config, self.ep) if sparse else config, layer_idx)
+        # `ep`: a models.expert_parallel.ExpertParallel (this rank's experts; tokens reach them by all-to-all).
+        super().__init__(ep.local_config(config) if sparse and ep else config, layer_idx)
         self.sparse = sparse
         if self.sparse:
-            if self.ep.size > 1:  # this rank's experts; tokens reach them by all-to-all (models/expert_parallel.py)
-                dispatch_to_experts(self.mlp, config, self.ep)
+            if ep is not None:
+                ep.split(self.mlp, config)
             self.top_k = config.num_experts_per_tok
             self.mlp.gate.register_forward_hook(self._keep_router_logits)
-            expert_keys(self, config, self.ep)
+            expert_keys(self, config, ep)
         self.attn_implementation = config._attn_implementation or "sdpa"
         self.rotary_emb = rotary_class(family_of(config).model_type)(config)  # non-persistent buffers: no keys
         self.options = options or DecoderOptions()
@@ -282,7 +281,7 @@ def tied_lm_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor | tuple)
 
 
 def layer_class_and_args(
-    layer: PipeLayer, config, options: DecoderOptions | None = None, ep: ExpertParallel | None = None
+    layer: PipeLayer, config, options: DecoderOptions | None = None, ep=None
 ) -> tuple[type[nn.Module], tuple]:
     """The module class of a pipeline layer and its constructor arguments (the one kind -> module table).
 

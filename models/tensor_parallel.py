@@ -117,17 +117,6 @@ def reduce_from_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
 
 
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, factor):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
-
-
 def sum_grad_over_tp(param: nn.Parameter, tp: TensorParallel) -> None:
     """A replicated parameter used inside a split region: sum its per-rank partial gradients."""
     if tp.size == 1:
@@ -214,7 +203,10 @@ def split_sparse_block(block: nn.Module, tp: TensorParallel) -> None:
     router = block.gate
 
     def router_input(_module, args):
-        return (_ScaleGrad.apply(args[0], 1.0 / tp.size), *args[1:])
+        x = args[0].view_as(args[0])
+        if x.requires_grad:
+            x.register_hook(lambda grad: grad / tp.size)
+        return (x, *args[1:])
 
     def router_output(_module, _args, out):
         logits, scores, indices = out

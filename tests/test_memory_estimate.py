@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -206,6 +208,9 @@ def _tp_stage_worker(rank: int, store: str, out: str) -> None:
             json.dump(results, f)
     finally:
         dist.destroy_process_group()
+    # NOTE: exit at once: gloo's threads can abort the interpreter's teardown ("terminate called without an
+    # active exception", SIGABRT) after the work is done and saved.
+    os._exit(0)
 
 
 TP_MODEL = {"hidden_size": 128, "intermediate_size": 344, "num_attention_heads": 4, "num_key_value_heads": 2}

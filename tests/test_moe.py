@@ -3,6 +3,8 @@ stage balancing of mixed sparse and dense layers, and the one-line refusals (fas
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -177,6 +179,9 @@ def _ep_worker(rank: int, store: str, model_type: str, out: str) -> None:
         torch.save({"y": y.detach(), "x_grad": x.grad, "grads": grads}, out)
     finally:
         dist.destroy_process_group()
+    # NOTE: exit at once: gloo's threads can abort the interpreter's teardown ("terminate called without an
+    # active exception", SIGABRT) after the work is done and saved.
+    os._exit(0)
 
 
 def _ep_config(model_type: str):

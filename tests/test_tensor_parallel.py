@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -80,6 +81,9 @@ def test_vocab_parallel_cross_entropy_masks_padding_and_matches_torch(tmp_path):
         assert not logits.grad[..., 61:].any()  # padded columns get no gradient
     finally:
         dist.destroy_process_group()
+    # NOTE: exit at once: gloo's threads can abort the interpreter's teardown ("terminate called without an
+    # active exception", SIGABRT) after the work is done and saved.
+    os._exit(0)
 
 
 def _block_config(model_type: str):
@@ -140,6 +144,9 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
         torch.save(results, out)
     finally:
         dist.destroy_process_group()
+    # NOTE: exit at once: gloo's threads can abort the interpreter's teardown ("terminate called without an
+    # active exception", SIGABRT) after the work is done and saved.
+    os._exit(0)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
