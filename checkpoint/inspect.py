@@ -19,6 +19,18 @@ from checkpoint.universal import read_layout
 from models.key_table import parse_layer_file_name
 
 
+def experts_of(config) -> dict:
+    """A model with experts: how many, routed per token, and in how many decoder layers (else nothing)."""
+    from models.families import family_of, is_sparse_layer
+
+    moe = family_of(config).moe
+    if moe is None:
+        return {}
+    sparse = sum(is_sparse_layer(config, b) for b in range(config.num_hidden_layers))
+    experts = getattr(config, moe.num_experts)
+    return {"experts": experts, "experts_per_token": config.num_experts_per_tok, "sparse_layers": sparse}
+
+
 def describe(ckpt_dir: str, tag: str | None = None) -> dict:
     """Everything `--inspect` prints, as a dict."""
     ckpt = PipelineCheckpoint(ckpt_dir, tag)  # its engine files' pickles scanned: none is unsafe
@@ -57,6 +69,7 @@ def describe(ckpt_dir: str, tag: str | None = None) -> dict:
             "num_key_value_heads": config.num_key_value_heads,
             "vocab_size": config.vocab_size,
             "tie_word_embeddings": config.tie_word_embeddings,
+            **experts_of(config),
         },
         "layer_files": len(layer_files),
         "format": sorted({fmt for _, _, fmt in layer_files.values()}),
@@ -79,7 +92,12 @@ def format_description(info: dict) -> str:
     lines = [
         f"checkpoint   {info['checkpoint']} ({info['source']}, step {info['step']})",
         f"model        {m['num_hidden_layers']} layers, hidden {m['hidden_size']}, heads {m['num_attention_heads']} "
-        f"(KV {m['num_key_value_heads']}), vocab {m['vocab_size']}, tied embeddings {m['tie_word_embeddings']}",
+        f"(KV {m['num_key_value_heads']}), vocab {m['vocab_size']}, tied embeddings {m['tie_word_embeddings']}"
+        + (
+            f", {m['experts']} experts (top-{m['experts_per_token']}) in {m['sparse_layers']} layers"
+            if "experts" in m
+            else ""
+        ),
         f"layer files  {info['layer_files']} {'/'.join(info['format'])} ({', '.join(info['dtype'])}); "
         f"TP ranks {info['tp_ranks']}; missing layers {info['missing_layers'] or 'none'}",
     ]

@@ -111,6 +111,9 @@ def test_inspect_reports_a_converted_checkpoint(converted):
     assert info["layout"]["num_stages"] is None and info["optimizer_state"] == "none"
     text = run_cmd([sys.executable, "convert2ckpt.py", "--inspect", converted["tied"]]).stdout
     assert "converted from Hugging Face" in text and "loadable with any number of stages" in text
+    # A model with experts: Qwen2-MoE, every 2nd of 4 layers sparse.
+    text = run_cmd([sys.executable, "convert2ckpt.py", "--inspect", converted["qwen2_moe"]]).stdout
+    assert "tied embeddings True, 4 experts (top-2) in 2 layers" in text
 
 
 @pytest.mark.slow
