@@ -153,6 +153,23 @@ def convert_in_process(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["convert2ckpt.py", *args], code, out.getvalue(), err.getvalue())
 
 
+def spawn_ranks(worker, tmp_path, *args, ranks: int = 2, suffix: str = "pt", timeout: int = 300) -> list[str]:
+    """Run `worker(rank, store, *args, out)` in `ranks` spawned processes (gloo through a file store in `tmp_path`),
+    each saving its results to its own `out`; returns those paths once every process exited cleanly."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    store = str(tmp_path / "store")
+    outs = [str(tmp_path / f"rank{r}.{suffix}") for r in range(ranks)]
+    procs = [ctx.Process(target=worker, args=(r, store, *args, outs[r])) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+        assert p.exitcode == 0, f"rank {procs.index(p)} exited with {p.exitcode}"
+    return outs
+
+
 def torchrun(script: str, nprocs: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}", f"--master_port={free_port()}"]
     return run_cmd(cmd + [script, *args], timeout)

@@ -11,6 +11,7 @@ from models.key_table import pipe_layers
 from models.layers import DecoderOptions, build_layer
 from models.moe import empty_stats, is_moe
 from models.partition import layer_param_counts, stage_bounds
+from tests.conftest import spawn_ranks
 from tools.memory_estimate import stage_activation_bytes
 from tools.tiny_models import tiny_config
 
@@ -227,17 +228,7 @@ def test_tp_and_sequence_parallel_activation_estimates_match_measurement(tmp_pat
     against the tensors autograd saves (within 5%); sequence parallelism saves less on every stage."""
     import json
 
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
-    procs = [ctx.Process(target=_tp_stage_worker, args=(r, str(tmp_path / "store"), outs[r])) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-        assert p.exitcode == 0
-    ranks = [json.load(open(o)) for o in outs]
+    ranks = [json.load(open(o)) for o in spawn_ranks(_tp_stage_worker, tmp_path, suffix="json")]
     assert ranks[0] == ranks[1]
     for name, (overrides, attn, stage, every) in TP_LAYOUTS.items():
         config = tiny_config(**{**TP_MODEL, **overrides})

@@ -14,6 +14,7 @@ from models.layers import DecoderOptions, decoder_layer_class
 from models.loss import IGNORE_INDEX
 from models.moe import aux_loss, empty_stats, is_moe
 from models.sharding import COLUMN, REPLICA, ROW, VOCAB, merge, merged_shape, padded_vocab, shard
+from tests.conftest import spawn_ranks
 from tools.tiny_models import tiny_config
 
 
@@ -154,18 +155,7 @@ def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tm
     equal the whole block's, and replicated parameters' gradients are identical on both ranks. Blocks with experts
     (each expert split as an MLP, the router replicated; Qwen2-MoE's gated shared expert) also under the
     load-balancing loss: their router statistics equal the whole block's on both ranks."""
-    import torch.multiprocessing as mp
-
-    outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
-    ctx = mp.get_context("spawn")
-    store = str(tmp_path / "store")
-    procs = [ctx.Process(target=_tp_block_worker, args=(r, store, model_type, outs[r])) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
-    ranks = [torch.load(o, weights_only=True) for o in outs]
+    ranks = [torch.load(o, weights_only=True) for o in spawn_ranks(_tp_block_worker, tmp_path, model_type)]
     config = _block_config(model_type)
     whole = decoder_layer_class(model_type)(config, 0, DecoderOptions())
     whole.load_state_dict(ranks[0]["whole"])
