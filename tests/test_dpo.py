@@ -383,10 +383,12 @@ def test_dpo_training_matches_single_process_reference(layout, dpo_models, train
     assert_same_run(out, part)
 
 
-def test_dpo_with_experts_matches_single_process_reference(chat_tokenizers, train_pairs, tmp_path):
-    """A Mixtral policy (4 experts, top-2), PP=2 x DP=2, its starting weights as the reference: the reference pass
-    and 4 AdamW steps with clipping equal the single-process reference (no load-balancing loss: the model config's
-    output_router_logits is false, as in the hub's Mixtral and Qwen-MoE configs)."""
+@pytest.mark.parametrize("ep", [1, 2])
+def test_dpo_with_experts_matches_single_process_reference(ep, chat_tokenizers, train_pairs, tmp_path):
+    """A Mixtral policy (4 experts, top-2), PP=2 x DP=2 (with EP=2: 2 experts per rank, for the reference pass as
+    for training), its starting weights as the reference: the reference pass and 4 AdamW steps with clipping equal
+    the single-process reference (no load-balancing loss: the model config's output_router_logits is false, as in
+    the hub's Mixtral and Qwen-MoE configs)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(chat_tokenizers["bpe"])
@@ -401,11 +403,11 @@ def test_dpo_with_experts_matches_single_process_reference(chat_tokenizers, trai
     tok.save_pretrained(policy)
     cfg = train_config(train_pairs, loss_type="sigmoid", beta=0.1)
     out = tmp_path / "run"
-    proc = check(deepspeed_launch(4, *launch_args(cfg, str(policy), out, 2)))
+    proc = check(deepspeed_launch(4, *launch_args(cfg, str(policy), out, 2, expert_parallel_size=ep)))
     assert "reference log-probs of 40 pairs computed" in proc.stderr
     worst, _ = assert_matches_dpo_reference(out, cfg, str(policy), str(policy), dp=2)
     assert all(m["aux_loss"] > 0 for m in read_jsonl(out / "metrics.jsonl"))  # reported, not trained on
-    print(f"DPO training parity (mixtral, PP=2 x DP=2): max |weight diff| after {cfg.max_steps} steps = {worst:.3g}")
+    print(f"DPO training parity (mixtral, PP=2 x DP=2 x EP={ep}): max |weight diff| after 4 steps = {worst:.3g}")
 
 
 def test_dpo_under_each_pipeline_schedule_equals_1f1b(dpo_models, train_pairs, tmp_path):

@@ -221,6 +221,10 @@ def initialize_forward_engine(cfg: TrainConfig, coords: Coords, module):
     stage cast to the run's precision. The reference pass of `objective=dpo` runs it, then drops it."""
     config = deepspeed_config(cfg, coords, experts=is_moe(module.model_config))
     config["zero_optimization"] = {"stage": 0}  # nothing to partition without an optimizer
+    if module._ep.size > 1:  # each rank's own experts (as initialize_engine)
+        from training.expert_parallel import keep_from_broadcast
+
+        keep_from_broadcast(module)
     engine, _, _, _ = deepspeed.initialize(model=module, config=config)
     keep_buffer_dtypes(engine)
     return engine
