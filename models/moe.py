@@ -85,11 +85,6 @@ def aux_loss(stats: torch.Tensor) -> torch.Tensor:
     return (counts / rows * (prob_sum / rows)).sum() * experts
 
 
-def expert_load(stats: torch.Tensor) -> float:
-    """The largest per-layer expert load (busiest expert's tokens over the mean) the statistics saw."""
-    return float(stats[-1])
-
-
 # ---------------------------------------------------------------------------------------------------- keys
 
 

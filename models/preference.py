@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from models.config import LossType
+from models.layers import split_stats
 from models.loss import IGNORE_INDEX
 
 
@@ -150,8 +151,7 @@ class ReferenceScorer:
         self.scored: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __call__(self, logits: torch.Tensor | tuple, labels_and_extras) -> torch.Tensor:
-        if isinstance(logits, tuple):  # a model with experts: (logits, router statistics), unused here
-            logits = logits[0]
+        logits, _ = split_stats(logits)  # a model with experts: the router statistics beside, unused here
         labels, _, pair_ids = labels_and_extras
         with torch.no_grad():
             logps, _ = sequence_logps(logits, labels, self.token_ce, self.chunk)

@@ -125,7 +125,11 @@ def _params_with_grads(module) -> list:
 @contextlib.contextmanager
 def every_expert(engine, ep: ExpertParallel):
     """Within: sparse layers save every expert (`gathered_experts`, read by models/moe.py's key hooks) and the
-    optimizer holds every expert's Adam moments. Collective over each EP group; all ranks enter."""
+    optimizer holds every expert's Adam moments. DeepSpeed writes layer files and the ZeRO-0 optimizer state from
+    DP rank 0 only, so only the EP group holding DP rank 0 (DP ranks 0 .. E-1) gathers; all ranks enter."""
+    if engine.grid.data_parallel_id >= ep.size:  # a group that writes nothing
+        yield
+        return
     layers = expert_modules(engine.module)
     state = engine.optimizer.state
     kept = {}
