@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from transformers.integrations.moe import _default_apply_gate, grouped_mm_experts_forward
 
 from models.families import family_of
 
@@ -84,31 +85,79 @@ def local_experts_config(config, ep: ExpertParallel):
     return local
 
 
+def _exchange(ep: ExpertParallel, flat: torch.Tensor, num_experts: int, rows_of, run_local) -> tuple:
+    """Send each (token, slot) row to the rank holding its expert and back. `flat` [N * k]: the expert of each
+    slot; `rows_of(order)`: the rows to send, in `order` (the slots sorted by expert, so by rank); `run_local(rows,
+    local_id)`: this rank's experts on the rows it received. Returns (order, the rows' outputs in `order`)."""
+    per = num_experts // ep.size
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)  # [E] rows this rank sends to each expert
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=ep.group)  # [ep * per]: from rank r to local expert j
+    send = counts.view(ep.size, per).sum(1).tolist()
+    recv = received.view(ep.size, per).sum(1).tolist()
+    rows = all_to_all(rows_of(order), recv, send, ep.group)  # [M, H]
+    local_id = torch.arange(per, device=flat.device).repeat(ep.size).repeat_interleave(received)
+    return order, all_to_all(run_local(rows, local_id), send, recv, ep.group)  # [N * k, H] in `order`
+
+
 def dispatch_to_experts(block, config, ep: ExpertParallel) -> None:
     """Make `block` (a sparse block built from `local_experts_config`) route over all experts and run its local
     ones for every rank of the group (see the module docstring)."""
     family = family_of(config)
+    if family.moe.fused_hub:
+        return _dispatch_llama4(block, config, ep)
     block.gate = type(block.gate)(config)  # the router over every expert, as transformers builds it
     experts = block.experts
     local_forward = experts.forward  # transformers' (its experts_implementation), on this rank's experts
-    num_experts, per = getattr(config, family.moe.num_experts), getattr(config, family.moe.num_experts) // ep.size
+    num_experts = getattr(config, family.moe.num_experts)
 
     def forward(self, hidden, top_k_index, top_k_weights):  # [N, H], [N, k], [N, k]
-        n, k = top_k_index.shape
-        flat = top_k_index.reshape(-1)  # [N * k] expert of each (token, slot)
-        order = torch.argsort(flat, stable=True)  # by expert, so by the rank that holds it
-        token = order // k
-        counts = torch.bincount(flat, minlength=num_experts)  # [E] rows this rank sends to each expert
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=ep.group)  # [ep * per]: from rank r to local expert j
-        send = counts.view(ep.size, per).sum(1).tolist()
-        recv = received.view(ep.size, per).sum(1).tolist()
-        rows = all_to_all(hidden[token], recv, send, ep.group)  # [M, H]
-        local_id = torch.arange(per, device=hidden.device).repeat(ep.size).repeat_interleave(received)
-        out = local_forward(rows, local_id[:, None], torch.ones(len(rows), 1, dtype=hidden.dtype, device=rows.device))
-        back = all_to_all(out, send, recv, ep.group)  # [N * k, H] in `order`
+        k = top_k_index.shape[1]
+
+        def run_local(rows, local_id):
+            return local_forward(
+                rows, local_id[:, None], torch.ones(len(rows), 1, dtype=rows.dtype, device=rows.device)
+            )
+
+        order, back = _exchange(ep, top_k_index.reshape(-1), num_experts, lambda order: hidden[order // k], run_local)
         weights = top_k_weights.reshape(-1)[order].to(back.dtype)
         final = torch.zeros_like(hidden)
-        return final.index_add_(0, token, (back * weights[:, None]).to(final.dtype))
+        return final.index_add_(0, order // k, (back * weights[:, None]).to(final.dtype))
 
     experts.forward = types.MethodType(forward, experts)
+
+
+def _dispatch_llama4(block, config, ep: ExpertParallel) -> None:
+    """Llama 4's block (`Llama4TextMoe`) with its experts split: transformers runs every expert on every token,
+    each token's input scaled by its sigmoid score (0 outside its top-k); here only the top-k (token, expert)
+    pairs travel, scaled the same way, and the local experts run as one grouped matmul over the rows they received
+    (transformers' `grouped_mm` on Llama 4's x @ W layout). The shared expert runs on every token, as there."""
+    block.router = type(block.router)(config)  # the router over every expert
+    experts = block.experts
+    experts.num_experts = experts.gate_up_proj.shape[0]
+    # What transformers' grouped_mm reads of an experts module (`use_experts_implementation` sets them on others).
+    experts.has_gate, experts.has_bias, experts.is_transposed = True, False, True
+    experts.has_post_expert_norm, experts._is_expert_parallel = False, False
+    experts._apply_gate = types.MethodType(_default_apply_gate, experts)
+    num_experts, top_k = config.num_local_experts, config.num_experts_per_tok
+
+    def run_local(rows, local_id):
+        ones = torch.ones(len(rows), 1, dtype=rows.dtype, device=rows.device)
+        return grouped_mm_experts_forward(experts, rows, local_id[:, None], ones)
+
+    def forward(self, hidden_states):  # [B, S, H] -> ([N, H], router logits [N, E])
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        scores, logits = self.router(x)  # scores [N, E]: sigmoid of the top-k logits, 0 elsewhere
+        index = torch.topk(logits, top_k, dim=1).indices  # the router's own choice
+        score = scores.gather(1, index).reshape(-1)  # [N * k]
+
+        def rows_of(order):  # each pair's input scaled by its score, as transformers scales it
+            return x[order // top_k] * score[order][:, None]
+
+        order, back = _exchange(ep, index.reshape(-1), num_experts, rows_of, run_local)
+        routed = torch.zeros_like(x).index_add_(0, order // top_k, back.to(x.dtype))
+        out = self.shared_expert(x)
+        return out + routed, logits
+
+    block.forward = types.MethodType(forward, block)

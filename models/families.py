@@ -18,6 +18,14 @@ some or all layers; what differs is where their keys live and which layers are s
     qwen2_moe   qwen2          mlp.experts.N.gate/up/down_proj     decoder_sparse_step,      mlp.shared_expert (+ gate)
                                                                    mlp_only_layers
     qwen3_moe   qwen3          mlp.experts.N.gate/up/down_proj     as qwen2_moe              -
+    llama4_text own            feed_forward.experts.gate_up_proj,  moe_layers                feed_forward.shared_expert
+                               .down_proj (fused, x @ W layout)
+
+Llama 4 (`llama4_text`: Llama4ForCausalLM, and the text model of Llama4ForConditionalGeneration checkpoints) brings
+its own attention: RoPE (interleaved pairs, complex `freqs_cis`) on most layers with chunked attention
+(`attention_chunk_size`) and weightless L2 q/k norms after RoPE, NoPE layers with full causal attention and
+attention temperature tuning; its dense layers' MLP width is `intermediate_size_mlp`, its routers a sigmoid of the
+top-k logits that scales each expert's input.
 
 Model code only: no DeepSpeed, no distributed code.
 """
@@ -36,8 +44,15 @@ class MoeSpec:
     expert_names: each expert's gate, up and down projection on the hub (`{hub_block}.experts.N.<name>.weight`).
     num_experts / expert_size: the config fields with the number of experts and each expert's MLP width.
     every_layer: every decoder layer is sparse (else `decoder_sparse_step` and `mlp_only_layers` decide).
-    shared_expert: a sigmoid-gated dense expert every token goes through (`mlp.shared_expert`, `.shared_expert_gate`).
+    shared_expert: a dense expert every token goes through (`{block}.shared_expert`), sigmoid-gated
+        (`{block}.shared_expert_gate`) when `shared_gate`.
     always_renormalise: top-k weights always divided by their sum (else only with `config.norm_topk_prob`).
+    block / router: the in-memory names of the sparse block in a decoder layer and of its router in the block.
+    router_logits: where the router's outputs hold the logits (transformers' tuples differ by family).
+    fused_hub: the hub keeps each layer's experts fused as transformers does, in x @ W layout
+        (`experts.gate_up_proj` [E, H, 2I], `experts.down_proj` [E, I, H]); else one key per expert.
+    moe_layers: the config lists the sparse layers (`config.moe_layers`).
+    aux_loss: transformers adds a load-balancing loss for the family (Llama 4's adds none).
     """
 
     hub_block: str
@@ -46,7 +61,14 @@ class MoeSpec:
     expert_size: str
     every_layer: bool
     shared_expert: bool = False
+    shared_gate: bool = True
     always_renormalise: bool = False
+    block: str = "mlp"
+    router: str = "gate"
+    router_logits: int = 0
+    fused_hub: bool = False
+    moe_layers: bool = False
+    aux_loss: bool = True
 
 
 @dataclass(frozen=True)
@@ -58,9 +80,12 @@ class Family:
     qk_norm: bool  # RMSNorm over head_dim on q and k (self_attn.q_norm / k_norm)
     window_everywhere: bool = False  # config.sliding_window applies to every layer (else per attention module)
     moe: MoeSpec | None = None  # a mixture-of-experts family
+    package: str = ""  # transformers' models/<package> (default: the model type)
+    dense_size: str = "intermediate_size"  # the config field with a dense layer's MLP width
 
     def module(self):
-        return importlib.import_module(f"transformers.models.{self.model_type}.modeling_{self.model_type}")
+        package = self.package or self.model_type
+        return importlib.import_module(f"transformers.models.{package}.modeling_{package}")
 
     def hf_class(self, suffix: str):
         """transformers' `<Prefix><suffix>` of this family, e.g. DecoderLayer, RMSNorm, RotaryEmbedding."""
@@ -120,6 +145,30 @@ FAMILIES: dict[str, Family] = {
                 "mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", "moe_intermediate_size", every_layer=False
             ),
         ),
+        Family(
+            "llama4_text",
+            "Llama4Text",
+            attention_bias="config",
+            mlp_bias=False,
+            qk_norm=False,  # Llama 4's q/k norms are weightless (no keys)
+            moe=MoeSpec(
+                "feed_forward",
+                ("gate_proj", "up_proj", "down_proj"),
+                "num_local_experts",
+                "intermediate_size",
+                every_layer=False,
+                shared_expert=True,
+                shared_gate=False,
+                block="feed_forward",
+                router="router",
+                router_logits=1,
+                fused_hub=True,
+                moe_layers=True,
+                aux_loss=False,
+            ),
+            package="llama4",
+            dense_size="intermediate_size_mlp",
+        ),
     )
 }
 
@@ -141,6 +190,15 @@ def sliding_window(config, attention) -> int | None:
     return getattr(attention, "sliding_window", None)
 
 
+def attention_chunk(config, block: int) -> int | None:
+    """The chunk of decoder block `block`'s attention (Llama 4's "chunked_attention" layers: a query attends the
+    keys of its own `attention_chunk_size` positions only), or None."""
+    types = getattr(config, "layer_types", None)
+    if types and types[block] == "chunked_attention":
+        return config.attention_chunk_size
+    return None
+
+
 def is_sparse_layer(config, block: int) -> bool:
     """Whether decoder block `block` has a mixture-of-experts MLP (as the family's decoder layer decides)."""
     moe = family_of(config).moe
@@ -148,6 +206,8 @@ def is_sparse_layer(config, block: int) -> bool:
         return False
     if moe.every_layer:
         return True
+    if moe.moe_layers:
+        return block in config.moe_layers
     return (
         block not in (config.mlp_only_layers or [])
         and config.num_experts > 0

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 
 from models.families import family_of, is_sparse_layer
-from models.sharding import COLUMN, EXPERT_ROW, GATE_UP, REPLICA, ROW, VOCAB
+from models.sharding import COLUMN, EXPERT_IN, EXPERT_ROW, GATE_UP, GATE_UP_OUT, REPLICA, ROW, VOCAB
 
 EMBED, DECODER, NORM, LM_HEAD = "embed", "decoder", "norm", "lm_head"
 
@@ -62,12 +62,18 @@ MOE_KEYS: dict[str, str] = {
     "up": "{hub_block}.experts.{e}.{up}.weight",
     "down": "{hub_block}.experts.{e}.{down}.weight",
 }
+# Llama 4: the hub keeps each layer's experts fused as transformers does (`MoeSpec.fused_hub`), in x @ W layout.
+FUSED_MOE_KEYS: dict[str, str] = {
+    "router": "{block}.router.weight",
+    "gate_up": "{block}.experts.gate_up_proj",  # [E, H, 2I]: gate columns, then up columns
+    "down": "{block}.experts.down_proj",  # [E, I, H]
+}
 SHARED_EXPERT_KEYS = (
-    "mlp.shared_expert.gate_proj.weight",
-    "mlp.shared_expert.up_proj.weight",
-    "mlp.shared_expert.down_proj.weight",
-    "mlp.shared_expert_gate.weight",
+    "{block}.shared_expert.gate_proj.weight",
+    "{block}.shared_expert.up_proj.weight",
+    "{block}.shared_expert.down_proj.weight",
 )
+SHARED_EXPERT_GATE_KEY = "{block}.shared_expert_gate.weight"  # Qwen2-MoE's sigmoid gate
 _DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 
 # HF keys that hold no weights (old checkpoints saved RoPE buffers): dropped on import.
@@ -100,18 +106,35 @@ def _template_regex(template: str) -> re.Pattern:
 
 def moe_key(config, part: str, expert: int | None = None) -> str:
     """Our (and the hub's, below `model.layers.N.`) key of a sparse block's router or of one expert's projection
-    (`part`: "router", "gate", "up" or "down")."""
+    (`part`: "router", "gate", "up" or "down"; with fused hub experts "router", "gate_up" or "down", no expert)."""
     moe = family_of(config).moe
+    if moe.fused_hub:
+        return FUSED_MOE_KEYS[part].format(block=moe.block)
     gate, up, down = moe.expert_names
     return MOE_KEYS[part].format(hub_block=moe.hub_block, e=expert, gate=gate, up=up, down=down)
 
 
 def sparse_block_keys(config) -> list[str]:
-    """Our keys of one sparse MLP block: the router, each expert's gate, up and down, the shared expert."""
-    experts = getattr(config, family_of(config).moe.num_experts)
-    keys = [moe_key(config, "router")]
-    keys += [moe_key(config, part, e) for e in range(experts) for part in ("gate", "up", "down")]
-    return keys + list(SHARED_EXPERT_KEYS if family_of(config).moe.shared_expert else ())
+    """Our keys of one sparse MLP block: the router, each expert's gate, up and down (or the fused experts), the
+    shared expert (and its gate)."""
+    moe = family_of(config).moe
+    if moe.fused_hub:
+        keys = [moe_key(config, part) for part in FUSED_MOE_KEYS]
+    else:
+        experts = getattr(config, moe.num_experts)
+        keys = [moe_key(config, "router")]
+        keys += [moe_key(config, part, e) for e in range(experts) for part in ("gate", "up", "down")]
+    if moe.shared_expert:
+        keys += [k.format(block=moe.block) for k in SHARED_EXPERT_KEYS]
+        keys += [SHARED_EXPERT_GATE_KEY.format(block=moe.block)] if moe.shared_gate else []
+    return keys
+
+
+def dense_mlp_keys(config) -> tuple[str, ...]:
+    """Our keys of a dense MLP in a decoder layer (`mlp.*`; Llama 4's `feed_forward.*`)."""
+    moe = family_of(config).moe
+    block = moe.block if moe is not None else "mlp"
+    return tuple(block + k.removeprefix("mlp") for k in _DENSE_MLP)
 
 
 def _moe_regex(template: str) -> re.Pattern:
@@ -124,7 +147,11 @@ def _moe_regex(template: str) -> re.Pattern:
 
 _HF_PATTERNS = [(kind, ours, _template_regex(tpl)) for kind, keys in KEY_TABLE.items() for ours, tpl in keys.items()]
 _MOE_PATTERNS = [_moe_regex(tpl) for tpl in MOE_KEYS.values()] + [
-    re.compile(r"^model\.layers\.(\d+)\.(" + re.escape(key) + ")$") for key in SHARED_EXPERT_KEYS
+    re.compile(
+        r"^model\.layers\.(\d+)\.((?:mlp|feed_forward)\.shared_expert(?:\.(?:gate|up|down)_proj|_gate)\.weight)$"
+    ),
+    re.compile(r"^model\.layers\.(\d+)\.(feed_forward\.(?:(?:gate|up|down)_proj|router)\.weight)$"),  # Llama 4
+    re.compile(r"^model\.layers\.(\d+)\.(feed_forward\.experts\.(?:gate_up|down)_proj)$"),
 ]
 _DROP_PATTERNS = [_template_regex(tpl) for tpl in DROPPED_HF_KEYS]
 
@@ -205,9 +232,13 @@ def layer_keys(layer: PipeLayer, config) -> dict[str, str]:
         optional = _ATTN_BIAS | _MLP_BIAS | _QK_NORM
         present = _optional_keys(config)
         keys = {ours: tpl.format(layer.block) for ours, tpl in keys.items() if ours not in optional or ours in present}
+        dense = dense_mlp_keys(config)
         if is_sparse_layer(config, layer.block):
             keys = {ours: hf for ours, hf in keys.items() if ours not in _DENSE_MLP}
             keys |= {ours: DECODER_PREFIX.format(layer.block) + ours for ours in sparse_block_keys(config)}
+        elif dense[0] not in keys:  # the dense MLP under the family's own name (Llama 4: feed_forward)
+            keys = {ours: hf for ours, hf in keys.items() if ours not in _DENSE_MLP}
+            keys |= {ours: DECODER_PREFIX.format(layer.block) + ours for ours in dense}
     return dict(keys)
 
 
@@ -256,16 +287,28 @@ def hf_decoder_module(block: int, module: str) -> str:
 
 
 # How each key of a pipeline layer splits across tensor-parallel ranks (Megatron's split; models/sharding.py).
-TP_COLUMN_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-TP_ROW_MODULES = ("self_attn.o_proj", "mlp.down_proj")
+TP_COLUMN_MODULES = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "feed_forward.gate_proj",
+    "feed_forward.up_proj",
+)
+TP_ROW_MODULES = ("self_attn.o_proj", "mlp.down_proj", "feed_forward.down_proj")
 # Experts and shared experts split as dense MLPs do: gate and up by rows, down by columns (router: replicated).
 _EXPERT_COLUMN = re.compile(
-    r"(block_sparse_moe|mlp)\.(experts\.\d+\.(w1|w3|gate_proj|up_proj)|shared_expert\.(gate|up)_proj)"
+    r"(block_sparse_moe|mlp|feed_forward)\.(experts\.\d+\.(w1|w3|gate_proj|up_proj)|shared_expert\.(gate|up)_proj)"
 )
-_EXPERT_ROW = re.compile(r"(block_sparse_moe|mlp)\.(experts\.\d+\.(w2|down_proj)|shared_expert\.down_proj)")
+_EXPERT_ROW = re.compile(
+    r"(block_sparse_moe|mlp|feed_forward)\.(experts\.\d+\.(w2|down_proj)|shared_expert\.down_proj)"
+)
 # transformers' fused in-memory expert parameters (the optimizer's view): gate_up [E, 2I, H] holds each rank's gate
-# rows then its up rows (GATE_UP), down [E, H, I] its columns (dim 2: EXPERT_ROW).
+# rows then its up rows (GATE_UP), down [E, H, I] its columns (dim 2: EXPERT_ROW). Llama 4's (also its layer files'
+# keys) are x @ W: gate_up [E, H, 2I] by columns of each half (GATE_UP_OUT), down [E, I, H] by rows (EXPERT_IN).
 FUSED_GATE_UP, FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+FUSED_XW = {"feed_forward.experts.gate_up_proj": GATE_UP_OUT, "feed_forward.experts.down_proj": EXPERT_IN}
 _LORA_KEY = re.compile(r"(.+)\.lora_([AB])\.[^.]+\.weight")
 # LoRA factors follow the layer they adapt: a column layer's B is split like it and its A replicated; a row
 # layer's A is split like it and its B replicated.
@@ -289,6 +332,8 @@ def tp_split(kind: str, key: str) -> str:
         return GATE_UP
     elif key == FUSED_DOWN:
         return EXPERT_ROW
+    elif key in FUSED_XW:
+        return FUSED_XW[key]
     if lora:
         return _LORA_SPLIT.get((rule, lora.group(2)), REPLICA)
     return REPLICA if rule == ROW and param == "bias" else rule

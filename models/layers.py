@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.families import FAMILIES, family_of, hf_classes, is_sparse_layer, sliding_window
+from models.families import FAMILIES, attention_chunk, family_of, hf_classes, is_sparse_layer, sliding_window
 from models.key_table import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
 from models.moe import (
     DEFAULT_EXPERTS_IMPLEMENTATION,
@@ -48,6 +48,8 @@ from models.moe import (
     expert_keys,
     is_moe,
     layer_stats,
+    router_of,
+    sparse_block,
     token_mask,
 )
 
@@ -143,14 +145,21 @@ def flash_varlen_kwargs(position_ids: torch.Tensor) -> dict:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
-def attention_mask(position_ids: torch.Tensor, packed: bool, window: int | None) -> torch.Tensor:
+def attention_mask(
+    position_ids: torch.Tensor, packed: bool, window: int | None, chunk: int | None = None
+) -> torch.Tensor:
     """[B or 1, 1, S, S] bool, True where query i may attend key j: j <= i, within the same packed row
-    (`packed`), and i - j < `window` (a sliding window, as HF's sliding-window mask)."""
+    (`packed`), i - j < `window` (a sliding window, as HF's sliding-window mask), and both in the same `chunk`
+    positions of their document (Llama 4's chunked attention; HF's chunked mask counts from the row's start, which
+    is the document's start unless rows are packed)."""
     s = position_ids.shape[-1]
     index = torch.arange(s, device=position_ids.device)
     allowed = (index[None, :] <= index[:, None])[None, None]  # [1, 1, S, S]
     if window is not None:
         allowed = allowed & (index[:, None] - index[None, :] < window)[None, None]
+    if chunk is not None:
+        part = torch.div(position_ids, chunk, rounding_mode="floor")  # [B, S]
+        allowed = allowed & (part[:, :, None] == part[:, None, :])[:, None]
     if packed:
         allowed = allowed & document_mask(position_ids)
     return allowed
@@ -175,20 +184,27 @@ class DecoderPipe:
         # `ep`: a models.expert_parallel.ExpertParallel (this rank's experts; tokens reach them by all-to-all).
         super().__init__(ep.local_config(config) if sparse and ep else config, layer_idx)
         self.sparse = sparse
+        self.moe_block_name = family_of(config).moe.block if sparse else None
         if self.sparse:
             if ep is not None:
-                ep.split(self.mlp, config)
+                ep.split(sparse_block(self, config), config)
             self.top_k = config.num_experts_per_tok
-            self.mlp.gate.register_forward_hook(self._keep_router_logits)
+            self.router_logits_at = family_of(config).moe.router_logits
+            router_of(sparse_block(self, config), config).register_forward_hook(self._keep_router_logits)
             expert_keys(self, config, ep)
         self.attn_implementation = config._attn_implementation or "sdpa"
         self.rotary_emb = rotary_class(family_of(config).model_type)(config)  # non-persistent buffers: no keys
         self.options = options or DecoderOptions()
         self.recompute = self.options.recompute(layer_idx)
         self.window = sliding_window(config, self.self_attn)
+        self.chunk = attention_chunk(config, layer_idx)
+
+    def moe_block(self) -> nn.Module:
+        """The sparse block (`mlp`; Llama 4's `feed_forward`) of a sparse layer."""
+        return getattr(self, self.moe_block_name)
 
     def _keep_router_logits(self, _module, _inputs, outputs) -> None:
-        self._router_logits = outputs[0]  # [B * S, E]
+        self._router_logits = outputs[self.router_logits_at]  # [B * S, E]
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, position_ids, *moe = inputs  # [B, S, H], [B, S]; with experts: lengths [B], stats [2E + 2]
@@ -214,11 +230,12 @@ class DecoderPipe:
         cos_sin = self.rotary_emb(hidden, position_ids)  # 2 x [B, S, head_dim]
         packed, seq = self.options.packed, position_ids.shape[-1]  # hidden may hold S/T positions (sequence parallel)
         window = self.window if self.window is not None and self.window < seq else None
+        chunk = self.chunk if self.chunk is not None and self.chunk < seq else None
         mask, extra = None, {}
         if self.attn_implementation == "flash_attention_2":
             extra = flash_varlen_kwargs(position_ids) if packed else {}
-        elif packed or window is not None or self.attn_implementation == "eager":
-            mask = attention_mask(position_ids, packed, window)
+        elif packed or window is not None or chunk is not None or self.attn_implementation == "eager":
+            mask = attention_mask(position_ids, packed, window, chunk)
             if self.attn_implementation == "eager":  # additive: 0 where allowed, the dtype's minimum elsewhere
                 mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
                     ~mask, torch.finfo(hidden.dtype).min

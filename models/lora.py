@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from models.families import family_of, hf_classes
-from models.key_table import DECODER, linear_modules, tp_split
+from models.key_table import DECODER, TP_COLUMN_MODULES, TP_ROW_MODULES, linear_modules, tp_split
 from models.sharding import ROW, shard
+from models.tensor_parallel import TensorParallel, TPDecoderPipe, leave_tp, sum_grad_over_tp
 
 ADAPTER = "default"
 LORA_A, LORA_B = f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"
@@ -117,3 +118,29 @@ def merge_adapter(base: dict[str, torch.Tensor], deltas: dict[str, LoraDelta]) -
         w = base[module + ".weight"]
         merged[module + ".weight"] = (w.float() + (d.b.float() @ d.a.float()) * d.scale).to(w.dtype)
     return merged
+
+
+def parallelize_lora(module: nn.Module, tp: TensorParallel) -> None:
+    """The collectives of LoRA adapters on split layers (their shards come from models/lora.py).
+
+    Column layer: A is replicated and used inside the split region, so its gradient is summed over TP.
+    Row layer: A holds this rank's input columns, so A x is partial and summed over TP before B (under sequence
+    parallelism reduce-scattered to this rank's positions, as the layer's own output is, and B, replicated,
+    sees only those: its gradient is summed over TP).
+    """
+    if tp.size == 1:
+        return
+    for layer in module.modules():
+        if not isinstance(layer, TPDecoderPipe):
+            continue
+        for name, target in layer.named_modules():  # (sparse layers have no dense MLP)
+            if name not in TP_COLUMN_MODULES + TP_ROW_MODULES or not hasattr(target, "lora_A"):
+                continue
+            for lora_a in target.lora_A.values():
+                if name in TP_COLUMN_MODULES:
+                    sum_grad_over_tp(lora_a.weight, tp)
+                else:
+                    lora_a.register_forward_hook(lambda _module, _inputs, out: leave_tp(out, tp))
+            if name in TP_ROW_MODULES and tp.sp:
+                for lora_b in target.lora_B.values():
+                    sum_grad_over_tp(lora_b.weight, tp)

@@ -88,8 +88,25 @@ def aux_loss(stats: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------- keys
 
 
-def _fused_names(prefix: str) -> tuple[str, str]:
-    return prefix + "mlp.experts.gate_up_proj", prefix + "mlp.experts.down_proj"
+def sparse_block(layer: nn.Module, config) -> nn.Module:
+    """The sparse block of a decoder layer (`mlp`; Llama 4's `feed_forward`)."""
+    return getattr(layer, family_of(config).moe.block)
+
+
+def router_of(block: nn.Module, config) -> nn.Module:
+    """The router of a sparse block (`gate`; Llama 4's `router`)."""
+    return getattr(block, family_of(config).moe.router)
+
+
+def router_param(config) -> str:
+    """The in-memory name of a sparse layer's router weight (`mlp.gate.weight`, `feed_forward.router.weight`)."""
+    moe = family_of(config).moe
+    return f"{moe.block}.{moe.router}.weight"
+
+
+def _fused_names(config, prefix: str) -> tuple[str, str]:
+    block = family_of(config).moe.block
+    return prefix + block + ".experts.gate_up_proj", prefix + block + ".experts.down_proj"
 
 
 def _hub_names(config, prefix: str) -> tuple[str, str, str, str]:
@@ -102,11 +119,13 @@ def expert_keys(layer: nn.Module, config, ep=None) -> None:
     parallelism (`ep`, models/expert_parallel.py) the layer holds experts `ep.local_experts(E)`: loading takes those
     from the file's E, and saving writes all E from `layer.gathered_experts` (set by the caller, which gathered
     them over the group) when it is there."""
-    router_mem = "mlp.gate.weight"
     mine = ep.local_experts(num_experts(config)) if ep is not None else range(num_experts(config))
+    if family_of(config).moe.fused_hub:
+        return _fused_expert_keys(layer, config, mine)
+    router_mem = router_param(config)
 
     def to_hub(module, state_dict, prefix, local_metadata):
-        gate_up_name, down_name = _fused_names(prefix)
+        gate_up_name, down_name = _fused_names(config, prefix)
         router, gate, up, down = _hub_names(config, prefix)
         if prefix + router_mem in state_dict and router != prefix + router_mem:
             state_dict[router] = state_dict.pop(prefix + router_mem)
@@ -122,7 +141,7 @@ def expert_keys(layer: nn.Module, config, ep=None) -> None:
                 state_dict[down.format(e=first + e)] = down_proj[e].clone()
 
     def from_hub(module, state_dict, prefix, *args):
-        gate_up_name, down_name = _fused_names(prefix)
+        gate_up_name, down_name = _fused_names(config, prefix)
         router, gate, up, down = _hub_names(config, prefix)
         if router in state_dict and router != prefix + router_mem:
             state_dict[prefix + router_mem] = state_dict.pop(router)
@@ -139,21 +158,43 @@ def expert_keys(layer: nn.Module, config, ep=None) -> None:
     layer.register_load_state_dict_pre_hook(from_hub)
 
 
+def _fused_expert_keys(layer: nn.Module, config, mine: range) -> None:
+    """`expert_keys` where the hub's keys are transformers' own fused parameters (Llama 4): only expert parallelism
+    needs hooks (load this rank's experts `mine` of the file's E; save all E from `gathered_experts`)."""
+    if len(mine) == num_experts(config):
+        return
+
+    def to_hub(module, state_dict, prefix, local_metadata):
+        gathered = getattr(module, "gathered_experts", None)
+        if gathered is not None:
+            for name, whole in zip(_fused_names(config, prefix), gathered):
+                state_dict[name] = whole
+
+    def from_hub(module, state_dict, prefix, *args):
+        for name in _fused_names(config, prefix):
+            if name in state_dict and state_dict[name].shape[0] == num_experts(config):
+                state_dict[name] = state_dict[name][mine.start : mine.stop]
+
+    layer.register_state_dict_post_hook(to_hub)
+    layer.register_load_state_dict_pre_hook(from_hub)
+
+
 def param_name_of(config, key: str) -> str | None:
     """The in-memory parameter a layer-file key of a decoder layer belongs to when it is one parameter: the key
     itself, the router's transformers name, or None for one expert's slice of the fused experts."""
-    if family_of(config).moe is None:
+    moe = family_of(config).moe
+    if moe is None or moe.fused_hub:
         return key
     if key == moe_key(config, "router"):
-        return "mlp.gate.weight"
+        return router_param(config)
     return None if ".experts." in key else key
 
 
 def file_keys_of(config, block: int, name: str) -> list[str]:
     """The layer-file keys of in-memory parameter `name` of decoder block `block` (LoRA's frozen-key filter)."""
-    if not is_sparse_layer(config, block):
+    if not is_sparse_layer(config, block) or family_of(config).moe.fused_hub:
         return [name]
-    if name == "mlp.gate.weight":
+    if name == router_param(config):
         return [moe_key(config, "router")]
     parts = {"mlp.experts.gate_up_proj": ("gate", "up"), "mlp.experts.down_proj": ("down",)}.get(name)
     if parts is None:
@@ -166,8 +207,10 @@ def file_keys_of(config, block: int, name: str) -> list[str]:
 
 def default_aux_loss_coef(config) -> float:
     """transformers' coefficient of the load-balancing loss: `router_aux_loss_coef` when the model config asks for
-    router logits (`output_router_logits`), else 0 (what its ForCausalLM adds to the loss)."""
-    return float(config.router_aux_loss_coef) if getattr(config, "output_router_logits", False) else 0.0
+    router logits (`output_router_logits`), else 0 (what its ForCausalLM adds to the loss; Llama 4's adds none)."""
+    if not family_of(config).moe.aux_loss or not getattr(config, "output_router_logits", False):
+        return 0.0
+    return float(config.router_aux_loss_coef)
 
 
 class WithAuxLoss:

@@ -46,7 +46,7 @@ def layer_param_counts(config, tp=None, active: bool = False) -> list[int]:
                     module = cls(*args)
                 count = sum(p.numel() for p in module.parameters())
                 if active and shape[1]:
-                    experts = module.mlp.experts
+                    experts = module.moe_block().experts
                     fused = sum(p.numel() for p in experts.parameters())
                     count -= fused - fused * config.num_experts_per_tok // num_experts(config)
                 sizes[shape] = count

@@ -10,6 +10,8 @@ One rule per key (`models.key_table.tp_split`), Megatron's split:
     GATE_UP transformers' fused experts [E, 2I, H] (gate rows, then up rows): each half in T blocks along dim 1,
             a rank holding its gate block then its up block (what a layer file's per-expert COLUMN keys stack to)
     EXPERT_ROW  fused expert down projections [E, H, I]: dim 2 in T contiguous blocks
+    GATE_UP_OUT Llama 4's fused experts in x @ W layout [E, H, 2I]: each half in T blocks along dim 2
+    EXPERT_IN   Llama 4's fused down projections [E, I, H]: dim 1 in T contiguous blocks
 
 Contiguous blocks are `torch.chunk`'s, so these shards are the ones DeepSpeed's universal checkpoint
 slices (its loader takes `full.chunk(T, dim)[rank]`). Merging then splitting goes through the whole
@@ -24,15 +26,19 @@ import torch
 
 COLUMN, ROW, VOCAB, REPLICA = "column", "row", "vocab", "replica"
 GATE_UP, EXPERT_ROW = "gate_up", "expert_row"
+GATE_UP_OUT, EXPERT_IN = "gate_up_out", "expert_in"
+# The dimension a rule splits along (the halves' dimension for the gate-up rules).
+_DIM = {COLUMN: 0, ROW: 1, GATE_UP: 1, EXPERT_ROW: 2, GATE_UP_OUT: 2, EXPERT_IN: 1}
 
 
 TP_DIVIDES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+_OPTIONAL_WIDTHS = ("moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size_mlp")
 
 
 def tp_indivisible(config, tp_size: int) -> tuple[str, int] | None:
     """The one rule for a tensor-parallel degree: it must divide the heads, the KV heads (GQA) and the MLP widths
     (the experts' and the shared expert's too). Returns the first (config field, value) it does not divide, or None."""
-    experts = [n for n in ("moe_intermediate_size", "shared_expert_intermediate_size") if getattr(config, n, None)]
+    experts = [n for n in _OPTIONAL_WIDTHS if getattr(config, n, None)]
     for name in (*TP_DIVIDES, *experts):
         value = getattr(config, name)
         if tp_size < 1 or value % tp_size:
@@ -53,11 +59,12 @@ def shard(
     it already is; every other rule: a fresh tensor, so the whole one can be freed)."""
     if rule == REPLICA or (tp_size == 1 and rule != VOCAB):
         return full.contiguous() if full.is_contiguous() else full.clone()
-    if rule == GATE_UP:
-        gate, up = full.chunk(2, 1)
-        return torch.cat([gate.chunk(tp_size, 1)[tp_rank], up.chunk(tp_size, 1)[tp_rank]], 1)
-    if rule == EXPERT_ROW:
-        return full.chunk(tp_size, 2)[tp_rank].clone()
+    if rule in (GATE_UP, GATE_UP_OUT):
+        dim = _DIM[rule]
+        gate, up = full.chunk(2, dim)
+        return torch.cat([gate.chunk(tp_size, dim)[tp_rank], up.chunk(tp_size, dim)[tp_rank]], dim)
+    if rule in (EXPERT_ROW, EXPERT_IN):
+        return full.chunk(tp_size, _DIM[rule])[tp_rank].clone()
     if rule == VOCAB:
         rows = padded_vocab(vocab_size, tp_size, multiple)
         full = full[:vocab_size]
@@ -74,11 +81,12 @@ def merge(shards: list[torch.Tensor], rule: str, vocab_size: int | None = None) 
     """The whole tensor from every rank's shard, in rank order (VOCAB: the padding dropped)."""
     if rule == REPLICA or len(shards) == 1 and rule != VOCAB:
         return shards[0]
-    if rule == GATE_UP:
-        halves = [s.chunk(2, 1) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 1)
-    if rule == EXPERT_ROW:
-        return torch.cat(shards, 2)
+    if rule in (GATE_UP, GATE_UP_OUT):
+        dim = _DIM[rule]
+        halves = [s.chunk(2, dim) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim)
+    if rule in (EXPERT_ROW, EXPERT_IN):
+        return torch.cat(shards, _DIM[rule])
     dim = 1 if rule == ROW else 0
     whole = torch.cat(shards, dim) if len(shards) > 1 else shards[0]
     return whole[:vocab_size] if rule == VOCAB else whole
@@ -89,6 +97,6 @@ def merged_shape(shapes: list[tuple[int, ...]], rule: str, vocab_size: int | Non
     first = list(shapes[0])
     if rule == REPLICA:
         return tuple(first)
-    dim = {ROW: 1, GATE_UP: 1, EXPERT_ROW: 2}.get(rule, 0)
+    dim = _DIM.get(rule, 0)
     first[dim] = vocab_size if rule == VOCAB else sum(s[dim] for s in shapes)
     return tuple(first)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.families import family_of
-from models.key_table import DECODER, EMBED, LM_HEAD, NORM, TP_COLUMN_MODULES, TP_ROW_MODULES, PipeLayer
+from models.key_table import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
 from models.layers import (
     DecoderOptions,
     EmbeddingPipe,
@@ -141,7 +141,7 @@ def local_config(config, tp: TensorParallel):
     local.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     local.num_attention_heads, local.num_key_value_heads = heads // tp.size, kv // tp.size
     local.intermediate_size = config.intermediate_size // tp.size
-    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # experts split as dense MLPs are
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size_mlp"):  # as MLPs are
         if getattr(config, name, None):
             setattr(local, name, getattr(config, name) // tp.size)
     local._attn_implementation = config._attn_implementation
@@ -179,10 +179,11 @@ class TPDecoderPipe:
         super().__init__(local_config(config, tp), layer_idx, options, ep)
         self.tp = tp
         _row_parallel(self.self_attn.o_proj, tp)
+        moe = family_of(config).moe
         if self.sparse:
-            split_sparse_block(self.mlp, tp)
+            split_sparse_block(self.moe_block(), tp, moe.router, moe.router_logits)
         else:
-            _row_parallel(self.mlp.down_proj, tp)
+            _row_parallel(getattr(self, moe.block if moe else "mlp").down_proj, tp)
         for norm in (self.input_layernorm, self.post_attention_layernorm):
             norm.register_forward_hook(lambda _module, _inputs, out: enter_tp(out, self.tp))
             if tp.sp:
@@ -192,15 +193,14 @@ class TPDecoderPipe:
                 sum_grad_over_tp(norm.weight, tp)
 
 
-def split_sparse_block(block: nn.Module, tp: TensorParallel) -> None:
+def split_sparse_block(block: nn.Module, tp: TensorParallel, router: str = "gate", logits_at: int = 0) -> None:
     """A sparse MLP block (transformers' router, fused experts, shared expert) with each expert split as a dense
-    MLP is: gate and up rows, down columns (the layer was built from `local_config`). Its input is whole on every
-    rank (`enter_tp` after the norm) and its output partial: summed over TP once, after the routed and shared
-    experts are added (`leave_tp`). The router is replicated and routes every rank's tokens alike; the top-k
-    weights multiply partial expert outputs, so their gradient is summed over TP, and the router's whole
-    gradient reaching its (already copied) input is divided by T so that the input's TP sum counts it once. The
-    shared expert's gate multiplies the partial shared output: its weight's gradient is summed over TP."""
-    router = block.gate
+    MLP is (the layer was built from `local_config`). Its input is whole on every rank (`enter_tp` after the norm),
+    its output partial: summed over TP once, after the routed and shared experts are added (`leave_tp`). The router
+    (`router`; its logits at `logits_at` of its outputs) is replicated and routes every rank's tokens alike; its
+    scores multiply partial expert outputs (Llama 4's: the experts' inputs), so their gradient is summed over TP,
+    and the router's whole gradient reaching its (already copied) input is divided by T so that the input's TP sum
+    counts it once. A shared expert's gate multiplies the partial shared output: its gradient is summed over TP."""
 
     def router_input(_module, args):
         x = args[0].view_as(args[0])
@@ -208,15 +208,19 @@ def split_sparse_block(block: nn.Module, tp: TensorParallel) -> None:
             x.register_hook(lambda grad: grad / tp.size)
         return (x, *args[1:])
 
-    def router_output(_module, _args, out):
-        logits, scores, indices = out
-        return logits, copy_to_tp(scores, tp), indices
+    def router_output(_module, _args, out):  # scores beside the logits: Mixtral's, Qwen's top-k weights
+        return tuple(copy_to_tp(t, tp) if i == 1 - logits_at else t for i, t in enumerate(out))
 
-    router.register_forward_pre_hook(router_input)
-    router.register_forward_hook(router_output)
+    def block_output(_module, inputs, out):  # Llama 4's block returns (hidden [B * S, H], router logits)
+        if isinstance(out, tuple):
+            return leave_tp(out[0].view(inputs[0].shape), tp), *out[1:]
+        return leave_tp(out, tp)
+
+    getattr(block, router).register_forward_pre_hook(router_input)
+    getattr(block, router).register_forward_hook(router_output)
     if hasattr(block, "shared_expert_gate"):
         sum_grad_over_tp(block.shared_expert_gate.weight, tp)
-    block.register_forward_hook(lambda _module, _inputs, out: leave_tp(out, tp))
+    block.register_forward_hook(block_output)
 
 
 @functools.cache
@@ -371,30 +375,3 @@ def tp_layer_class_and_args(
 def tp_tied_head_forward(config, tp: TensorParallel):
     """`TiedLayerSpec.forward_fn` of the tied LM head."""
     return TiedVocabParallelHead(tp) if vocab_parallel(config, tp) else tied_lm_head_forward
-
-
-def parallelize_lora(module: nn.Module, tp: TensorParallel) -> None:
-    """The collectives of LoRA adapters on split layers (their shards come from models/lora.py).
-
-    Column layer: A is replicated and used inside the split region, so its gradient is summed over TP.
-    Row layer: A holds this rank's input columns, so A x is partial and summed over TP before B (under sequence
-    parallelism reduce-scattered to this rank's positions, as the layer's own output is, and B, replicated,
-    sees only those: its gradient is summed over TP).
-    """
-    if tp.size == 1:
-        return
-    for layer in module.modules():
-        if not isinstance(layer, TPDecoderPipe):
-            continue
-        for name in TP_COLUMN_MODULES + TP_ROW_MODULES:
-            target = layer.get_submodule(name)
-            if not hasattr(target, "lora_A"):
-                continue
-            for lora_a in target.lora_A.values():
-                if name in TP_COLUMN_MODULES:
-                    sum_grad_over_tp(lora_a.weight, tp)
-                else:
-                    lora_a.register_forward_hook(lambda _module, _inputs, out: leave_tp(out, tp))
-            if name in TP_ROW_MODULES and tp.sp:
-                for lora_b in target.lora_B.values():
-                    sum_grad_over_tp(lora_b.weight, tp)

@@ -100,7 +100,7 @@ def _micro_batch_steps(model, ids, mask, labels, cfg: TrainConfig) -> torch.Tens
         ce = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), labels[rows, 1:].reshape(-1), reduction="sum"
         )
-        loss = ce / targets + coef * out.aux_loss / len(chunks)
+        loss = ce / targets + (coef * out.aux_loss / len(chunks) if coef else 0.0)  # Llama 4's has none
         loss.backward()
         total += loss.detach()
     return total

@@ -58,8 +58,10 @@ MODEL_VARIANTS = {
         model_type="qwen3_moe", num_key_value_heads=2, head_dim=32, norm_topk_prob=True, mlp_only_layers=[0]
     )
     | MOE_AUX,
+    # Llama 4 (tools/tiny_models.py): chunks of 4, layer 3 NoPE, layers 1 and 3 sparse with a shared expert.
+    "llama4": dict(model_type="llama4_text", num_key_value_heads=2),
 }
-FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"]
+FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
 
 
 LAUNCHER = str(Path(sys.executable).parent / "deepspeed")  # the `deepspeed` launcher of this environment

@@ -28,6 +28,9 @@ FAMILY_CONFIGS = {
     "mixtral-window": ("mixtral", dict(sliding_window=5)),
     "qwen2_moe-sparse-step": ("qwen2_moe", dict(decoder_sparse_step=2)),
     "qwen3_moe-norm-topk": ("qwen3_moe", dict(norm_topk_prob=True, mlp_only_layers=[1], head_dim=24)),
+    # Llama 4: chunks of 4 (shorter than the row), a NoPE layer with temperature tuning that acts from position 3
+    # (floor_scale 4), L2 q/k norms, a dense layer between sparse ones, the shared expert, sigmoid top-2 routing.
+    "llama4-chunked-nope": ("llama4_text", dict(no_rope_layer_interval=3, interleave_moe_layer_step=2)),
 }
 
 
@@ -76,12 +79,17 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
         )
         full._attn_implementation = attn
         assert not torch.equal(pipeline_logits(full, state, ids), reference)
+    if "chunked" in name:  # the chunk and the temperature matter at this length: ignoring either would show
+        for ignored in (dict(attention_chunk_size=64), dict(attn_temperature_tuning=False)):
+            other = tiny_config(model_type, num_hidden_layers=3, num_key_value_heads=2, **overrides | ignored)
+            other._attn_implementation = attn
+            assert not torch.equal(pipeline_logits(other, state, ids), reference)
 
 
 def test_other_model_types_are_refused(tmp_path):
     for model_type in ("deepseek_v3", "gpt_oss"):  # experts behind attention we do not build (MLA, sinks)
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
-        supported = "supported: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe"
+        supported = "supported: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, llama4_text"
         with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported \\({supported}\\)"):
             load_hf_config(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "sliding_window": 4096}))

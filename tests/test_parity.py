@@ -25,6 +25,7 @@ CASES = [
     ("mixtral", "sdpa"),
     ("qwen2_moe", "eager"),
     ("qwen3_moe", "sdpa"),
+    ("llama4", "sdpa"),
 ]
 
 

@@ -82,6 +82,10 @@ LAYOUTS = {
     "mixtral-pp2-dp2-ep2-recompute": ("mixtral", "true", 2, 1, "", 0),
     "qwen3_moe-pp2-tp2-chunked": ("qwen3_moe", "false", 2, 2, "", 5),
     "qwen2_moe-tp2-dp2-ep2": ("qwen2_moe", "false", 1, 2, "", 0),
+    # Llama 4 (no load-balancing loss in transformers): chunked and NoPE layers, dense layers between sparse ones,
+    # the shared expert; its experts split over EP=2 across two stages, and over TP=2 x EP=2 with sequence parallelism.
+    "llama4-pp2-dp2-ep2": ("llama4", "false", 2, 1, "", 0),
+    "llama4-tp2-dp2-ep2": ("llama4", "false", 1, 2, "", 0),
 }
 
 

@@ -149,6 +149,18 @@ def tiny_config(model_type: str = "llama", **overrides):
         "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
         "qwen2_moe": experts | dict(shared_expert_intermediate_size=96),
         "qwen3_moe": experts,
+        # Llama 4: experts and shared expert `intermediate_size` wide, dense layers `intermediate_size_mlp`; every
+        # 2nd layer sparse, every 4th NoPE (full attention with temperature tuning), the others chunked.
+        "llama4_text": dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=64,
+            intermediate_size_mlp=128,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=4,
+            floor_scale=4,
+            head_dim=16,
+        ),
     }.get(model_type, {})
     kwargs.update(overrides)
     return AutoConfig.for_model(model_type, **kwargs)

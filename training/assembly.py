@@ -19,14 +19,13 @@ from checkpoint.saves import clean_stale, read_tag
 from data.collator import CausalLMCollator
 from data.pair_dataset import PairCollator
 from models.config import check_preset, config_from_preset, load_hf_config
-from models.lora import add_lora
+from models.lora import add_lora, parallelize_lora
 from models.loss import CausalLMLoss
 from models.moe import WithAuxLoss, default_aux_loss_coef, is_moe
 from models.partition import stage_bounds
 from models.preference import PreferenceLoss
 from models.tensor_parallel import (
     TensorParallel,
-    parallelize_lora,
     token_cross_entropy_for,
     vocab_parallel,
     vocab_parallel_cross_entropy,

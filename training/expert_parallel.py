@@ -37,7 +37,7 @@ def expert_modules(module) -> list:
 
 
 def expert_params(module) -> list[torch.nn.Parameter]:
-    return [p for layer in expert_modules(module) for p in layer.mlp.experts.parameters()]
+    return [p for layer in expert_modules(module) for p in layer.moe_block().experts.parameters()]
 
 
 def _gather(t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
@@ -134,7 +134,7 @@ def every_expert(engine, ep: ExpertParallel):
     state = engine.optimizer.state
     kept = {}
     for layer in layers:
-        experts = layer.mlp.experts
+        experts = layer.moe_block().experts
         layer.gathered_experts = (_gather(experts.gate_up_proj.detach(), ep), _gather(experts.down_proj.detach(), ep))
         for p in experts.parameters():
             if p in state:

@@ -11,6 +11,7 @@ import math
 import re
 
 from models.config import checkpoint_every
+from models.families import family_of
 from models.lora import check_target_modules
 from models.moe import is_moe, num_experts
 from models.sharding import tp_indivisible
@@ -239,6 +240,26 @@ def validate_experts(cfg: TrainConfig, model_config) -> None:
     _need(
         cfg.moe.aux_loss_coef is None or cfg.moe.aux_loss_coef >= 0,
         f"moe.aux_loss_coef={cfg.moe.aux_loss_coef} must be >= 0",
+    )
+    if family_of(model_config).moe.aux_loss:
+        return
+    name = model_config.model_type
+    _need(
+        not cfg.moe.aux_loss_coef,
+        f"moe.aux_loss_coef={cfg.moe.aux_loss_coef}: transformers trains {name} with no load-balancing loss (its "
+        "sigmoid router has none to reproduce); leave it 0",
+    )
+    _need(
+        str(cfg.model.attn_implementation) != "flash_attention_2",
+        f"model.attn_implementation=flash_attention_2: transformers' {name} does not support it (chunked attention "
+        "needs a mask); use sdpa",
+    )
+    tuning = getattr(model_config, "attn_temperature_tuning", False)
+    _need(
+        not (tuning and cfg.data.documents_share_rows and cfg.seq_length > model_config.floor_scale),
+        f"data.packing/concatenate with seq_length={cfg.seq_length} > floor_scale={model_config.floor_scale}: "
+        f"{name}'s attention temperature counts positions from the row's start, not each document's (transformers "
+        "ignores position_ids there); use rows of at most floor_scale tokens or unpacked rows",
     )
 
 
