@@ -36,6 +36,27 @@ def read_model_config(path: str):
         raise CheckpointError(str(e)) from None
 
 
+def text_prefix(hf_dir: str) -> str:
+    """What a container checkpoint (a multimodal model, models/families.py `CONTAINERS`) puts before its text
+    model's keys; "" for a text model. Every function here names tensors by the text model's keys and skips the
+    other towers' tensors."""
+    from models.families import CONTAINERS
+
+    try:
+        with open(os.path.join(hf_dir, "config.json")) as f:
+            container = CONTAINERS.get(json.load(f).get("model_type"))
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return container.prefix if container else ""
+
+
+def _text_keys(mapping: dict[str, str], prefix: str) -> dict[str, str]:
+    """`mapping` {file key: value} as {text model key: value}, the other towers' keys left out."""
+    if not prefix:
+        return mapping
+    return {k.removeprefix(prefix): v for k, v in mapping.items() if k.startswith(prefix)}
+
+
 def is_hf_dir(path: str) -> bool:
     """An HF model directory (weights + config.json), not a pipeline checkpoint (which has `latest`)."""
     if not os.path.exists(os.path.join(path, "config.json")) or os.path.exists(os.path.join(path, LATEST)):
@@ -151,12 +172,12 @@ def validate(hf_dir: str) -> dict[str, str]:
             found.update({k: shard for k in _load_bin(path)})
     if weight_map is not None:
         if not shards[0].endswith(".safetensors"):
-            return dict(weight_map)
+            return _text_keys(dict(weight_map), text_prefix(hf_dir))
         missing = [k for k, shard in weight_map.items() if found.get(k) != shard]
         if missing:
             shard = os.path.join(hf_dir, weight_map[missing[0]])
             raise CheckpointError(f"{shard}: tensor {missing[0]} listed in the index is not in the shard")
-    return found
+    return _text_keys(found, text_prefix(hf_dir))
 
 
 def _load_bin(path: str) -> dict[str, torch.Tensor]:
@@ -178,19 +199,26 @@ def iter_tensors(
         alloc: where safetensors data is read into (see `iter_safetensors`).
     """
     shards, weight_map = list_shards(hf_dir)
+    prefix = text_prefix(hf_dir)  # names are the text model's keys (a container's other towers are skipped)
+    if prefix:
+        names = {prefix + n for n in names} if names is not None else None
+        wanted = (lambda name: name in names) if names is not None else (lambda name: name.startswith(prefix))
+    else:
+        wanted = (lambda name: name in names) if names is not None else (lambda name: True)
     for shard in shards:
         if names is not None and weight_map is not None and not any(weight_map.get(n) == shard for n in names):
             continue
         path = os.path.join(hf_dir, shard)
         if shard.endswith(".safetensors"):
             for name, tensor in iter_safetensors(path, names, alloc):
-                yield name, tensor, shard
+                if wanted(name):
+                    yield name.removeprefix(prefix), tensor, shard
         else:
             state = _load_bin(path)
             for name in list(state):
                 tensor = state.pop(name)
-                if names is None or name in names:
-                    yield name, tensor, shard
+                if wanted(name):
+                    yield name.removeprefix(prefix), tensor, shard
             del state
 
 

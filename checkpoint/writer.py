@@ -53,8 +53,24 @@ def copy_side_files(src_dir: str, dst_dir: str, dtype: str | None, model_files_o
             and (not model_files_only or name in MODEL_SIDE_FILES)
         ):
             shutil.copy2(src, os.path.join(dst_dir, name))
+    text_model_config(os.path.join(dst_dir, "config.json"))
     if dtype:
         record_dtype(os.path.join(dst_dir, "config.json"), dtype)
+
+
+def text_model_config(config_path: str) -> None:
+    """A container checkpoint's config.json (models/families.py `CONTAINERS`) replaced by its text model's: what
+    conversion takes of it, and what an export of the trained model is."""
+    from models.config import text_config_json
+
+    if not os.path.exists(config_path):
+        return
+    with open(config_path) as f:
+        conf = json.load(f)
+    text = text_config_json(conf)
+    if text is not conf:
+        with open(config_path, "w") as f:
+            json.dump(text, f, indent=2)
 
 
 def record_dtype(config_path: str, dtype: str) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from models.families import FAMILIES
+from models.families import CONTAINERS, FAMILIES
 
 
 class Choice(str, Enum):
@@ -59,6 +59,9 @@ ARCH_KEYS = (
     "moe_intermediate_size",
     "norm_topk_prob",
     "decoder_sparse_step",
+    "intermediate_size_mlp",
+    "interleave_moe_layer_step",
+    "attention_chunk_size",
 )
 
 
@@ -68,7 +71,7 @@ def config_field(model_type: str | None, key: str) -> str:
     return family.moe.num_experts if key == "num_experts" and family is not None and family.moe else key
 
 
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES) + tuple(CONTAINERS)
 
 
 @dataclass
@@ -99,6 +102,9 @@ class ModelSettings:
     moe_intermediate_size: int | None = None  # each expert's MLP width (Qwen-MoE; Mixtral's is intermediate_size)
     norm_topk_prob: bool | None = None  # Qwen-MoE: the top-k routing weights renormalised to sum to 1
     decoder_sparse_step: int | None = None  # Qwen-MoE: every k-th decoder layer is sparse
+    intermediate_size_mlp: int | None = None  # Llama 4: the dense layers' MLP width (intermediate_size: the experts')
+    interleave_moe_layer_step: int | None = None  # Llama 4: every k-th decoder layer is sparse
+    attention_chunk_size: int | None = None  # Llama 4: RoPE layers attend within chunks of this many positions
     attn_implementation: AttnImplementation = AttnImplementation.sdpa
     # How decoder blocks are split over stages: "parameters" (balanced by parameter count), "compute" (by the
     # parameters a token uses: a sparse block's top-k experts), "uniform", or blocks
@@ -153,7 +159,25 @@ def _read_config_json(path: str) -> dict:
         raise ValueError(
             f"{file}: model_type={model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    if model_type in CONTAINERS:  # the text model's config (the other towers are not read)
+        raw = text_config_json(raw)
+        if raw.get("model_type") not in FAMILIES:
+            raise ValueError(f"{file}: the text model's model_type={raw.get('model_type')!r} is not supported")
     return raw
+
+
+def text_config_json(raw: dict) -> dict:
+    """The config.json of a container checkpoint's text model (`CONTAINERS`), as transformers' text model writes
+    it; any other config unchanged."""
+    container = CONTAINERS.get(raw.get("model_type"))
+    if container is None:
+        return raw
+    text = dict(raw.get(container.config_key) or {})
+    text["architectures"] = [container.text_architecture]
+    for key in ("dtype", "transformers_version"):
+        if key in raw:
+            text.setdefault(key, raw[key])
+    return text
 
 
 def load_hf_config(path: str):
@@ -162,12 +186,16 @@ def load_hf_config(path: str):
     Raises:
         ValueError: missing, not JSON, or a model type this project does not support; names the file.
     """
-    model_type = _read_config_json(path)["model_type"]
+    raw = _read_config_json(path)
     import transformers
 
     # NOTE: the family's own config class, not AutoConfig: resolving AutoConfig imports transformers' whole
     # auto-mapping (seconds per process, and conversion runs one process per command).
-    return getattr(transformers, FAMILIES[model_type].config_class).from_pretrained(path)
+    config_class = getattr(transformers, FAMILIES[raw["model_type"]].config_class)
+    with open(os.path.join(path, "config.json")) as f:
+        if json.load(f).get("model_type") in CONTAINERS:  # the text model's part of the file
+            return config_class.from_dict(raw)
+    return config_class.from_pretrained(path)
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,7 @@ class Family:
     moe: MoeSpec | None = None  # a mixture-of-experts family
     package: str = ""  # transformers' models/<package> (default: the model type)
     dense_size: str = "intermediate_size"  # the config field with a dense layer's MLP width
+    flash_attention: bool = True  # transformers runs the family with flash-attn (Llama 4's chunked attention: no)
 
     def module(self):
         package = self.package or self.model_type
@@ -168,8 +169,25 @@ FAMILIES: dict[str, Family] = {
             ),
             package="llama4",
             dense_size="intermediate_size_mlp",
+            flash_attention=False,
         ),
     )
+}
+
+
+@dataclass(frozen=True)
+class Container:
+    """A multimodal checkpoint whose text model is one of FAMILIES: its config.json nests the text model's config
+    under `config_key`, and its weights carry `prefix` before the text model's keys (the other towers' keys are
+    not read). Conversion takes the text model only; the pipeline checkpoint is that text model's."""
+
+    config_key: str
+    prefix: str
+    text_architecture: str
+
+
+CONTAINERS: dict[str, Container] = {
+    "llama4": Container("text_config", "language_model.", "Llama4ForCausalLM"),  # Llama4ForConditionalGeneration
 }
 
 

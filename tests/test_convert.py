@@ -48,11 +48,13 @@ def test_every_tensor_lands_once_in_its_file(variant, hf_models, converted):
         assert os.path.exists(os.path.join(ckpt, name)), name
 
 
-@pytest.mark.parametrize("preset_name", ["llama2_70b", "qwen2_5_7b", "qwen3_8b", "qwen3_30b_a3b", "mixtral_8x7b"])
+@pytest.mark.parametrize(
+    "preset_name", ["llama2_70b", "qwen2_5_7b", "qwen3_8b", "qwen3_30b_a3b", "mixtral_8x7b", "llama4_scout"]
+)
 def test_layer_modules_match_hf_at_preset_shapes(preset_name):
-    """Shape-only conversion of the shipped presets (LLaMA-2-70B, Qwen2.5-7B, Qwen3-8B, Qwen3-30B-A3B, Mixtral 8x7B)
-    on the meta device: our layer modules' keys and shapes are exactly what the table maps from the hub's layout
-    (transformers' own per-expert names for the experts it fuses in memory)."""
+    """Shape-only conversion of the shipped presets (LLaMA-2-70B, Qwen2.5-7B, Qwen3-8B, Qwen3-30B-A3B, Mixtral 8x7B,
+    Llama 4 Scout's text model) on the meta device: our layer modules' keys and shapes are exactly what the table
+    maps from the hub's layout (transformers' own per-expert names for the experts it fuses in memory)."""
     from transformers import AutoModelForCausalLM
 
     from models.config import config_from_preset
@@ -77,12 +79,20 @@ def test_layer_modules_match_hf_at_preset_shapes(preset_name):
         "qwen3_8b": ("model.layers.35.self_attn.q_norm.weight", (128,)),
         "qwen3_30b_a3b": ("model.layers.47.mlp.experts.127.down_proj.weight", (2048, 768)),
         "mixtral_8x7b": ("model.layers.31.block_sparse_moe.experts.7.w3.weight", (14336, 4096)),
+        "llama4_scout": ("model.layers.47.feed_forward.experts.gate_up_proj", (16, 5120, 2 * 8192)),
     }[preset_name]
     assert hf[expected[0]] == expected[1]
     # The parameter counts the README and the memory estimate quote (the model cards say 7.61B and 8.19B).
     total = sum(math.prod(shape) for shape in hf.values())
-    # Qwen3-30B-A3B's card says 30.5B, Mixtral's paper 46.7B.
-    expected = {"llama2_70b": 68.98, "qwen2_5_7b": 7.62, "qwen3_8b": 8.19, "qwen3_30b_a3b": 30.53, "mixtral_8x7b": 46.7}
+    # Qwen3-30B-A3B's card says 30.5B, Mixtral's paper 46.7B, Llama 4 Scout's card 109B with its vision tower.
+    expected = {
+        "llama2_70b": 68.98,
+        "qwen2_5_7b": 7.62,
+        "qwen3_8b": 8.19,
+        "qwen3_30b_a3b": 30.53,
+        "mixtral_8x7b": 46.7,
+        "llama4_scout": 107.77,
+    }
     assert round(total / 1e9, 2) == expected[preset_name]
 
 
@@ -334,3 +344,43 @@ def test_tp_split_and_merge_between_any_degrees_round_trip_bit_identical(tmp_pat
     assert run_cmd([*cli, "--to-hf", "--input", str(tmp_path / "from3"), "--output", str(back)]).returncode == 0
     original, exported = hf_state(hf), hf_state(str(back))
     assert original.keys() == exported.keys() and all(torch.equal(original[k], exported[k]) for k in original)
+
+
+def test_llama4_multimodal_checkpoint_converts_its_text_model(tmp_path):
+    """A Llama4ForConditionalGeneration checkpoint (the hub's Llama 4 Scout and Maverick): conversion takes the
+    text model (keys under `language_model.`, config.json's `text_config`), skips the vision tower, and gives the
+    text model's checkpoint; `--verify --against` the multimodal directory finds transformers' text logits
+    (max difference 0), and the export is a Llama4ForCausalLM with the same tensors, bit for bit."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration, Llama4VisionConfig
+
+    from tests.conftest import convert_in_process
+
+    text = tiny_config("llama4_text", num_key_value_heads=2)
+    vision = Llama4VisionConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        image_size=28,
+        patch_size=14,
+        vision_output_dim=32,
+        projector_input_dim=32,
+        projector_output_dim=32,
+    )
+    torch.manual_seed(0)
+    model = Llama4ForConditionalGeneration(Llama4Config(text_config=text.to_dict(), vision_config=vision.to_dict()))
+    model.save_pretrained(tmp_path / "mm")
+    source = hf_state(str(tmp_path / "mm"))
+    assert any(k.startswith("vision_model.") for k in source)
+    ckpt, export = tmp_path / "ckpt", tmp_path / "export"
+    assert convert_in_process(["--input", str(tmp_path / "mm"), "--output", str(ckpt)]).returncode == 0
+    conf = json.loads((ckpt / "config.json").read_text())
+    assert conf["model_type"] == "llama4_text" and conf["architectures"] == ["Llama4ForCausalLM"]
+    verified = convert_in_process(["--verify", str(ckpt), "--against", str(tmp_path / "mm")])
+    assert verified.returncode == 0 and "max |logit difference| against" in verified.stdout, verified.stdout
+    assert verified.stdout.strip().endswith(": 0"), verified.stdout
+    assert convert_in_process(["--to-hf", "--input", str(ckpt), "--output", str(export)]).returncode == 0
+    exported = hf_state(str(export))
+    text_keys = {k.removeprefix("language_model."): v for k, v in source.items() if k.startswith("language_model.")}
+    assert set(exported) == set(text_keys)
+    assert all(torch.equal(exported[k], v) for k, v in text_keys.items())

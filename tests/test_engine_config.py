@@ -50,6 +50,7 @@ def test_presets_give_the_documented_engine_configs():
         ("llama3_8b_dpo", 2, 8, "bf16", 44),
         ("qwen3_30b_a3b_2node", 4, 16, "bf16", 52),
         ("mixtral_8x7b_2node", 4, 16, "bf16", 54),
+        ("llama4_scout_4node", 8, 32, "bf16", 66),
     ],
 )
 def test_experiment_recipes_resolve_and_fit_80gb(name, stages, world, precision, max_gib):

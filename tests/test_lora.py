@@ -158,7 +158,7 @@ def test_merge_peft_adapter_directory_into_checkpoint_or_hf(variant, hf_models, 
     """A PEFT adapter directory merged into a pipeline checkpoint or an HF directory gives PEFT's logits (with experts:
     adapters on attention; PEFT puts `down_proj` on the fused experts' parameters, which merging refuses)."""
     adapter_dir = tmp_path / "adapter"
-    moe = variant in ("mixtral", "qwen2_moe", "qwen3_moe")
+    moe = variant in ("mixtral", "qwen2_moe", "qwen3_moe", "llama4")
     model = peft_model(hf_models[variant], targets=["q_proj", "v_proj"] if moe else None)
     torch.manual_seed(0)
     with torch.no_grad():

@@ -262,3 +262,22 @@ def test_expert_parallel_settings_that_cannot_run_are_refused(extra, world, mess
     tiny_config("llama").save_pretrained(tmp_path / "dense")
     got = config_error([*base, f"model_name_or_path={tmp_path}/dense", "expert_parallel_size=2"], world_size=4)
     assert got == "expert_parallel_size=2: the model (llama) has no experts"
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["moe.aux_loss_coef=0.01"], "moe.aux_loss_coef=0.01: transformers trains llama4_text with no load-balancing"),
+        (["model.attn_implementation=flash_attention_2"], "model.attn_implementation=flash_attention_2: transformers'"),
+        (["data.packing=true", "seq_length=64"], "data.packing/concatenate with seq_length=64 > floor_scale=4"),
+    ],
+)
+def test_llama4_settings_transformers_does_not_compute_are_refused(extra, message, tmp_path):
+    """Llama 4: a load-balancing loss (transformers computes none for it), flash-attn (it has none), and packed rows
+    longer than floor_scale (its temperature counts positions from the row's start): one line naming the key."""
+    from tests.catalogue import config_error
+
+    tiny_config("llama4_text").save_pretrained(tmp_path / "m")
+    base = [f"train_file={tmp_path}/t.jsonl", f"output_dir={tmp_path}/out", f"model_name_or_path={tmp_path}/m"]
+    got = config_error([*base, "seq_length=3", *extra], world_size=2)
+    assert got.startswith(message) and "\n" not in got, got

@@ -54,13 +54,17 @@ def sparse_mlp_bytes(config, tp: int, act_bytes: int) -> float:
     of its k routed copies the gathered row and the expert's output (2h) and the expert's gate, up, act(gate) and
     down's input (4 x the expert width, split over TP); the router's logits and probabilities and the top-k
     (fp32); a shared expert's four MLP tensors and its gated output. Measured on Mixtral and Qwen2-MoE blocks
-    (tests/test_memory_estimate.py)."""
+    (tests/test_memory_estimate.py). Llama 4's block (transformers' own, without expert parallelism) runs every
+    expert on every token, so it keeps E copies, not k: counted so, also under expert parallelism (where the
+    all-to-all sends only the k routed ones), an overestimate there."""
     moe = family_of(config).moe
     experts, k, h = getattr(config, moe.num_experts), config.num_experts_per_tok, config.hidden_size
     width = getattr(config, moe.expert_size)
-    per_token = k * (2 * h + 4 * width / tp) * act_bytes + (2 * experts + 2 * k + 10) * 4
+    copies = experts if moe.fused_hub else k
+    per_token = copies * (2 * h + 4 * width / tp) * act_bytes + (2 * experts + 2 * k + 10) * 4
     if moe.shared_expert:
-        per_token += (4 * config.shared_expert_intermediate_size / tp + h) * act_bytes + 4
+        shared = getattr(config, "shared_expert_intermediate_size", None) or width  # Llama 4's: the experts' width
+        per_token += (4 * shared / tp + h) * act_bytes + 4
     return per_token
 
 
@@ -79,7 +83,7 @@ def layer_activation_bytes(
     attention adds the probabilities (heads x S per token); packed rows on SDPA/eager add the mask
     (S per token); flash-attn keeps neither (Korthikanti et al.'s sbh(34 + 5as/h), specialised to LLaMA).
     """
-    h, heads, inter = config.hidden_size, config.num_attention_heads, config.intermediate_size
+    h, heads, inter = config.hidden_size, config.num_attention_heads, getattr(config, family_of(config).dense_size)
     head_dim = getattr(config, "head_dim", None) or h // heads
     kv_dim = config.num_key_value_heads * head_dim
     per_token = 2 * sharded_norm_bytes(h, act_bytes, tp if sp else 1) + 2 * head_dim * act_bytes
@@ -144,7 +148,7 @@ def stage_activation_bytes(
 
 # The linear layers of a decoder block: (the tensor that is its input, input width, output width), with TP's split.
 def _linear_layers(config, tp: int) -> dict[str, tuple[str, float, float]]:
-    h, heads, inter = config.hidden_size, config.num_attention_heads, config.intermediate_size
+    h, heads, inter = config.hidden_size, config.num_attention_heads, getattr(config, family_of(config).dense_size)
     head_dim = getattr(config, "head_dim", None) or h // heads
     q, kv = heads * head_dim / tp, config.num_key_value_heads * head_dim / tp
     return {

@@ -19,6 +19,7 @@ from checkpoint.saves import clean_stale, read_tag
 from data.collator import CausalLMCollator
 from data.pair_dataset import PairCollator
 from models.config import check_preset, config_from_preset, load_hf_config
+from models.families import family_of
 from models.lora import add_lora, parallelize_lora
 from models.loss import CausalLMLoss
 from models.moe import WithAuxLoss, default_aux_loss_coef, is_moe
@@ -84,6 +85,11 @@ def load_model_config(cfg: TrainConfig):
             config = config_from_preset(cfg.model)
     except ValueError as e:
         raise _user_error(e) from None
+    if impl == "flash_attention_2" and not family_of(config).flash_attention:
+        raise RunError(
+            f"model.attn_implementation=flash_attention_2: transformers' {config.model_type} does not support it "
+            "(chunked attention needs a mask); use sdpa"
+        )
     if impl == "flash_attention_2":
         try:
             import flash_attn  # noqa: F401

@@ -249,11 +249,6 @@ def validate_experts(cfg: TrainConfig, model_config) -> None:
         f"moe.aux_loss_coef={cfg.moe.aux_loss_coef}: transformers trains {name} with no load-balancing loss (its "
         "sigmoid router has none to reproduce); leave it 0",
     )
-    _need(
-        str(cfg.model.attn_implementation) != "flash_attention_2",
-        f"model.attn_implementation=flash_attention_2: transformers' {name} does not support it (chunked attention "
-        "needs a mask); use sdpa",
-    )
     tuning = getattr(model_config, "attn_temperature_tuning", False)
     _need(
         not (tuning and cfg.data.documents_share_rows and cfg.seq_length > model_config.floor_scale),
