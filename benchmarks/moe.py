@@ -2,6 +2,7 @@
 traffic of expert parallelism.
 
     python -m benchmarks.moe [--hidden 512] [--experts 8] [--top-k 2] [--tokens 2048] [--repeat 7]
+    python -m benchmarks.moe --step --work /tmp/moebench [--steps 12] [--step-repeat 3]
 
 - block: forward and backward of one Mixtral decoder block on the same tokens, transformers'
   `MixtralDecoderLayer` (with its default experts implementation, grouped_mm) against our pipeline layer
@@ -11,6 +12,14 @@ traffic of expert parallelism.
   to `all_to_all_single` for the hidden rows of the dispatch (rows kept on the rank count as sent to itself and
   are reported apart), counted on the collective, per token, against k x H x bytes x (EP - 1) / EP (what uniform
   routing sends to other ranks).
+
+- Llama 4 block: forward and backward of transformers' `Llama4TextDecoderLayer` (its block runs every expert on
+  every token, inputs outside the top-k scaled by 0) against ours at EP=1 (the same module) and, on 2 processes,
+  ours at EP=2 (only the top-k pairs travel and run, one grouped matmul per rank), each rank on its own
+  `--tokens` tokens; 16 experts, top-1 as Llama 4 Scout.
+- `--step`: training steps of the trainer on 2 ranks (DP=2, fp32) of a Mixtral (4 layers, `--hidden`, `--experts`,
+  `--top-k`) at expert_parallel_size 1 and 2 on the same batches: the median step seconds after 2 warm-up steps
+  (median of `--step-repeat` launches).
 
 Not a test: timings on a shared machine are noisy, compare figures from one run of this script.
 """
@@ -153,6 +162,155 @@ def dispatch(args) -> None:
     )
 
 
+def _llama4_config(args, experts: int = 16):
+    from tools.tiny_models import tiny_config
+
+    config = tiny_config(
+        "llama4_text",
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        intermediate_size_mlp=4 * args.hidden,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=args.hidden // 8,
+        num_local_experts=experts,
+        num_experts_per_tok=1,
+        num_hidden_layers=1,
+        interleave_moe_layer_step=1,
+        attention_chunk_size=8192,
+        floor_scale=8192,
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _llama4_layers(config, ep=None):
+    from transformers.models.llama4.modeling_llama4 import Llama4TextDecoderLayer
+
+    from models.layers import decoder_layer_class
+
+    torch.manual_seed(0)
+    hf = Llama4TextDecoderLayer(config, 0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.02)
+    ours = decoder_layer_class("llama4_text")(config, 0, None, ep)
+    state = hf.state_dict()
+    if ep is not None and ep.size > 1:
+        mine = ep.local_experts(config.num_local_experts)
+        for name in ("feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"):
+            state[name] = state[name][mine.start : mine.stop]
+    ours.load_state_dict(state)
+    return hf, ours
+
+
+def _llama4_run(layer, config, x, hf: bool):
+    from models.moe import empty_stats
+
+    b, s = x.shape[:2]
+    position_ids = torch.arange(s).expand(b, s)
+    weight = torch.ones_like(x)
+
+    def run():
+        h = x.clone().requires_grad_()
+        if hf:
+            freqs = layer.rotary_emb(h, position_ids)
+            out = layer(h, position_embeddings=freqs, position_ids=position_ids)
+        else:
+            out = layer((h, position_ids, torch.full((b,), s), empty_stats(config).requires_grad_()))[0]
+        (out * weight).sum().backward()
+
+    return run
+
+
+def _llama4_ep_worker(rank: int, store: str, args, out: str) -> None:
+    import torch.distributed as dist
+
+    from models.expert_parallel import ExpertParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        config = _llama4_config(args)
+        _, ours = _llama4_layers(config, ExpertParallel(2, rank, dist.new_group([0, 1])))
+        x = torch.randn(1, args.tokens, config.hidden_size, generator=torch.Generator().manual_seed(rank))
+        run = _llama4_run(ours, config, x, hf=False)
+        run()
+        times = []
+        for _ in range(args.repeat):
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        torch.save(statistics.median(times), out)
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def llama4_block(args) -> None:
+    from transformers.models.llama4.modeling_llama4 import Llama4TextRotaryEmbedding
+
+    config = _llama4_config(args)
+    hf, ours = _llama4_layers(config)
+    hf.rotary_emb = Llama4TextRotaryEmbedding(config)
+    x = torch.randn(1, args.tokens, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    t_hf = _time(_llama4_run(hf, config, x, hf=True), args.repeat)
+    t_ours = _time(_llama4_run(ours, config, x, hf=False), args.repeat)
+    t_ep = max(_spawn(_llama4_ep_worker, args))
+    print(
+        f"block (Llama 4, hidden {args.hidden}, 16 experts, top-1, shared expert, {args.tokens} tokens per rank, "
+        f"forward+backward, median of {args.repeat}): transformers {t_hf * 1e3:.1f} ms, ours at EP=1 "
+        f"{t_ours * 1e3:.1f} ms ({t_ours / t_hf:.3f}x), ours at EP=2 (2 processes, the slower rank) "
+        f"{t_ep * 1e3:.1f} ms ({t_ep / t_hf:.3f}x)"
+    )
+
+
+def _spawn(worker, args) -> list:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(2)]
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=worker, args=(r, f"{tmp}/store", args, outs[r])) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(600)
+        return [torch.load(o, weights_only=False) for o in outs]
+
+
+def step(args) -> None:
+    from benchmarks.train_throughput import build, trainer_run
+
+    hf, data = build(
+        args.work,
+        4,
+        args.hidden,
+        8,
+        2000,
+        model_type="mixtral",
+        num_key_value_heads=4,
+        num_local_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+    )
+    args.seq, args.mbs, args.packing, args.threads = 256, 4, False, 1
+    seconds = {}
+    for ep in (1, 2):
+        runs = []
+        for i in range(args.step_repeat):
+            out = os.path.join(args.work, f"run_ep{ep}_{i}")
+            metrics = trainer_run(hf, data, out, 1, args, 4, ranks=2, extra=[f"expert_parallel_size={ep}"])
+            runs.append(statistics.median(m["step_seconds"] for m in metrics[2:]))
+        seconds[ep] = statistics.median(runs)
+    print(
+        f"training step (Mixtral, 4 layers, hidden {args.hidden}, {args.experts} experts, top-{args.top_k}, 2 ranks "
+        f"DP=2, 4 micro-batches of 4 x 256 tokens per rank, fp32, median after 2 warm-up steps of "
+        f"{args.step_repeat} launches): EP=1 {seconds[1]:.3f} s, EP=2 {seconds[2]:.3f} s "
+        f"(EP=2 / EP=1 = {seconds[2] / seconds[1]:.3f})"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=512)
@@ -160,10 +318,20 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--step", action="store_true", help="training steps at EP=1 and EP=2 instead")
+    p.add_argument("--work", default=None, help="--step: where the model, data and runs go")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--step-repeat", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.step:
+        if not args.work:
+            p.error("--step needs --work")
+        step(args)
+        return
     block(args)
     dispatch(args)
+    llama4_block(args)
 
 
 if __name__ == "__main__":

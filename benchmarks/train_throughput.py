@@ -41,7 +41,10 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def build(work: str, layers: int, hidden: int, heads: int, rows: int, seed: int = 0) -> tuple[str, str]:
+def build(
+    work: str, layers: int, hidden: int, heads: int, rows: int, seed: int = 0, model_type: str = "llama", **config
+) -> tuple[str, str]:
+    """(model dir, data file) under `work`, built once: a random model of `model_type` (`config`: more fields)."""
     from data.sources import write_jsonl
     from tools.tiny_models import make_hf_model, make_sp_tokenizer, tiny_config
 
@@ -52,19 +55,24 @@ def build(work: str, layers: int, hidden: int, heads: int, rows: int, seed: int 
         texts = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 120))) for _ in range(rows)]
         tokenizer = make_sp_tokenizer(os.path.join(work, "tokenizer"), texts[:200], vocab_size=200)
         config = tiny_config(
+            model_type,
             num_hidden_layers=layers,
             hidden_size=hidden,
             intermediate_size=hidden * 8 // 3,
             num_attention_heads=heads,
             num_key_value_heads=heads,
             vocab_size=256,
+            **config,
         )
         make_hf_model(hf, config, tokenizer_dir=tokenizer, max_shard_size="2GB")
         write_jsonl(data, [{"text": t} for t in texts])
     return hf, data
 
 
-def trainer_run(hf: str, data: str, out: str, stages: int, args, ga: int, schedule: str = "1f1b") -> list[dict]:
+def trainer_run(
+    hf: str, data: str, out: str, stages: int, args, ga: int, schedule: str = "1f1b", ranks: int = 0, extra=()
+) -> list[dict]:
+    """metrics.jsonl of one trainer launch on `ranks` processes (default `stages`), with more `extra` overrides."""
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time (the trainer refuses to mix runs)
     overrides = [
         f"model_name_or_path={hf}",
@@ -83,10 +91,11 @@ def trainer_run(hf: str, data: str, out: str, stages: int, args, ga: int, schedu
         f"data.packing={str(args.packing).lower()}",
         "optim.lr_scheduler=constant",
         f"pipeline_schedule={schedule}",
+        *extra,
     ]
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=REPO)
-    cmd = [launcher, "--num_gpus", str(stages), "trainer.py", *overrides]
+    cmd = [launcher, "--num_gpus", str(ranks or stages), "trainer.py", *overrides]
     subprocess.run(cmd, check=True, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

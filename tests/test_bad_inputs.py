@@ -38,7 +38,8 @@ def unsupported_model_type(t):
     edit_config(src, model_type="gemma")
     return (
         convert_cmd(src, t.out),
-        "model_type='gemma' is not supported (supported: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe)",
+        "model_type='gemma' is not supported (supported: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, "
+        "llama4_text, llama4)",
         t.out,
         [src],
     )

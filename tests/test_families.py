@@ -89,7 +89,7 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
 def test_other_model_types_are_refused(tmp_path):
     for model_type in ("deepseek_v3", "gpt_oss"):  # experts behind attention we do not build (MLA, sinks)
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
-        supported = "supported: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, llama4_text"
+        supported = "supported: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, llama4_text, llama4"
         with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported \\({supported}\\)"):
             load_hf_config(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "sliding_window": 4096}))

@@ -139,14 +139,14 @@ def test_lora_under_each_pipeline_schedule_matches_peft(schedule, tp, hf_models,
 
 @pytest.mark.slow
 def test_lora_on_a_model_with_experts_matches_peft(hf_models, converted, tokenizer_dir, sft_data, tmp_path):
-    """Mixtral (4 experts, top-2, the load-balancing loss on) with adapters on attention, PP=2 x DP=2: 4 AdamW steps
-    with clipping equal PEFT on transformers' model trained per micro-batch; only adapters are saved (the frozen
-    experts' per-expert keys left out of every layer file)."""
+    """Mixtral (4 experts, top-2, the load-balancing loss on) with adapters on attention, PP=2 x DP=2 with the frozen
+    experts split over EP=2: 4 AdamW steps with clipping equal PEFT on transformers' model trained per micro-batch;
+    only adapters are saved (the frozen experts' per-expert keys left out of every layer file)."""
     cfg = parity_cfg(sft_data[0])
     cfg.lora = LoraSettings(enabled=True, r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj"])
     run = tmp_path / "run"
     lora = ["lora.enabled=true", "lora.r=4", "lora.alpha=8.0", "lora.target_modules=[q_proj,v_proj,o_proj]"]
-    check(deepspeed_launch(4, *overrides(cfg, converted["mixtral"], str(run), 2), *lora))
+    check(deepspeed_launch(4, *overrides(cfg, converted["mixtral"], str(run), 2, expert_parallel_size=2), *lora))
     ours = assert_matches_peft(run, cfg, hf_models["mixtral"], tokenizer_dir, dp=2)
     assert len(ours) == 4 * 3 * 2  # layers x targets x (A, B)
     assert all(".lora_" in k for k in load_layer_state(find_layer_file(str(run / "global_step4"), 1)))

@@ -248,7 +248,6 @@ def test_experts_split_over_two_ranks_equal_the_whole_block(model_type, tmp_path
             4,
             "expert_parallel_size=2 runs with deepspeed=fp32 (ZeRO-0) for now, not bf16 with ZeRO-1",
         ),
-        (["expert_parallel_size=2", "lora.enabled=true"], 4, "expert_parallel_size=2 with LoRA is not supported yet"),
     ],
 )
 def test_expert_parallel_settings_that_cannot_run_are_refused(extra, world, message, tmp_path):

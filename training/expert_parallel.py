@@ -63,10 +63,10 @@ def keep_from_broadcast(module) -> None:
 def attach(engine, ep: ExpertParallel) -> None:
     """Reduce expert gradients over their own group and count them once in the global norm (module docstring)."""
     module, dp = engine.module, engine.dp_world_size
-    experts = expert_params(module)
     first = dist.get_global_rank(ep.data_group, 0)
-    for p in experts:  # the ranks holding the same experts start alike (as DeepSpeed makes DP replicas)
+    for p in expert_params(module):  # the ranks holding the same experts start alike (as DeepSpeed makes DP replicas)
         dist.broadcast(p.data, first, group=ep.data_group)
+    experts = [p for p in expert_params(module) if p.requires_grad]  # (LoRA freezes them: nothing to reduce)
     ids = {id(p) for p in experts}
     collect = engine._get_gradients_for_reduction
 
@@ -130,7 +130,8 @@ def every_expert(engine, ep: ExpertParallel):
     if engine.grid.data_parallel_id >= ep.size:  # a group that writes nothing
         yield
         return
-    layers = expert_modules(engine.module)
+    # Frozen experts (LoRA) are never saved: only adapters are.
+    layers = [m for m in expert_modules(engine.module) if m.moe_block().experts.gate_up_proj.requires_grad]
     state = engine.optimizer.state
     kept = {}
     for layer in layers:

@@ -224,7 +224,6 @@ def validate_expert_parallel(cfg: TrainConfig, world_size: int, model_config) ->
         f"expert_parallel_size={ep} runs with deepspeed=fp32 (ZeRO-0) for now, not {precision} with ZeRO-{zero}: "
         "DeepSpeed's bf16/fp16 and ZeRO-1 optimizers reduce gradients in buffers of their own",
     )
-    _need(not cfg.lora.enabled, f"expert_parallel_size={ep} with LoRA is not supported yet (lora.enabled=true)")
 
 
 def validate_experts(cfg: TrainConfig, model_config) -> None:
