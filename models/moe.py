@@ -190,8 +190,10 @@ def param_name_of(config, key: str) -> str | None:
     return None if ".experts." in key else key
 
 
-def file_keys_of(config, block: int, name: str) -> list[str]:
-    """The layer-file keys of in-memory parameter `name` of decoder block `block` (LoRA's frozen-key filter)."""
+def file_keys_of(config, block: int, name: str, experts: range | None = None) -> list[str]:
+    """The layer-file keys of in-memory parameter `name` of decoder block `block` (LoRA's frozen-key filter);
+    `experts`: the experts the layer's state dict holds (under expert parallelism, frozen experts are not gathered:
+    this rank's own, `expert_keys`), default all."""
     if not is_sparse_layer(config, block) or family_of(config).moe.fused_hub:
         return [name]
     if name == router_param(config):
@@ -199,7 +201,7 @@ def file_keys_of(config, block: int, name: str) -> list[str]:
     parts = {"mlp.experts.gate_up_proj": ("gate", "up"), "mlp.experts.down_proj": ("down",)}.get(name)
     if parts is None:
         return [name]
-    return [moe_key(config, part, e) for e in range(num_experts(config)) for part in parts]
+    return [moe_key(config, part, e) for e in experts or range(num_experts(config)) for part in parts]
 
 
 # ---------------------------------------------------------------------------------------------------- the loss
