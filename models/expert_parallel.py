@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers.integrations.moe import _default_apply_gate, grouped_mm_experts_forward
 
 from models.families import family_of
 
@@ -133,6 +132,8 @@ def _dispatch_llama4(block, config, ep: ExpertParallel) -> None:
     each token's input scaled by its sigmoid score (0 outside its top-k); here only the top-k (token, expert)
     pairs travel, scaled the same way, and the local experts run as one grouped matmul over the rows they received
     (transformers' `grouped_mm` on Llama 4's x @ W layout). The shared expert runs on every token, as there."""
+    from transformers.integrations.moe import _default_apply_gate, grouped_mm_experts_forward
+
     block.router = type(block.router)(config)  # the router over every expert
     experts = block.experts
     experts.num_experts = experts.gate_up_proj.shape[0]
