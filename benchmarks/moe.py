@@ -14,9 +14,10 @@ traffic of expert parallelism.
   routing sends to other ranks).
 
 - Llama 4 block: forward and backward of transformers' `Llama4TextDecoderLayer` (its block runs every expert on
-  every token, inputs outside the top-k scaled by 0) against ours at EP=1 (the same module) and, on 2 processes,
-  ours at EP=2 (only the top-k pairs travel and run, one grouped matmul per rank), each rank on its own
-  `--tokens` tokens; 16 experts, top-1 as Llama 4 Scout.
+  every token, inputs outside the top-k scaled by 0) against ours at EP=1 (the same module), ours with
+  `moe.routed_experts` (each expert on its routed tokens, one grouped matmul) and, on 2 processes, ours at EP=2
+  (only the top-k pairs travel and run, one grouped matmul per rank), each rank on its own `--tokens` tokens;
+  16 experts, top-1 as Llama 4 Scout.
 - `--step`: training steps of the trainer on 2 ranks (DP=2, fp32) of a Mixtral (4 layers, `--hidden`, `--experts`,
   `--top-k`) at expert_parallel_size 1 and 2 on the same batches: the median step seconds after 2 warm-up steps
   (median of `--step-repeat` launches).
@@ -184,17 +185,17 @@ def _llama4_config(args, experts: int = 16):
     return config
 
 
-def _llama4_layers(config, ep=None):
+def _llama4_layers(config, ep=None, routed: bool = False):
     from transformers.models.llama4.modeling_llama4 import Llama4TextDecoderLayer
 
-    from models.layers import decoder_layer_class
+    from models.layers import DecoderOptions, decoder_layer_class
 
     torch.manual_seed(0)
     hf = Llama4TextDecoderLayer(config, 0)
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.02)
-    ours = decoder_layer_class("llama4_text")(config, 0, None, ep)
+    ours = decoder_layer_class("llama4_text")(config, 0, DecoderOptions(routed_experts=routed), ep)
     state = hf.state_dict()
     if ep is not None and ep.size > 1:
         mine = ep.local_experts(config.num_local_experts)
@@ -257,12 +258,15 @@ def llama4_block(args) -> None:
     x = torch.randn(1, args.tokens, config.hidden_size, generator=torch.Generator().manual_seed(0))
     t_hf = _time(_llama4_run(hf, config, x, hf=True), args.repeat)
     t_ours = _time(_llama4_run(ours, config, x, hf=False), args.repeat)
+    _, routed = _llama4_layers(config, routed=True)
+    t_routed = _time(_llama4_run(routed, config, x, hf=False), args.repeat)
     t_ep = max(_spawn(_llama4_ep_worker, args))
     print(
         f"block (Llama 4, hidden {args.hidden}, 16 experts, top-1, shared expert, {args.tokens} tokens per rank, "
         f"forward+backward, median of {args.repeat}): transformers {t_hf * 1e3:.1f} ms, ours at EP=1 "
-        f"{t_ours * 1e3:.1f} ms ({t_ours / t_hf:.3f}x), ours at EP=2 (2 processes, the slower rank) "
-        f"{t_ep * 1e3:.1f} ms ({t_ep / t_hf:.3f}x)"
+        f"{t_ours * 1e3:.1f} ms ({t_ours / t_hf:.3f}x), with moe.routed_experts {t_routed * 1e3:.1f} ms "
+        f"({t_routed / t_hf:.3f}x), ours at EP=2 (2 processes, the slower rank) {t_ep * 1e3:.1f} ms "
+        f"({t_ep / t_hf:.3f}x)"
     )
 
 
@@ -322,12 +326,16 @@ def main() -> None:
     p.add_argument("--work", default=None, help="--step: where the model, data and runs go")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--step-repeat", type=int, default=3)
+    p.add_argument("--llama4-only", action="store_true", help="only the Llama 4 block")
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.step:
         if not args.work:
             p.error("--step needs --work")
         step(args)
+        return
+    if args.llama4_only:
+        llama4_block(args)
         return
     block(args)
     dispatch(args)

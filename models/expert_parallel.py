@@ -45,9 +45,10 @@ class ExpertParallel:
         """`local_experts_config`: what the decoder layer builds its sparse block from."""
         return local_experts_config(config, self)
 
-    def split(self, block, config) -> None:
-        """`dispatch_to_experts` on a sparse block built from `local_config` (a no-op at size 1)."""
-        if self.size > 1:
+    def split(self, block, config, routed: bool = False) -> None:
+        """`dispatch_to_experts` on a sparse block built from `local_config` (at size 1 a no-op, unless `routed`
+        asks Llama 4's block to run its experts on their routed tokens only)."""
+        if self.size > 1 or (routed and family_of(config).moe.fused_hub):
             dispatch_to_experts(block, config, self)
 
 
@@ -90,6 +91,8 @@ def _exchange(ep: ExpertParallel, flat: torch.Tensor, num_experts: int, rows_of,
     local_id)`: this rank's experts on the rows it received. Returns (order, the rows' outputs in `order`)."""
     per = num_experts // ep.size
     order = torch.argsort(flat, stable=True)
+    if ep.size == 1:  # every expert here (Llama 4's routed experts without expert parallelism)
+        return order, run_local(rows_of(order), flat[order])
     counts = torch.bincount(flat, minlength=num_experts)  # [E] rows this rank sends to each expert
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=ep.group)  # [ep * per]: from rank r to local expert j

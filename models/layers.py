@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from models.expert_parallel import ExpertParallel
 from models.families import FAMILIES, attention_chunk, family_of, hf_classes, is_sparse_layer, sliding_window
 from models.key_table import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
 from models.moe import (
@@ -116,10 +117,13 @@ class DecoderOptions:
 
     packed: rows hold several documents (position_ids restart at 0 at each); attention stays inside each.
     checkpoint_every: recompute every k-th decoder block (block % k == 0) in backward; 0 never, 1 every block.
+    routed_experts: Llama 4's experts run on their routed tokens only (`moe.routed_experts`; always so with
+        expert parallelism), not every expert on every token as transformers runs them.
     """
 
     packed: bool = False
     checkpoint_every: int = 0
+    routed_experts: bool = False
 
     def recompute(self, block: int) -> bool:
         return self.checkpoint_every > 0 and block % self.checkpoint_every == 0
@@ -181,20 +185,20 @@ class DecoderPipe:
             config = copy.copy(config)
             config._experts_implementation = DEFAULT_EXPERTS_IMPLEMENTATION
         sparse = is_sparse_layer(config, layer_idx)
+        options = options or DecoderOptions()
         # `ep`: a models.expert_parallel.ExpertParallel (this rank's experts; tokens reach them by all-to-all).
         super().__init__(ep.local_config(config) if sparse and ep else config, layer_idx)
         self.sparse = sparse
         self.moe_block_name = family_of(config).moe.block if sparse else None
         if self.sparse:
-            if ep is not None:
-                ep.split(sparse_block(self, config), config)
+            (ep or ExpertParallel()).split(sparse_block(self, config), config, options.routed_experts)
             self.top_k = config.num_experts_per_tok
             self.router_logits_at = family_of(config).moe.router_logits
             router_of(sparse_block(self, config), config).register_forward_hook(self._keep_router_logits)
             expert_keys(self, config, ep)
         self.attn_implementation = config._attn_implementation or "sdpa"
         self.rotary_emb = rotary_class(family_of(config).model_type)(config)  # non-persistent buffers: no keys
-        self.options = options or DecoderOptions()
+        self.options = options
         self.recompute = self.options.recompute(layer_idx)
         self.window = sliding_window(config, self.self_attn)
         self.chunk = attention_chunk(config, layer_idx)

@@ -58,6 +58,14 @@ def measured_stage(config, layers: range, b: int, s: int, options: DecoderOption
     return sum(saved.values()), sum(p.numel() for m in modules for p in m.parameters())
 
 
+LLAMA4 = {
+    "model_type": "llama4_text",
+    "num_local_experts": 8,
+    "intermediate_size_mlp": 344,
+    "head_dim": 32,
+    "attention_chunk_size": 32,
+    "floor_scale": 8192,
+}
 LAYOUTS = {  # (config overrides, attention, stages, stage, packed, checkpoint every k, dtype)
     "mha-pp1": ({}, "sdpa", 1, 0, False, 0, torch.float32),
     "gqa-pp2-stage0": ({"num_key_value_heads": 2}, "sdpa", 2, 0, False, 0, torch.float32),
@@ -77,6 +85,10 @@ LAYOUTS = {  # (config overrides, attention, stages, stage, packed, checkpoint e
         0,
         torch.bfloat16,
     ),
+    # Llama 4 (8 experts, top-2, chunks of 32, every 2nd layer sparse): transformers' block runs every expert on every
+    # token (E copies kept); with `moe.routed_experts` only the k routed ones.
+    "llama4-pp2-stage1": (LLAMA4, "sdpa", 2, 1, False, 0, torch.float32),
+    "llama4-routed-pp2-stage1": (LLAMA4, "sdpa", 2, 1, False, 0, torch.float32),
 }
 
 
@@ -90,9 +102,10 @@ def test_activation_and_parameter_estimates_match_measurement(layout):
     b, s = 2, 96
     bounds = stage_bounds(config, stages, "uniform")
     layers = range(bounds[stage], bounds[stage + 1])
-    measured, params = measured_stage(config, layers, b, s, DecoderOptions(packed, every), dtype)
+    routed = "routed" in layout
+    measured, params = measured_stage(config, layers, b, s, DecoderOptions(packed, every, routed), dtype)
     act_bytes = 4 if dtype == torch.float32 else 2
-    kept, live = stage_activation_bytes(config, layers, b, s, 1, act_bytes, attn, packed, every)
+    kept, live = stage_activation_bytes(config, layers, b, s, 1, act_bytes, attn, packed, every, routed=routed)
     print(
         f"{layout}: predicted {kept / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB ({kept / measured - 1:+.1%})"
     )

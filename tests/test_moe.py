@@ -280,3 +280,41 @@ def test_llama4_settings_transformers_does_not_compute_are_refused(extra, messag
     base = [f"train_file={tmp_path}/t.jsonl", f"output_dir={tmp_path}/out", f"model_name_or_path={tmp_path}/m"]
     got = config_error([*base, "seq_length=3", *extra], world_size=2)
     assert got.startswith(message) and "\n" not in got, got
+
+
+def test_llama4_routed_experts_equal_transformers_dense_block():
+    """`moe.routed_experts`: Llama 4's experts run on their routed tokens only (one grouped matmul) instead of every
+    expert on every token as transformers runs them; the decoder layer's output, input gradient and every parameter
+    gradient equal transformers' layer within 1e-6 of the largest value (fp32 rounding of other matmul blockings)."""
+    from transformers.models.llama4.modeling_llama4 import Llama4TextDecoderLayer, Llama4TextRotaryEmbedding
+
+    from models.layers import DecoderOptions, decoder_layer_class
+    from models.moe import empty_stats
+
+    # (one chunk: transformers' layer alone gets no chunked mask; the experts are what this compares)
+    config = tiny_config("llama4_text", num_key_value_heads=2, interleave_moe_layer_step=1, attention_chunk_size=64)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    hf = Llama4TextDecoderLayer(config, 0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2)
+    ours = decoder_layer_class("llama4_text")(config, 0, DecoderOptions(routed_experts=True))
+    ours.load_state_dict(hf.state_dict())
+    assert ours.feed_forward.forward.__func__ is not type(ours.feed_forward).forward  # the routed dispatch runs
+    x, weight = torch.randn(2, 10, config.hidden_size), torch.randn(2, 10, config.hidden_size)
+    pos = torch.arange(10).expand(2, 10)
+
+    def close(got, want):
+        assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max()), float((got - want).abs().max())
+
+    h1, h2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want = hf(h1, position_embeddings=Llama4TextRotaryEmbedding(config)(h1, pos), position_ids=pos)
+    got = ours((h2, pos, torch.full((2,), 10), empty_stats(config).requires_grad_()))[0]
+    (want * weight).sum().backward()
+    (got * weight).sum().backward()
+    close(got, want.detach())
+    close(h2.grad, h1.grad)
+    grads = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        close(p.grad, grads[name].grad)

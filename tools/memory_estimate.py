@@ -49,18 +49,18 @@ def sharded_norm_bytes(h: int, act_bytes: int, shards: int) -> float:
     return (norm_bytes(h, act_bytes) - h * act_bytes) / shards + h * act_bytes
 
 
-def sparse_mlp_bytes(config, tp: int, act_bytes: int) -> float:
+def sparse_mlp_bytes(config, tp: int, act_bytes: int, routed: bool = False) -> float:
     """Per token, what a sparse block saves (models/moe.py), in place of the dense MLP's 4 x intermediate: for each
     of its k routed copies the gathered row and the expert's output (2h) and the expert's gate, up, act(gate) and
     down's input (4 x the expert width, split over TP); the router's logits and probabilities and the top-k
     (fp32); a shared expert's four MLP tensors and its gated output. Measured on Mixtral and Qwen2-MoE blocks
-    (tests/test_memory_estimate.py). Llama 4's block (transformers' own, without expert parallelism) runs every
-    expert on every token, so it keeps E copies, not k: counted so, also under expert parallelism (where the
-    all-to-all sends only the k routed ones), an overestimate there."""
+    (tests/test_memory_estimate.py). Llama 4's block as transformers runs it runs every expert on every token, so it
+    keeps E copies, not k, unless its experts run on their `routed` tokens only (`moe.routed_experts`, or expert
+    parallelism)."""
     moe = family_of(config).moe
     experts, k, h = getattr(config, moe.num_experts), config.num_experts_per_tok, config.hidden_size
     width = getattr(config, moe.expert_size)
-    copies = experts if moe.fused_hub else k
+    copies = experts if moe.fused_hub and not routed else k
     per_token = copies * (2 * h + 4 * width / tp) * act_bytes + (2 * experts + 2 * k + 10) * 4
     if moe.shared_expert:
         shared = getattr(config, "shared_expert_intermediate_size", None) or width  # Llama 4's: the experts' width
@@ -69,7 +69,16 @@ def sparse_mlp_bytes(config, tp: int, act_bytes: int) -> float:
 
 
 def layer_activation_bytes(
-    config, b: int, s: int, tp: int, act_bytes: int, attn: str, packed: bool, sp: bool = False, sparse: bool = False
+    config,
+    b: int,
+    s: int,
+    tp: int,
+    act_bytes: int,
+    attn: str,
+    packed: bool,
+    sp: bool = False,
+    sparse: bool = False,
+    routed: bool = False,
 ) -> float:
     """Bytes one decoder block keeps for backward per micro-batch (tensors autograd saves, counted once).
 
@@ -90,7 +99,7 @@ def layer_activation_bytes(
     mlp = 0 if sparse else 4 * inter * act_bytes / tp
     per_token += ((heads * head_dim + h + 2 * kv_dim) * act_bytes + heads * 4) / tp + mlp
     if sparse:  # a sparse block (`sparse_mlp_bytes`): the experts' and the router's tensors
-        per_token += sparse_mlp_bytes(config, tp, act_bytes)
+        per_token += sparse_mlp_bytes(config, tp, act_bytes, routed)
     if attn == "eager":
         per_token += heads / tp * s * act_bytes
     if packed and attn != "flash_attention_2":
@@ -110,12 +119,14 @@ def stage_activation_bytes(
     every: int,
     sp: bool = False,
     vocab_multiple: int = 1,
+    routed: bool = False,
 ) -> tuple[float, float]:
     """(bytes kept per micro-batch in flight, bytes of the one block being recomputed) for the pipeline layers
     `layers` of a stage; `every`: recompute every k-th block (0: none), keeping only its input. The final
     norm and the LM head's input count on the last stage; the loss's logits are `Estimate.logits`. `sp`: sequence
     parallelism over the `tp` ranks (a recomputed block's input and the final norm hold s / tp positions);
-    `vocab_multiple`: `model.vocab_pad_multiple` (a padded vocabulary takes the vocab-parallel embedding and head)."""
+    `vocab_multiple`: `model.vocab_pad_multiple` (a padded vocabulary takes the vocab-parallel embedding and head);
+    `routed`: Llama 4's experts run on their routed tokens only (`sparse_mlp_bytes`)."""
     from models.key_table import EMBED, NORM, block_of, pipe_layers
     from models.tensor_parallel import TensorParallel, vocab_parallel
 
@@ -123,7 +134,7 @@ def stage_activation_bytes(
 
     n = config.num_hidden_layers
     per_layer = layer_activation_bytes(config, b, s, tp, act_bytes, attn, packed, sp)
-    per_sparse = layer_activation_bytes(config, b, s, tp, act_bytes, attn, packed, sp, sparse=True) if moe else 0
+    per_sparse = layer_activation_bytes(config, b, s, tp, act_bytes, attn, packed, sp, True, routed) if moe else 0
     shards = tp if sp else 1  # positions of the residual stream per rank: s / shards
     split_vocab = vocab_parallel(config, TensorParallel(tp, 0, vocab_multiple))
     kept, live = 0.0, 0.0
@@ -213,6 +224,7 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     attn = str(cfg.model.attn_implementation)
     packed = cfg.data.documents_share_rows
     sp = sequence_parallel(cfg)
+    routed = cfg.moe.routed_experts or cfg.expert_parallel_size > 1
     lora = (cfg.lora.target_modules, cfg.lora.r) if cfg.lora.enabled else ((), 0)
     deferred = deferred_weight_grad_bytes(config, b, s, tp, act_bytes, *lora) if schedule == "zero_bubble" else 0
     n, out = config.num_hidden_layers, []
@@ -225,7 +237,7 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
             params -= counts[-1]  # a tied head on the embedding's rank is the embedding itself (PP=1, DualPipeV)
         per_half = [
             stage_activation_bytes(
-                config, r, b, s, tp, act_bytes, attn, packed, every, sp, cfg.model.vocab_pad_multiple
+                config, r, b, s, tp, act_bytes, attn, packed, every, sp, cfg.model.vocab_pad_multiple, routed
             )
             for r in own
         ]

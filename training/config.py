@@ -101,11 +101,15 @@ class DpoConfig:
 
 @dataclass
 class MoeConfig:
-    """Mixture-of-experts models (mixtral, qwen2_moe, qwen3_moe; models/moe.py)."""
+    """Mixture-of-experts models (mixtral, qwen2_moe, qwen3_moe, llama4_text; models/moe.py)."""
 
     # Weight of transformers' load-balancing loss, added per micro-batch over every sparse layer of the model. None:
     # the model config's router_aux_loss_coef when its output_router_logits is true, else 0 (as transformers does).
     aux_loss_coef: float | None = None
+    # Llama 4: run each expert on its routed tokens only (one grouped matmul), not every expert on every token with
+    # the others' inputs scaled by 0 as transformers does: the same model within fp32 rounding, E / k times less
+    # expert compute and activation memory. Always so under expert parallelism; other families always route.
+    routed_experts: bool = False
 
 
 @dataclass

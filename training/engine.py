@@ -181,7 +181,11 @@ def build_module(
         topology,
         tp,
         bounds,
-        options=DecoderOptions(packed=cfg.data.documents_share_rows, checkpoint_every=checkpoint_every(cfg.model)),
+        options=DecoderOptions(
+            packed=cfg.data.documents_share_rows,
+            checkpoint_every=checkpoint_every(cfg.model),
+            routed_experts=cfg.moe.routed_experts,
+        ),
         loss_fn=loss_fn,
         skip_init=skip_init,
         dual=cfg.pipeline_schedule == "dualpipev",
