@@ -294,6 +294,7 @@ def step(args) -> None:
         8,
         2000,
         model_type="mixtral",
+        intermediate_size=2 * args.hidden,  # (grouped_mm needs rows of a multiple of 16 bytes)
         num_key_value_heads=4,
         num_local_experts=args.experts,
         num_experts_per_tok=args.top_k,

@@ -54,16 +54,15 @@ def build(
         words = "the quick brown fox jumps over a lazy dog while pipelines train language models fast".split()
         texts = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 120))) for _ in range(rows)]
         tokenizer = make_sp_tokenizer(os.path.join(work, "tokenizer"), texts[:200], vocab_size=200)
-        config = tiny_config(
-            model_type,
+        fields = dict(
             num_hidden_layers=layers,
             hidden_size=hidden,
             intermediate_size=hidden * 8 // 3,
             num_attention_heads=heads,
             num_key_value_heads=heads,
             vocab_size=256,
-            **config,
         )
+        config = tiny_config(model_type, **fields | config)
         make_hf_model(hf, config, tokenizer_dir=tokenizer, max_shard_size="2GB")
         write_jsonl(data, [{"text": t} for t in texts])
     return hf, data

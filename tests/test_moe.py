@@ -63,7 +63,8 @@ def test_layer_files_hold_the_hubs_per_expert_keys():
 
 def test_stages_balance_sparse_and_dense_layers():
     """Qwen3-MoE with every 2nd layer sparse: sparse and dense blocks are counted apart; "compute" counts the
-    top-k experts a token uses, "parameters" all of them, and each balances its own measure."""
+    top-k experts a token uses, "parameters" all of them, and each balances its own measure; one EP rank of 2 holds
+    half the experts."""
     config = tiny_config("qwen3_moe", num_hidden_layers=8, decoder_sparse_step=2, num_experts=8)
     params, active = layer_param_counts(config), layer_param_counts(config, active=True)
     blocks = [b for b in range(8)]
@@ -73,6 +74,8 @@ def test_stages_balance_sparse_and_dense_layers():
     assert sparse_count > dense_count and active[2] < sparse_count and active[1] == dense_count
     experts = sum(p.numel() for p in decoder_layer_class("qwen3_moe")(config, 1).mlp.experts.parameters())
     assert sparse_count - active[2] == experts - experts * 2 // 8
+    shard = layer_param_counts(config, ep=2)  # the planner's share of one of expert_parallel_size=2 ranks
+    assert shard[2] == sparse_count - experts // 2 and shard[1] == dense_count
     for method, weights in (("parameters", params), ("compute", active)):
         bounds = stage_bounds(config, 2, method)
         parts = [sum(weights[bounds[s] : bounds[s + 1]]) for s in range(2)]

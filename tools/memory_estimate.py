@@ -215,7 +215,10 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     # fp32 master copy (not for fp32 runs) + Adam's two moments, sharded over DP by ZeRO-1, or in CPU RAM.
     optim_bytes = (0 if precision == "fp32" else 4) + 8
     optim_share = 0.0 if cfg.deepspeed.offload_optimizer else (1 / dp if zero >= 1 else 1.0)
-    counts = layer_param_counts(config, TensorParallel(tp, 0, cfg.model.vocab_pad_multiple))  # one TP rank's share
+    # One TP rank's share, and with expert parallelism one EP rank's E / ep experts of each sparse block.
+    counts = layer_param_counts(
+        config, TensorParallel(tp, 0, cfg.model.vocab_pad_multiple), ep=cfg.expert_parallel_size
+    )
     stages = model_stages(schedule, pp)
     bounds = stage_bounds(config, stages, cfg.model.partition)
     b, s = cfg.micro_batch_size * sequences_per_sample(cfg), padded_seq_length(cfg)
