@@ -27,11 +27,13 @@ CASES = [
     ("qwen3_moe", "sdpa"),
     ("llama4", "sdpa"),
 ]
+MOE = {f"{m}-{attn}" for m, attn in CASES if m in ("mixtral", "qwen2_moe", "qwen3_moe", "llama4")}
 
 
 def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
     """PP = 1, 2, 4 (bit-identical logits) and PP x TP = 1 x 2, 2 x 2 (within 1e-5) against transformers; the TP
-    layouts with sequence parallelism also against themselves without it (within 1e-6). Every family, sliding
+    layouts with sequence parallelism also against themselves without it (within 1e-6); models with experts also at
+    EP=2, PP=2 x EP=2 and TP=2 x EP=2 with SP (within 1e-6). Every family, sliding
     windows (Mistral's 6 < 24 positions) and packed rows (two documents per row, against transformers on each).
     Mixture-of-experts families also give transformers' load-balancing loss (over stages, within 1e-6)."""
     cases = [
@@ -48,21 +50,24 @@ def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
     check(torchrun("tests/workers/forward_parity.py", 4, str(tmp_path / "cases.json"), str(tmp_path)))
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
     records = [r for rank in ranks for r in rank["records"]]
-    seen = {(r["case"], r["pp"], r["tp"], r["sp"], r["dp_rank"], r["tp_rank"]) for r in records}
-    # Every (case, layout) is checked on every rank of the last stage.
+    seen = {(r["case"], r["pp"], r["tp"], r["sp"], r["ep"], r["dp_rank"], r["tp_rank"]) for r in records}
+    # Every (case, layout) is checked on every rank of the last stage; models with experts at EP=2 too.
     layouts = [(1, 1, False), (2, 1, False), (4, 1, False), (1, 2, False), (2, 2, False), (1, 2, True), (2, 2, True)]
+    with_experts = [(1, 1, False), (2, 1, False), (1, 2, True)]
     assert seen == {
-        (c["name"], pp, tp, sp, d, t)
+        (c["name"], pp, tp, sp, ep, d, t)
         for c in cases
-        for pp, tp, sp in layouts
+        for pp, tp, sp, ep in [(*x, 1) for x in layouts] + [(*x, 2) for x in with_experts if c["name"] in MOE]
         for d in range(4 // (pp * tp))
         for t in range(tp)
     }
     failures = [r for r in records if r["error"]]
     assert not failures, failures
     for tp in (1, 2):
-        worst = max(r["max_abs_logit_diff"] for r in records if r["tp"] == tp)
+        worst = max(r["max_abs_logit_diff"] for r in records if r["tp"] == tp and r["ep"] == 1)
         print(f"forward parity TP={tp}: {sum(r['tp'] == tp for r in records)} checks, max |logit diff| = {worst:.3g}")
+    worst = max(r["max_abs_logit_diff"] for r in records if r["ep"] == 2)
+    print(f"forward parity EP=2: {sum(r['ep'] == 2 for r in records)} checks, max |logit diff| = {worst:.3g}")
     # Stage-to-stage traffic of one micro-batch [B, S, H], counted on DeepSpeed's p2p.send, per rank of stage 0:
     # PP=2 alone sends it whole; TP=2 without sequence parallelism sends 1/T of it (DeepSpeed's partitioning, after
     # which stage 1 all-gathers the whole [B, S, H] on every TP rank), with it each rank's own S/T positions (and
