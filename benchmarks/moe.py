@@ -142,17 +142,7 @@ def _dispatch_worker(rank: int, store: str, args, out: str) -> None:
 
 
 def dispatch(args) -> None:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(2)]
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_dispatch_worker, args=(r, f"{tmp}/store", args, outs[r])) for r in (0, 1)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(300)
-        counts = [torch.load(o, weights_only=True) for o in outs]
+    counts = _spawn(_dispatch_worker, args)
     per_token = [c["other"] / args.tokens for c in counts]
     expected = args.top_k * args.hidden * 4 * (2 - 1) / 2
     print(
@@ -243,7 +233,7 @@ def _llama4_ep_worker(rank: int, store: str, args, out: str) -> None:
             start = time.perf_counter()
             run()
             times.append(time.perf_counter() - start)
-        torch.save(statistics.median(times), out)
+        torch.save(torch.tensor(statistics.median(times)), out)
     finally:
         dist.destroy_process_group()
     os._exit(0)
@@ -260,7 +250,7 @@ def llama4_block(args) -> None:
     t_ours = _time(_llama4_run(ours, config, x, hf=False), args.repeat)
     _, routed = _llama4_layers(config, routed=True)
     t_routed = _time(_llama4_run(routed, config, x, hf=False), args.repeat)
-    t_ep = max(_spawn(_llama4_ep_worker, args))
+    t_ep = float(max(_spawn(_llama4_ep_worker, args)))
     print(
         f"block (Llama 4, hidden {args.hidden}, 16 experts, top-1, shared expert, {args.tokens} tokens per rank, "
         f"forward+backward, median of {args.repeat}): transformers {t_hf * 1e3:.1f} ms, ours at EP=1 "
@@ -271,6 +261,8 @@ def llama4_block(args) -> None:
 
 
 def _spawn(worker, args) -> list:
+    """`worker(rank, store, args, out)` on 2 spawned processes; what each saved to `out` (tensors and plain
+    containers of them: read with weights_only=True)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -281,7 +273,7 @@ def _spawn(worker, args) -> list:
             p.start()
         for p in procs:
             p.join(600)
-        return [torch.load(o, weights_only=False) for o in outs]
+        return [torch.load(o, weights_only=True) for o in outs]
 
 
 def step(args) -> None:

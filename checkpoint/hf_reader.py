@@ -200,11 +200,11 @@ def iter_tensors(
     """
     shards, weight_map = list_shards(hf_dir)
     prefix = text_prefix(hf_dir)  # names are the text model's keys (a container's other towers are skipped)
-    if prefix:
-        names = {prefix + n for n in names} if names is not None else None
-        wanted = (lambda name: name in names) if names is not None else (lambda name: name.startswith(prefix))
-    else:
-        wanted = (lambda name: name in names) if names is not None else (lambda name: True)
+    names = {prefix + n for n in names} if names is not None else None
+
+    def wanted(name: str) -> bool:
+        return name in names if names is not None else name.startswith(prefix)
+
     for shard in shards:
         if names is not None and weight_map is not None and not any(weight_map.get(n) == shard for n in names):
             continue

@@ -232,13 +232,10 @@ def layer_keys(layer: PipeLayer, config) -> dict[str, str]:
         optional = _ATTN_BIAS | _MLP_BIAS | _QK_NORM
         present = _optional_keys(config)
         keys = {ours: tpl.format(layer.block) for ours, tpl in keys.items() if ours not in optional or ours in present}
-        dense = dense_mlp_keys(config)
-        if is_sparse_layer(config, layer.block):
-            keys = {ours: hf for ours, hf in keys.items() if ours not in _DENSE_MLP}
-            keys |= {ours: DECODER_PREFIX.format(layer.block) + ours for ours in sparse_block_keys(config)}
-        elif dense[0] not in keys:  # the dense MLP under the family's own name (Llama 4: feed_forward)
-            keys = {ours: hf for ours, hf in keys.items() if ours not in _DENSE_MLP}
-            keys |= {ours: DECODER_PREFIX.format(layer.block) + ours for ours in dense}
+        # The MLP: a sparse block's keys, or the dense MLP's under the family's own name (Llama 4: feed_forward).
+        mlp = sparse_block_keys(config) if is_sparse_layer(config, layer.block) else dense_mlp_keys(config)
+        keys = {ours: hf for ours, hf in keys.items() if ours not in _DENSE_MLP}
+        keys |= {ours: DECODER_PREFIX.format(layer.block) + ours for ours in mlp}
     return dict(keys)
 
 

@@ -50,7 +50,6 @@ from models.moe import (
     is_moe,
     layer_stats,
     router_of,
-    sparse_block,
     token_mask,
 )
 
@@ -191,10 +190,10 @@ class DecoderPipe:
         self.sparse = sparse
         self.moe_block_name = family_of(config).moe.block if sparse else None
         if self.sparse:
-            (ep or ExpertParallel()).split(sparse_block(self, config), config, options.routed_experts)
+            (ep or ExpertParallel()).split(self.moe_block(), config, options.routed_experts)
             self.top_k = config.num_experts_per_tok
             self.router_logits_at = family_of(config).moe.router_logits
-            router_of(sparse_block(self, config), config).register_forward_hook(self._keep_router_logits)
+            router_of(self.moe_block(), config).register_forward_hook(self._keep_router_logits)
             expert_keys(self, config, ep)
         self.attn_implementation = config._attn_implementation or "sdpa"
         self.rotary_emb = rotary_class(family_of(config).model_type)(config)  # non-persistent buffers: no keys

@@ -88,11 +88,6 @@ def aux_loss(stats: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------- keys
 
 
-def sparse_block(layer: nn.Module, config) -> nn.Module:
-    """The sparse block of a decoder layer (`mlp`; Llama 4's `feed_forward`)."""
-    return getattr(layer, family_of(config).moe.block)
-
-
 def router_of(block: nn.Module, config) -> nn.Module:
     """The router of a sparse block (`gate`; Llama 4's `router`)."""
     return getattr(block, family_of(config).moe.router)
