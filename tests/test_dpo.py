@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.catalogue import Catalogue, Inputs, run_args, run_case, trainer_cmd
-from tests.conftest import LAUNCHER, check, deepspeed_launch, free_port, read_jsonl
+from tests.conftest import LAUNCHER, check, free_port, launch, read_jsonl
 from tests.test_data import CHATML
 from tests.test_preference import CHAT_PAIRS, IMPLICIT_PROMPT_PAIRS, STRING_PAIRS, tiny_pair_models
 from tools.tiny_models import tiny_config
@@ -134,7 +134,7 @@ def test_pipeline_evaluation_equals_trl(kind, dpo_models, tmp_path):
         }
         extra = {"data.cache_dir": cache, **{f"dpo.{k}": v for k, v in dpo.items()}}
         args = dpo_args(policy_dir, out, do_train="false", eval_file="[" + ",".join(files) + "]", **extra)
-        proc = check(deepspeed_launch(2, *args))
+        proc = check(launch(2, *args))
         ran_reference = "reference log-probs of 7 pairs computed" in proc.stderr
         assert ran_reference == (settings.loss_type == "sigmoid"), proc.stderr[-3000:]
         ours = json.loads((out / "eval_results.json").read_text())
@@ -347,9 +347,7 @@ def test_dpo_training_matches_single_process_reference(layout, dpo_models, train
             "eval_micro_batch_size": 1,
             "data.train_weights": "[1.5,0.5]",
         }
-    proc = check(
-        deepspeed_launch(4, *launch_args(cfg, policy, out, stages, tensor_parallel_size=tp, save_steps=2, **extra))
-    )
+    proc = check(launch(4, *launch_args(cfg, policy, out, stages, tensor_parallel_size=tp, save_steps=2, **extra)))
     assert "reference log-probs of 40 pairs computed" in proc.stderr
     ref_dir = reference if distinct else policy
     worst, model = assert_matches_dpo_reference(out, cfg, policy, ref_dir, dp=4 // (stages * tp))
@@ -376,7 +374,7 @@ def test_dpo_training_matches_single_process_reference(layout, dpo_models, train
     for cached in (part / "data_cache" / "reference_logps").iterdir():
         cached.unlink()
     args = launch_args(cfg, policy, part, stages, save_steps=2, resume="true", **{"data.train_weights": "[1.5,0.5]"})
-    proc = check(deepspeed_launch(4, *args))
+    proc = check(launch(4, *args))
     assert (
         "reference log-probs of 40 pairs computed" in proc.stderr and f"resumed from {part}/global_step2" in proc.stderr
     )
@@ -403,7 +401,7 @@ def test_dpo_with_experts_matches_single_process_reference(ep, chat_tokenizers, 
     tok.save_pretrained(policy)
     cfg = train_config(train_pairs, loss_type="sigmoid", beta=0.1)
     out = tmp_path / "run"
-    proc = check(deepspeed_launch(4, *launch_args(cfg, str(policy), out, 2, expert_parallel_size=ep)))
+    proc = check(launch(4, *launch_args(cfg, str(policy), out, 2, expert_parallel_size=ep)))
     assert "reference log-probs of 40 pairs computed" in proc.stderr
     worst, _ = assert_matches_dpo_reference(out, cfg, str(policy), str(policy), dp=2)
     assert all(m["aux_loss"] > 0 for m in read_jsonl(out / "metrics.jsonl"))  # reported, not trained on
@@ -437,7 +435,7 @@ def test_dpo_under_each_pipeline_schedule_equals_1f1b(dpo_models, train_pairs, t
     for schedule in ("1f1b", "zero_bubble", "dualpipev"):
         out = tmp_path / schedule
         args = launch_args(cfg, str(policy), out, 2, gradient_accumulation_steps=4, pipeline_schedule=schedule)
-        proc = check(deepspeed_launch(2, *args))
+        proc = check(launch(2, *args))
         assert "reference log-probs of 40 pairs computed" in proc.stderr  # each schedule's own pass
         (cached,) = (out / "data_cache" / "reference_logps").iterdir()
         runs[schedule] = (read_jsonl(out / "metrics.jsonl"), final_weights(out), np.load(cached))

@@ -11,7 +11,7 @@ import torch
 from checkpoint.layer_files import find_layer_file, load_layer_state
 from models.config import LoraSettings
 from tests.baseline import train_baseline
-from tests.conftest import FAMILY_VARIANTS, check, deepspeed_launch, read_jsonl, run_cmd
+from tests.conftest import FAMILY_VARIANTS, check, launch, read_jsonl, run_cmd
 from tests.test_training import interrupted_copy, overrides, parity_cfg
 
 LORA = LoraSettings(enabled=True, r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
@@ -79,7 +79,7 @@ def test_lora_pipeline_training_matches_peft_reference_and_merges(
     cfg.lora = LORA
     run = tmp_path / "run"
     args = overrides(cfg, converted["gqa"], str(run), 2, save_steps=2)
-    check(deepspeed_launch(4, *args, *lora_overrides()))
+    check(launch(4, *args, *lora_overrides()))
     ours = assert_matches_peft(run, cfg, hf_models["gqa"], tokenizer_dir, dp=2)
     assert len(ours) == 4 * 3 * 2  # layers x targets x (A, B)
     metrics = read_jsonl(run / "metrics.jsonl")
@@ -103,17 +103,13 @@ def test_lora_pipeline_training_matches_peft_reference_and_merges(
     # Resume (same layout) loads the base, then the adapter and its optimizer state.
     part = tmp_path / "part"
     interrupted_copy(run, part, 2)
-    check(
-        deepspeed_launch(
-            4, *overrides(cfg, converted["gqa"], str(part), 2, save_steps=2, resume="true"), *lora_overrides()
-        )
-    )
+    check(launch(4, *overrides(cfg, converted["gqa"], str(part), 2, save_steps=2, resume="true"), *lora_overrides()))
     assert [m["loss"] for m in read_jsonl(part / "metrics.jsonl")] == [m["loss"] for m in metrics]
     # ... and in another layout (PP=1 x DP=2): adapter and its Adam moments reshaped by name.
     moved = tmp_path / "moved"
     interrupted_copy(run, moved, 2)
     args = overrides(cfg, converted["gqa"], str(moved), 1, save_steps=2, resume="true")
-    check(deepspeed_launch(2, *args, *lora_overrides()))
+    check(launch(2, *args, *lora_overrides()))
     got = read_jsonl(moved / "metrics.jsonl")
     assert [m["step"] for m in got] == [m["step"] for m in metrics]
     for a, b in zip(metrics[2:], got[2:], strict=True):
@@ -133,7 +129,7 @@ def test_lora_under_each_pipeline_schedule_matches_peft(schedule, tp, hf_models,
     run = tmp_path / "run"
     # From the Hugging Face directory: each rank converts the layers it holds at load (DualPipeV: two stages).
     args = overrides(cfg, hf_models["gqa"], str(run), 2, pipeline_schedule=schedule, tensor_parallel_size=tp)
-    check(deepspeed_launch(2 * tp, *args, *lora_overrides()))
+    check(launch(2 * tp, *args, *lora_overrides()))
     assert_matches_peft(run, cfg, hf_models["gqa"], tokenizer_dir, dp=1)
 
 
@@ -146,7 +142,7 @@ def test_lora_on_a_model_with_experts_matches_peft(hf_models, converted, tokeniz
     cfg.lora = LoraSettings(enabled=True, r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj"])
     run = tmp_path / "run"
     lora = ["lora.enabled=true", "lora.r=4", "lora.alpha=8.0", "lora.target_modules=[q_proj,v_proj,o_proj]"]
-    check(deepspeed_launch(4, *overrides(cfg, converted["mixtral"], str(run), 2, expert_parallel_size=2), *lora))
+    check(launch(4, *overrides(cfg, converted["mixtral"], str(run), 2, expert_parallel_size=2), *lora))
     ours = assert_matches_peft(run, cfg, hf_models["mixtral"], tokenizer_dir, dp=2)
     assert len(ours) == 4 * 3 * 2  # layers x targets x (A, B)
     assert all(".lora_" in k for k in load_layer_state(find_layer_file(str(run / "global_step4"), 1)))

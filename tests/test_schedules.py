@@ -13,7 +13,7 @@ import torch
 from deepspeed.runtime.pipe import schedule as ds
 
 from models.weight_grad import WeightGradStore, defer_weight_gradients
-from tests.conftest import check, deepspeed_launch, read_jsonl, run_cmd
+from tests.conftest import check, launch, read_jsonl, run_cmd
 from training.schedules import Costs, WeightPass, ZeroBubbleSchedule, instructions, timeline
 
 
@@ -250,14 +250,14 @@ def test_resume_across_schedule_changes_continues_the_curve(converted, sft_data,
     cfg.max_steps = 6
     common = dict(save_steps=2, gradient_accumulation_steps=4)
     full = tmp_path / "full"
-    check(deepspeed_launch(2, *overrides(cfg, converted["gqa"], str(full), 2, **common)))
+    check(launch(2, *overrides(cfg, converted["gqa"], str(full), 2, **common)))
     expected = read_jsonl(full / "metrics.jsonl")
     source = full
     for schedule, at in (("zero_bubble", 2), ("dualpipev", 4)):
         part = tmp_path / schedule
         interrupted_copy(source, part, at)
         args = overrides(cfg, converted["gqa"], str(part), 2, **common, resume="true", pipeline_schedule=schedule)
-        proc = check(deepspeed_launch(2, *args))
+        proc = check(launch(2, *args))
         assert (schedule == "dualpipev") == ("optimizer state reshaped by parameter name" in proc.stdout + proc.stderr)
         got = read_jsonl(part / "metrics.jsonl")
         assert [m["step"] for m in got] == list(range(1, 7))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from checkpoint.layer_files import load_layer_state
-from tests.conftest import deepspeed_launch, run_cmd, small_run
+from tests.conftest import check, launch, run_cmd, small_run
 
 pytestmark = pytest.mark.slow
 
@@ -173,7 +173,7 @@ def test_resume_loads_our_own_files_safely(converted, sft_data, tmp_path):
     args = small_run(
         converted["gqa"], two, sft_data[0], max_steps=2, num_stages=2, micro_batch_size=1, gradient_accumulation_steps=2
     )
-    assert deepspeed_launch(2, *args).returncode == 0
+    check(launch(2, *args))
     engine = two / "global_step2" / "mp_rank_01_model_states.pt"
     plant(engine, {**torch.load(engine, weights_only=True), "x": Payload(marker)})
     moved = [a for a in args if not a.startswith(("num_stages", "max_steps"))]  # same global batch of 2

@@ -6,34 +6,57 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from checkpoint.pipeline_reader import load_hf_state_dict
-from tests.conftest import check, deepspeed_launch, read_jsonl, run_cmd
+from tests.conftest import check, launch, read_jsonl, run_cmd
 from tests.test_lora import LORA, lora_overrides, peft_model
-from tests.test_training import STEPS, interrupted_copy, layout_config, layout_run, overrides, parity_cfg
+from tests.test_training import (
+    STEPS,
+    interrupted_copy,
+    layout_args,
+    layout_config,
+    layout_run,
+    overrides,
+    parity_cfg,
+)
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 
 
 @pytest.mark.parametrize("precision,variant", [("fp32", "tied"), ("bf16_zero1", "tied"), ("fp32", "qwen3_moe")])
-def test_resume_moves_across_tp_and_pp(precision, variant, converted, sft_data, tmp_path):
+def test_resume_moves_across_tp_and_pp(precision, variant, converted, sft_data, tmp_path, tmp_path_factory):
     """Saved with PP=2 x TP=2 (sequence parallel) at step 3 of 6, resumed as PP=2 x TP=1 (2 ranks), PP=4 x TP=1
     (4 ranks) and (fp32) PP=2 x TP=2 without sequence parallelism: the loss curve, LR and (fp32) final weights
     continue the unmoved run's. fp32 (ZeRO-0) moves its Adam
     moments by parameter name, merged and split across TP; bf16 + ZeRO-1 through DeepSpeed's universal
     checkpoint with our split rules (checkpoint/universal.universal_info). Qwen3-MoE (fp32): the fused experts' Adam
     moments merged and split by their own rules (each rank's gate rows then its up rows), the load-balancing loss
-    on."""
+    on; it moves at step 2 of 4 of its layout run in test_training_matches_single_process_reference (with the
+    chunked vocab-parallel loss)."""
     from transformers import AutoConfig
 
-    cfg = parity_cfg(sft_data[0])
-    cfg.max_steps = 6
-    ckpt, full = converted[variant], tmp_path / "full"
-    extra = {"save_steps": 3, "deepspeed": precision}
-    check(deepspeed_launch(4, *overrides(cfg, ckpt, str(full), 2, tensor_parallel_size=2, **extra)))
+    if variant == "qwen3_moe":
+        layout = "qwen3_moe-pp2-tp2-chunked"
+        full, at = Path(layout_run(layout, converted, sft_data, tmp_path_factory)), 2
+        lr = layout_config(layout, sft_data).learning_rate
+
+        def args_for(out: str, **more) -> list[str]:
+            return layout_args(layout, converted, sft_data, out, **more)
+
+    else:
+        cfg = parity_cfg(sft_data[0])
+        cfg.max_steps = 6
+        full, at, lr = tmp_path / "full", 3, cfg.learning_rate
+
+        def args_for(out: str, **more) -> list[str]:
+            stages = more.pop("num_stages", 2)
+            return overrides(cfg, converted[variant], out, stages, save_steps=3, deepspeed=precision, **more)
+
+        check(launch(4, *args_for(str(full), tensor_parallel_size=2)))
     expected = read_jsonl(full / "metrics.jsonl")
     config = AutoConfig.from_pretrained(full)
     final = load_hf_state_dict(str(full), config)  # the TP=2 shards merged
@@ -43,21 +66,21 @@ def test_resume_moves_across_tp_and_pp(precision, variant, converted, sft_data, 
         moves.append(("tp2_pp2_no_sp", 4, 2, 2, ["sequence_parallel=false"]))
     for name, ranks, stages, tp, more in moves:
         part = tmp_path / name
-        interrupted_copy(full, part, 3)
-        args = overrides(cfg, ckpt, str(part), stages, resume="true", tensor_parallel_size=tp, **extra)
-        proc = check(deepspeed_launch(ranks, *args, *more))
+        interrupted_copy(full, part, at)
+        args = args_for(str(part), num_stages=stages, resume="true", tensor_parallel_size=tp)
+        proc = check(launch(ranks, *args, *more))
         assert tp == 2 or "saved with PP=2 x TP=2 x DP=1" in proc.stdout + proc.stderr
         got = read_jsonl(part / "metrics.jsonl")
-        assert [m["step"] for m in got] == list(range(1, 7))
-        for a, b in zip(expected[3:], got[3:], strict=True):
+        assert [m["step"] for m in got] == list(range(1, len(expected) + 1))
+        for a, b in zip(expected[at:], got[at:], strict=True):
             assert a["lr"] == b["lr"], (a, b)
             assert b["loss"] == pytest.approx(a["loss"], rel=rel[0]), (name, a, b)
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rel[1]), (name, a, b)
         if precision == "fp32":  # without the Adam moments the first moved step would differ by about lr
             moved = load_hf_state_dict(str(part), config)
             worst = max(float((moved[k] - v).abs().max()) for k, v in final.items())
-            assert worst < 0.01 * cfg.learning_rate, (name, worst)
-            print(f"PP=2 x TP=2 -> {name}: max |weight diff| after 6 steps vs unmoved = {worst:.3g}")
+            assert worst < 0.01 * lr, (name, worst)
+            print(f"PP=2 x TP=2 -> {name}: max |weight diff| after {len(expected)} steps vs unmoved = {worst:.3g}")
 
 
 def test_lora_under_tp_matches_peft_reference(hf_models, converted, tokenizer_dir, sft_data, tmp_path):
@@ -70,9 +93,7 @@ def test_lora_under_tp_matches_peft_reference(hf_models, converted, tokenizer_di
     cfg = parity_cfg(sft_data[0])
     cfg.lora = LORA
     run = tmp_path / "run"
-    check(
-        deepspeed_launch(4, *overrides(cfg, converted["gqa"], str(run), 2, tensor_parallel_size=2), *lora_overrides())
-    )
+    check(launch(4, *overrides(cfg, converted["gqa"], str(run), 2, tensor_parallel_size=2), *lora_overrides()))
     ours = assert_matches_peft(run, cfg, hf_models["gqa"], tokenizer_dir, dp=1)  # TP shards merged
     merged_dir = tmp_path / "merged"
     check(
@@ -108,7 +129,7 @@ def test_tp4_starts_from_hf_dir_t1_and_t2_checkpoints(hf_models, converted, sft_
     expected = json.load(open(tmp_path / "tp1" / "eval_results.json"))
     for name, source in [("hf_dir", hf), ("t1", t1), ("t2", str(t2))]:
         out = tmp_path / f"tp4_{name}"
-        check(deepspeed_launch(4, *overrides(cfg, source, str(out), 1, tensor_parallel_size=4, **common)))
+        check(launch(4, *overrides(cfg, source, str(out), 1, tensor_parallel_size=4, **common)))
         got = json.load(open(out / "eval_results.json"))
         assert got["eval_tokens"] == expected["eval_tokens"]
         assert got["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-6), (name, got, expected)

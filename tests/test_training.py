@@ -15,7 +15,7 @@ import torch
 from checkpoint.pipeline_reader import load_hf_state_dict
 from checkpoint.safe_load import load_pt
 from tests.baseline import baseline_eval, hub_state_dict, train_baseline
-from tests.conftest import built_once, check, deepspeed_launch, hf_state, read_jsonl, run_cmd, shared_path
+from tests.conftest import built_once, check, deepspeed_launch, hf_state, launch, read_jsonl, run_cmd, shared_path
 from training.config import OptimConfig, TrainConfig
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
@@ -122,14 +122,15 @@ def layout_run(
     root = shared_path(tmp_path_factory, f"run_{layout}_{schedule}_gas{gas}" + ("" if sequence_parallel else "_nosp"))
     out = str(root / "run")
     args = layout_args(layout, converted, sft_data, out, schedule, gas, sequence_parallel)
-    built_once(root, lambda: check(deepspeed_launch(4, *args)))
+    built_once(root, lambda: check(launch(4, *args)))
     return out
 
 
 def layout_args(
     layout: str, converted, sft_data, out: str, schedule: str = "1f1b", gas=None, sequence_parallel=True, **more
 ) -> list[str]:
-    """The trainer overrides of `layout_run` (`more` adds or replaces keys). Layouts with EP=2 save at step 2."""
+    """The trainer overrides of `layout_run` (`more` adds or replaces keys). Every layout saves at step 2 too: the
+    resume and layout-move tests continue from there."""
     variant, recompute, stages, tp, arrangement, chunk = LAYOUTS[layout]
     cfg = layout_config(layout, sft_data, gas)
     gas = cfg.gradient_accumulation_steps
@@ -142,13 +143,15 @@ def layout_args(
         "eval_file": sft_data[1],  # eval packs too: it must still score every eval row (or block) once, exactly
         "do_eval": "true",
         "eval_micro_batch_size": 3,
+        "save_steps": 2,
     }
     if not sequence_parallel:
         extra["sequence_parallel"] = "false"
     if "-ep2" in layout:
-        extra |= {"expert_parallel_size": 2, "save_steps": 2}
+        extra["expert_parallel_size"] = 2
     if arrangement:
         extra[f"data.{arrangement}"] = "true"
+    stages = more.pop("num_stages", stages)
     return overrides(cfg, converted[variant], out, stages, **{**extra, **more})
 
 
@@ -267,7 +270,7 @@ def test_expert_parallel_checkpoint_resumes_with_any_ep(converted, sft_data, tmp
         part = tmp_path / f"ep{ep}"
         interrupted_copy(full, part, 2)
         args = layout_args(layout, converted, sft_data, str(part), resume="true", expert_parallel_size=ep)
-        check(deepspeed_launch(4, *args))
+        check(launch(4, *args))
         got = read_jsonl(part / "metrics.jsonl")
         if ep == 2:  # as saved: bit for bit
             assert [(m["loss"], m["grad_norm"]) for m in got] == [(m["loss"], m["grad_norm"]) for m in expected]
@@ -278,22 +281,20 @@ def test_expert_parallel_checkpoint_resumes_with_any_ep(converted, sft_data, tmp
                 ), (a, b)
 
 
-def test_resume_matches_uninterrupted(converted, sft_data, tmp_path):
+def test_resume_matches_uninterrupted(converted, sft_data, tmp_path, tmp_path_factory):
     """N steps straight vs N/2, stop, resume with the same command: identical losses and weights. With packed
-    rows (the unpacked resume is also exact in test_faults.py), so the packed rows are rebuilt identically."""
+    rows (the unpacked resume is also exact in test_faults.py), so the packed rows are rebuilt identically, every
+    2nd block recomputed and the loss in chunks (the layout run of test_training_matches_single_process_reference)."""
     from transformers import AutoConfig
 
-    cfg = parity_cfg(sft_data[0])
-    cfg.max_steps = 6
-    common = {"save_steps": 3, "data.packing": "true", "seq_length": 40}
-    full = str(tmp_path / "full")
-    check(deepspeed_launch(4, *overrides(cfg, converted["gqa"], full, num_stages=2, **common)))
+    layout = "gqa-pp2-dp2-packed-recompute2-chunked"
+    full = layout_run(layout, converted, sft_data, tmp_path_factory)
     part = tmp_path / "part"
-    interrupted_copy(full, part, 3)
-    check(deepspeed_launch(4, *overrides(cfg, converted["gqa"], str(part), num_stages=2, resume="true", **common)))
+    interrupted_copy(Path(full), part, 2)
+    check(launch(4, *layout_args(layout, converted, sft_data, str(part), resume="true")))
 
     full_metrics, part_metrics = read_jsonl(f"{full}/metrics.jsonl"), read_jsonl(part / "metrics.jsonl")
-    assert [m["step"] for m in part_metrics] == list(range(1, 7))
+    assert [m["step"] for m in part_metrics] == list(range(1, STEPS + 1))
     for a, b in zip(full_metrics, part_metrics):
         assert a["loss"] == b["loss"] and a["lr"] == b["lr"] and a["grad_norm"] == b["grad_norm"], (a, b)
     config = AutoConfig.from_pretrained(full)
@@ -301,27 +302,28 @@ def test_resume_matches_uninterrupted(converted, sft_data, tmp_path):
     for key in a:
         assert torch.equal(a[key], b[key]), key
     # Optimizer state too: the next steps would diverge otherwise; compare the saved Adam moments.
-    engine_files = sorted(n for n in os.listdir(f"{full}/global_step6") if n.startswith("mp_rank_"))
+    final = f"global_step{STEPS}"
+    engine_files = sorted(n for n in os.listdir(f"{full}/{final}") if n.startswith("mp_rank_"))
     assert len(engine_files) == 2  # one per stage
     for name in engine_files:
-        sa = load_pt(f"{full}/global_step6/{name}")["optimizer"]["state"]  # plain data only
-        sb = load_pt(str(part / "global_step6" / name))["optimizer"]["state"]
+        sa = load_pt(f"{full}/{final}/{name}")["optimizer"]["state"]  # plain data only
+        sb = load_pt(str(part / final / name))["optimizer"]["state"]
         assert sa.keys() == sb.keys() and sa
         for i in sa:
             for moment in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(sa[i][moment], sb[i][moment]), (name, i, moment)
 
 
-def test_fp32_zero0_checkpoint_moves_between_layouts(converted, sft_data, tmp_path):
+def test_fp32_zero0_checkpoint_moves_between_layouts(converted, sft_data, tmp_path, tmp_path_factory):
     """ZeRO-0 optimizer state (DeepSpeed's universal tool cannot read it) is reshaped by parameter name:
-    step 3 of 6 saved with PP=2 x DP=2 continues in PP=4 x DP=1 (explicit partition) and PP=1 x DP=2
-    (same global batch) on the unmoved run's loss curve, to fp32 reduction-order noise."""
+    step 2 of 4 saved with PP=2 x DP=2 (the layout run of test_training_matches_single_process_reference) continues
+    in PP=4 x DP=1 (explicit partition) and PP=1 x DP=2 (same global batch) on the unmoved run's loss curve, to
+    fp32 reduction-order noise."""
     from transformers import AutoConfig
 
-    cfg = parity_cfg(sft_data[0])
-    cfg.max_steps = 6
-    full = tmp_path / "full"
-    check(deepspeed_launch(4, *overrides(cfg, converted["tied"], str(full), num_stages=2, save_steps=3)))
+    layout = "tied-pp2-dp2"
+    full = Path(layout_run(layout, converted, sft_data, tmp_path_factory))
+    lr = layout_config(layout, sft_data).learning_rate
     expected = read_jsonl(full / "metrics.jsonl")
     config = AutoConfig.from_pretrained(full)
     final = load_hf_state_dict(str(full), config)
@@ -330,13 +332,13 @@ def test_fp32_zero0_checkpoint_moves_between_layouts(converted, sft_data, tmp_pa
         ("pp1_dp2", 2, 1, 3, {}),
     ]:
         part = tmp_path / name
-        interrupted_copy(full, part, 3)
-        args = overrides(cfg, converted["tied"], str(part), stages, resume="true", gradient_accumulation_steps=gas)
-        proc = check(deepspeed_launch(ranks, *args, *[f"{k}={v}" for k, v in extra.items()]))
+        interrupted_copy(full, part, 2)
+        more = dict(num_stages=stages, resume="true", gradient_accumulation_steps=gas, **extra)
+        proc = check(launch(ranks, *layout_args(layout, converted, sft_data, str(part), **more)))
         assert "optimizer state reshaped by parameter name" in proc.stdout + proc.stderr
         got = read_jsonl(part / "metrics.jsonl")
-        assert [m["step"] for m in got] == list(range(1, 7))
-        for a, b in zip(expected[3:], got[3:], strict=True):
+        assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+        for a, b in zip(expected[2:], got[2:], strict=True):
             assert a["lr"] == b["lr"], (a, b)
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(
                 a["grad_norm"], rel=1e-4
@@ -344,8 +346,8 @@ def test_fp32_zero0_checkpoint_moves_between_layouts(converted, sft_data, tmp_pa
         # Without the Adam moments the first moved step would differ by about lr in every weight.
         moved = load_hf_state_dict(str(part), config)
         worst = max(float((moved[k] - v).abs().max()) for k, v in final.items())
-        assert worst < 0.01 * cfg.learning_rate, (name, worst)
-        print(f"ZeRO-0 move PP=2xDP=2 -> {name}: max |weight diff| after 6 steps vs unmoved = {worst:.3g}")
+        assert worst < 0.01 * lr, (name, worst)
+        print(f"ZeRO-0 move PP=2xDP=2 -> {name}: max |weight diff| after {STEPS} steps vs unmoved = {worst:.3g}")
 
     # The same number of rows with one row changed: the data order would not continue. Refused on every rank (the
     # rule itself, in any layout, is tests/test_engine_config.py::test_resume_refuses_a_different_data_order).
@@ -353,21 +355,13 @@ def test_fp32_zero0_checkpoint_moves_between_layouts(converted, sft_data, tmp_pa
     lines[5] = json.dumps({"prompt": "1+1=", "response": "2"}) + "\n"
     changed = tmp_path / "changed.jsonl"
     changed.write_text("".join(lines))
-    for name, stages, gas, extra in [("moved", 4, 6, ["model.partition=[1,1,1,1]"])]:
-        part = tmp_path / f"changed_{name}"
-        interrupted_copy(full, part, 3)
-        args = overrides(
-            cfg,
-            converted["tied"],
-            str(part),
-            stages,
-            resume="true",
-            gradient_accumulation_steps=gas,
-            train_file=str(changed),
-        )
-        proc = deepspeed_launch(4, *args, *extra)
-        refused = [line for line in proc.stderr.splitlines() if "the tokenized training rows differ" in line]
-        assert proc.returncode != 0 and len(refused) == 4 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    part = tmp_path / "changed_moved"
+    interrupted_copy(full, part, 2)
+    more = dict(num_stages=4, resume="true", gradient_accumulation_steps=6, train_file=str(changed))
+    more["model.partition"] = "[1,1,1,1]"
+    proc = deepspeed_launch(4, *layout_args(layout, converted, sft_data, str(part), **more))
+    refused = [line for line in proc.stderr.splitlines() if "the tokenized training rows differ" in line]
+    assert proc.returncode != 0 and len(refused) == 4 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_bf16_zero1_trains_resumes_and_moves_between_layouts(converted, sft_data, tmp_path, tmp_path_factory):
@@ -384,7 +378,7 @@ def test_bf16_zero1_trains_resumes_and_moves_between_layouts(converted, sft_data
     full = tmp_path / "bf16"
     fp32 = Path(layout_run("tied-pp2-dp2", converted, sft_data, tmp_path_factory))  # the same first step, in fp32
     bf16 = dict(save_steps=3, deepspeed="bf16_zero1")
-    check(deepspeed_launch(4, *overrides(cfg, converted["tied"], str(full), num_stages=2, **bf16)))
+    check(launch(4, *overrides(cfg, converted["tied"], str(full), num_stages=2, **bf16)))
     zero_files = {f"bf16_zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for d in range(2) for s in range(2)}
     assert zero_files <= set(os.listdir(full / "global_step3"))  # ZeRO-1: optimizer state sharded over DP
     scripts = {"zero_to_fp32.py", "zero_to_torch.py"}  # DeepSpeed's, which cannot read pipeline checkpoints
@@ -412,7 +406,7 @@ def test_bf16_zero1_trains_resumes_and_moves_between_layouts(converted, sft_data
             pipeline_schedule=schedule,
             **bf16,
         )
-        proc = check(deepspeed_launch(ranks, *args))
+        proc = check(launch(ranks, *args))
         got = read_jsonl(part / "metrics.jsonl")
         assert [m["step"] for m in got] == list(range(1, 7)) and os.path.isdir(part / "global_step6")
         for a, b in zip(expected[3:], got[3:], strict=True):
@@ -440,31 +434,33 @@ def test_trained_checkpoint_loads_into_other_layouts(converted, sft_data, tmp_pa
     results = {"pp2": json.load(open(os.path.join(trained, "eval_results.json")))}
     for name, n, stages in [("pp4", 4, 4), ("pp1", 1, 1)]:
         args = overrides(cfg, trained, str(tmp_path / name), stages, do_train="false", do_eval="true")
-        check(deepspeed_launch(n, *args, f"eval_file={sft_data[1]}"))
+        check(launch(n, *args, f"eval_file={sft_data[1]}"))
         results[name] = json.load(open(tmp_path / name / "eval_results.json"))
     assert results["pp2"]["eval_tokens"] == results["pp4"]["eval_tokens"] == results["pp1"]["eval_tokens"]
     for name in ("pp4", "pp1"):
         assert results[name]["eval_loss"] == pytest.approx(results["pp2"]["eval_loss"], rel=1e-6), results
 
 
-def test_hf_directory_is_converted_on_load_and_reused(hf_models, converted, sft_data, tmp_path):
+def test_hf_directory_is_converted_on_load_and_reused(hf_models, converted, sft_data, tmp_path, tmp_path_factory):
     """model_name_or_path = an HF directory: each stage converts its layers, training equals the
-    run from convert2ckpt.py's checkpoint, and a second run reuses the conversion."""
+    run from convert2ckpt.py's checkpoint (the layout run of test_training_matches_single_process_reference), and a
+    second run reuses the conversion."""
     cfg = parity_cfg(sft_data[0])
     cfg.max_steps = 2
-    direct, on_load = tmp_path / "direct", tmp_path / "on_load"
-    check(deepspeed_launch(4, *overrides(cfg, converted["gqa"], str(direct), 2)))
-    first = check(deepspeed_launch(4, *overrides(cfg, hf_models["gqa"], str(on_load), 2)))
+    direct, on_load = Path(layout_run("gqa-pp2-dp2", converted, sft_data, tmp_path_factory)), tmp_path / "on_load"
+    more = dict(model_name_or_path=hf_models["gqa"])
+    first = check(launch(4, *layout_args("gqa-pp2-dp2", converted, sft_data, str(on_load), **more)))
     assert "converted " in first.stderr and (on_load / "hf_converted" / "conversion.json").exists()
     assert run_cmd([sys.executable, "convert2ckpt.py", "--verify", str(on_load / "hf_converted")]).returncode == 0
     timing = ("tokens_per_second", "padded_tokens_per_second", "step_seconds")
     a, b = read_jsonl(direct / "metrics.jsonl"), read_jsonl(on_load / "metrics.jsonl")
-    assert [{k: v for k, v in m.items() if k not in timing} for m in a] == [
+    assert len(a) == STEPS and [{k: v for k, v in m.items() if k not in timing} for m in a] == [
         {k: v for k, v in m.items() if k not in timing} for m in b
     ]
+    assert json.load(open(direct / "eval_results.json")) == json.load(open(on_load / "eval_results.json"))
     again = tmp_path / "again"
     shutil.copytree(on_load / "hf_converted", again / "hf_converted")
-    second = check(deepspeed_launch(2, *overrides(cfg, hf_models["gqa"], str(again), 2)))  # any layout reuses it
+    second = check(launch(2, *overrides(cfg, hf_models["gqa"], str(again), 2)))  # any layout reuses it
     assert "reusing the conversion of" in second.stderr
     broken = tmp_path / "broken_hf"
     shutil.copytree(hf_models["gqa"], broken)
