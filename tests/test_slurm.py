@@ -171,7 +171,7 @@ def test_requeued_batch_job_runs_every_step_once(slurm, converted, sft_data, tmp
                 "CONFIGURING",
                 "RUNNING",
             ), log.read_text()[-3000:] if log.exists() else slurm.logs()
-            time.sleep(0.05)
+            time.sleep(0.25)  # each check runs scontrol, which asks slurmctld: not every 50 ms
 
     sbatch = [
         "sbatch",
