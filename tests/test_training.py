@@ -89,6 +89,14 @@ LAYOUTS = {
 }
 
 
+# The layout runs that resume and layout-move tests continue from their step 2 (saved there too).
+RESUMED = {
+    "tied-pp2-dp2",
+    "gqa-pp2-dp2-packed-recompute2-chunked",
+    "qwen3_moe-pp2-tp2-chunked",
+    "mixtral-pp2-dp2-ep2-recompute",
+}
+
 # Micro-batches per step: 3, or 4 where tests/test_schedules.py's DualPipeV (which needs 2 x PP) shares the 1F1B run.
 LAYOUT_GAS = {"gqa-pp2-dp2-packed-recompute2-chunked": 4, "gqa-pp2-tp2-chunked": 4, "mixtral-pp2-dp2-ep2-recompute": 4}
 
@@ -129,8 +137,8 @@ def layout_run(
 def layout_args(
     layout: str, converted, sft_data, out: str, schedule: str = "1f1b", gas=None, sequence_parallel=True, **more
 ) -> list[str]:
-    """The trainer overrides of `layout_run` (`more` adds or replaces keys). Every layout saves at step 2 too: the
-    resume and layout-move tests continue from there."""
+    """The trainer overrides of `layout_run` (`more` adds or replaces keys). The RESUMED layouts' 1F1B runs save at
+    step 2 too: the resume and layout-move tests continue from there."""
     variant, recompute, stages, tp, arrangement, chunk = LAYOUTS[layout]
     cfg = layout_config(layout, sft_data, gas)
     gas = cfg.gradient_accumulation_steps
@@ -143,8 +151,9 @@ def layout_args(
         "eval_file": sft_data[1],  # eval packs too: it must still score every eval row (or block) once, exactly
         "do_eval": "true",
         "eval_micro_batch_size": 3,
-        "save_steps": 2,
     }
+    if layout in RESUMED and schedule == "1f1b":
+        extra["save_steps"] = 2
     if not sequence_parallel:
         extra["sequence_parallel"] = "false"
     if "-ep2" in layout:
