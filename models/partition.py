@@ -27,11 +27,12 @@ def _shape_of(layer, config) -> tuple:
     return (layer.kind, is_sparse_layer(config, layer.block) if layer.kind == DECODER else None)
 
 
-def layer_param_counts(config, tp=None, active: bool = False, ep: int = 1) -> list[int]:
+def layer_param_counts(config, tp=None, active: bool = False, ep: int = 1, experts_only: bool = False) -> list[int]:
     """Parameters per pipeline layer, counted on the meta device (no memory, no init); with `tp` (a
     `models.tensor_parallel.TensorParallel`), one tensor-parallel rank's share. `active`: the parameters one
     token uses (a sparse block's top-k experts of E), the measure of compute. `ep`: one of `expert_parallel_size`
-    ranks' share (a sparse block's E / ep experts)."""
+    ranks' share (a sparse block's E / ep experts). `experts_only`: of those, the routed experts' alone (0 for
+    other layers)."""
     layers = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings)
     sizes = {}
     with torch.device("meta"):
@@ -45,12 +46,12 @@ def layer_param_counts(config, tp=None, active: bool = False, ep: int = 1) -> li
 
                     cls, args = tp_layer_class_and_args(layer, config, tp)
                     module = cls(*args)
-                count = sum(p.numel() for p in module.parameters())
-                if (active or ep > 1) and shape[1]:
+                count = 0 if experts_only else sum(p.numel() for p in module.parameters())
+                if (active or ep > 1 or experts_only) and shape[1]:
                     experts = module.moe_block().experts
                     fused = sum(p.numel() for p in experts.parameters())
                     kept = config.num_experts_per_tok if active else num_experts(config) // ep
-                    count -= fused - fused * kept // num_experts(config)
+                    count += fused * kept // num_experts(config) - (0 if experts_only else fused)
                 sizes[shape] = count
     first = layers[0]
     sizes[LM_HEAD, None] = sizes[_shape_of(first, config)]  # the head costs what the embedding costs, tied or not

@@ -328,6 +328,7 @@ LONGEST_FIRST = (
     "test_sigkill_during_saves",
     "test_demo_script",
     "test_bf16_zero1",
+    "test_expert_parallel_under_zero1_and_bf16",
     "test_fp32_zero0",
     "test_resume_moves_across_tp_and_pp",
     "test_hf_directory_is_converted",

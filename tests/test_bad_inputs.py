@@ -173,6 +173,12 @@ def conversion_tp_not_dividing_heads(t):
 
 
 @config_case
+def bf16_without_zero_keeping_fp32_gradients(t):
+    cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, deepspeed="bf16_zero1", **{"deepspeed.zero_stage": 0}))
+    return cmd, "deepspeed.zero_stage=0 with bf16 needs deepspeed.grad_accum_dtype=bf16", t.out, [t.ckpt]
+
+
+@config_case
 def partition_not_summing_to_layers(t):
     cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, **{"model.partition": "[3]"}))
     return cmd, "sum to num_hidden_layers=4", t.out, [t.ckpt]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.partition import layer_param_counts, stage_bounds
+from models.tensor_parallel import TensorParallel
 from training.cli import compose_config
 from training.config import TrainConfig
 from training.engine import WarmupDecay, deepspeed_config
@@ -48,7 +50,7 @@ def test_presets_give_the_documented_engine_configs():
         ("llama3_8b_2node", 2, 16, "bf16", 44),
         ("llama2_70b_tp8", 4, 32, "bf16", 44),
         ("llama3_8b_dpo", 2, 8, "bf16", 44),
-        ("qwen3_30b_a3b_2node", 4, 16, "bf16", 52),
+        ("qwen3_30b_a3b_2node", 4, 16, "bf16", 42),
         ("mixtral_8x7b_2node", 4, 16, "bf16", 54),
         ("llama4_scout_4node", 8, 32, "bf16", 66),
     ],
@@ -65,8 +67,14 @@ def test_experiment_recipes_resolve_and_fit_80gb(name, stages, world, precision,
     assert busiest < max_gib <= 72, busiest  # 72: 80 GB less CUDA context and fragmentation headroom
     stage0 = rows[0]
     assert stage0.weights == stage0.params * 2 and stage0.params > 0  # bf16/fp16 weights: 2 bytes each
-    dp = world // (stages * cfg.tensor_parallel_size)
-    assert stage0.optimizer == (0 if cfg.deepspeed.offload_optimizer else stage0.params * 12 / dp)
+    dp, ep = world // (stages * cfg.tensor_parallel_size), cfg.expert_parallel_size
+    # fp32 master weights and Adam's moments sharded over DP, an EP rank's experts over the DP / ep holding them.
+    shard = TensorParallel(cfg.tensor_parallel_size, 0, cfg.model.vocab_pad_multiple)
+    experts = layer_param_counts(load_model_config(cfg), shard, ep=ep, experts_only=True)
+    bounds = stage_bounds(load_model_config(cfg), stages, cfg.model.partition)
+    held = sum(experts[: bounds[1]])
+    optimizer = (stage0.params - held) * 12 / dp + held * 12 * ep / dp
+    assert stage0.optimizer == pytest.approx(0 if cfg.deepspeed.offload_optimizer else optimizer, rel=1e-12)
 
 
 def test_warmup_then_cosine_to_min_ratio():

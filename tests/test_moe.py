@@ -76,6 +76,8 @@ def test_stages_balance_sparse_and_dense_layers():
     assert sparse_count - active[2] == experts - experts * 2 // 8
     shard = layer_param_counts(config, ep=2)  # the planner's share of one of expert_parallel_size=2 ranks
     assert shard[2] == sparse_count - experts // 2 and shard[1] == dense_count
+    held = layer_param_counts(config, ep=2, experts_only=True)  # the planner's count of the experts alone
+    assert held[2] == experts // 2 and held[1] == 0 and held[0] == 0
     for method, weights in (("parameters", params), ("compute", active)):
         bounds = stage_bounds(config, 2, method)
         parts = [sum(weights[bounds[s] : bounds[s + 1]]) for s in range(2)]
@@ -246,10 +248,11 @@ def test_experts_split_over_two_ranks_equal_the_whole_block(model_type, tmp_path
     [
         (["expert_parallel_size=3"], 4, "expert_parallel_size=3 does not divide the data-parallel size 4"),
         (["expert_parallel_size=8"], 8, "expert_parallel_size=8 does not divide the model's 4 experts"),
+        (["expert_parallel_size=2", "deepspeed=fp16_offload"], 4, "expert_parallel_size=2 runs with fp32 or bf16"),
         (
-            ["expert_parallel_size=2", "deepspeed=bf16_zero1"],
+            ["expert_parallel_size=2", "deepspeed.zero_stage=1", "deepspeed.offload_optimizer=true"],
             4,
-            "expert_parallel_size=2 runs with deepspeed=fp32 (ZeRO-0) for now, not bf16 with ZeRO-1",
+            "expert_parallel_size=2 with deepspeed.offload_optimizer=true is not supported",
         ),
     ],
 )

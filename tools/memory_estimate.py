@@ -215,10 +215,12 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     # fp32 master copy (not for fp32 runs) + Adam's two moments, sharded over DP by ZeRO-1, or in CPU RAM.
     optim_bytes = (0 if precision == "fp32" else 4) + 8
     optim_share = 0.0 if cfg.deepspeed.offload_optimizer else (1 / dp if zero >= 1 else 1.0)
-    # One TP rank's share, and with expert parallelism one EP rank's E / ep experts of each sparse block.
-    counts = layer_param_counts(
-        config, TensorParallel(tp, 0, cfg.model.vocab_pad_multiple), ep=cfg.expert_parallel_size
-    )
+    # One TP rank's share, and with expert parallelism one EP rank's E / ep experts of each sparse block, whose
+    # optimizer state ZeRO-1 shards over the DP / ep ranks holding the same experts (training/expert_parallel.py).
+    ep, shard = cfg.expert_parallel_size, TensorParallel(tp, 0, cfg.model.vocab_pad_multiple)
+    counts = layer_param_counts(config, shard, ep=ep)
+    expert_counts = layer_param_counts(config, shard, ep=ep, experts_only=True) if ep > 1 else [0] * len(counts)
+    expert_share = optim_share * ep if zero >= 1 else optim_share
     stages = model_stages(schedule, pp)
     bounds = stage_bounds(config, stages, cfg.model.partition)
     b, s = cfg.micro_batch_size * sequences_per_sample(cfg), padded_seq_length(cfg)
@@ -236,6 +238,7 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
         own = [range(bounds[h], bounds[h + 1]) for h in halves]
         held_layers = {i for r in own for i in r}
         params = sum(counts[i] for i in held_layers)
+        experts = sum(expert_counts[i] for i in held_layers)
         if config.tie_word_embeddings and {0, len(counts) - 1} <= held_layers:
             params -= counts[-1]  # a tied head on the embedding's rank is the embedding itself (PP=1, DualPipeV)
         per_half = [
@@ -260,7 +263,7 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
                 params,
                 params * weight_bytes,
                 params * grad_bytes,
-                params * optim_bytes * optim_share,
+                (params - experts) * optim_bytes * optim_share + experts * optim_bytes * expert_share,
                 activations,
                 logits,
             )

@@ -38,7 +38,7 @@ from training.config import TrainConfig, resume_mode, sequence_parallel
 from training.distributed import agreed, broadcast_object
 from training.engine import follow_new_schedule
 from training.errors import RunError
-from training.expert_parallel import every_expert, keep_own_experts
+from training.expert_parallel import checkpoint_files_as_ours, deepspeed_owns_experts, every_expert, keep_own_experts
 from training.precision import resolve_precision, resolve_zero_stage
 from training.run_dir import check_resume_from
 from training.topology import Coords
@@ -87,6 +87,7 @@ def saved_layout(cfg: TrainConfig, coords: Coords, model_config, bounds: list[in
         "num_hidden_layers": model_config.num_hidden_layers,
         "precision": resolve_precision(cfg.deepspeed.precision),
         "zero_stage": resolve_zero_stage(cfg.deepspeed.zero_stage),
+        "expert_parallel_size": cfg.expert_parallel_size,
     }
 
 
@@ -119,6 +120,8 @@ def plan_resume(cfg: TrainConfig, coords: Coords, current: dict, experts: bool =
     with agreed():
         plan.tag = find_resume_tag(cfg)
         saved = read_layout(os.path.join(cfg.output_dir, plan.tag)) if plan.tag else None
+        if saved is not None:
+            check_expert_shards(saved, current, os.path.join(cfg.output_dir, plan.tag))
         if layout_changed(saved, current):
             where = os.path.join(cfg.output_dir, plan.tag)
             check_movable(saved, current, where)
@@ -155,6 +158,25 @@ def plan_resume(cfg: TrainConfig, coords: Coords, current: dict, experts: bool =
             how,
         )
     return plan
+
+
+def check_expert_shards(saved: dict, current: dict, where: str) -> None:
+    """DeepSpeed's optimizers (bf16, ZeRO-1) save each rank's shard of the expert groups, sharded over the DP / E
+    ranks holding the same experts (training/expert_parallel.py): nothing reads them into another E or layout."""
+    keys = ("expert_parallel_size", "num_stages", "tp_size", "dp_size", "stage_bounds")
+    was, now = saved.get("expert_parallel_size", 1), current["expert_parallel_size"]
+    sharded = (was > 1 and deepspeed_owns_experts(saved["precision"], saved.get("zero_stage", 0))) or (
+        now > 1 and deepspeed_owns_experts(current["precision"], current["zero_stage"])
+    )
+    changed = [k for k in keys if saved.get(k, 1 if k != "stage_bounds" else None) != current[k]]
+    if sharded and changed:
+        what = ", ".join(f"{k} {saved.get(k, 1)} -> {current[k]}" for k in changed)
+        raise CheckpointError(
+            f"{where}: with experts split over expert_parallel_size > 1 under bf16 or ZeRO-1, each rank holds its "
+            f"own shard of the experts' optimizer state, which resumes in the same layout and E only ({what}); "
+            f"resume as saved, or start a new run in the new layout from its weights (model_name_or_path="
+            f"{os.path.dirname(where)}: layer files hold every expert; the optimizer state starts afresh)"
+        )
 
 
 def load_stage_weights(module, step_dir: str, config, tp: TensorParallel, trainable_only: bool = False) -> list[int]:
@@ -226,9 +248,10 @@ def resume(
     if plan.reshape:
         client = _load_reshaped(engine, step_dir, config, tp)
     else:
-        path, client = engine.load_checkpoint(
-            cfg.output_dir, tag=plan.universal_tag or plan.tag, load_module_strict=not cfg.lora.enabled
-        )
+        with checkpoint_files_as_ours(engine):
+            path, client = engine.load_checkpoint(
+                cfg.output_dir, tag=plan.universal_tag or plan.tag, load_module_strict=not cfg.lora.enabled
+            )
         if path is None:
             raise RunError(f"{step_dir}: checkpoint could not be loaded")
     if engine.module._ep.size > 1:  # the saved Adam moments hold every expert: keep this rank's

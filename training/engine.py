@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import deepspeed
 import torch
+from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from deepspeed.runtime.utils import clip_grad_norm_
 
@@ -14,11 +16,18 @@ from models.config import checkpoint_every
 from models.expert_parallel import ExpertParallel
 from models.key_table import param_tp_split
 from models.layers import DecoderOptions, init_weights
-from models.moe import is_moe
+from models.moe import is_moe, num_experts
 from models.pipeline import build_pipeline_module
 from models.sharding import REPLICA
 from models.tensor_parallel import TensorParallel
 from training.config import TrainConfig, sequence_parallel
+from training.expert_parallel import (
+    attach,
+    deepspeed_owns_experts,
+    deepspeed_sees_experts,
+    keep_from_broadcast,
+    register,
+)
 from training.precision import resolve_precision, resolve_zero_stage
 from training.topology import Coords
 
@@ -78,12 +87,17 @@ def deepspeed_config(cfg: TrainConfig, coords: Coords, load_universal: bool = Fa
 
 
 def param_groups(named_params, weight_decay: float) -> list[dict]:
-    """Decay matrices; never norms or biases (ndim < 2). Name-free, so HF references group alike."""
+    """Decay matrices; never norms or biases (ndim < 2). Name-free, so HF references group alike. Experts that
+    DeepSpeed's optimizers reduce over a group of their own (marked by `training.expert_parallel.register`) get
+    optimizer groups of their own, marked as DeepSpeed's MoE groups are (`moe`, the group's `name`)."""
     params = [p for _, p in named_params if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
+    groups = []
+    for decay, matrices in ((weight_decay, True), (0.0, False)):
+        chosen = [p for p in params if (p.ndim >= 2) == matrices]
+        groups.append({"params": [p for p in chosen if not is_moe_param(p)], "weight_decay": decay})
+        for name in sorted({p.group_name for p in chosen if is_moe_param(p)}):
+            experts = [p for p in chosen if is_moe_param(p) and p.group_name == name]
+            groups.append({"params": experts, "weight_decay": decay, "moe": True, "name": name})
     # NOTE: DeepSpeed drops empty groups (LoRA has no 1-D trainables); the LR scheduler must see the same list.
     return [g for g in groups if g["params"]]
 
@@ -226,8 +240,6 @@ def initialize_forward_engine(cfg: TrainConfig, coords: Coords, module):
     config = deepspeed_config(cfg, coords, experts=is_moe(module.model_config))
     config["zero_optimization"] = {"stage": 0}  # nothing to partition without an optimizer
     if module._ep.size > 1:  # each rank's own experts (as initialize_engine)
-        from training.expert_parallel import keep_from_broadcast
-
         keep_from_broadcast(module)
     engine, _, _, _ = deepspeed.initialize(model=module, config=config)
     keep_buffer_dtypes(engine)
@@ -246,13 +258,18 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
     for name, p in module.named_parameters():
         split = param_tp_split(name, config.num_hidden_layers, config.tie_word_embeddings) != REPLICA
         p.model_parallel = not getattr(p, "ds_pipe_replicated", False) and (coords.tp_rank == 0 or split)
-    if module._ep.size > 1:  # each rank's own experts: DeepSpeed must not broadcast DP rank 0's over them
-        from training.expert_parallel import keep_from_broadcast
-
+    ep = module._ep
+    deepspeed_experts = ep.size > 1 and deepspeed_owns_experts(
+        resolve_precision(cfg.deepspeed.precision), resolve_zero_stage(cfg.deepspeed.zero_stage)
+    )
+    if deepspeed_experts:  # DeepSpeed's MoE bookkeeping reduces, shards and broadcasts them (expert-data group)
+        register(module, ep, coords.tp)
+    elif ep.size > 1:  # each rank's own experts: DeepSpeed must not broadcast DP rank 0's over them
         keep_from_broadcast(module)
     optimizer, scheduler = make_optimizer(cfg, module.named_parameters(), total_steps)
     config = deepspeed_config(cfg, coords, load_universal, experts=is_moe(module.model_config))
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    with deepspeed_sees_experts(module, num_experts(module.model_config)) if deepspeed_experts else nullcontext():
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     # NOTE: DeepSpeed copies its zero_to_fp32.py and zero_to_torch.py into every ZeRO checkpoint. They cannot read
     # pipeline checkpoints (the layer files carry no parameter shapes for them: "'NoneType' object has no attribute
     # 'items'"), so none is left for a user to run; `convert2ckpt.py --to-hf --dtype fp32` gets the weights out.
@@ -283,8 +300,6 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
         optimizer.overflow = not math.isfinite(engine._global_grad_norm)
 
     engine.clip_fp32_gradients = clip_and_record
-    if module._ep.size > 1:  # expert gradients reduced over their own group, counted once in the norm
-        from training.expert_parallel import attach
-
-        attach(engine, module._ep)
+    if ep.size > 1 and not deepspeed_experts:  # expert gradients reduced over their own group, counted once
+        attach(engine, ep)
     return engine

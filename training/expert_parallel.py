@@ -4,15 +4,23 @@ experts; this module does what the engine must do about it).
 
 - Gradients. An expert's gradient already sums the tokens its EP group routed to it (the all-to-all's backward);
   the DP / E ranks holding the same experts add theirs (`ep.data_group`) and divide by the DP size, as DeepSpeed
-  averages everything else over DP. DeepSpeed's own reduction skips the expert parameters (it would add different
-  experts that share a slot on different ranks).
+  averages everything else over DP.
 - Clipping. The global norm adds the non-expert gradients once (DeepSpeed's model-parallel rule) and the experts
   of every rank of the EP group once.
-- Checkpoints. Layer files hold every expert (gathered over the EP group before DeepSpeed writes them) and so does
-  the optimizer state DeepSpeed's DP rank 0 saves (each expert parameter's Adam moments gathered likewise); at load
-  each rank keeps its experts' slices, so a run resumes with any EP degree.
+- Checkpoints. Layer files hold every expert (gathered over the EP group before DeepSpeed writes them); at load
+  each rank keeps its experts' slices.
 
-fp32 with ZeRO-0 (DeepSpeed's basic optimizer: our AdamW itself); training/validate.py refuses the others.
+Two owners of the reduction, chosen by the optimizer (`deepspeed_owns_experts`):
+
+- fp32 with ZeRO-0 (DeepSpeed's basic optimizer: our AdamW itself): `attach` reduces the experts and clips, and
+  the optimizer state DeepSpeed's DP rank 0 saves holds every expert's Adam moments (gathered likewise), so a run
+  resumes with any EP degree.
+- bf16, and ZeRO-1 (DeepSpeed's optimizers flatten parameters per group, and ZeRO-1 shards each group over DP):
+  `register` hands our groups to DeepSpeed's own MoE bookkeeping (`deepspeed.utils.groups`, parameters marked as
+  its MoE layers mark them, groups of their own in the optimizer), which reduces the experts over the expert-data
+  group dividing by DP, shards their optimizer state over those DP / E ranks, broadcasts them within it at start-up
+  and counts them once in the norm. Each rank saves its own shard: such a run resumes with the same layout and E
+  (training/checkpointing.py refuses another in one line).
 """
 
 from __future__ import annotations
@@ -22,8 +30,15 @@ import math
 
 import torch
 import torch.distributed as dist
+from deepspeed.moe.layer import MoE
 
 from models.expert_parallel import ExpertParallel
+
+
+def deepspeed_owns_experts(precision: str, zero_stage: int) -> bool:
+    """Whether DeepSpeed's MoE bookkeeping reduces, shards and clips the experts (`register`), or `attach` does
+    (fp32 with ZeRO-0: our AdamW itself). Module docstring."""
+    return (precision, zero_stage) != ("fp32", 0)
 
 
 def expert_modules(module) -> list:
@@ -58,6 +73,70 @@ def keep_from_broadcast(module) -> None:
     so mark the experts. `attach` then broadcasts them within the ranks that hold the same experts."""
     for p in expert_params(module):
         p.ds_optim_param = True
+
+
+def group_name(ep: ExpertParallel) -> str:
+    """DeepSpeed's name for the groups of an expert-parallel degree (`deepspeed.moe.layer.MoE.expert_group_name`)."""
+    return f"ep_size_{ep.size}"
+
+
+def register(module, ep: ExpertParallel, tp: int) -> None:
+    """Before `deepspeed.initialize`: our EP and expert-data groups in DeepSpeed's group registry under its name for
+    them, and every expert parameter marked as DeepSpeed's MoE layers mark theirs (`allreduce=False`, `group_name`):
+    `training.engine.param_groups` then gives them optimizer groups of their own. `tp`: the experts are split over
+    the TP ranks too, so DeepSpeed sums their norm over the model-parallel group (`expert_tensor_parallel_world_size`).
+    """
+    from deepspeed.utils import groups
+
+    name = group_name(ep)
+    groups._EXPERT_PARALLEL_GROUP[name] = ep.group
+    groups._EXPERT_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(ep.group)
+    groups._EXPERT_DATA_PARALLEL_GROUP[name] = ep.data_group
+    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(ep.data_group)
+    groups.expert_tensor_parallel_world_size = tp
+    for p in expert_params(module):
+        p.allreduce, p.group_name = False, name
+
+
+class _ExpertsMarker(MoE):
+    """What DeepSpeed's engine looks for to turn on its MoE bookkeeping: an instance of its own MoE layer
+    (DeepSpeed 0.19.8, `DeepSpeedEngine._configure_distributed_model`). No parameters, never run; our groups are
+    registered already (`register`), so it has nothing to set up."""
+
+    def __init__(self, num_experts: int):
+        torch.nn.Module.__init__(self)
+        self.num_experts = num_experts
+
+    def set_deepspeed_parallelism(self, *args, **kwargs) -> None:
+        pass
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a marker for DeepSpeed's engine, not a layer")
+
+
+@contextlib.contextmanager
+def deepspeed_sees_experts(module, num_experts: int):
+    """Within (around `deepspeed.initialize`): the stage holds a marker DeepSpeed's engine takes for its MoE layer,
+    when any expert trains (LoRA freezes them: no expert optimizer group to configure)."""
+    if not any(p.requires_grad for p in expert_params(module)):
+        yield
+        return
+    module.add_module("deepspeed_moe_marker", _ExpertsMarker(num_experts))
+    try:
+        yield
+    finally:
+        del module._modules["deepspeed_moe_marker"]
+
+
+@contextlib.contextmanager
+def checkpoint_files_as_ours(engine):
+    """Within (around save_checkpoint and load_checkpoint): DeepSpeed writes and reads the pipeline's own layer files
+    and ZeRO shards, not its MoE layout (one file per expert, which our gathered layer files replace)."""
+    saved, engine.has_moe_layers = engine.has_moe_layers, False
+    try:
+        yield
+    finally:
+        engine.has_moe_layers = saved
 
 
 def attach(engine, ep: ExpertParallel) -> None:
@@ -128,11 +207,13 @@ def every_expert(engine, ep: ExpertParallel):
     optimizer holds every expert's Adam moments. DeepSpeed writes layer files and the ZeRO-0 optimizer state from
     DP rank 0 only, so only the EP group holding DP rank 0 (DP ranks 0 .. E-1) gathers; all ranks enter."""
     if engine.grid.data_parallel_id >= ep.size:  # a group that writes nothing
-        yield
+        with checkpoint_files_as_ours(engine):
+            yield
         return
     # Frozen experts (LoRA) are never saved: only adapters are.
     layers = [m for m in expert_modules(engine.module) if m.moe_block().experts.gate_up_proj.requires_grad]
-    state = engine.optimizer.state
+    # Only our AdamW (fp32 ZeRO-0) holds the moments per parameter; DeepSpeed's optimizers save each rank's shard.
+    state = engine.optimizer.state if type(engine.optimizer) is torch.optim.AdamW else {}
     kept = {}
     for layer in layers:
         experts = layer.moe_block().experts
@@ -142,7 +223,8 @@ def every_expert(engine, ep: ExpertParallel):
                 kept[p] = dict(state[p])
                 state[p] = {k: _gather(v, ep) if torch.is_tensor(v) and v.dim() else v for k, v in state[p].items()}
     try:
-        yield
+        with checkpoint_files_as_ours(engine):
+            yield
     finally:
         for layer in layers:
             layer.gathered_experts = None
@@ -152,7 +234,9 @@ def every_expert(engine, ep: ExpertParallel):
 
 def keep_own_experts(engine, ep: ExpertParallel) -> None:
     """After a resume: the optimizer's Adam moments of each expert parameter hold every expert (saved gathered);
-    keep this rank's."""
+    keep this rank's (fp32 ZeRO-0; DeepSpeed's optimizers load each rank's own shard)."""
+    if type(engine.optimizer) is not torch.optim.AdamW:
+        return
     state = engine.optimizer.state
     for p in expert_params(engine.module):
         if p in state:

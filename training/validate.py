@@ -110,6 +110,7 @@ def validate(cfg: TrainConfig, training_here: bool = True) -> None:
     need(cfg.deepspeed.zero_stage in (None, 0, 1), "deepspeed.zero_stage must be 0 or 1 with pipeline parallelism")
     if training_here:
         validate_offload(cfg)
+        validate_bf16_gradients(cfg)
     need(
         cfg.tokenizer_name_or_path is not None or cfg.model_name_or_path is not None,
         "tokenizer_name_or_path (or model_name_or_path) is not set",
@@ -218,11 +219,16 @@ def validate_expert_parallel(cfg: TrainConfig, world_size: int, model_config) ->
     _need(dp % ep == 0, f"expert_parallel_size={ep} does not divide the data-parallel size {dp} of each stage")
     experts = num_experts(model_config)
     _need(experts % ep == 0, f"expert_parallel_size={ep} does not divide the model's {experts} experts")
-    precision, zero = resolve_precision(cfg.deepspeed.precision), resolve_zero_stage(cfg.deepspeed.zero_stage)
+    precision = resolve_precision(cfg.deepspeed.precision)
     _need(
-        (precision, zero) == ("fp32", 0),
-        f"expert_parallel_size={ep} runs with deepspeed=fp32 (ZeRO-0) for now, not {precision} with ZeRO-{zero}: "
-        "DeepSpeed's bf16/fp16 and ZeRO-1 optimizers reduce gradients in buffers of their own",
+        precision != "fp16",
+        f"expert_parallel_size={ep} runs with fp32 or bf16, not fp16: DeepSpeed's fp16 optimizer with experts is "
+        "not proven here (no fp16 on CPU ranks)",
+    )
+    _need(
+        not cfg.deepspeed.offload_optimizer,
+        f"expert_parallel_size={ep} with deepspeed.offload_optimizer=true is not supported: ZeRO-Offload's CPU "
+        "optimizer with experts is not proven here",
     )
 
 
@@ -254,6 +260,19 @@ def validate_experts(cfg: TrainConfig, model_config) -> None:
         f"data.packing/concatenate with seq_length={cfg.seq_length} > floor_scale={model_config.floor_scale}: "
         f"{name}'s attention temperature counts positions from the row's start, not each document's (transformers "
         "ignores position_ids there); use rows of at most floor_scale tokens or unpacked rows",
+    )
+
+
+def validate_bf16_gradients(cfg: TrainConfig) -> None:
+    """bf16 weights with fp32 gradients: only DeepSpeed's ZeRO-1 path keeps them (0.19.8,
+    `DeepSpeedEngine._do_optimizer_sanity_check`, a NotImplementedError traceback otherwise)."""
+    ds = cfg.deepspeed
+    _need(
+        resolve_precision(ds.precision) != "bf16"
+        or resolve_zero_stage(ds.zero_stage) >= 1
+        or ds.grad_accum_dtype == "bf16",
+        f"deepspeed.zero_stage=0 with bf16 needs deepspeed.grad_accum_dtype=bf16, not {ds.grad_accum_dtype or 'fp32'}: "
+        "DeepSpeed keeps fp32 gradients for bf16 weights only with ZeRO-1 (deepspeed=bf16_zero1)",
     )
 
 

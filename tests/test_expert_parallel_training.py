@@ -1,0 +1,100 @@
+"""Expert parallelism through the real launcher: a checkpoint resumes with any E (fp32 ZeRO-0), and DeepSpeed's
+own optimizers (bf16, ZeRO-1) train EP runs as the fp32 ZeRO-0 run does (training/expert_parallel.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from checkpoint.pipeline_reader import load_hf_state_dict
+from checkpoint.safe_load import load_pt
+from tests.conftest import check, deepspeed_launch, launch, read_jsonl
+from tests.test_training import STEPS, interrupted_copy, layout_args, layout_run, parity_cfg
+
+pytestmark = pytest.mark.slow  # launches the trainer on several ranks
+
+
+def test_expert_parallel_checkpoint_resumes_with_any_ep(converted, sft_data, tmp_path, tmp_path_factory):
+    """Mixtral saved at step 2 of 4 with its experts split over EP=2 (the parity layout's run, PP=2 x DP=2): the
+    layer files hold every expert (the hub's 4 per layer) and the optimizer state every expert's Adam moments, so
+    resuming with EP=2 continues the run's losses and grad norms bit for bit, and with EP=1 within 1e-6."""
+    layout = "mixtral-pp2-dp2-ep2-recompute"
+    full = Path(layout_run(layout, converted, sft_data, tmp_path_factory))
+    layer = load_pt(str(full / "global_step2" / "layer_01-model_00-model_states.pt"))
+    assert {k for k in layer if ".experts." in k} == {
+        f"block_sparse_moe.experts.{e}.{w}.weight" for e in range(4) for w in ("w1", "w2", "w3")
+    }
+    expected = read_jsonl(full / "metrics.jsonl")
+    for ep in (1, 2):
+        part = tmp_path / f"ep{ep}"
+        interrupted_copy(full, part, 2)
+        args = layout_args(layout, converted, sft_data, str(part), resume="true", expert_parallel_size=ep)
+        check(launch(4, *args))
+        got = read_jsonl(part / "metrics.jsonl")
+        if ep == 2:  # as saved: bit for bit
+            assert [(m["loss"], m["grad_norm"]) for m in got] == [(m["loss"], m["grad_norm"]) for m in expected]
+        else:  # the experts' gradients now summed in another order (DP all-reduce instead of all-to-all)
+            for a, b in zip(expected, got, strict=True):
+                assert b["loss"] == pytest.approx(a["loss"], rel=1e-6) and b["grad_norm"] == pytest.approx(
+                    a["grad_norm"], rel=1e-6
+                ), (a, b)
+
+
+def test_expert_parallel_under_zero1_and_bf16(converted, sft_data, tmp_path, tmp_path_factory):
+    """Experts split over EP=2 under DeepSpeed's own optimizers (training/expert_parallel.py: our groups in its MoE
+    bookkeeping), against the fp32 ZeRO-0 run of the same layout (itself equal to the single-process reference).
+    Mixtral PP=2 x DP=2: fp32 with ZeRO-1 (DeepSpeed's ZeRO optimizer; the experts' state sharded over the 1 rank of
+    their expert-data group) within 1e-6; bf16 with ZeRO-1 (the GPU default: DeepSpeed's bf16 optimizer) to bf16
+    precision, and its first grad norm within 1e-3 of the same run's at EP=1 (the experts are 0.8% of this model's
+    squared norm: counting one EP rank's experts only, or each twice, would move it by 2e-3 or more); Qwen2-MoE
+    TP=2 x DP=2 with its experts split over TP and EP at once (the Qwen3-30B-A3B recipe's layout) in the GPU
+    default. bf16 ZeRO-1 saved at step 2 resumes bit for bit; with another E it is refused in one line."""
+    from transformers import AutoConfig
+
+    mixtral, qwen = "mixtral-pp2-dp2-ep2-recompute", "qwen2_moe-tp2-dp2-ep2"
+    runs = {
+        "fp32_zero1": (mixtral, {"deepspeed.zero_stage": 1}),
+        "bf16_zero1": (mixtral, {"deepspeed": "bf16_zero1"}),
+        "bf16_zero1_ep1": (mixtral, {"deepspeed": "bf16_zero1", "expert_parallel_size": 1}),
+        "bf16_zero1_tp2": (qwen, {"deepspeed": "bf16_zero1"}),
+    }
+    for name, (layout, more) in runs.items():
+        fp32 = Path(layout_run(layout, converted, sft_data, tmp_path_factory))
+        expected = read_jsonl(fp32 / "metrics.jsonl")
+        out = tmp_path / name
+        check(launch(4, *layout_args(layout, converted, sft_data, str(out), **more)))
+        got = read_jsonl(out / "metrics.jsonl")
+        assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+        exact = name == "fp32_zero1"  # bf16: weights and activations rounded every step
+        for a, b in zip(expected, got, strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-7 if exact else 1e-3), (name, a, b)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6 if exact else 5e-3), (name, a, b)
+            assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-6 if exact else 2e-2)
+        config = AutoConfig.from_pretrained(str(fp32))
+        reference, ours = load_hf_state_dict(str(fp32), config), load_hf_state_dict(str(out), config)
+        worst = max(float((ours[k].float() - v).abs().max()) for k, v in reference.items())
+        print(f"{name} vs fp32 ZeRO-0 (EP=2) after {STEPS} steps: max |weight diff| {worst:.3g}")
+        if exact:  # an Adam step is about lr whatever the gradient: 1% of lr, as against the reference
+            assert worst < 0.01 * parity_cfg(sft_data[0]).learning_rate
+            files = set(os.listdir(out / "global_step2"))
+            assert {f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for d in range(2) for s in range(2)} <= files
+
+    bf16 = tmp_path / "bf16_zero1"
+    full = read_jsonl(bf16 / "metrics.jsonl")
+    ep1 = read_jsonl(tmp_path / "bf16_zero1_ep1" / "metrics.jsonl")[0]
+    assert full[0]["grad_norm"] == pytest.approx(ep1["grad_norm"], rel=1e-3), (full[0], ep1)
+    part = tmp_path / "bf16_resumed"
+    interrupted_copy(bf16, part, 2)
+    check(launch(4, *layout_args(mixtral, converted, sft_data, str(part), resume="true", deepspeed="bf16_zero1")))
+    got = read_jsonl(part / "metrics.jsonl")
+    assert [(m["loss"], m["grad_norm"], m["lr"]) for m in got] == [(m["loss"], m["grad_norm"], m["lr"]) for m in full]
+
+    moved = tmp_path / "bf16_other_ep"
+    interrupted_copy(bf16, moved, 2)
+    more = dict(resume="true", deepspeed="bf16_zero1", expert_parallel_size=1)
+    proc = deepspeed_launch(4, *layout_args(mixtral, converted, sft_data, str(moved), **more))
+    refused = [line for line in proc.stderr.splitlines() if "resumes in the same layout and E only" in line]
+    assert proc.returncode != 0 and len(refused) == 4 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "expert_parallel_size 2 -> 1" in refused[0]
