@@ -3,6 +3,7 @@ own optimizers (bf16, ZeRO-1) train EP runs as the fp32 ZeRO-0 run does (trainin
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from checkpoint.pipeline_reader import load_hf_state_dict
 from checkpoint.safe_load import load_pt
-from tests.conftest import check, deepspeed_launch, launch, read_jsonl
+from tests.conftest import check, deepspeed_launch, launch, read_jsonl, torchrun
 from tests.test_training import STEPS, interrupted_copy, layout_args, layout_run, parity_cfg
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
@@ -98,3 +99,24 @@ def test_expert_parallel_under_zero1_and_bf16(converted, sft_data, tmp_path, tmp
     refused = [line for line in proc.stderr.splitlines() if "resumes in the same layout and E only" in line]
     assert proc.returncode != 0 and len(refused) == 4 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "expert_parallel_size 2 -> 1" in refused[0]
+
+
+def test_saves_gather_one_sparse_layer_at_a_time(converted, sft_data, tmp_path):
+    """A save at EP=2 gathers each sparse layer's experts over the EP group as DeepSpeed writes that layer, not the
+    stage's at once (training/expert_parallel.py): the extra memory is one layer's experts, whatever the depth.
+    Mixtral PP=2 x DP=2 x EP=2, two sparse layers per stage; the files hold every expert (checked by the resume
+    tests above)."""
+    out = tmp_path / "records"
+    out.mkdir()
+    more = dict(max_steps=1, save_steps=1, do_eval="false")
+    args = layout_args("mixtral-pp2-dp2-ep2-recompute", converted, sft_data, str(tmp_path / "run"), **more)
+    check(torchrun("tests/workers/instrumented_run.py", 4, str(out), *args))
+    for rank in range(4):
+        rec = json.loads((out / f"rank{rank}.json").read_text())
+        if rec["dp_rank"] != 0:  # DeepSpeed writes layer files from DP rank 0 only
+            assert rec["gathered_at_save"] == []
+            continue
+        held = dict(rec["gathered_at_save"])
+        blocks = [f"layer_{i:02d}-model_00-model_states.pt" for i in rec["local_layers"] if 1 <= i <= 4]
+        assert len(blocks) == 2 and all(held[name] == 1 for name in blocks), held  # Mixtral: every block sparse
+        assert max(held.values()) == 1, held

@@ -203,9 +203,10 @@ def _params_with_grads(module) -> list:
 
 @contextlib.contextmanager
 def every_expert(engine, ep: ExpertParallel):
-    """Within: sparse layers save every expert (`gathered_experts`, read by models/moe.py's key hooks) and the
-    optimizer holds every expert's Adam moments. DeepSpeed writes layer files and the ZeRO-0 optimizer state from
-    DP rank 0 only, so only the EP group holding DP rank 0 (DP ranks 0 .. E-1) gathers; all ranks enter."""
+    """Within: the layer files DeepSpeed writes hold every expert, and our AdamW (fp32 ZeRO-0) every expert's Adam
+    moments. DeepSpeed writes both from DP rank 0 only, so only the EP group holding DP rank 0 (DP ranks 0 .. E-1)
+    gathers; all ranks enter. The moments are gathered up front (DeepSpeed saves the optimizer in one file); the
+    experts one sparse layer at a time, as DeepSpeed writes that layer (`_gathered_while_saving`)."""
     if engine.grid.data_parallel_id >= ep.size:  # a group that writes nothing
         with checkpoint_files_as_ours(engine):
             yield
@@ -216,20 +217,67 @@ def every_expert(engine, ep: ExpertParallel):
     state = engine.optimizer.state if type(engine.optimizer) is torch.optim.AdamW else {}
     kept = {}
     for layer in layers:
-        experts = layer.moe_block().experts
-        layer.gathered_experts = (_gather(experts.gate_up_proj.detach(), ep), _gather(experts.down_proj.detach(), ep))
-        for p in experts.parameters():
+        for p in layer.moe_block().experts.parameters():
             if p in state:
                 kept[p] = dict(state[p])
                 state[p] = {k: _gather(v, ep) if torch.is_tensor(v) and v.dim() else v for k, v in state[p].items()}
     try:
-        with checkpoint_files_as_ours(engine):
+        with checkpoint_files_as_ours(engine), _gathered_while_saving(engine.module, layers, ep):
             yield
     finally:
-        for layer in layers:
-            layer.gathered_experts = None
         for p, moments in kept.items():
             state[p] = moments
+
+
+@contextlib.contextmanager
+def _gathered_while_saving(module, layers: list, ep: ExpertParallel):
+    """Within: `module.save_state_dict` (DeepSpeed's layer-file writer, which returns at once on every DP rank but 0)
+    gathers each sparse layer's experts over the EP group right before DP rank 0 takes that layer's state dict,
+    dropping the previous layer's: one layer's experts gathered at a time, not the stage's. DP rank 0 announces each
+    layer it is about to save (its index in `layers`, then -1); the other EP ranks serve those gathers meanwhile."""
+    if not layers:
+        yield
+        return
+    device = layers[0].moe_block().experts.gate_up_proj.device
+    first = dist.get_global_rank(ep.group, 0)  # DP rank 0: the EP group holding it is DP ranks 0 .. E-1
+
+    def announce(index: int | None) -> int:
+        t = torch.tensor([-1 if index is None else index], device=device)
+        dist.broadcast(t, first, group=ep.group)
+        return int(t.item())
+
+    def gather(layer) -> tuple[torch.Tensor, torch.Tensor]:
+        experts = layer.moe_block().experts
+        return _gather(experts.gate_up_proj.detach(), ep), _gather(experts.down_proj.detach(), ep)
+
+    def before_state_dict(layer, *args):
+        announce(layers.index(layer))
+        for other in layers:
+            other.gathered_experts = None
+        layer.gathered_experts = gather(layer)
+
+    write = module.save_state_dict
+
+    def save_state_dict(*args, **kwargs):
+        if ep.rank != 0:
+            while (index := announce(None)) >= 0:
+                gather(layers[index])
+            return None
+        hooks = [layer.register_state_dict_pre_hook(before_state_dict) for layer in layers]
+        try:
+            return write(*args, **kwargs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            for layer in layers:
+                layer.gathered_experts = None
+            announce(-1)
+
+    module.save_state_dict = save_state_dict
+    try:
+        yield
+    finally:
+        del module.save_state_dict  # the class's method again
 
 
 def keep_own_experts(engine, ep: ExpertParallel) -> None:

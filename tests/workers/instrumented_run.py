@@ -3,7 +3,8 @@
     torchrun --nproc_per_node N tests/workers/instrumented_run.py OUT_JSON_DIR OVERRIDES...
 
 Records per rank: which decoder layers were built (off the meta device), which checkpoint files
-were read, every open() of the data files, every row index read per data file, and the step count.
+were read, every open() of the data files, every row index read per data file, the step count, and for each
+layer file it writes how many sparse layers held every expert gathered then (`gathered_experts`).
 """
 
 import builtins
@@ -17,7 +18,8 @@ from data import dataset as dataset_mod
 from models import layers as layers_mod
 
 out_dir, overrides = sys.argv[1], sys.argv[2:]
-rec = {"decoder_built": [], "files_loaded": [], "data_opens": [], "rows": {}}
+rec = {"decoder_built": [], "files_loaded": [], "data_opens": [], "rows": {}, "gathered_at_save": []}
+stage_module = []  # the engine's module, once built
 
 _init = layers_mod.DecoderPipe.__init__
 
@@ -40,6 +42,19 @@ def recording_load(f, *args, **kwargs):
 
 
 torch.load = recording_load
+
+_save = torch.save
+
+
+def recording_save(obj, f, *args, **kwargs):
+    name = os.path.basename(str(f)) if isinstance(f, (str, os.PathLike)) else ""
+    if name.startswith("layer_") and stage_module:
+        held = sum(getattr(m, "gathered_experts", None) is not None for m in stage_module[0].modules())
+        rec["gathered_at_save"].append([name, held])
+    return _save(obj, f, *args, **kwargs)
+
+
+torch.save = recording_save
 
 _getitem = dataset_mod.TokenizedDataset.__getitem__
 
@@ -68,6 +83,7 @@ def main():
 
     builtins.open = recording_open
     trainer = Trainer(cfg)
+    stage_module.append(trainer.assembled.engine.module)
     loaded_at_start = list(rec["files_loaded"])  # later loads: the manifest of a save reads shapes
     trainer.run()
     rec["files_loaded"] = loaded_at_start
