@@ -137,7 +137,8 @@ def test_lora_under_each_pipeline_schedule_matches_peft(schedule, tp, hf_models,
 def test_lora_on_a_model_with_experts_matches_peft(hf_models, converted, tokenizer_dir, sft_data, tmp_path):
     """Mixtral (4 experts, top-2, the load-balancing loss on) with adapters on attention, PP=2 x DP=2 with the frozen
     experts split over EP=2: 4 AdamW steps with clipping equal PEFT on transformers' model trained per micro-batch;
-    only adapters are saved (the frozen experts' per-expert keys left out of every layer file)."""
+    only adapters are saved (the frozen experts' per-expert keys left out of every layer file); in bf16 the same
+    losses and grad norms to bf16 precision."""
     cfg = parity_cfg(sft_data[0])
     cfg.lora = LoraSettings(enabled=True, r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj"])
     run = tmp_path / "run"
@@ -146,6 +147,15 @@ def test_lora_on_a_model_with_experts_matches_peft(hf_models, converted, tokeniz
     ours = assert_matches_peft(run, cfg, hf_models["mixtral"], tokenizer_dir, dp=2)
     assert len(ours) == 4 * 3 * 2  # layers x targets x (A, B)
     assert all(".lora_" in k for k in load_layer_state(find_layer_file(str(run / "global_step4"), 1)))
+    # The GPU default (bf16, DeepSpeed's bf16 optimizer over the adapters; the frozen experts, split over EP=2, are
+    # broadcast within their expert-data group and never reduced): the same run to bf16 precision.
+    bf16 = tmp_path / "bf16"
+    more = dict(expert_parallel_size=2, deepspeed="bf16_zero1")
+    check(launch(4, *overrides(cfg, converted["mixtral"], str(bf16), 2, **more), *lora))
+    for a, b in zip(read_jsonl(run / "metrics.jsonl"), read_jsonl(bf16 / "metrics.jsonl"), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=3e-3) and b["grad_norm"] == pytest.approx(
+            a["grad_norm"], rel=2e-2
+        ), (a, b)
 
 
 @pytest.mark.slow
