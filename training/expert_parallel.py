@@ -7,8 +7,8 @@ experts; this module does what the engine must do about it).
   averages everything else over DP.
 - Clipping. The global norm adds the non-expert gradients once (DeepSpeed's model-parallel rule) and the experts
   of every rank of the EP group once.
-- Checkpoints. Layer files hold every expert (gathered over the EP group before DeepSpeed writes them); at load
-  each rank keeps its experts' slices.
+- Checkpoints. Layer files hold every expert (each sparse layer's gathered over the EP group as DeepSpeed writes
+  that layer: `every_expert`); at load each rank keeps its experts' slices.
 
 Two owners of the reduction, chosen by the optimizer (`deepspeed_owns_experts`):
 
