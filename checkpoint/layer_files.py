@@ -135,6 +135,26 @@ def load_layer_state(path: str, mmap: bool = False) -> dict[str, torch.Tensor]:
     return state
 
 
+@contextlib.contextmanager
+def layer_files_as_plain_data(checkpoint_engine):
+    """Within (DeepSpeed's `load_checkpoint` of a resume): the layer files DeepSpeed reads through
+    `checkpoint_engine.load` are read by `load_layer_state` instead, as plain tensor data (never unpickled) and
+    memory-mapped, so a rank pages in only the tensors it keeps (with expert parallelism, its own experts of each
+    sparse layer, not all E). DeepSpeed's engine and optimizer files still go through its own loader."""
+    load = checkpoint_engine.load
+
+    def plain(path, map_location=None):
+        if is_layer_file(os.path.basename(path)):
+            return load_layer_state(path, mmap=True)
+        return load(path, map_location)
+
+    checkpoint_engine.load = plain
+    try:
+        yield
+    finally:
+        del checkpoint_engine.load  # the class's method again
+
+
 def layer_tensor_specs(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{key: (shape, dtype)} of a layer file without reading tensor data (header / memory map)."""
     if path.endswith(".safetensors"):

@@ -6,8 +6,9 @@ project reads itself goes through `load_pt`: `weights_only=True` (tensors, conta
 strings) plus the few plain-data globals in `safe_globals()`. A file that names anything else is
 refused with one line naming the file and the global; nothing in it runs.
 
-NOTE: DeepSpeed's own `load_checkpoint` (a `resume` in the same layout) fully unpickles the engine files
-of a run directory: resuming trusts that directory (docs/reliability_and_security.md).
+NOTE: DeepSpeed's own `load_checkpoint` (a `resume` in the same layout) fully unpickles the engine and optimizer
+files of a run directory (its layer files are read through `load_pt`: `checkpoint.layer_files.
+layer_files_as_plain_data`): resuming trusts that directory (docs/reliability_and_security.md).
 """
 
 from __future__ import annotations

@@ -158,16 +158,25 @@ def test_planted_pickle_in_a_hugging_face_directory_is_refused(hf_models, sft_da
 
 
 def test_resume_loads_our_own_files_safely(converted, sft_data, tmp_path):
-    """The trainer's own loads on resume: per-rank RNG states, and (layout change) every stage's engine file
-    read for optimizer reshaping. DeepSpeed's own loader is not involved in either."""
+    """The trainer's own loads on resume: per-rank RNG states, the layer files DeepSpeed's loader reads in the same
+    layout (handed to ours), and (layout change) every stage's engine file read for optimizer reshaping."""
     marker = tmp_path / "pwned"
     run = tmp_path / "run"
     args = small_run(converted["gqa"], run, sft_data[0], max_steps=2, save_steps=1)
     proc = run_cmd([sys.executable, "trainer.py", *args], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    same = tmp_path / "same_layout"
+    shutil.copytree(run, same)
     plant(run / "global_step2" / "rng_state_rank0.pt", {"python": None, "x": Payload(marker)})
     proc = run_cmd([sys.executable, "trainer.py", *args, "resume=true"], timeout=300)
     assert_refused(proc, marker, "rng state", "rng_state_rank0.pt")
+
+    # A resume in the same layout: DeepSpeed's loader reads the layer files through ours (plain tensor data).
+    layer = same / "global_step2" / "layer_01-model_00-model_states.pt"
+    plant(layer, {**torch.load(layer, weights_only=True), "x": Payload(marker)})
+    args = small_run(converted["gqa"], same, sft_data[0], max_steps=2, save_steps=1)
+    proc = run_cmd([sys.executable, "trainer.py", *args, "resume=true"], timeout=300)
+    assert_refused(proc, marker, "layer file", layer.name)
 
     two = tmp_path / "two_stages"  # saved with PP=2, resumed with PP=1: optimizer state reshaped by name
     args = small_run(

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.errors import CheckpointError
+from checkpoint.layer_files import layer_files_as_plain_data
 from checkpoint.manifest import build_manifest, checkpoint_files, write_manifest
 from checkpoint.names import rng_file, staging_tag, step_tag
 from checkpoint.optimizer_reshape import OPTIMIZER_NAMES, gather_moved_state, load_moved_state, optimizer_param_names
@@ -248,7 +249,7 @@ def resume(
     if plan.reshape:
         client = _load_reshaped(engine, step_dir, config, tp)
     else:
-        with checkpoint_files_as_ours(engine):
+        with checkpoint_files_as_ours(engine), layer_files_as_plain_data(engine.checkpoint_engine):
             path, client = engine.load_checkpoint(
                 cfg.output_dir, tag=plan.universal_tag or plan.tag, load_module_strict=not cfg.lora.enabled
             )
