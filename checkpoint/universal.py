@@ -23,6 +23,7 @@ from checkpoint.names import LAYOUT_FILE
 from checkpoint.staging import make_unique_dir, write_text_atomic
 
 LAYOUT_KEYS = ("num_stages", "dp_size", "stage_bounds", "tp_size", "vocab_pad_multiple")
+LAYOUT_DEFAULTS = {"tp_size": 1, "vocab_pad_multiple": 1, "expert_parallel_size": 1}  # what older saves lack
 
 
 def write_layout(step_dir: str, layout: dict) -> None:
@@ -40,8 +41,7 @@ def read_layout(step_dir: str) -> dict | None:
 
 def layout_changed(saved: dict | None, current: dict) -> bool:
     """Whether a checkpoint saved with layout `saved` resumes in another one (older saves: TP 1)."""
-    defaults = {"tp_size": 1, "vocab_pad_multiple": 1}
-    return saved is not None and any(saved.get(k, defaults.get(k)) != current[k] for k in LAYOUT_KEYS)
+    return saved is not None and any(saved.get(k, LAYOUT_DEFAULTS.get(k)) != current[k] for k in LAYOUT_KEYS)
 
 
 def check_movable(saved: dict, current: dict, where: str) -> None:

@@ -80,6 +80,8 @@ LAYOUTS = {
     # split over TP with sequence parallelism and the chunked vocab-parallel loss; Qwen2-MoE's gated shared expert
     # (every 2nd layer sparse, tied embeddings) with its experts split over TP=2 and EP=2 at once.
     "mixtral-pp2-dp2-ep2-recompute": ("mixtral", "true", 2, 1, "", 0),
+    # DP=4 x EP=2: each expert held by 2 DP ranks, whose gradients are summed over that expert-data group.
+    "mixtral-dp4-ep2": ("mixtral", "false", 1, 1, "", 0),
     "qwen3_moe-pp2-tp2-chunked": ("qwen3_moe", "false", 2, 2, "", 5),
     "qwen2_moe-tp2-dp2-ep2": ("qwen2_moe", "false", 1, 2, "", 0),
     # Llama 4 (no load-balancing loss in transformers): chunked and NoPE layers, dense layers between sparse ones,

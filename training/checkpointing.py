@@ -31,7 +31,15 @@ from checkpoint.pipeline_reader import PipelineCheckpoint
 from checkpoint.safe_load import load_pt
 from checkpoint.saves import choose_checkpoint, publish_checkpoint
 from checkpoint.staging import remove_tree
-from checkpoint.universal import check_movable, ensure_universal, layout_changed, read_layout, write_layout
+from checkpoint.universal import (
+    LAYOUT_DEFAULTS,
+    LAYOUT_KEYS,
+    check_movable,
+    ensure_universal,
+    layout_changed,
+    read_layout,
+    write_layout,
+)
 from models.key_table import param_tp_split, pipe_layers
 from models.partition import rank_layers
 from models.tensor_parallel import TensorParallel
@@ -164,14 +172,15 @@ def plan_resume(cfg: TrainConfig, coords: Coords, current: dict, experts: bool =
 def check_expert_shards(saved: dict, current: dict, where: str) -> None:
     """DeepSpeed's optimizers (bf16, ZeRO-1) save each rank's shard of the expert groups, sharded over the DP / E
     ranks holding the same experts (training/expert_parallel.py): nothing reads them into another E or layout."""
-    keys = ("expert_parallel_size", "num_stages", "tp_size", "dp_size", "stage_bounds")
-    was, now = saved.get("expert_parallel_size", 1), current["expert_parallel_size"]
+    was = saved.get("expert_parallel_size", LAYOUT_DEFAULTS["expert_parallel_size"])
+    now = current["expert_parallel_size"]
     sharded = (was > 1 and deepspeed_owns_experts(saved["precision"], saved.get("zero_stage", 0))) or (
         now > 1 and deepspeed_owns_experts(current["precision"], current["zero_stage"])
     )
-    changed = [k for k in keys if saved.get(k, 1 if k != "stage_bounds" else None) != current[k]]
+    saved_value = {k: saved.get(k, LAYOUT_DEFAULTS.get(k)) for k in ("expert_parallel_size", *LAYOUT_KEYS)}
+    changed = [k for k, v in saved_value.items() if v != current[k]]
     if sharded and changed:
-        what = ", ".join(f"{k} {saved.get(k, 1)} -> {current[k]}" for k in changed)
+        what = ", ".join(f"{k} {saved_value[k]} -> {current[k]}" for k in changed)
         raise CheckpointError(
             f"{where}: with experts split over expert_parallel_size > 1 under bf16 or ZeRO-1, each rank holds its "
             f"own shard of the experts' optimizer state, which resumes in the same layout and E only ({what}); "
