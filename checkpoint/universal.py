@@ -22,8 +22,9 @@ from checkpoint.errors import CheckpointError
 from checkpoint.names import LAYOUT_FILE
 from checkpoint.staging import make_unique_dir, write_text_atomic
 
-LAYOUT_KEYS = ("num_stages", "dp_size", "stage_bounds", "tp_size", "vocab_pad_multiple")
-LAYOUT_DEFAULTS = {"tp_size": 1, "vocab_pad_multiple": 1, "expert_parallel_size": 1}  # what older saves lack
+LAYOUT_KEYS = ("num_stages", "dp_size", "stage_bounds", "tp_size", "vocab_pad_multiple", "context_parallel_size")
+# what older saves lack
+LAYOUT_DEFAULTS = {"tp_size": 1, "vocab_pad_multiple": 1, "expert_parallel_size": 1, "context_parallel_size": 1}
 
 
 def write_layout(step_dir: str, layout: dict) -> None:

@@ -6,6 +6,10 @@ same row, else IGNORE_INDEX, so the loss compares logits[:, t] with labels[:, t]
 [B, S, V] logits tensor. `tokens` counts the tokens that are not padding (what throughput reports);
 DeepSpeed reads only the first two entries.
 
+Context parallelism (`context=(rank, C)`): the C ranks of a group read the same rows and each keeps its S/C
+positions of input_ids and labels (and counts its own tokens); position_ids stay whole, since every layer builds
+the row's mask from them (models/context_parallel.py).
+
 Packed batches (`packing=True`): each sample is a list of rows (data/packing.py) laid end to end;
 `position_ids` restart at 0 for each row and for the padding tail, which is how the decoder layers
 find the row boundaries (models/layers.py), and the last token of a row predicts nothing.
@@ -15,25 +19,34 @@ from __future__ import annotations
 
 import torch
 
+from models.context_parallel import shard
 from models.loss import IGNORE_INDEX
 
 
 class CausalLMCollator:
     """`lengths`: add each row's length (long [B], where its padding starts) to the inputs, for models with
-    experts (their load-balancing statistics leave padding out, as transformers' do with an attention mask)."""
+    experts (their load-balancing statistics leave padding out, as transformers' do with an attention mask).
+    `context`: (this rank's index, C) of its context-parallel group."""
 
-    def __init__(self, seq_length: int, pad_token_id: int, packing: bool = False, lengths: bool = False):
+    def __init__(
+        self,
+        seq_length: int,
+        pad_token_id: int,
+        packing: bool = False,
+        lengths: bool = False,
+        context: tuple[int, int] = (0, 1),
+    ):
         self.seq_length = seq_length
         self.pad_token_id = pad_token_id
         self.packing = packing
         self.lengths = lengths
+        self.context = context
 
     def __call__(self, samples: list):
         batch, seq = len(samples), self.seq_length
         input_ids = torch.full((batch, seq), self.pad_token_id, dtype=torch.long)  # [B, S]
         labels = torch.full((batch, seq), IGNORE_INDEX, dtype=torch.long)  # [B, S]
         position_ids = torch.arange(seq, dtype=torch.long).expand(batch, seq).contiguous()  # [B, S]
-        tokens = 0
         lengths = torch.zeros(batch, dtype=torch.long)  # [B]
         for i, sample in enumerate(samples):
             at = 0
@@ -47,7 +60,9 @@ class CausalLMCollator:
                 at += n
             if self.packing:
                 position_ids[i, at:] = torch.arange(seq - at)  # the padding tail: a row of its own
-            tokens += at
             lengths[i] = at
+        input_ids, labels = shard(input_ids, *self.context), shard(labels, *self.context)
+        start = self.context[0] * input_ids.shape[1]
+        tokens = int((lengths - start).clamp(0, input_ids.shape[1]).sum())  # this rank's positions that hold tokens
         inputs = (input_ids, position_ids, lengths) if self.lengths else (input_ids, position_ids)
         return inputs, labels, torch.tensor(tokens)

@@ -32,13 +32,15 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from models import context_parallel
+from models.context_parallel import ContextParallel
 from models.expert_parallel import ExpertParallel
 from models.families import FAMILIES, attention_chunk, family_of, hf_classes, is_sparse_layer, sliding_window
 from models.key_table import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
@@ -118,11 +120,14 @@ class DecoderOptions:
     checkpoint_every: recompute every k-th decoder block (block % k == 0) in backward; 0 never, 1 every block.
     routed_experts: Llama 4's experts run on their routed tokens only (`moe.routed_experts`; always so with
         expert parallelism), not every expert on every token as transformers runs them.
+    context: context parallelism (models/context_parallel.py): hidden holds this rank's S/C positions of each row,
+        attention goes through Ulysses over `context.group` (set once the process group exists).
     """
 
     packed: bool = False
     checkpoint_every: int = 0
     routed_experts: bool = False
+    context: ContextParallel = field(default_factory=ContextParallel, compare=False)
 
     def recompute(self, block: int) -> bool:
         return self.checkpoint_every > 0 and block % self.checkpoint_every == 0
@@ -201,6 +206,9 @@ class DecoderPipe:
         self.recompute = self.options.recompute(layer_idx)
         self.window = sliding_window(config, self.self_attn)
         self.chunk = attention_chunk(config, layer_idx)
+        self.cp = options.context
+        if self.cp.size > 1:
+            context_parallel.attach(self.self_attn, self.self_attn.config, self.cp, self.attn_implementation)
 
     def moe_block(self) -> nn.Module:
         """The sparse block (`mlp`; Llama 4's `feed_forward`) of a sparse layer."""
@@ -230,8 +238,11 @@ class DecoderPipe:
         return out, layer_stats(logits, self.top_k, token_mask(lengths, position_ids.shape[-1]))
 
     def _block(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        cos_sin = self.rotary_emb(hidden, position_ids)  # 2 x [B, S, head_dim]
-        packed, seq = self.options.packed, position_ids.shape[-1]  # hidden may hold S/T positions (sequence parallel)
+        # position_ids: the whole row's; hidden may hold S/T positions (sequence parallel) of this rank's S/C
+        # (context parallel), which attention sees: RoPE turns this rank's S/C positions into angles.
+        local_positions = context_parallel.shard(position_ids, self.cp.rank, self.cp.size)
+        cos_sin = self.rotary_emb(hidden, local_positions)  # 2 x [B, S/C, head_dim]
+        packed, seq = self.options.packed, position_ids.shape[-1]
         window = self.window if self.window is not None and self.window < seq else None
         chunk = self.chunk if self.chunk is not None and self.chunk < seq else None
         mask, extra = None, {}
@@ -244,7 +255,7 @@ class DecoderPipe:
                     ~mask, torch.finfo(hidden.dtype).min
                 )
         return super().forward(
-            hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin, **extra
+            hidden, attention_mask=mask, position_ids=local_positions, position_embeddings=cos_sin, **extra
         )
 
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
+from models.context_parallel import ContextParallel
 from models.expert_parallel import ExpertParallel
 from models.key_table import TIED_KEY, pipe_layers
 from models.layers import DecoderOptions
@@ -46,7 +47,7 @@ class PipelineStageModule(PipelineModule):
         # builds immediately, and plain attributes are allowed before Module's own fields exist.
         self._precomputed_bounds = list(bounds)
         self.model_config = config
-        self._tp, self._ep = tp, ep
+        self._tp, self._ep, self._cp = tp, ep, options.context
         super().__init__(layers=layer_specs(config, tp, options, ep), partition_method="precomputed", **kwargs)
 
     def _partition_layers(self, method="precomputed"):
@@ -60,6 +61,8 @@ class PipelineStageModule(PipelineModule):
         self._tp.group = self._grid.get_slice_parallel_group()
         if self._ep.size > 1:
             expert_groups(self._topo, self.global_rank, self._ep)
+        if self._cp.size > 1:
+            context_groups(self._topo, self.global_rank, self._cp)
 
     def _get_frozen_parameter_names(self, layer):
         """The layer-file keys of `layer`'s frozen parameters (LoRA saves without them): a sparse block's fused
@@ -121,6 +124,22 @@ def expert_groups(topology, rank: int, ep: ExpertParallel) -> None:
                 group = dist.new_group(ranks[offset :: ep.size])
                 if rank in ranks[offset :: ep.size]:
                     ep.data_group = group
+
+
+def context_groups(topology, rank: int, cp: ContextParallel) -> None:
+    """Every stage's context-parallel groups: the C consecutive indices of DeepSpeed's data axis that share a DP
+    replica (training/topology.py), each TP rank apart. Collective: every rank creates every group, in one order."""
+    import torch.distributed as dist
+
+    dims = topology.get_dim("pipe"), topology.get_dim("data"), topology.get_dim("model")
+    for stage in range(dims[0]):
+        for tp_rank in range(dims[2]):
+            for first in range(0, dims[1], cp.size):
+                ranks = [topology.get_rank(pipe=stage, data=d, model=tp_rank) for d in range(first, first + cp.size)]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    cp.group = group
+                    assert cp.rank == ranks.index(rank), "context-parallel rank differs from training/topology.py's"
 
 
 def build_pipeline_module(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import check, torchrun
-from tests.workers.forward_parity import EP_LAYOUTS, LAYOUTS, SEQ
+from tests.workers.forward_parity import CP_LAYOUTS, EP_LAYOUTS, LAYOUTS, SEQ
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 
@@ -50,22 +50,27 @@ def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
     check(torchrun("tests/workers/forward_parity.py", 4, str(tmp_path / "cases.json"), str(tmp_path)))
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
     records = [r for rank in ranks for r in rank["records"]]
-    seen = {(r["case"], r["pp"], r["tp"], r["sp"], r["ep"], r["dp_rank"], r["tp_rank"]) for r in records}
-    # Every (case, layout) is checked on every rank of the last stage; models with experts at EP=2 too.
+    seen = {(r["case"], r["pp"], r["tp"], r["sp"], r["ep"], r["cp"], r["dp_rank"], r["tp_rank"]) for r in records}
+    # Every (case, layout) is checked on every rank of the last stage (each CP rank on its positions); models with
+    # experts at EP=2 too, dense models at CP=2.
+    layouts = [(*x, 1, 1) for x in LAYOUTS]
     assert seen == {
-        (c["name"], pp, tp, sp, ep, d, t)
+        (c["name"], pp, tp, sp, ep, cp, d, t)
         for c in cases
-        for pp, tp, sp, ep in [(*x, 1) for x in LAYOUTS] + [(*x, 2) for x in EP_LAYOUTS if c["name"] in MOE]
-        for d in range(4 // (pp * tp))
+        for pp, tp, sp, ep, cp in layouts
+        + ([(*x, 2, 1) for x in EP_LAYOUTS] if c["name"] in MOE else [(*x, 1, 2) for x in CP_LAYOUTS])
+        for d in range(4 // (pp * tp * cp))
         for t in range(tp)
     }
     failures = [r for r in records if r["error"]]
     assert not failures, failures
     for tp in (1, 2):
-        diffs = [r["max_abs_logit_diff"] for r in records if r["tp"] == tp and r["ep"] == 1]
+        diffs = [r["max_abs_logit_diff"] for r in records if r["tp"] == tp and r["ep"] == r["cp"] == 1]
         print(f"forward parity TP={tp}: {len(diffs)} checks, max |logit diff| = {max(diffs):.3g}")
     worst = max(r["max_abs_logit_diff"] for r in records if r["ep"] == 2)
     print(f"forward parity EP=2: {sum(r['ep'] == 2 for r in records)} checks, max |logit diff| = {worst:.3g}")
+    worst = max(r["max_abs_logit_diff"] for r in records if r["cp"] == 2)
+    print(f"forward parity CP=2: {sum(r['cp'] == 2 for r in records)} checks, max |logit diff| = {worst:.3g}")
     # Stage-to-stage traffic of one micro-batch [B, S, H], counted on DeepSpeed's p2p.send, per rank of stage 0:
     # PP=2 alone sends it whole; TP=2 without sequence parallelism sends 1/T of it (DeepSpeed's partitioning, after
     # which stage 1 all-gathers the whole [B, S, H] on every TP rank), with it each rank's own S/T positions (and
@@ -79,12 +84,18 @@ def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
             split = t["tp"] if not t["stats_bytes"] or t["sp"] else 1
             assert t["sent_float_bytes"] == t["hidden_bytes"] // split + t["stats_bytes"], t
         else:  # forward only: stage 1 sends nothing back
-            assert t["sent_float_bytes"] == 0 and t["received_positions"] == [SEQ // (2 if t["sp"] else 1)], t
-    sent = {(t["tp"], t["sp"]): t["sent_float_bytes"] for t in traffic if t["stage"] == 0 and not t["stats_bytes"]}
+            shards = t["cp"] * (2 if t["sp"] else 1)
+            assert t["sent_float_bytes"] == 0 and t["received_positions"] == [SEQ // shards], t
+    sent = {
+        (t["tp"], t["sp"]): t["sent_float_bytes"]
+        for t in traffic
+        if t["stage"] == 0 and not t["stats_bytes"] and t["cp"] == 1
+    }
     print(
         f"stage-to-stage bytes per rank and micro-batch: TP=1 {sent[1, False]}, TP=2 {sent[2, False]} "
         f"(stage 1 all-gathers them), TP=2 + SP {sent[2, True]} (stage 1 keeps the shard)"
     )
+    assert {t["sent_float_bytes"] for t in traffic if t["stage"] == 0 and t["cp"] == 2} == {sent[1, False] // 2}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -88,6 +88,11 @@ LAYOUTS = {
     # the shared expert; its experts split over EP=2 across two stages, and over TP=2 x EP=2 with sequence parallelism.
     "llama4-pp2-dp2-ep2": ("llama4", "false", 2, 1, "", 0),
     "llama4-tp2-dp2-ep2": ("llama4", "false", 1, 2, "", 0),
+    # Context parallelism C=2 (Ulysses; DP=1): packed rows whose documents cross the shard boundary, every block
+    # recomputed, the loss 5 tokens at a time, over two stages; Mistral's sliding window under TP=2 with sequence
+    # parallelism (the row cut into C x T = 4 pieces).
+    "gqa-pp2-cp2-packed-recompute-chunked": ("gqa", "true", 2, 1, "packing", 5),
+    "mistral-tp2-cp2": ("mistral", "false", 1, 2, "", 0),
 }
 
 
@@ -97,6 +102,7 @@ RESUMED = {
     "gqa-pp2-dp2-packed-recompute2-chunked",
     "qwen3_moe-pp2-tp2-chunked",
     "mixtral-pp2-dp2-ep2-recompute",
+    "gqa-pp2-cp2-packed-recompute-chunked",
 }
 
 # Micro-batches per step: 3, or 4 where tests/test_schedules.py's DualPipeV (which needs 2 x PP) shares the 1F1B run.
@@ -160,6 +166,8 @@ def layout_args(
         extra["sequence_parallel"] = "false"
     if "-ep2" in layout:
         extra["expert_parallel_size"] = 2
+    if "-cp2" in layout:
+        extra["context_parallel_size"] = 2
     if arrangement:
         extra[f"data.{arrangement}"] = "true"
     stages = more.pop("num_stages", stages)
@@ -168,14 +176,14 @@ def layout_args(
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_training_matches_single_process_reference(layout, hf_models, converted, sft_data, tmp_path, tmp_path_factory):
-    """4 ranks as PP x TP x DP; every layout's steps equal one HF model trained on the same global batches
+    """4 ranks as PP x TP x CP x DP; every layout's steps equal one HF model trained on the same global batches
     (with packing: the same rows, unpacked), and its evaluation the same model's over every eval row."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     variant, recompute, stages, tp, arrangement, chunk = LAYOUTS[layout]
     cfg = layout_config(layout, sft_data)
     out = layout_run(layout, converted, sft_data, tmp_path_factory)
-    dp = 4 // (stages * tp)
+    dp = 4 // (stages * tp * (2 if "-cp2" in layout else 1))
     ours, worst = assert_matches_reference(out, cfg, hf_models[variant], sft_data, dp=dp, layout=layout)
     # The trained checkpoint exported to Hugging Face is the same model.
     export = tmp_path / "hf_export"
@@ -188,8 +196,9 @@ def test_training_matches_single_process_reference(layout, hf_models, converted,
     config = AutoConfig.from_pretrained(out)
     moved = max(float((ours[k] - v).abs().max()) for k, v in load_hf_state_dict(converted[variant], config).items())
     assert moved > 1e-3, "weights should have changed"
+    cp = " x CP=2" if "-cp2" in layout else ""
     print(
-        f"training parity ({layout}, PP={stages} x TP={tp} x DP={dp}): max |weight diff| "
+        f"training parity ({layout}, PP={stages} x TP={tp} x DP={dp}{cp}): max |weight diff| "
         f"after {STEPS} steps = {worst:.3g}, weights moved {moved:.3g}"
     )
 

@@ -139,7 +139,14 @@ def _weights_source(run: Run, plan: checkpointing.ResumePlan) -> str | None:
 def assemble(cfg: TrainConfig) -> Run:
     """Build this rank's part of the run described by `cfg`. Collective; raises RunError (same on every rank)."""
     rank, world = init_distributed(cfg.dist_timeout_minutes)
-    coords = Coords(rank, world, cfg.num_stages, cfg.tensor_parallel_size, cfg.pipeline_schedule == "dualpipev")
+    coords = Coords(
+        rank,
+        world,
+        cfg.num_stages,
+        cfg.tensor_parallel_size,
+        cfg.pipeline_schedule == "dualpipev",
+        cfg.context_parallel_size,
+    )
     configure_logging(coords, cfg.log_all_ranks)
     log.info("%s", LAUNCH[0])
     with agreed():
@@ -190,7 +197,11 @@ def assemble(cfg: TrainConfig) -> Run:
         run.collate = PairCollator(padded_seq_length(cfg), pad_id(run.tokenizer), lengths=is_moe(model_config))
     else:
         run.collate = CausalLMCollator(
-            padded_seq_length(cfg), pad_id(run.tokenizer), cfg.data.documents_share_rows, lengths=is_moe(model_config)
+            padded_seq_length(cfg),
+            pad_id(run.tokenizer),
+            cfg.data.documents_share_rows,
+            lengths=is_moe(model_config),
+            context=(coords.cp_rank, coords.cp),
         )
     run.data_state = data_state(run)
     if needs_reference(cfg):  # before the training stage exists: the pass builds (and drops) a stage of its own

@@ -97,6 +97,7 @@ def saved_layout(cfg: TrainConfig, coords: Coords, model_config, bounds: list[in
         "precision": resolve_precision(cfg.deepspeed.precision),
         "zero_stage": resolve_zero_stage(cfg.deepspeed.zero_stage),
         "expert_parallel_size": cfg.expert_parallel_size,
+        "context_parallel_size": cfg.context_parallel_size,
     }
 
 

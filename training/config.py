@@ -117,7 +117,7 @@ class TrainConfig:
     model_name_or_path: str | None = None  # a converted pipeline checkpoint (convert2ckpt.py) or an HF directory
     tokenizer_name_or_path: str | None = None  # default: model_name_or_path
     output_dir: str = "outputs/run"  # checkpoints, metrics.jsonl, logs, the resolved train_config.yaml
-    num_stages: int = 1  # pipeline stages (PP); world = PP x TP x DP
+    num_stages: int = 1  # pipeline stages (PP); world = PP x TP x CP x DP
     # 1f1b (DeepSpeed's), zero_bubble (weight gradients deferred into the bubble), dualpipev (two stages per rank
     # in a V, DeepSpeed's; needs gradient_accumulation_steps >= 2 x num_stages).
     pipeline_schedule: PipelineSchedule = PipelineSchedule["1f1b"]
@@ -125,6 +125,9 @@ class TrainConfig:
     # Models with experts: split each sparse block's experts over this many data-parallel ranks of a stage (E must
     # divide the DP size and the number of experts); tokens reach their experts by all-to-all.
     expert_parallel_size: int = 1
+    # Context parallelism (DeepSpeed-Ulysses): C ranks of a stage hold the same rows, each seq_length / C positions,
+    # from the embedding to the loss; attention trades them for heads by all-to-all. World = PP x TP x CP x DP.
+    context_parallel_size: int = 1
     # With TP: each TP rank holds seq_length / TP positions between the split regions (norms, residual stream,
     # stage-to-stage tensors). None: on whenever tensor_parallel_size > 1; false: every rank holds them all.
     sequence_parallel: bool | None = None
@@ -211,8 +214,9 @@ def sequences_per_sample(cfg: TrainConfig) -> int:
 
 
 def sequence_shards(cfg: TrainConfig) -> int:
-    """How many equal parts the sequence dimension is cut into between stages (TP ranks with sequence parallelism)."""
-    return cfg.tensor_parallel_size if sequence_parallel(cfg) else 1
+    """How many equal parts the sequence dimension is cut into between stages: CP ranks, times TP ranks with sequence
+    parallelism."""
+    return cfg.context_parallel_size * (cfg.tensor_parallel_size if sequence_parallel(cfg) else 1)
 
 
 def padded_seq_length(cfg: TrainConfig) -> int:

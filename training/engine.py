@@ -13,6 +13,7 @@ from deepspeed.runtime.utils import clip_grad_norm_
 
 from checkpoint.universal import universal_info
 from models.config import checkpoint_every
+from models.context_parallel import ContextParallel
 from models.expert_parallel import ExpertParallel
 from models.key_table import param_tp_split
 from models.layers import DecoderOptions, init_weights
@@ -57,7 +58,8 @@ def deepspeed_config(cfg: TrainConfig, coords: Coords, load_universal: bool = Fa
     conf = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-        "train_batch_size": coords.global_batch(cfg.micro_batch_size, cfg.gradient_accumulation_steps),
+        # DeepSpeed's data-parallel ranks: the CP ranks of a replica count as ranks of it (training/topology.py)
+        "train_batch_size": coords.global_batch(cfg.micro_batch_size, cfg.gradient_accumulation_steps) * coords.cp,
         # NOTE: clipping always on (inf = compute the norm, never clip) so grad_norm is always reported.
         "gradient_clipping": cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"),
         "steps_per_print": ds.steps_per_print,
@@ -189,7 +191,7 @@ def build_module(
         bounds: the stage bounds (`models.partition.stage_bounds`, computed once per run).
         skip_init: leave weights uninitialised because a checkpoint will overwrite them.
     """
-    topology = PipeModelDataParallelTopology(num_pp=cfg.num_stages, num_mp=coords.tp, num_dp=coords.dp)
+    topology = PipeModelDataParallelTopology(num_pp=cfg.num_stages, num_mp=coords.tp, num_dp=coords.data_ranks)
     module = build_pipeline_module(
         model_config,
         topology,
@@ -199,6 +201,7 @@ def build_module(
             packed=cfg.data.documents_share_rows,
             checkpoint_every=checkpoint_every(cfg.model),
             routed_experts=cfg.moe.routed_experts,
+            context=ContextParallel(coords.cp, coords.cp_rank),
         ),
         loss_fn=loss_fn,
         skip_init=skip_init,

@@ -128,7 +128,7 @@ class Trainer:
         """The last stage's micro-batches with their loss scales (pairs for objective=dpo)."""
         r = self.assembled
         kind = PairScaledBatches if self.cfg.objective == "dpo" else LossScaledBatches
-        return kind(batches, micro_batches, r.dp_group(), r.coords.dp)
+        return kind(batches, micro_batches, r.dp_group(), r.coords.data_ranks)
 
     def _router_metrics(self, prefix: str = "") -> dict:
         """Last stage of a model with experts: the load-balancing loss (mean over the micro-batches since the last
@@ -139,7 +139,7 @@ class Trainer:
         sums = r.loss_fn.router_sums if r.loss_fn.router_sums is not None else torch.zeros(3, dtype=torch.float64)
         sums = sums.detach().to("cpu", torch.float64)
         r.loss_fn.router_sums = None
-        if r.coords.dp > 1:
+        if r.coords.data_ranks > 1:
             load = sums[2:].clone()
             dist.all_reduce(sums, group=r.dp_group())
             dist.all_reduce(load, op=dist.ReduceOp.MAX, group=r.dp_group())
@@ -153,7 +153,7 @@ class Trainer:
         sums = r.loss_fn.sums if r.loss_fn.sums is not None else torch.zeros(len(r.loss_fn.SUMS))
         sums = sums.detach().to("cpu", torch.float64)
         r.loss_fn.reset()
-        if r.coords.dp > 1:
+        if r.coords.data_ranks > 1:
             dist.all_reduce(sums, group=r.dp_group())
         return {f"{prefix}{k}": v for k, v in r.loss_fn.totals(sums).items()}
 
@@ -255,7 +255,7 @@ class Trainer:
             )
         elif c.is_last:
             totals = torch.tensor(r.loss_fn.totals(), dtype=torch.float64)
-            if c.dp > 1:
+            if c.data_ranks > 1:
                 dist.all_reduce(totals, group=r.dp_group())
             loss_sum, tokens = float(totals[0]), int(totals[1])
             if tokens == 0:

@@ -1,7 +1,10 @@
-"""Where a rank sits in the PP x DP x TP grid, and the numbers that follow from it (the one place for them).
+"""Where a rank sits in the PP x DP x CP x TP grid, and the numbers that follow from it (the one place for them).
 
-DeepSpeed's `PipeModelDataParallelTopology` orders ranks pipe-major, then data, then model (tensor-parallel):
-rank = stage * (DP * TP) + dp_rank * TP + tp_rank, so the ranks of a TP group are adjacent (one node).
+DeepSpeed's `PipeModelDataParallelTopology` orders ranks pipe-major, then data, then model (tensor-parallel).
+Context parallelism lives inside DeepSpeed's data axis (DP x C of them; DeepSpeed averages gradients over all,
+and the loss scale counts them: training/batches.py): its index is dp_rank * C + cp_rank, so
+rank = stage * (DP * C * TP) + (dp_rank * C + cp_rank) * TP + tp_rank: the ranks of a TP group are adjacent (one
+node), and a CP group's C x T ranks too.
 """
 
 from __future__ import annotations
@@ -11,25 +14,41 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Coords:
-    """This rank's place: pipeline stage, data-parallel replica and tensor-parallel rank."""
+    """This rank's place: pipeline stage, data-parallel replica, context-parallel and tensor-parallel rank."""
 
     rank: int
     world: int
     num_stages: int
     tp: int = 1  # tensor-parallel ranks per stage and replica
     loss_on_first: bool = False  # DualPipeV: rank 0 holds the first and the last stage, so it loads and scores
+    cp: int = 1  # context-parallel ranks per stage and replica (each holds S/C positions of the same rows)
 
     @property
     def dp(self) -> int:
-        return max(1, self.world // (self.num_stages * self.tp))  # >= 1 so logging works before validation
+        """Data-parallel replicas: sets of ranks that read different rows."""
+        return max(1, self.world // (self.num_stages * self.tp * self.cp))  # >= 1 so logging works before validation
+
+    @property
+    def data_ranks(self) -> int:
+        """DeepSpeed's data-parallel size: DP x C (gradients are averaged over them)."""
+        return self.dp * self.cp
+
+    @property
+    def data_index(self) -> int:
+        """This rank's index on DeepSpeed's data axis: dp_rank * C + cp_rank."""
+        return (self.rank // self.tp) % self.data_ranks
 
     @property
     def stage(self) -> int:
-        return self.rank // (self.dp * self.tp)
+        return self.rank // (self.data_ranks * self.tp)
 
     @property
     def dp_rank(self) -> int:
-        return (self.rank // self.tp) % self.dp
+        return self.data_index // self.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.data_index % self.cp
 
     @property
     def tp_rank(self) -> int:
@@ -51,8 +70,8 @@ class Coords:
 
     @property
     def reporting(self) -> bool:
-        """The one rank that writes metrics and results: last stage, DP rank 0, TP rank 0 (it has the loss)."""
-        return self.is_last and self.dp_rank == 0 and self.tp_rank == 0
+        """The one rank that writes metrics and results: last stage, DP, CP and TP rank 0 (it has the loss)."""
+        return self.is_last and self.data_index == 0 and self.tp_rank == 0
 
     def global_batch(self, micro_batch_size: int, gradient_accumulation_steps: int) -> int:
         """Sequences per optimizer step over all DP ranks."""

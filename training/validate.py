@@ -101,6 +101,7 @@ def validate(cfg: TrainConfig, training_here: bool = True) -> None:
     check_reporters(cfg.report_to)
     need(cfg.num_stages >= 1, f"num_stages={cfg.num_stages} must be >= 1")
     need(cfg.tensor_parallel_size >= 1, f"tensor_parallel_size={cfg.tensor_parallel_size} must be >= 1")
+    need(cfg.context_parallel_size >= 1, f"context_parallel_size={cfg.context_parallel_size} must be >= 1")
     need(cfg.model.vocab_pad_multiple >= 1, f"model.vocab_pad_multiple={cfg.model.vocab_pad_multiple} must be >= 1")
     checkpoint_every(cfg.model)
     need(cfg.model.loss_chunk_size >= 0, f"model.loss_chunk_size={cfg.model.loss_chunk_size} must be >= 0")
@@ -196,16 +197,49 @@ def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
         f"num_stages={cfg.num_stages} is larger than the model's {num_layers} decoder layers "
         "(every stage needs at least one)",
     )
+    cp = cfg.context_parallel_size
     split = f"num_stages={cfg.num_stages}" + (f" x tensor_parallel_size={tp}" if tp > 1 else "")
+    split += f" x context_parallel_size={cp}" if cp > 1 else ""
     _need(
-        world_size % (cfg.num_stages * tp) == 0,
-        f"{split} does not divide the world size {world_size} (PP x TP x DP = world size)",
+        world_size % (cfg.num_stages * tp * cp) == 0,
+        f"{split} does not divide the world size {world_size} (PP x TP x CP x DP = world size)",
     )
     bad = tp_indivisible(model_config, tp)
     _need(bad is None, f"tensor_parallel_size={tp} must divide {bad[0]}={bad[1]}" if bad else "")
+    validate_context_parallel(cfg, model_config)
     validate_expert_parallel(cfg, world_size, model_config)
     if is_moe(model_config):
         validate_experts(cfg, model_config)
+
+
+def validate_context_parallel(cfg: TrainConfig, model_config) -> None:
+    """context_parallel_size against the model: Ulysses splits each TP rank's heads over the C ranks."""
+    cp = cfg.context_parallel_size
+    if cp == 1:
+        return
+    heads = model_config.num_attention_heads // cfg.tensor_parallel_size
+    kv = model_config.num_key_value_heads // cfg.tensor_parallel_size
+    per_tp = " per tensor-parallel rank" if cfg.tensor_parallel_size > 1 else ""
+    _need(
+        heads % cp == 0,
+        f"context_parallel_size={cp} must divide the model's {heads} attention heads{per_tp} (num_attention_heads="
+        f"{model_config.num_attention_heads}): each CP rank attends with heads / C of them",
+    )
+    _need(
+        kv % cp == 0 or cp % kv == 0,
+        f"context_parallel_size={cp} and the model's {kv} key/value heads{per_tp} (num_key_value_heads="
+        f"{model_config.num_key_value_heads}): one must divide the other (fewer KV heads than C are replicated)",
+    )
+    _need(
+        not is_moe(model_config),
+        f"context_parallel_size={cp} with a model with experts ({model_config.model_type}) is not built yet: "
+        "expert routing and its load-balancing statistics are not split over CP ranks",
+    )
+    _need(
+        cfg.objective == "sft",
+        f"context_parallel_size={cp} with objective={cfg.objective} is not built yet: a pair's log-probabilities "
+        "are not summed over CP ranks",
+    )
 
 
 def validate_expert_parallel(cfg: TrainConfig, world_size: int, model_config) -> None:
@@ -215,7 +249,7 @@ def validate_expert_parallel(cfg: TrainConfig, world_size: int, model_config) ->
     if ep == 1:
         return
     _need(is_moe(model_config), f"expert_parallel_size={ep}: the model ({model_config.model_type}) has no experts")
-    dp = world_size // (cfg.num_stages * cfg.tensor_parallel_size)
+    dp = world_size // (cfg.num_stages * cfg.tensor_parallel_size * cfg.context_parallel_size)
     _need(dp % ep == 0, f"expert_parallel_size={ep} does not divide the data-parallel size {dp} of each stage")
     experts = num_experts(model_config)
     _need(experts % ep == 0, f"expert_parallel_size={ep} does not divide the model's {experts} experts")

@@ -21,6 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from models.context_parallel import shard
 from models.layers import split_stats
 from models.loss import IGNORE_INDEX
 from models.moe import WithAuxLoss, aux_loss, empty_stats, is_moe
@@ -36,6 +37,8 @@ BATCH, SEQ = 2, 24
 LAYOUTS = [(1, 1, False), (2, 1, False), (4, 1, False), (1, 2, False), (2, 2, False), (1, 2, True), (2, 2, True)]
 # Models with experts also split them over expert_parallel_size=2: EP=2 (DP=4), PP=2 x EP=2, TP=2 x EP=2 with SP.
 EP_LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, True)]
+# Context parallelism C=2 (Ulysses): CP=2 (DP=2), PP=2 x CP=2, TP=2 x CP=2 without and with SP; dense models.
+CP_LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (1, 2, True)]
 FIRST_DOC = 10  # packed cases: documents of 10 and 14 tokens per row
 
 
@@ -114,7 +117,8 @@ def main():
     for case in json.load(open(cases_path)):
         packed = case.get("packed", False)
         experts = is_moe(AutoConfig.from_pretrained(case["ckpt_dir"]))
-        for pp, tp_size, sp, ep in [(*x, 1) for x in LAYOUTS] + [(*x, 2) for x in EP_LAYOUTS if experts]:
+        layouts = [(*x, 1, 1) for x in LAYOUTS] + [(*x, 2, 1) for x in EP_LAYOUTS if experts]
+        for pp, tp_size, sp, ep, cp in layouts + [(*x, 1, 2) for x in CP_LAYOUTS if not experts]:
             cfg = TrainConfig(
                 num_stages=pp,
                 tensor_parallel_size=tp_size,
@@ -123,11 +127,12 @@ def main():
                 seq_length=SEQ,
                 sequence_parallel=sp,
                 expert_parallel_size=ep,
+                context_parallel_size=cp,
             )
             cfg.data.packing = packed
             config = AutoConfig.from_pretrained(case["ckpt_dir"])
             config._attn_implementation = case["attn"]
-            coords = Coords(rank, world, pp, tp_size)
+            coords = Coords(rank, world, pp, tp_size, cp=cp)
             tp = TensorParallel(tp_size, coords.tp_rank, sequence_parallel=sp)
             ce = None
             if vocab_parallel(config, tp):
@@ -140,6 +145,7 @@ def main():
             module._synchronize_tied_weights()
             engine = initialize_engine(cfg, coords, module, 1)
             ids, pos, labels = batch_for(coords.dp_rank, config.vocab_size, packed)
+            ids, labels = shard(ids, coords.cp_rank, cp), shard(labels, coords.cp_rank, cp)  # position_ids whole
             received = []
             if pp == 2 and coords.stage == 1:  # the hidden positions this rank's stage receives
                 module.forward_funcs[0].register_forward_pre_hook(
@@ -157,10 +163,11 @@ def main():
                         "case": case["name"],
                         "tp": tp_size,
                         "sp": sp,
+                        "cp": cp,
                         "stage": coords.stage,
                         "sent_float_bytes": SENT["float_bytes"],
                         "received_positions": received[:1],
-                        "hidden_bytes": BATCH * SEQ * config.hidden_size * 4,
+                        "hidden_bytes": BATCH * SEQ * config.hidden_size * 4 // cp,
                         "stats_bytes": empty_stats(config).numel() * 4 if is_moe(config) else 0,
                     }
                 )
@@ -175,18 +182,25 @@ def main():
                     )
                     references[case["name"], coords.dp_rank] = reference(hf, ids, labels, packed)
                 ref_logits, ref_loss, ref_aux = references[case["name"], coords.dp_rank]
+                ref_logits = shard(ref_logits, coords.cp_rank, cp)
                 loss_sum, tokens = loss_fn.totals()
+                if cp > 1:  # the row's loss: its shards' sums
+                    sums = torch.tensor([loss_sum, tokens], dtype=torch.float64)
+                    dist.all_reduce(sums, group=module._cp.group)
+                    loss_sum, tokens = float(sums[0]), int(sums[1])
                 err, key = None, (case["name"], pp, coords.dp_rank, coords.tp_rank)
                 try:
-                    if ep > 1:  # the experts' matmuls on other sets of rows: fp32 rounding of another blocking
+                    if cp > 1:  # attention over the whole row after the all-to-all; the same kernel, other strides
+                        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+                    elif ep > 1:  # the experts' matmuls on other sets of rows: fp32 rounding of another blocking
                         torch.testing.assert_close(logits, ref_logits, rtol=1e-6, atol=1e-6)
                     elif tp_size == 1 and not packed:  # bit-identical (README and docs/architecture.md say so)
                         assert torch.equal(logits, ref_logits), f"max |logit diff| {(logits - ref_logits).abs().max()}"
                     else:  # row-parallel sums add the same terms in another order
                         torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
-                    if sp and ep == 1:  # the same sums as without SP, reduce-scattered instead of all-reduced
+                    if sp and ep == cp == 1:  # the same sums as without SP, reduce-scattered instead of all-reduced
                         torch.testing.assert_close(logits, without_sp[key], rtol=1e-6, atol=1e-6)
-                    elif tp_size > 1 and ep == 1:
+                    elif tp_size > 1 and ep == cp == 1:
                         without_sp[key] = logits
                     # the loss is HF's fp32 mean vs our fp64 division
                     torch.testing.assert_close(torch.tensor(loss_sum / tokens), ref_loss, rtol=1e-6, atol=1e-6)
@@ -201,6 +215,7 @@ def main():
                         "tp": tp_size,
                         "sp": sp,
                         "ep": ep,
+                        "cp": cp,
                         "dp_rank": coords.dp_rank,
                         "tp_rank": coords.tp_rank,
                         "max_abs_logit_diff": float((logits - ref_logits).abs().max()),

@@ -1,0 +1,97 @@
+"""Context parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023) inside a pipeline stage: the C ranks of a context-
+parallel group hold the same rows, each its S/C consecutive positions, from the embedding to the loss.
+
+Everything but attention works position by position, so it runs on the shard as it is: the embedding, every RMSNorm,
+the MLPs, the residual stream, the stage-to-stage tensor ([B, S/C, H]; / T more under sequence parallelism) and the
+loss on the shard's targets. Attention needs every position: DeepSpeed's `UlyssesSPAttentionHF` swaps the shard of
+all heads for all positions of H/C heads by all-to-all, runs the family's own attention kernel on them, and swaps
+back. `position_ids` stay whole ([B, S]) through the stages, so every layer builds the whole row's mask (packed
+documents, sliding windows) as without CP, and RoPE turns this rank's slice of them into angles.
+
+Rank r of the group holds positions [r * S/C, (r + 1) * S/C); with sequence parallelism its TP ranks split those
+again (models/sequence_parallel.py), so the row is cut into C x T equal pieces in rank order.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ATTENTION_KEY = "context_parallel"  # the transformers attention-interface key of a CP layer's attention
+
+
+@dataclass
+class ContextParallel:
+    """This rank's place in its context-parallel group. `group` is set once the process group exists."""
+
+    size: int = 1
+    rank: int = 0
+    group: Any = None
+
+
+def shard(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
+    """Positions [rank * S/size, (rank + 1) * S/size) of `x` along `dim` (the sequence of [B, S, ...])."""
+    if size == 1:
+        return x
+    return x.narrow(dim, rank * (x.shape[dim] // size), x.shape[dim] // size)
+
+
+def _ulysses_attention(module, query, key, value, attention_mask, **kwargs):
+    """The attention-interface function every CP layer's attention calls (its config names ATTENTION_KEY): the
+    layer's own `UlyssesAttention` (query, key and value: [B, heads, S/C, D], this rank's positions)."""
+    return module.ulysses(module, query, key, value, attention_mask, **kwargs)
+
+
+def register_attention() -> None:
+    """Make ATTENTION_KEY a transformers attention implementation (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_KEY, _ulysses_attention)
+
+
+def ulysses_class():
+    """DeepSpeed's `UlyssesSPAttentionHF` taking any batch size: its shape checks are fixed at construction (the
+    micro-batch size), while evaluation may use another one and DPO runs pairs (imported late: DeepSpeed)."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    class UlyssesAttention(UlyssesSPAttentionHF):
+        def forward(self, module, query, key, value, attention_mask, *args, **kwargs):
+            if query.shape[0] != self.batch_size:
+                self.batch_size = query.shape[0]
+                self.required_query_shape = torch.Size([1, self.batch_size, *self.required_query_shape[2:]])
+                self.required_key_value_shape = torch.Size([1, self.batch_size, *self.required_key_value_shape[2:]])
+                self.required_context_shape = torch.Size([1, self.batch_size, self.required_context_shape[2]])
+            return super().forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return UlyssesAttention
+
+
+def attach(attention: torch.nn.Module, config, cp: ContextParallel, implementation: str) -> None:
+    """Route `attention` (a family's transformers attention module, built from `config`: this TP rank's heads)
+    through Ulysses over `cp.group`, around the kernel `implementation` would have used. Adds no parameter, buffer
+    or state_dict key."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    register_attention()
+    if implementation == "eager":  # the family's own eager attention (Llama 4's differs)
+        kernel = sys.modules[type(attention).__module__].eager_attention_forward
+    else:
+        kernel = ALL_ATTENTION_FUNCTIONS[implementation]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    ulysses = ulysses_class()(
+        attn=kernel,
+        batch_size=1,
+        attn_head_count=config.num_attention_heads,
+        attn_head_size=head_dim,
+        kv_head_count=config.num_key_value_heads,
+        num_hidden_layers=config.num_hidden_layers,
+        process_group=cp.group,
+        seq_length_is_variable=True,
+    )
+    object.__setattr__(attention, "ulysses", ulysses)  # not a submodule: no keys, not moved or cast by DeepSpeed
+    attention.config = copy.copy(config)  # this layer's attention only dispatches to Ulysses
+    attention.config._attn_implementation = ATTENTION_KEY

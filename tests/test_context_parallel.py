@@ -1,0 +1,97 @@
+"""Context parallelism (DeepSpeed-Ulysses, models/context_parallel.py): each CP rank's batch shard, resume across a
+change of C, and the settings refused in one line. Forward parity is tests/test_parity.py's (CP=2, PP=2 x CP=2,
+TP=2 x CP=2 with and without SP); training parity is tests/test_training.py's `-cp2` layouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.collator import CausalLMCollator
+from tests.catalogue import config_error
+from tests.conftest import check, launch, read_jsonl
+
+
+def test_collator_gives_each_cp_rank_its_positions():
+    """The C ranks of a group read the same rows: their shards laid end to end are the whole batch, position_ids stay
+    whole on each, and their token counts add up to the batch's (packed and unpacked)."""
+    rows = [
+        (torch.arange(3, 10), torch.ones(7, dtype=torch.bool)),
+        (torch.arange(3, 16), torch.ones(13, dtype=torch.bool)),
+    ]
+    for packing, samples in ((False, rows), (True, [rows, rows[:1]])):
+        whole_inputs, whole_labels, whole_tokens = CausalLMCollator(24, 0, packing)(samples)
+        for c in (2, 4):
+            shards = [CausalLMCollator(24, 0, packing, context=(r, c))(samples) for r in range(c)]
+            assert torch.equal(torch.cat([s[0][0] for s in shards], 1), whole_inputs[0])
+            assert torch.equal(torch.cat([s[1] for s in shards], 1), whole_labels)
+            assert all(torch.equal(s[0][1], whole_inputs[1]) for s in shards)
+            assert sum(int(s[2]) for s in shards) == int(whole_tokens)
+
+
+@pytest.mark.parametrize(
+    "variant, world, extra, expected",
+    [
+        (
+            "gqa",
+            3,
+            {"context_parallel_size": 2},
+            "num_stages=1 x context_parallel_size=2 does not divide the world size 3",
+        ),
+        ("gqa", 8, {"context_parallel_size": 8}, "context_parallel_size=8 must divide the model's 4 attention heads"),
+        (
+            "gqa",
+            8,
+            {"context_parallel_size": 4, "tensor_parallel_size": 2},
+            "context_parallel_size=4 must divide the model's 2 attention heads per tensor-parallel rank",
+        ),
+        ("mixtral", 2, {"context_parallel_size": 2}, "context_parallel_size=2 with a model with experts (mixtral)"),
+        ("gqa", 2, {"context_parallel_size": 2, "objective": "dpo"}, "context_parallel_size=2 with objective=dpo"),
+        ("gqa", 2, {"context_parallel_size": 0}, "context_parallel_size=0 must be >= 1"),
+    ],
+)
+def test_context_parallel_refusals(variant, world, extra, expected, converted, sft_data, tmp_path):
+    """One line naming the key, before any data or weight is read (the trainer's own checks, in-process)."""
+    args = {
+        "model_name_or_path": converted[variant],
+        "train_file": sft_data[0],
+        "output_dir": tmp_path,
+        "seq_length": 64,
+    }
+    line = config_error([f"{k}={v}" for k, v in {**args, **extra}.items()], world_size=world)
+    assert expected in line and "\n" not in line, line
+
+
+@pytest.mark.slow
+def test_resume_across_a_change_of_context_parallel_size(converted, sft_data, tmp_path, tmp_path_factory):
+    """fp32 ZeRO-0 state reshaped by parameter name across C: step 2 of 4 saved with PP=2 x CP=2 continues with
+    PP=2 x CP=1 (2 ranks), and step 2 of PP=2 x DP=2 continues with PP=2 x CP=2 (twice the micro-batches: the same
+    global batch), each on its unmoved run's loss curve to fp32 reduction-order noise."""
+    from transformers import AutoConfig
+
+    from checkpoint.pipeline_reader import load_hf_state_dict
+    from tests.test_training import STEPS, interrupted_copy, layout_args, layout_config, layout_run
+
+    for layout, ranks, more in [
+        ("gqa-pp2-cp2-packed-recompute-chunked", 2, {"context_parallel_size": 1}),
+        ("gqa-pp2-dp2-packed-recompute2-chunked", 4, {"context_parallel_size": 2, "gradient_accumulation_steps": 8}),
+    ]:
+        full = Path(layout_run(layout, converted, sft_data, tmp_path_factory))
+        expected = read_jsonl(full / "metrics.jsonl")
+        config = AutoConfig.from_pretrained(full)
+        part = tmp_path / layout
+        interrupted_copy(full, part, 2)
+        proc = check(launch(ranks, *layout_args(layout, converted, sft_data, str(part), resume="true", **more)))
+        assert "optimizer state reshaped by parameter name" in proc.stdout + proc.stderr
+        got = read_jsonl(part / "metrics.jsonl")
+        assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+        for a, b in zip(expected[2:], got[2:], strict=True):
+            assert a["lr"] == b["lr"] and a["input_tokens"] == b["input_tokens"], (a, b)
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (layout, a, b)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (layout, a, b)
+        final, moved = load_hf_state_dict(str(full), config), load_hf_state_dict(str(part), config)
+        worst = max(float((moved[k] - v).abs().max()) for k, v in final.items())
+        assert worst < 0.01 * layout_config(layout, sft_data).learning_rate, (layout, worst)
+        print(f"CP move {layout} -> {more}: max |weight diff| after {STEPS} steps vs unmoved = {worst:.3g}")
