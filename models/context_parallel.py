@@ -34,10 +34,11 @@ class ContextParallel:
 
 
 def shard(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
-    """Positions [rank * S/size, (rank + 1) * S/size) of `x` along `dim` (the sequence of [B, S, ...])."""
+    """Positions [rank * S/size, (rank + 1) * S/size) of `x` along `dim` (the sequence of [B, S, ...]), in a tensor of
+    their own: a view would keep the whole row's storage alive wherever autograd saves it (the embedding's ids)."""
     if size == 1:
         return x
-    return x.narrow(dim, rank * (x.shape[dim] // size), x.shape[dim] // size)
+    return x.narrow(dim, rank * (x.shape[dim] // size), x.shape[dim] // size).clone()
 
 
 def _ulysses_attention(module, query, key, value, attention_mask, **kwargs):

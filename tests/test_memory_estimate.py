@@ -259,10 +259,10 @@ def test_tp_and_sequence_parallel_activation_estimates_match_measurement(tmp_pat
 
 
 @pytest.mark.slow
-def test_one_32k_token_row_through_pp2_tp2_sequence_parallel(tmp_path):
-    """One row of 32,768 tokens, PP=2 x TP=2 with sequence parallelism, every block recomputed, the loss 4,096
-    tokens at a time: the step's loss equals transformers' on the whole row (1e-5 relative), and each rank's peak
-    bytes saved for backward match the planner's (within 5%)."""
+def test_one_32k_token_row_through_sequence_and_context_parallelism(tmp_path):
+    """One row of 32,768 tokens, PP=2 x TP=2 with sequence parallelism, and PP=2 x CP=2 (Ulysses), every block
+    recomputed, the loss 4,096 tokens at a time: each step's loss equals transformers' on the whole row (1e-5
+    relative), and each rank's peak bytes saved for backward match the planner's (within 5%)."""
     import json
 
     from transformers import AutoModelForCausalLM
@@ -275,8 +275,11 @@ def test_one_32k_token_row_through_pp2_tp2_sequence_parallel(tmp_path):
     hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
     make_hf_model(hf_dir, config)
     check(convert_in_process(["--input", hf_dir, "--output", ckpt]))
-    check(torchrun("tests/workers/long_rows.py", 4, ckpt, str(tmp_path)))
-    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(4)]
+    runs = {}
+    for mode, flags in (("sp", []), ("cp", ["--context-parallel"])):
+        (tmp_path / mode).mkdir()
+        check(torchrun("tests/workers/long_rows.py", 4, ckpt, str(tmp_path / mode), *flags))
+        runs[mode] = [json.load(open(tmp_path / mode / f"rank{r}.json")) for r in range(4)]
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
     ids, _, labels = long_row(config.vocab_size)
@@ -284,16 +287,19 @@ def test_one_32k_token_row_through_pp2_tp2_sequence_parallel(tmp_path):
         logits = hf(input_ids=ids).logits
     ref = torch.nn.functional.cross_entropy(logits[0], labels[0], ignore_index=-100)
     bounds = stage_bounds(config, 2, "uniform")
-    for r in ranks:
+    for mode, r in [(mode, r) for mode, ranks in runs.items() for r in ranks]:
         assert r["loss"] == pytest.approx(float(ref), rel=1e-5), (r, float(ref))
         assert r["live_after_step"] == 0, r  # everything saved was released by the backward
         # 1F1B with one micro-batch: each stage holds one micro-batch's kept tensors (the planner adds the one
         # block being recomputed, which torch keeps outside the hooks).
         layers = range(bounds[r["stage"]], bounds[r["stage"] + 1])
-        kept, live = stage_activation_bytes(config, layers, 1, LONG_SEQ, 2, 4, "sdpa", False, 1, True)
+        if mode == "sp":
+            kept, live = stage_activation_bytes(config, layers, 1, LONG_SEQ, 2, 4, "sdpa", False, 1, True)
+        else:  # this rank's S/C positions of the row
+            kept, live = stage_activation_bytes(config, layers, 1, LONG_SEQ // 2, 1, 4, "sdpa", False, 1, row=LONG_SEQ)
         measured = r["peak_saved_bytes"]
         print(
-            f"32k row, rank {r['rank']} (stage {r['stage']}): peak saved {measured / 2**20:.2f} MiB, planner "
+            f"32k row, {mode}, rank {r['rank']} (stage {r['stage']}): peak saved {measured / 2**20:.2f} MiB, planner "
             f"{kept / 2**20:.2f} MiB ({kept / measured - 1:+.1%}); + the recomputed block {live / 2**20:.2f} MiB"
         )
         assert abs(kept / measured - 1) <= 0.05, (r, kept)

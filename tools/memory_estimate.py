@@ -4,9 +4,10 @@ activations of the micro-batches in flight, and logits, for the busiest pipeline
     python -m tools.memory_estimate experiment=llama2_70b_2node [more overrides]
     python -m tools.memory_estimate model=llama2_7b num_stages=4 world_size=8 seq_length=4096
 
-`world_size=N` (default: num_stages x tensor_parallel_size, i.e. DP=1) sets
-DP = N / (num_stages x tensor_parallel_size). `gpu_memory_gib=80` also suggests, per pipeline schedule, a
-micro-batch size, micro-batch count and partition that fit that much memory per GPU, smallest bubble first.
+`world_size=N` (default: num_stages x tensor_parallel_size x context_parallel_size, i.e. DP=1) sets
+DP = N / (num_stages x tensor_parallel_size x context_parallel_size). `gpu_memory_gib=80` also suggests, per
+pipeline schedule, a micro-batch size, micro-batch count and partition that fit that much memory per GPU, smallest
+bubble first, and the context_parallel_size the seq_length needs to fit.
 The micro-batches in flight follow `pipeline_schedule` (the instruction lists its engine executes).
 An estimate, not a measurement: it leaves out the CUDA context (~0.5 GiB), allocator fragmentation
 and communication buffers; plan for 10-20% on top.
@@ -79,6 +80,7 @@ def layer_activation_bytes(
     sp: bool = False,
     sparse: bool = False,
     routed: bool = False,
+    row: int | None = None,
 ) -> float:
     """Bytes one decoder block keeps for backward per micro-batch (tensors autograd saves, counted once).
 
@@ -91,7 +93,11 @@ def layer_activation_bytes(
     parallelism (`sp`) divides the norms' own tensors too (`sharded_norm_bytes`). Eager
     attention adds the probabilities (heads x S per token); packed rows on SDPA/eager add the mask
     (S per token); flash-attn keeps neither (Korthikanti et al.'s sbh(34 + 5as/h), specialised to LLaMA).
+    Context parallelism: `s` is this rank's S/C positions of a `row` of S; Ulysses' attention holds all S positions
+    of heads / C, the same bytes as S/C positions of every head, but eager's probabilities (heads / C x S x S) and
+    the whole row's mask (S x S) grow with the row, not the shard.
     """
+    row = row or s
     h, heads, inter = config.hidden_size, config.num_attention_heads, getattr(config, family_of(config).dense_size)
     head_dim = getattr(config, "head_dim", None) or h // heads
     kv_dim = config.num_key_value_heads * head_dim
@@ -101,9 +107,9 @@ def layer_activation_bytes(
     if sparse:  # a sparse block (`sparse_mlp_bytes`): the experts' and the router's tensors
         per_token += sparse_mlp_bytes(config, tp, act_bytes, routed)
     if attn == "eager":
-        per_token += heads / tp * s * act_bytes
+        per_token += heads / tp * row * act_bytes
     if packed and attn != "flash_attention_2":
-        per_token += s * act_bytes
+        per_token += row * (row / s) * act_bytes
     return b * s * per_token
 
 
@@ -120,40 +126,42 @@ def stage_activation_bytes(
     sp: bool = False,
     vocab_multiple: int = 1,
     routed: bool = False,
+    row: int | None = None,
 ) -> tuple[float, float]:
     """(bytes kept per micro-batch in flight, bytes of the one block being recomputed) for the pipeline layers
     `layers` of a stage; `every`: recompute every k-th block (0: none), keeping only its input. The final
     norm and the LM head's input count on the last stage; the loss's logits are `Estimate.logits`. `sp`: sequence
     parallelism over the `tp` ranks (a recomputed block's input and the final norm hold s / tp positions);
     `vocab_multiple`: `model.vocab_pad_multiple` (a padded vocabulary takes the vocab-parallel embedding and head);
-    `routed`: Llama 4's experts run on their routed tokens only (`sparse_mlp_bytes`)."""
+    `routed`: Llama 4's experts run on their routed tokens only (`sparse_mlp_bytes`); `row`: the whole row's length
+    when `s` is one context-parallel rank's share of it."""
     from models.key_table import EMBED, NORM, block_of, pipe_layers
     from models.tensor_parallel import TensorParallel, vocab_parallel
 
     moe = family_of(config).moe is not None
 
     n = config.num_hidden_layers
-    per_layer = layer_activation_bytes(config, b, s, tp, act_bytes, attn, packed, sp)
-    per_sparse = layer_activation_bytes(config, b, s, tp, act_bytes, attn, packed, sp, True, routed) if moe else 0
+    per_layer = layer_activation_bytes(config, b, s, tp, act_bytes, attn, packed, sp, row=row)
+    per_sparse = layer_activation_bytes(config, b, s, tp, act_bytes, attn, packed, sp, True, routed, row) if moe else 0
     shards = tp if sp else 1  # positions of the residual stream per rank: s / shards
     split_vocab = vocab_parallel(config, TensorParallel(tp, 0, vocab_multiple))
     kept, live = 0.0, 0.0
     kinds = {layer.index: layer.kind for layer in pipe_layers(n, config.tie_word_embeddings)}
+    recomputed = [i for i in layers if block_of(i, n) is not None and every and block_of(i, n) % every == 0]
+    if recomputed:  # a recomputed block keeps its inputs: the hidden shard and the whole row's position_ids (once)
+        kept += b * (row or s) * 8
     for index in layers:
         block = block_of(index, n)
         own = per_sparse if block is not None and is_sparse_layer(config, block) else per_layer
-        if block is not None and every and block % every == 0:
+        if index in recomputed:
             kept, live = kept + b * s * config.hidden_size * act_bytes / shards, max(live, own)
         elif block is not None:
             kept += own
         elif kinds[index] == NORM:
-            # + the LM head's own copy of its input (nn.Linear's; the vocab-parallel head under TP saves none)
-            head_input = 0 if split_vocab else config.hidden_size * act_bytes
-            kept += b * s * (sharded_norm_bytes(config.hidden_size, act_bytes, shards) + head_input)
+            # the LM head saves the norm's output, which `norm_bytes` counts (the vocab-parallel head saves none)
+            kept += b * s * sharded_norm_bytes(config.hidden_size, act_bytes, shards)
         elif kinds[index] == EMBED:
-            kept += (
-                b * s * (17 if split_vocab else 8)
-            )  # token ids (vocab-parallel: + this rank's ids and its bool mask)
+            kept += b * s * (9 if split_vocab else 8)  # token ids (vocab-parallel: this rank's ids and a bool mask)
     return kept, live
 
 
@@ -204,9 +212,9 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     from training.precision import resolve_precision, resolve_zero_stage
     from training.schedules import memory_states
 
-    pp, tp, schedule = cfg.num_stages, cfg.tensor_parallel_size, cfg.pipeline_schedule
+    pp, tp, cp, schedule = cfg.num_stages, cfg.tensor_parallel_size, cfg.context_parallel_size, cfg.pipeline_schedule
     dual = schedule == "dualpipev"
-    dp = max(1, world_size // (pp * tp))
+    dp = max(1, world_size // (pp * tp * cp))
     precision = resolve_precision(cfg.deepspeed.precision, auto="bf16")  # planning for a bf16 GPU
     zero = resolve_zero_stage(cfg.deepspeed.zero_stage, gpu=True)
     weight_bytes = 4 if precision == "fp32" else 2
@@ -214,7 +222,8 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     grad_bytes = 4 if accum == "fp32" else 2
     # fp32 master copy (not for fp32 runs) + Adam's two moments, sharded over DP by ZeRO-1, or in CPU RAM.
     optim_bytes = (0 if precision == "fp32" else 4) + 8
-    optim_share = 0.0 if cfg.deepspeed.offload_optimizer else (1 / dp if zero >= 1 else 1.0)
+    # ZeRO-1 shards over DeepSpeed's data-parallel ranks: DP x CP (training/topology.py).
+    optim_share = 0.0 if cfg.deepspeed.offload_optimizer else (1 / (dp * cp) if zero >= 1 else 1.0)
     # One TP rank's share, and with expert parallelism one EP rank's E / ep experts of each sparse block, whose
     # optimizer state ZeRO-1 shards over the DP / ep ranks holding the same experts (training/expert_parallel.py).
     ep, shard = cfg.expert_parallel_size, TensorParallel(tp, 0, cfg.model.vocab_pad_multiple)
@@ -223,7 +232,8 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     expert_share = optim_share * ep if zero >= 1 else optim_share
     stages = model_stages(schedule, pp)
     bounds = stage_bounds(config, stages, cfg.model.partition)
-    b, s = cfg.micro_batch_size * sequences_per_sample(cfg), padded_seq_length(cfg)
+    row = padded_seq_length(cfg)
+    b, s = cfg.micro_batch_size * sequences_per_sample(cfg), row // cp  # this rank's positions of each row
     every = checkpoint_every(cfg.model)
     act_bytes = 2 if precision != "fp32" else 4
     attn = str(cfg.model.attn_implementation)
@@ -243,7 +253,7 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
             params -= counts[-1]  # a tied head on the embedding's rank is the embedding itself (PP=1, DualPipeV)
         per_half = [
             stage_activation_bytes(
-                config, r, b, s, tp, act_bytes, attn, packed, every, sp, cfg.model.vocab_pad_multiple, routed
+                config, r, b, s, tp, act_bytes, attn, packed, every, sp, cfg.model.vocab_pad_multiple, routed, row
             )
             for r in own
         ]
@@ -311,8 +321,35 @@ def suggest(cfg, config, world_size: int, gpu_gib: float) -> list[str]:
             found.append(best[1:])
     found.sort(key=lambda f: f[0])
     return [line for _, line in found] or [
-        f"nothing fits {gpu_gib} GiB with PP={pp}: add stages, TP, or activation checkpointing"
+        f"nothing fits {gpu_gib} GiB with PP={pp}: add stages, TP, CP, or activation checkpointing"
     ]
+
+
+def context_for(cfg, config, world_size: int, gpu_gib: float) -> str:
+    """The smallest context_parallel_size whose busiest stage fits `gpu_gib` per GPU (10% kept free) at this
+    seq_length, keeping PP, TP and DP: the world grows by C. C must divide the heads per TP rank (Ulysses)."""
+    import copy
+
+    from training.validate import validate_layout
+
+    pp, tp = cfg.num_stages, cfg.tensor_parallel_size
+    dp = max(1, world_size // (pp * tp * cfg.context_parallel_size))
+    heads = config.num_attention_heads // tp
+    for c in [c for c in range(1, heads + 1) if heads % c == 0]:
+        trial = copy.deepcopy(cfg)
+        trial.context_parallel_size = c
+        world = pp * tp * c * dp
+        try:
+            validate_layout(trial, world, config)
+        except ValueError:
+            continue
+        busiest = max(r.total for r in estimate(trial, config, world)) / GIB
+        if busiest <= 0.9 * gpu_gib:
+            return (
+                f"seq_length={cfg.seq_length} needs context_parallel_size={c} (world_size={world}: PP={pp} x TP={tp} "
+                f"x CP={c} x DP={dp}): busiest stage {busiest:.1f} GiB"
+            )
+    return f"seq_length={cfg.seq_length}: no context_parallel_size up to {heads} (the heads per TP rank) fits"
 
 
 def main(argv: list[str]) -> int:
@@ -330,16 +367,17 @@ def main(argv: list[str]) -> int:
         if cfg.model_name_or_path is None and cfg.model.hidden_size is None:
             raise ValueError("name a model preset (model=...) or an experiment")
         config = load_model_config(cfg)
-        world_size = world_size or cfg.num_stages * cfg.tensor_parallel_size
+        world_size = world_size or cfg.num_stages * cfg.tensor_parallel_size * cfg.context_parallel_size
         rows = estimate(cfg, config, world_size)
     except (ValueError, RunError) as e:  # e.g. dualpipev with fewer than 2 x num_stages micro-batches
         print(f"memory_estimate: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    dp = world_size // (cfg.num_stages * cfg.tensor_parallel_size)
+    cp = cfg.context_parallel_size
+    dp = world_size // (cfg.num_stages * cfg.tensor_parallel_size * cp)
     sp = f", sequence_parallel={str(sequence_parallel(cfg)).lower()}" if cfg.tensor_parallel_size > 1 else ""
     pairs = f" pairs ({sequences_per_sample(cfg)} sequences each)" if cfg.objective == "dpo" else ""
     print(
-        f"PP={cfg.num_stages} x TP={cfg.tensor_parallel_size} x DP={dp}, "
+        f"PP={cfg.num_stages} x TP={cfg.tensor_parallel_size}{f' x CP={cp}' if cp > 1 else ''} x DP={dp}, "
         f"micro-batch {cfg.micro_batch_size}{pairs} x "
         f"{cfg.seq_length} tokens, "
         f"{cfg.deepspeed.precision}, recompute={cfg.model.activation_checkpointing}, "
@@ -366,6 +404,7 @@ def main(argv: list[str]) -> int:
         print(f"fits {gib:g} GiB per GPU:")
         for line in suggest(cfg, config, world_size, gib):
             print(f"  {line}")
+        print(f"  {context_for(cfg, config, world_size, gib)}")
     return 0
 
 

@@ -1,7 +1,8 @@
 """Worker (torchrun, 4 ranks): one training step on a single row of LONG_SEQ tokens through PP=2 x TP=2 with
-sequence parallelism, every block recomputed and the loss computed in chunks.
+sequence parallelism (or PP=2 x CP=2: context parallelism), every block recomputed and the loss computed in chunks.
 
     torchrun --nproc_per_node 4 tests/workers/long_rows.py CKPT_DIR OUT_DIR [--no-sequence-parallel]
+        [--context-parallel] [--seq N]
 
 Each rank writes OUT_DIR/rank{R}.json: the step's loss (the mean over the row's target tokens), and the peak
 bytes of the tensors autograd saved in its stage's forward that were alive at once (parameters excluded;
@@ -11,10 +12,13 @@ recomputation, which torch keeps outside the hooks, is not in it).
 
 import json
 import os
+import resource
 import sys
+import time
 
 import torch
 
+from models.context_parallel import shard
 from models.loss import CausalLMLoss
 from models.partition import stage_bounds
 from models.tensor_parallel import TensorParallel, vocab_parallel_cross_entropy
@@ -27,12 +31,12 @@ from training.topology import Coords
 LONG_SEQ, CHUNK = 32768, 4096
 
 
-def long_row(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def long_row(vocab: int, seq: int = LONG_SEQ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids [1, S], position_ids [1, S], labels [1, S]): one row, the last position unscored."""
-    ids = torch.randint(3, vocab, (1, LONG_SEQ), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
     labels = torch.roll(ids, -1, dims=1)
     labels[:, -1] = -100
-    return ids, torch.arange(LONG_SEQ)[None], labels
+    return ids, torch.arange(seq)[None], labels
 
 
 class SavedBytes:
@@ -72,25 +76,30 @@ class _Held:
 
 def main():
     ckpt_dir, out_dir = sys.argv[1], sys.argv[2]
-    sp = "--no-sequence-parallel" not in sys.argv[3:]
+    flags = sys.argv[3:]
+    sp, cp = "--no-sequence-parallel" not in flags, 2 if "--context-parallel" in flags else 1
+    seq = int(flags[flags.index("--seq") + 1]) if "--seq" in flags else LONG_SEQ
     rank, world = init_distributed()
     from transformers import AutoConfig
 
     cfg = TrainConfig(
         num_stages=2,
-        tensor_parallel_size=2,
+        tensor_parallel_size=2 // cp,
+        context_parallel_size=cp,
         sequence_parallel=sp,
         micro_batch_size=1,
         gradient_accumulation_steps=1,
-        seq_length=LONG_SEQ,
+        seq_length=seq,
     )
     cfg.model.activation_checkpointing = 1  # every block
     cfg.model.loss_chunk_size = CHUNK
     config = AutoConfig.from_pretrained(ckpt_dir)
     config._attn_implementation = "sdpa"
-    coords = Coords(rank, world, 2, 2)
-    tp = TensorParallel(2, coords.tp_rank, sequence_parallel=sp)
-    ce = lambda logits, labels: vocab_parallel_cross_entropy(logits, labels, tp, config.vocab_size)  # noqa: E731
+    coords = Coords(rank, world, 2, 2 // cp, cp=cp)
+    tp = TensorParallel(2 // cp, coords.tp_rank, sequence_parallel=sp)
+    ce = None  # torch's, on whole logits (TP=1)
+    if tp.size > 1:
+        ce = lambda logits, labels: vocab_parallel_cross_entropy(logits, labels, tp, config.vocab_size)  # noqa: E731
     loss_fn = CausalLMLoss(ce, CHUNK)
     module = build_module(cfg, coords, config, loss_fn, tp, stage_bounds(config, 2, cfg.model.partition))
     load_stage_weights(module, os.path.join(ckpt_dir, "global_step0"), config, tp)
@@ -103,15 +112,21 @@ def main():
             return forward(*args, **kwargs)
 
     module.forward = counted_forward
-    ids, pos, labels = long_row(config.vocab_size)
-    scale = torch.tensor(1.0 / int((labels != -100).sum()))
+    ids, pos, labels = long_row(config.vocab_size, seq)
+    # DeepSpeed averages the loss and gradients over its data ranks, the CP ranks (each scoring its shard) among them
+    scale = torch.tensor(cp / int((labels != -100).sum()))
+    ids, labels = shard(ids, coords.cp_rank, cp), shard(labels, coords.cp_rank, cp)  # position_ids whole
+    start = time.perf_counter()
     loss = engine.train_batch(iter([((ids, pos), (labels, scale))]))
+    seconds = time.perf_counter() - start
     record = {
         "rank": rank,
         "stage": coords.stage,
         "loss": float(loss),
         "peak_saved_bytes": saved.peak,
         "live_after_step": saved.live,
+        "step_seconds": seconds,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
