@@ -98,6 +98,28 @@ def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
     assert {t["sent_float_bytes"] for t in traffic if t["stage"] == 0 and t["cp"] == 2} == {sent[1, False] // 2}
 
 
+def test_forward_parity_pp2_tp2_cp2(hf_models, converted, tmp_path):
+    """PP=2 x TP=2 x CP=2 on 8 ranks, without and with sequence parallelism (the row cut into C x T = 4 pieces):
+    logits within 1e-5 of transformers' on each rank's positions, for packed rows, a sliding window with eager
+    attention and Qwen3's q/k norms with KV heads replicated (1 per TP rank, C=2)."""
+    names = [("gqa", "sdpa-packed"), ("mistral", "eager"), ("qwen3", "sdpa")]
+    cases = [
+        {"name": f"{m}-{a}", "hf_dir": hf_models[m], "ckpt_dir": converted[m], "attn": a.split("-")[0]}
+        | {"packed": a.endswith("-packed")}
+        for m, a in names
+    ]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    check(torchrun("tests/workers/forward_parity.py", 8, str(tmp_path / "cases.json"), str(tmp_path), "--pp2-tp2-cp2"))
+    records = [r for rank in range(8) for r in json.loads((tmp_path / f"rank{rank}.json").read_text())["records"]]
+    # the last stage's 4 ranks (CP x TP) in both layouts, for every case
+    assert sorted((r["case"], r["sp"]) for r in records) == sorted((c["name"], sp) for c in cases for sp in (0, 1) * 4)
+    assert not [r for r in records if r["error"]], records
+    print(
+        f"forward parity PP=2 x TP=2 x CP=2: {len(records)} checks, max |logit diff| "
+        f"{max(r['max_abs_logit_diff'] for r in records):.3g}"
+    )
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bf16_sdpa_matches_hf_on_gpu(hf_models):
     """bf16 SDPA decoder layer on GPU vs HF's bf16 model: same kernels, so tight agreement."""

@@ -3,6 +3,9 @@ the TP layouts without and with sequence parallelism; models with experts also a
 TP=2 x EP=2 with sequence parallelism.
 
     torchrun --nproc_per_node 4 tests/workers/forward_parity.py CASES_JSON OUT_DIR
+    torchrun --nproc_per_node 8 tests/workers/forward_parity.py CASES_JSON OUT_DIR --pp2-tp2-cp2
+
+The second form checks PP=2 x TP=2 x CP=2 only (without and with sequence parallelism), on 8 ranks.
 
 CASES_JSON: [{"name", "hf_dir", "ckpt_dir", "attn", "packed"}]. Each rank writes OUT_DIR/rank{R}.json with one
 record per (case, layout) it checked on the last stage: max |logit difference| and both losses, and (every
@@ -118,7 +121,10 @@ def main():
         packed = case.get("packed", False)
         experts = is_moe(AutoConfig.from_pretrained(case["ckpt_dir"]))
         layouts = [(*x, 1, 1) for x in LAYOUTS] + [(*x, 2, 1) for x in EP_LAYOUTS if experts]
-        for pp, tp_size, sp, ep, cp in layouts + [(*x, 1, 2) for x in CP_LAYOUTS if not experts]:
+        layouts += [(*x, 1, 2) for x in CP_LAYOUTS if not experts]
+        if "--pp2-tp2-cp2" in sys.argv[3:]:
+            layouts = [(2, 2, False, 1, 2), (2, 2, True, 1, 2)]
+        for pp, tp_size, sp, ep, cp in layouts:
             cfg = TrainConfig(
                 num_stages=pp,
                 tensor_parallel_size=tp_size,
@@ -145,7 +151,7 @@ def main():
             module._synchronize_tied_weights()
             engine = initialize_engine(cfg, coords, module, 1)
             ids, pos, labels = batch_for(coords.dp_rank, config.vocab_size, packed)
-            ids, labels = shard(ids, coords.cp_rank, cp), shard(labels, coords.cp_rank, cp)  # position_ids whole
+            mine = shard(ids, coords.cp_rank, cp), shard(labels, coords.cp_rank, cp)  # this CP rank's; pos whole
             received = []
             if pp == 2 and coords.stage == 1:  # the hidden positions this rank's stage receives
                 module.forward_funcs[0].register_forward_pre_hook(
@@ -154,7 +160,7 @@ def main():
             SENT["float_bytes"] = 0
             scale = torch.tensor(1.0)
             _, outputs = engine.eval_batch(
-                iter([((ids, pos), (labels, scale))]), return_logits=True, num_micro_batches=1
+                iter([((mine[0], pos), (mine[1], scale))]), return_logits=True, num_micro_batches=1
             )
             logits, stats = split_stats(outputs) if coords.is_last else (outputs, None)
             if pp == 2:
