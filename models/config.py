@@ -114,6 +114,9 @@ class ModelSettings:
     # NOTE: Any because omegaconf has no unions.
     activation_checkpointing: Any = False
     loss_chunk_size: int = 0  # cross-entropy over this many tokens at a time (no whole fp32 logits); 0: at once
+    # Split each dense MLP's positions into this many tiles, each run alone and recomputed in backward (DeepSpeed's
+    # TiledMLP): no [S, intermediate] tensor at once, for long rows. 0 or 1: off.
+    mlp_tiles: int = 0
     vocab_pad_multiple: int = 1  # pad embedding and LM head rows to a multiple of this (and of TP); never exported
 
 

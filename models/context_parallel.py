@@ -71,6 +71,22 @@ def ulysses_class():
     return UlyssesAttention
 
 
+def tile_mlp(mlp: torch.nn.Module, tiles: int) -> None:
+    """Run `mlp` (a dense MLP: gate, up, act, down) on `tiles` consecutive pieces of its positions, keeping only its
+    input for backward, which reruns each piece's forward and backward in turn (DeepSpeed's `TiledMLP`): a long row
+    never holds its [S, intermediate] activations at once. Its parameters' gradients accumulate piece by piece (so
+    not with zero_bubble's deferred weight gradients), and a piece's output must not cross ranks along the sequence
+    (not with sequence parallelism's reduce-scatter); training.validate refuses both."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    params = [p for p in mlp.parameters() if p.requires_grad]
+
+    def tiled(x: torch.Tensor) -> torch.Tensor:
+        return TiledMLP.apply(lambda module, piece: type(module).forward(module, piece), mlp, x, tiles, params)
+
+    mlp.forward = tiled
+
+
 def attach(attention: torch.nn.Module, config, cp: ContextParallel, implementation: str) -> None:
     """Route `attention` (a family's transformers attention module, built from `config`: this TP rank's heads)
     through Ulysses over `cp.group`, around the kernel `implementation` would have used. Adds no parameter, buffer

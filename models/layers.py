@@ -122,12 +122,15 @@ class DecoderOptions:
         expert parallelism), not every expert on every token as transformers runs them.
     context: context parallelism (models/context_parallel.py): hidden holds this rank's S/C positions of each row,
         attention goes through Ulysses over `context.group` (set once the process group exists).
+    mlp_tiles: > 1: a dense MLP runs its positions in this many tiles, recomputing each in backward
+        (`models.context_parallel.tile_mlp`).
     """
 
     packed: bool = False
     checkpoint_every: int = 0
     routed_experts: bool = False
     context: ContextParallel = field(default_factory=ContextParallel, compare=False)
+    mlp_tiles: int = 0
 
     def recompute(self, block: int) -> bool:
         return self.checkpoint_every > 0 and block % self.checkpoint_every == 0
@@ -209,6 +212,9 @@ class DecoderPipe:
         self.cp = options.context
         if self.cp.size > 1:
             context_parallel.attach(self.self_attn, self.self_attn.config, self.cp, self.attn_implementation)
+        if options.mlp_tiles > 1 and not sparse:
+            moe = family_of(config).moe
+            context_parallel.tile_mlp(getattr(self, moe.block if moe else "mlp"), options.mlp_tiles)
 
     def moe_block(self) -> nn.Module:
         """The sparse block (`mlp`; Llama 4's `feed_forward`) of a sparse layer."""

@@ -50,6 +50,14 @@ def test_collator_gives_each_cp_rank_its_positions():
         ("mixtral", 2, {"context_parallel_size": 2}, "context_parallel_size=2 with a model with experts (mixtral)"),
         ("gqa", 2, {"context_parallel_size": 2, "objective": "dpo"}, "context_parallel_size=2 with objective=dpo"),
         ("gqa", 2, {"context_parallel_size": 0}, "context_parallel_size=0 must be >= 1"),
+        ("gqa", 1, {"model.mlp_tiles": -1}, "model.mlp_tiles=-1 must be >= 0"),
+        (
+            "gqa",
+            2,
+            {"model.mlp_tiles": 4, "num_stages": 2, "pipeline_schedule": "zero_bubble"},
+            "model.mlp_tiles=4 with pipeline_schedule=zero_bubble",
+        ),
+        ("gqa", 2, {"model.mlp_tiles": 4, "tensor_parallel_size": 2}, "model.mlp_tiles=4 with sequence parallelism"),
     ],
 )
 def test_context_parallel_refusals(variant, world, extra, expected, converted, sft_data, tmp_path):
@@ -75,7 +83,7 @@ def test_resume_across_a_change_of_context_parallel_size(converted, sft_data, tm
     from tests.test_training import STEPS, interrupted_copy, layout_args, layout_config, layout_run
 
     for layout, ranks, more in [
-        ("gqa-pp2-cp2-packed-recompute-chunked", 2, {"context_parallel_size": 1}),
+        ("gqa-pp2-cp2-packed-recompute-chunked-tiled", 2, {"context_parallel_size": 1}),
         ("gqa-pp2-dp2-packed-recompute2-chunked", 4, {"context_parallel_size": 2, "gradient_accumulation_steps": 8}),
     ]:
         full = Path(layout_run(layout, converted, sft_data, tmp_path_factory))
@@ -95,3 +103,29 @@ def test_resume_across_a_change_of_context_parallel_size(converted, sft_data, tm
         worst = max(float((moved[k] - v).abs().max()) for k, v in final.items())
         assert worst < 0.01 * layout_config(layout, sft_data).learning_rate, (layout, worst)
         print(f"CP move {layout} -> {more}: max |weight diff| after {STEPS} steps vs unmoved = {worst:.3g}")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tiled_mlp_block_equals_the_whole_block(family):
+    """`model.mlp_tiles=4` (DeepSpeed's TiledMLP around the family's MLP): the block's output, its input's gradient
+    and every parameter's gradient equal the untiled block's (each position's MLP is the same maths)."""
+    from models.layers import DecoderOptions, decoder_layer_class
+    from tools.tiny_models import tiny_config
+
+    config = tiny_config(family, num_key_value_heads=2)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    whole = decoder_layer_class(family)(config, 0)
+    tiled = decoder_layer_class(family)(config, 0, DecoderOptions(mlp_tiles=4))
+    tiled.load_state_dict(whole.state_dict())
+    x, pos = torch.randn(2, 30, config.hidden_size), torch.arange(30).expand(2, 30)  # 30: tiles of 8, 8, 8, 6
+    outputs, grads = [], []
+    for block in (whole, tiled):
+        inp = x.clone().requires_grad_()
+        out = block((inp, pos))[0]
+        out.square().sum().backward()
+        outputs.append(out.detach())
+        grads.append([inp.grad] + [p.grad for p in block.parameters()])
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

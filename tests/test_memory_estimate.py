@@ -73,6 +73,7 @@ LAYOUTS = {  # (config overrides, attention, stages, stage, packed, checkpoint e
     "eager-pp1": ({}, "eager", 1, 0, False, 0, torch.float32),
     "packed-sdpa-pp1": ({}, "sdpa", 1, 0, True, 0, torch.float32),
     "recompute2-pp1": ({}, "sdpa", 1, 0, False, 2, torch.float32),
+    "tiled-mlp-pp2-stage1": ({}, "sdpa", 2, 1, False, 0, torch.float32),  # model.mlp_tiles=4
     "wide-bf16-pp2-stage1": ({"hidden_size": 256, "intermediate_size": 688}, "sdpa", 2, 1, False, 0, torch.bfloat16),
     # Sparse blocks: Mixtral's 8 experts top-2 (expert width 344); Qwen2-MoE's shared expert in every 2nd layer.
     "mixtral-pp2-stage1": ({"model_type": "mixtral", "num_local_experts": 8}, "sdpa", 2, 1, False, 0, torch.float32),
@@ -103,9 +104,13 @@ def test_activation_and_parameter_estimates_match_measurement(layout):
     bounds = stage_bounds(config, stages, "uniform")
     layers = range(bounds[stage], bounds[stage + 1])
     routed = "routed" in layout
-    measured, params = measured_stage(config, layers, b, s, DecoderOptions(packed, every, routed), dtype)
+    tiled = "tiled" in layout
+    options = DecoderOptions(packed, every, routed, mlp_tiles=4 if tiled else 0)
+    measured, params = measured_stage(config, layers, b, s, options, dtype)
     act_bytes = 4 if dtype == torch.float32 else 2
-    kept, live = stage_activation_bytes(config, layers, b, s, 1, act_bytes, attn, packed, every, routed=routed)
+    kept, live = stage_activation_bytes(
+        config, layers, b, s, 1, act_bytes, attn, packed, every, routed=routed, tiled=tiled
+    )
     print(
         f"{layout}: predicted {kept / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB ({kept / measured - 1:+.1%})"
     )
@@ -260,9 +265,9 @@ def test_tp_and_sequence_parallel_activation_estimates_match_measurement(tmp_pat
 
 @pytest.mark.slow
 def test_one_32k_token_row_through_sequence_and_context_parallelism(tmp_path):
-    """One row of 32,768 tokens, PP=2 x TP=2 with sequence parallelism, and PP=2 x CP=2 (Ulysses), every block
-    recomputed, the loss 4,096 tokens at a time: each step's loss equals transformers' on the whole row (1e-5
-    relative), and each rank's peak bytes saved for backward match the planner's (within 5%)."""
+    """One row of 32,768 tokens, PP=2 x TP=2 with sequence parallelism, and PP=2 x CP=2 (Ulysses) with the MLPs in
+    4 tiles, every block recomputed, the loss 4,096 tokens at a time: each step's loss equals transformers' on the
+    whole row (1e-5 relative), and each rank's peak bytes saved for backward match the planner's (within 5%)."""
     import json
 
     from transformers import AutoModelForCausalLM
@@ -276,7 +281,7 @@ def test_one_32k_token_row_through_sequence_and_context_parallelism(tmp_path):
     make_hf_model(hf_dir, config)
     check(convert_in_process(["--input", hf_dir, "--output", ckpt]))
     runs = {}
-    for mode, flags in (("sp", []), ("cp", ["--context-parallel"])):
+    for mode, flags in (("sp", []), ("cp", ["--context-parallel", "--mlp-tiles", "4"])):
         (tmp_path / mode).mkdir()
         check(torchrun("tests/workers/long_rows.py", 4, ckpt, str(tmp_path / mode), *flags))
         runs[mode] = [json.load(open(tmp_path / mode / f"rank{r}.json")) for r in range(4)]
@@ -296,7 +301,9 @@ def test_one_32k_token_row_through_sequence_and_context_parallelism(tmp_path):
         if mode == "sp":
             kept, live = stage_activation_bytes(config, layers, 1, LONG_SEQ, 2, 4, "sdpa", False, 1, True)
         else:  # this rank's S/C positions of the row
-            kept, live = stage_activation_bytes(config, layers, 1, LONG_SEQ // 2, 1, 4, "sdpa", False, 1, row=LONG_SEQ)
+            kept, live = stage_activation_bytes(
+                config, layers, 1, LONG_SEQ // 2, 1, 4, "sdpa", False, 1, row=LONG_SEQ, tiled=True
+            )
         measured = r["peak_saved_bytes"]
         print(
             f"32k row, {mode}, rank {r['rank']} (stage {r['stage']}): peak saved {measured / 2**20:.2f} MiB, planner "

@@ -89,9 +89,9 @@ LAYOUTS = {
     "llama4-pp2-dp2-ep2": ("llama4", "false", 2, 1, "", 0),
     "llama4-tp2-dp2-ep2": ("llama4", "false", 1, 2, "", 0),
     # Context parallelism C=2 (Ulysses; DP=1): packed rows whose documents cross the shard boundary, every block
-    # recomputed, the loss 5 tokens at a time, over two stages; Mistral's sliding window under TP=2 with sequence
-    # parallelism (the row cut into C x T = 4 pieces).
-    "gqa-pp2-cp2-packed-recompute-chunked": ("gqa", "true", 2, 1, "packing", 5),
+    # recomputed, the loss 5 tokens at a time, the MLPs in 3 tiles (DeepSpeed's TiledMLP), over two stages;
+    # Mistral's sliding window under TP=2 with sequence parallelism (the row cut into C x T = 4 pieces).
+    "gqa-pp2-cp2-packed-recompute-chunked-tiled": ("gqa", "true", 2, 1, "packing", 5),
     "mistral-tp2-cp2": ("mistral", "false", 1, 2, "", 0),
 }
 
@@ -102,7 +102,7 @@ RESUMED = {
     "gqa-pp2-dp2-packed-recompute2-chunked",
     "qwen3_moe-pp2-tp2-chunked",
     "mixtral-pp2-dp2-ep2-recompute",
-    "gqa-pp2-cp2-packed-recompute-chunked",
+    "gqa-pp2-cp2-packed-recompute-chunked-tiled",
 }
 
 # Micro-batches per step: 3, or 4 where tests/test_schedules.py's DualPipeV (which needs 2 x PP) shares the 1F1B run.
@@ -168,6 +168,8 @@ def layout_args(
         extra["expert_parallel_size"] = 2
     if "-cp2" in layout:
         extra["context_parallel_size"] = 2
+    if layout.endswith("-tiled"):
+        extra["model.mlp_tiles"] = 3  # DeepSpeed's TiledMLP
     if arrangement:
         extra[f"data.{arrangement}"] = "true"
     stages = more.pop("num_stages", stages)

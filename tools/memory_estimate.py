@@ -81,6 +81,7 @@ def layer_activation_bytes(
     sparse: bool = False,
     routed: bool = False,
     row: int | None = None,
+    tiled: bool = False,
 ) -> float:
     """Bytes one decoder block keeps for backward per micro-batch (tensors autograd saves, counted once).
 
@@ -95,14 +96,15 @@ def layer_activation_bytes(
     (S per token); flash-attn keeps neither (Korthikanti et al.'s sbh(34 + 5as/h), specialised to LLaMA).
     Context parallelism: `s` is this rank's S/C positions of a `row` of S; Ulysses' attention holds all S positions
     of heads / C, the same bytes as S/C positions of every head, but eager's probabilities (heads / C x S x S) and
-    the whole row's mask (S x S) grow with the row, not the shard.
+    the whole row's mask (S x S) grow with the row, not the shard. A `tiled` dense MLP (`model.mlp_tiles`) keeps
+    only its input, which the norm's count already holds.
     """
     row = row or s
     h, heads, inter = config.hidden_size, config.num_attention_heads, getattr(config, family_of(config).dense_size)
     head_dim = getattr(config, "head_dim", None) or h // heads
     kv_dim = config.num_key_value_heads * head_dim
     per_token = 2 * sharded_norm_bytes(h, act_bytes, tp if sp else 1) + 2 * head_dim * act_bytes
-    mlp = 0 if sparse else 4 * inter * act_bytes / tp
+    mlp = 0 if sparse or tiled else 4 * inter * act_bytes / tp
     per_token += ((heads * head_dim + h + 2 * kv_dim) * act_bytes + heads * 4) / tp + mlp
     if sparse:  # a sparse block (`sparse_mlp_bytes`): the experts' and the router's tensors
         per_token += sparse_mlp_bytes(config, tp, act_bytes, routed)
@@ -127,6 +129,7 @@ def stage_activation_bytes(
     vocab_multiple: int = 1,
     routed: bool = False,
     row: int | None = None,
+    tiled: bool = False,
 ) -> tuple[float, float]:
     """(bytes kept per micro-batch in flight, bytes of the one block being recomputed) for the pipeline layers
     `layers` of a stage; `every`: recompute every k-th block (0: none), keeping only its input. The final
@@ -134,14 +137,14 @@ def stage_activation_bytes(
     parallelism over the `tp` ranks (a recomputed block's input and the final norm hold s / tp positions);
     `vocab_multiple`: `model.vocab_pad_multiple` (a padded vocabulary takes the vocab-parallel embedding and head);
     `routed`: Llama 4's experts run on their routed tokens only (`sparse_mlp_bytes`); `row`: the whole row's length
-    when `s` is one context-parallel rank's share of it."""
+    when `s` is one context-parallel rank's share of it; `tiled`: dense MLPs run in tiles (`model.mlp_tiles`)."""
     from models.key_table import EMBED, NORM, block_of, pipe_layers
     from models.tensor_parallel import TensorParallel, vocab_parallel
 
     moe = family_of(config).moe is not None
 
     n = config.num_hidden_layers
-    per_layer = layer_activation_bytes(config, b, s, tp, act_bytes, attn, packed, sp, row=row)
+    per_layer = layer_activation_bytes(config, b, s, tp, act_bytes, attn, packed, sp, row=row, tiled=tiled)
     per_sparse = layer_activation_bytes(config, b, s, tp, act_bytes, attn, packed, sp, True, routed, row) if moe else 0
     shards = tp if sp else 1  # positions of the residual stream per rank: s / shards
     split_vocab = vocab_parallel(config, TensorParallel(tp, 0, vocab_multiple))
@@ -253,7 +256,20 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
             params -= counts[-1]  # a tied head on the embedding's rank is the embedding itself (PP=1, DualPipeV)
         per_half = [
             stage_activation_bytes(
-                config, r, b, s, tp, act_bytes, attn, packed, every, sp, cfg.model.vocab_pad_multiple, routed, row
+                config,
+                r,
+                b,
+                s,
+                tp,
+                act_bytes,
+                attn,
+                packed,
+                every,
+                sp,
+                cfg.model.vocab_pad_multiple,
+                routed,
+                row,
+                cfg.model.mlp_tiles > 1,
             )
             for r in own
         ]

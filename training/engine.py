@@ -202,6 +202,7 @@ def build_module(
             checkpoint_every=checkpoint_every(cfg.model),
             routed_experts=cfg.moe.routed_experts,
             context=ContextParallel(coords.cp, coords.cp_rank),
+            mlp_tiles=cfg.model.mlp_tiles,
         ),
         loss_fn=loss_fn,
         skip_init=skip_init,

@@ -20,6 +20,7 @@ from training.config import (
     TrainConfig,
     min_micro_batches,
     model_stages,
+    sequence_parallel,
 )
 from training.precision import resolve_precision, resolve_zero_stage
 from training.reporting import check_reporters
@@ -105,6 +106,7 @@ def validate(cfg: TrainConfig, training_here: bool = True) -> None:
     need(cfg.model.vocab_pad_multiple >= 1, f"model.vocab_pad_multiple={cfg.model.vocab_pad_multiple} must be >= 1")
     checkpoint_every(cfg.model)
     need(cfg.model.loss_chunk_size >= 0, f"model.loss_chunk_size={cfg.model.loss_chunk_size} must be >= 0")
+    validate_mlp_tiles(cfg)
     need(cfg.seq_length >= 2, f"seq_length={cfg.seq_length} must be >= 2")
     need(cfg.micro_batch_size >= 1, f"micro_batch_size={cfg.micro_batch_size} must be >= 1")
     need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
@@ -210,6 +212,24 @@ def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
     validate_expert_parallel(cfg, world_size, model_config)
     if is_moe(model_config):
         validate_experts(cfg, model_config)
+
+
+def validate_mlp_tiles(cfg: TrainConfig) -> None:
+    """`model.mlp_tiles` (DeepSpeed's TiledMLP, models/context_parallel.tile_mlp) and what it cannot run with."""
+    tiles = cfg.model.mlp_tiles
+    _need(tiles >= 0, f"model.mlp_tiles={tiles} must be >= 0")
+    if tiles <= 1:
+        return
+    _need(
+        cfg.pipeline_schedule != "zero_bubble",
+        f"model.mlp_tiles={tiles} with pipeline_schedule=zero_bubble: TiledMLP takes its weights' gradients inside "
+        "its own backward, where they cannot be deferred; use 1f1b or dualpipev",
+    )
+    _need(
+        not sequence_parallel(cfg),
+        f"model.mlp_tiles={tiles} with sequence parallelism: each tile's output would be reduce-scattered over the "
+        "TP ranks on its own, not the row's; set sequence_parallel=false (or context_parallel_size instead of TP)",
+    )
 
 
 def validate_context_parallel(cfg: TrainConfig, model_config) -> None:

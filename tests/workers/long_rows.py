@@ -2,7 +2,7 @@
 sequence parallelism (or PP=2 x CP=2: context parallelism), every block recomputed and the loss computed in chunks.
 
     torchrun --nproc_per_node 4 tests/workers/long_rows.py CKPT_DIR OUT_DIR [--no-sequence-parallel]
-        [--context-parallel] [--seq N]
+        [--context-parallel] [--seq N] [--mlp-tiles K]
 
 Each rank writes OUT_DIR/rank{R}.json: the step's loss (the mean over the row's target tokens), and the peak
 bytes of the tensors autograd saved in its stage's forward that were alive at once (parameters excluded;
@@ -93,6 +93,8 @@ def main():
     )
     cfg.model.activation_checkpointing = 1  # every block
     cfg.model.loss_chunk_size = CHUNK
+    if "--mlp-tiles" in flags:
+        cfg.model.mlp_tiles = int(flags[flags.index("--mlp-tiles") + 1])
     config = AutoConfig.from_pretrained(ckpt_dir)
     config._attn_implementation = "sdpa"
     coords = Coords(rank, world, 2, 2 // cp, cp=cp)
