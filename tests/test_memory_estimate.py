@@ -12,7 +12,7 @@ from models.layers import DecoderOptions, build_layer
 from models.moe import empty_stats, is_moe
 from models.partition import layer_param_counts, stage_bounds
 from tests.conftest import spawn_ranks
-from tools.memory_estimate import stage_activation_bytes
+from tools.activation_bytes import stage_activation_bytes
 from tools.tiny_models import tiny_config
 
 
@@ -148,7 +148,7 @@ def deferred_bytes(config, b: int, s: int, lora: bool) -> int:
 def test_deferred_weight_gradient_bytes_match_measurement(lora):
     """zero_bubble keeps each linear layer's input and output gradient from B to W: the planner's count of them
     against the tensors the store's queued work holds."""
-    from tools.memory_estimate import deferred_weight_grad_bytes
+    from tools.activation_bytes import deferred_weight_grad_bytes
 
     config = tiny_config(hidden_size=128, intermediate_size=344, num_attention_heads=4, num_key_value_heads=2)
     config._attn_implementation = "sdpa"
