@@ -200,6 +200,9 @@ SCHEDULE_LAYOUTS = ["tied-pp2-dp2", "gqa-pp2-dp2-packed-recompute2-chunked", "gq
 # with experts (and their load-balancing loss) through its two stages per rank, its experts split over EP=2.
 SCHEDULE_CASES = [(s, layout) for layout in SCHEDULE_LAYOUTS for s in ("zero_bubble", "dualpipev")]
 SCHEDULE_CASES.append(("dualpipev", "mixtral-pp2-dp2-ep2-recompute"))
+# Context parallelism (Ulysses) under both schedules: DualPipeV's V with tiled MLPs, zero-bubble's deferred weight
+# gradients with TP=2 x CP=2 and sequence parallelism (one stage).
+SCHEDULE_CASES += [("dualpipev", "gqa-pp2-cp2-packed-recompute-chunked-tiled"), ("zero_bubble", "mistral-tp2-cp2")]
 
 
 @pytest.mark.slow
@@ -233,9 +236,8 @@ def test_schedule_trains_as_1f1b_and_the_reference(schedule, layout, hf_models, 
     bound = 1e-5 if "mixtral" in layout else 1e-6
     assert wa.keys() == wb.keys() and worst <= bound, worst
     variant, _, stages, tp, _, _ = LAYOUTS[layout]
-    assert_matches_reference(
-        ours, layout_config(layout, sft_data, gas), hf_models[variant], sft_data, dp=4 // (stages * tp), layout=layout
-    )
+    dp = 4 // (stages * tp * (2 if "-cp2" in layout else 1))
+    assert_matches_reference(ours, layout_config(layout, sft_data, gas), hf_models[variant], sft_data, dp, layout)
     print(f"{schedule} vs 1f1b ({layout}): max |weight diff| {worst:.3g}")
 
 
