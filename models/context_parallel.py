@@ -76,7 +76,7 @@ def tile_mlp(mlp: torch.nn.Module, tiles: int) -> None:
     input for backward, which reruns each piece's forward and backward in turn (DeepSpeed's `TiledMLP`): a long row
     never holds its [S, intermediate] activations at once. Its parameters' gradients accumulate piece by piece (so
     not with zero_bubble's deferred weight gradients), and a piece's output must not cross ranks along the sequence
-    (not with sequence parallelism's reduce-scatter); training.validate refuses both."""
+    (not with sequence parallelism's reduce-scatter); training.validate refuses both, and TP altogether (unproven)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
     params = [p for p in mlp.parameters() if p.requires_grad]

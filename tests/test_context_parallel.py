@@ -57,7 +57,7 @@ def test_collator_gives_each_cp_rank_its_positions():
             {"model.mlp_tiles": 4, "num_stages": 2, "pipeline_schedule": "zero_bubble"},
             "model.mlp_tiles=4 with pipeline_schedule=zero_bubble",
         ),
-        ("gqa", 2, {"model.mlp_tiles": 4, "tensor_parallel_size": 2}, "model.mlp_tiles=4 with sequence parallelism"),
+        ("gqa", 2, {"model.mlp_tiles": 4, "tensor_parallel_size": 2}, "model.mlp_tiles=4 with tensor_parallel_size=2"),
     ],
 )
 def test_context_parallel_refusals(variant, world, extra, expected, converted, sft_data, tmp_path):

@@ -117,11 +117,12 @@ def test_lora_pipeline_training_matches_peft_reference_and_merges(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,tp", [("zero_bubble", 2), ("dualpipev", 1)])
-def test_lora_under_each_pipeline_schedule_matches_peft(schedule, tp, hf_models, tokenizer_dir, sft_data, tmp_path):
+@pytest.mark.parametrize("schedule,tp,cp", [("zero_bubble", 2, 1), ("dualpipev", 1, 1), ("1f1b", 1, 2)])
+def test_lora_under_each_pipeline_schedule_matches_peft(schedule, tp, cp, hf_models, tokenizer_dir, sft_data, tmp_path):
     """LoRA's A and B weight gradients deferred to W passes under PP=2 x TP=2 (zero_bubble; A of a column layer,
-    whose gradient is summed over TP, stays with autograd), and adapters on the two stages each rank holds
-    (dualpipev): 4 AdamW steps with clipping equal PEFT's single-process training, as under 1F1B."""
+    whose gradient is summed over TP, stays with autograd), adapters on the two stages each rank holds
+    (dualpipev), and adapters under PP=2 x CP=2 (Ulysses): 4 AdamW steps with clipping equal PEFT's single-process
+    training, as under 1F1B."""
 
     cfg = parity_cfg(sft_data[0])
     cfg.lora = LORA
@@ -129,7 +130,7 @@ def test_lora_under_each_pipeline_schedule_matches_peft(schedule, tp, hf_models,
     run = tmp_path / "run"
     # From the Hugging Face directory: each rank converts the layers it holds at load (DualPipeV: two stages).
     args = overrides(cfg, hf_models["gqa"], str(run), 2, pipeline_schedule=schedule, tensor_parallel_size=tp)
-    check(launch(2 * tp, *args, *lora_overrides()))
+    check(launch(2 * tp * cp, *args, f"context_parallel_size={cp}", *lora_overrides()))
     assert_matches_peft(run, cfg, hf_models["gqa"], tokenizer_dir, dp=1)
 
 

@@ -65,7 +65,7 @@ def convert_on_load(
     expected = all_layer_keys(config)
     mine = [i for i in rank_layers(bounds, coords.num_stages)[coords.stage] if i in expected]  # DualPipeV: two stages
     with agreed():
-        if coords.dp_rank == 0 and coords.tp_rank == 0 and mine:  # one writer per file (TP ranks slice at load)
+        if coords.data_index == 0 and coords.tp_rank == 0 and mine:  # one writer per file (TP ranks slice at load)
             try:
                 convert_layers(hf_dir, os.path.join(tmp, TAG), mine, None, config=config)
             except (OSError, CheckpointError) as e:

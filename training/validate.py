@@ -20,7 +20,6 @@ from training.config import (
     TrainConfig,
     min_micro_batches,
     model_stages,
-    sequence_parallel,
 )
 from training.precision import resolve_precision, resolve_zero_stage
 from training.reporting import check_reporters
@@ -226,9 +225,10 @@ def validate_mlp_tiles(cfg: TrainConfig) -> None:
         "its own backward, where they cannot be deferred; use 1f1b or dualpipev",
     )
     _need(
-        not sequence_parallel(cfg),
-        f"model.mlp_tiles={tiles} with sequence parallelism: each tile's output would be reduce-scattered over the "
-        "TP ranks on its own, not the row's; set sequence_parallel=false (or context_parallel_size instead of TP)",
+        cfg.tensor_parallel_size == 1,
+        f"model.mlp_tiles={tiles} with tensor_parallel_size={cfg.tensor_parallel_size}: under sequence parallelism "
+        "each tile's output would be reduce-scattered over the TP ranks on its own, not the row's, and without it "
+        "tiles under TP are not proven here; split long rows with context_parallel_size instead",
     )
 
 
