@@ -15,6 +15,7 @@ again (models/sequence_parallel.py), so the row is cut into C x T equal pieces i
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,7 @@ def register_attention() -> None:
     AttentionInterface.register(ATTENTION_KEY, _ulysses_attention)
 
 
+@functools.cache
 def ulysses_class():
     """DeepSpeed's `UlyssesSPAttentionHF` taking any batch size: its shape checks are fixed at construction (the
     micro-batch size), while evaluation may use another one and DPO runs pairs (imported late: DeepSpeed)."""

@@ -201,6 +201,28 @@ def test_planner_follows_each_schedules_micro_batches_in_flight():
     assert {line.split()[0] for line in lines} == {f"pipeline_schedule={s}" for s in rows}, lines
 
 
+def test_planner_counts_context_parallelism_and_finds_the_c_a_row_needs():
+    """CP=2 holds half the positions per rank (activations and logits halve; ZeRO-1 shards the optimizer over DP x CP)
+    while the weights stay whole; `context_for` names the smallest C whose busiest stage fits, keeping PP and DP."""
+    from tools.memory_estimate import GIB, context_for, estimate
+    from training.config import DeepSpeedConfig, TrainConfig
+
+    config = tiny_config(hidden_size=128, intermediate_size=344, num_attention_heads=4, max_position_embeddings=65536)
+    cfg = TrainConfig(num_stages=2, seq_length=32768, micro_batch_size=1, gradient_accumulation_steps=4)
+    cfg.deepspeed = DeepSpeedConfig(zero_stage=1)
+    one = estimate(cfg, config, 2)
+    cfg.context_parallel_size = 2
+    two = estimate(cfg, config, 4)
+    for a, b in zip(one, two, strict=True):
+        assert a.weights == b.weights and b.optimizer == a.optimizer / 2
+        assert b.activations == pytest.approx(a.activations / 2, rel=0.05) and b.logits == a.logits / 2
+    cfg.context_parallel_size = 1
+    fits = max(r.total for r in two) / GIB / 0.9 + 1e-3  # C=2's busiest stage, with the planner's 10% kept free
+    assert "needs context_parallel_size=2 (world_size=4" in context_for(cfg, config, 2, fits)
+    assert "needs context_parallel_size=1 (world_size=2" in context_for(cfg, config, 2, 100.0)
+    assert "no context_parallel_size up to 4" in context_for(cfg, config, 2, 1e-3)
+
+
 def _tp_stage_worker(rank: int, store: str, out: str) -> None:
     """Rank `rank` of TP=2: saved bytes of each stage of a PP=2 model, without and with sequence parallelism."""
     import json

@@ -83,13 +83,14 @@ class Trainer:
         tokens_per_step = c.global_batch(cfg.micro_batch_size, cfg.gradient_accumulation_steps) * padded_seq_length(cfg)
         tokens_per_step *= sequences_per_sample(cfg)
         log.info(
-            "training steps %d..%d of %d (%d per epoch), PP=%d x TP=%d x DP=%d",
+            "training steps %d..%d of %d (%d per epoch), PP=%d x TP=%d x CP=%d x DP=%d",
             r.step + 1,
             r.total_steps,
             r.total_steps,
             r.plan.steps_per_epoch,
             cfg.num_stages,
             c.tp,
+            c.cp,
             c.dp,
         )
         while r.step < r.total_steps:
