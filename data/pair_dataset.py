@@ -126,10 +126,11 @@ class PairDataset(StoreDataset):
 class PairCollator(CausalLMCollator):
     """P pairs -> ((input_ids [2P, S], position_ids [2P, S]), (labels [2P, S], reference log-probs [2P]), tokens),
     as `CausalLMCollator` lays out rows: the chosen sequences in rows 0..P-1, the rejected in P..2P-1 (TRL's
-    order)."""
+    order). `context`: (this rank's index, C) of its context-parallel group: each rank keeps its S/C positions of
+    every sequence (the loss sums a sequence's log-probs over the group: models/preference.py)."""
 
-    def __init__(self, seq_length: int, pad_token_id: int, lengths: bool = False):
-        super().__init__(seq_length, pad_token_id, lengths=lengths)
+    def __init__(self, seq_length: int, pad_token_id: int, lengths: bool = False, context: tuple[int, int] = (0, 1)):
+        super().__init__(seq_length, pad_token_id, lengths=lengths, context=context)
 
     def __call__(self, samples: list):
         inputs, labels, tokens = super().__call__([(s[0], s[1]) for s in samples] + [(s[2], s[3]) for s in samples])

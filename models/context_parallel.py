@@ -42,6 +42,34 @@ def shard(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
     return x.narrow(dim, rank * (x.shape[dim] // size), x.shape[dim] // size).clone()
 
 
+class _SumOverContext(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp):
+        ctx.size = cp.size
+        x = x.contiguous().clone()
+        torch.distributed.all_reduce(x, group=cp.group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.size, None
+
+
+def sum_over_context(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """Per-row sums of this rank's positions (a sequence's log-probability) summed over the CP group: the whole rows'.
+
+    Every rank of the group then computes the same loss from them, and DeepSpeed averages the C ranks' gradients as
+    if each were a data replica with that loss; but each backpropagates into its own positions only (the group's
+    parts add up to one loss's gradient). Backward therefore multiplies by C, so the average is that sum."""
+    if cp.size == 1:
+        return x
+    if not x.requires_grad:
+        x = x.contiguous().clone()
+        torch.distributed.all_reduce(x, group=cp.group)
+        return x
+    return _SumOverContext.apply(x, cp)
+
+
 def _ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     """The attention-interface function every CP layer's attention calls (its config names ATTENTION_KEY): the
     layer's own `UlyssesAttention` (query, key and value: [B, heads, S/C, D], this rank's positions)."""

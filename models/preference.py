@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from models.config import LossType
+from models.context_parallel import ContextParallel, sum_over_context
 from models.layers import split_stats
 from models.loss import IGNORE_INDEX
 
@@ -125,10 +126,15 @@ class _ChunkedTokenCrossEntropy(torch.autograd.Function):
 
 
 def sequence_logps(
-    logits: torch.Tensor, labels: torch.Tensor, token_ce=token_cross_entropy, chunk: int = 0
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    token_ce=token_cross_entropy,
+    chunk: int = 0,
+    context: ContextParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-prob of each sequence's target tokens [N], their count [N]) from [N, S, V] logits (a vocab shard
-    with the vocab-parallel `token_ce`); `chunk` > 0: `chunk` tokens at a time, forward and backward."""
+    with the vocab-parallel `token_ce`); `chunk` > 0: `chunk` tokens at a time, forward and backward. Under context
+    parallelism (`context`) `logits` and `labels` hold this rank's positions; both results are the whole sequences'."""
     if chunk and torch.is_grad_enabled() and logits.requires_grad:
         ce = _ChunkedTokenCrossEntropy.apply(logits, labels, chunk, token_ce)
     elif chunk:  # evaluation, the reference pass: no backward
@@ -136,25 +142,30 @@ def sequence_logps(
             ce = _token_ce_in_chunks(logits, labels, chunk, token_ce)
     else:
         ce = token_ce(logits, labels)
-    return -ce.sum(-1), (labels != IGNORE_INDEX).sum(-1)
+    logps, tokens = -ce.sum(-1), (labels != IGNORE_INDEX).sum(-1)
+    if context is not None and context.size > 1:
+        logps, tokens = sum_over_context(logps, context), sum_over_context(tokens, context)
+    return logps, tokens
 
 
 class ReferenceScorer:
     """The last stage's "loss" of the reference pass (training/reference_logps.py): labels arrive as (labels [2P, S],
     reference log-probs (unused), pair ids [P]); keeps (pair ids, per-sequence log-probs [2P], chosen first) of each
-    micro-batch in `scored` and returns 0."""
+    micro-batch in `scored` and returns 0. `context`: the stage's context-parallel place (set with the stage:
+    training.engine.build_module)."""
 
     __name__ = "ReferenceScorer"
 
     def __init__(self, token_ce=None, chunk: int = 0):
         self.token_ce, self.chunk = token_ce or token_cross_entropy, chunk
+        self.context = ContextParallel()
         self.scored: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __call__(self, logits: torch.Tensor | tuple, labels_and_extras) -> torch.Tensor:
         logits, _ = split_stats(logits)  # a model with experts: the router statistics beside, unused here
         labels, _, pair_ids = labels_and_extras
         with torch.no_grad():
-            logps, _ = sequence_logps(logits, labels, self.token_ce, self.chunk)
+            logps, _ = sequence_logps(logits, labels, self.token_ce, self.chunk, self.context)
         self.scored.append((pair_ids.cpu(), logps.float().cpu()))
         return torch.zeros((), device=logits.device)
 
@@ -172,6 +183,10 @@ class PreferenceLoss:
         settings: the loss type and its constants.
         token_ce: (logits, labels) -> per-token cross-entropy; the vocab-parallel one under TP.
         chunk: > 0: compute it `chunk` tokens at a time, forward and backward.
+
+    `context` is the stage's context-parallel place (set with the stage: training.engine.build_module): each rank
+    of a CP group then holds every sequence's S/C positions, sums their log-probs over the group and computes the
+    same losses and sums (`training.loop` counts one rank's).
     """
 
     __name__ = "PreferenceLoss"
@@ -181,6 +196,7 @@ class PreferenceLoss:
 
     def __init__(self, settings: PreferenceSettings, token_ce=None, chunk: int = 0):
         self.settings, self.token_ce, self.chunk = settings, token_ce or token_cross_entropy, chunk
+        self.context = ContextParallel()
         self.reset()
 
     def reset(self) -> None:
@@ -200,7 +216,7 @@ class PreferenceLoss:
 
     def __call__(self, logits: torch.Tensor, labels_and_extras) -> torch.Tensor:
         labels, ref_logps, pair_scale, token_scale = labels_and_extras
-        logps, tokens = sequence_logps(logits, labels, self.token_ce, self.chunk)
+        logps, tokens = sequence_logps(logits, labels, self.token_ce, self.chunk, self.context)
         p = labels.shape[0] // 2
         ref = ref_logps.to(logps.device, logps.dtype)
         losses, chosen_rewards, rejected_rewards = preference_losses(

@@ -48,7 +48,6 @@ def test_collator_gives_each_cp_rank_its_positions():
             "context_parallel_size=4 must divide the model's 2 attention heads per tensor-parallel rank",
         ),
         ("mixtral", 2, {"context_parallel_size": 2}, "context_parallel_size=2 with a model with experts (mixtral)"),
-        ("gqa", 2, {"context_parallel_size": 2, "objective": "dpo"}, "context_parallel_size=2 with objective=dpo"),
         ("gqa", 2, {"context_parallel_size": 0}, "context_parallel_size=0 must be >= 1"),
         ("gqa", 1, {"model.mlp_tiles": -1}, "model.mlp_tiles=-1 must be >= 0"),
         (

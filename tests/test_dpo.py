@@ -316,6 +316,16 @@ DPO_LAYOUTS = {
         {"model.loss_chunk_size": 7, "model.activation_checkpointing": "true"},
     ),
     "pp2-dp2-lora-sigmoid": (2, 1, {"loss_type": "sigmoid", "beta": 0.1}, False, True, {}),
+    # Context parallelism: each sequence's 128 positions split over 2 ranks (prompts and completions cross the
+    # boundary), its log-probs summed over them, in chunks; each pair counted once; the evaluation too.
+    "pp2-cp2-sigmoid-sft-chunked": (
+        2,
+        1,
+        {"loss_type": "sigmoid", "beta": 0.1, "sft_weight": 0.3},
+        True,
+        False,
+        {"context_parallel_size": 2, "model.loss_chunk_size": 5},
+    ),
 }
 
 
@@ -339,25 +349,25 @@ def test_dpo_training_matches_single_process_reference(layout, dpo_models, train
         cfg.optim.max_grad_norm = 0.02  # adapters start at B = 0: smaller gradients
         extra = {**extra, **dict(o.split("=", 1) for o in lora_overrides())}
     out, first = tmp_path / "run", layout == "pp2-dp2-sigmoid-sft"
-    if first:
-        # A weighted mixture of the two files (pairs repeated and left out; the reference pass scores the stores in
-        # their order), and an evaluation at the end of 7 pairs in 3 files over 2 DP ranks (padded to 8 on each).
-        cfg.data.train_weights = [1.5, 0.5]
+    evaluated = first or "cp2" in layout
+    if evaluated:
+        # An evaluation at the end of 7 pairs in 3 files over the DP ranks (padded to 8 on each); the first layout
+        # also trains on a weighted mixture of the two files (pairs repeated and left out; the reference pass scores
+        # the stores in their order).
         files = [write_jsonl(tmp_path / f"eval_{name}.jsonl", rows) for name, rows in EVAL_GROUPS.items()]
-        extra = {
-            **extra,
-            "eval_file": "[" + ",".join(files) + "]",
-            "eval_micro_batch_size": 1,
-            "data.train_weights": "[1.5,0.5]",
-        }
+        extra = {**extra, "eval_file": "[" + ",".join(files) + "]", "eval_micro_batch_size": 1}
+    if first:
+        cfg.data.train_weights = [1.5, 0.5]
+        extra["data.train_weights"] = "[1.5,0.5]"
     proc = check(launch(4, *launch_args(cfg, policy, out, stages, tensor_parallel_size=tp, save_steps=2, **extra)))
     assert "reference log-probs of 40 pairs computed" in proc.stderr
     ref_dir = reference if distinct else policy
-    worst, model = assert_matches_dpo_reference(out, cfg, policy, ref_dir, dp=4 // (stages * tp))
+    dp = 4 // (stages * tp * int(extra.get("context_parallel_size", 1)))
+    worst, model = assert_matches_dpo_reference(out, cfg, policy, ref_dir, dp=dp)
     print(f"DPO training parity ({layout}): max |weight diff| after {cfg.max_steps} steps = {worst:.3g}")
     report = json.loads((out / "data_report.json").read_text())["train"]
     assert report["pairs"] == 40 and report["pairs_without_targets"] == 0 and report["truncated_pairs"] == 0
-    if not first:
+    if not evaluated:
         return
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -372,6 +382,8 @@ def test_dpo_training_matches_single_process_reference(layout, dpo_models, train
     assert got["step"] == 4 and got["eval_pairs"] == expected["pairs"] == 7
     for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"):
         assert got[f"eval_{key}"] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+    if not first:
+        return
     part = tmp_path / "resumed"
     interrupted_copy(out, part, 2)
     for cached in (part / "data_cache" / "reference_logps").iterdir():

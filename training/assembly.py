@@ -194,7 +194,12 @@ def assemble(cfg: TrainConfig) -> Run:
             run.tokenizer = _tokenizer(cfg, model_config.vocab_size)
     load_data(run)
     if cfg.objective == "dpo":
-        run.collate = PairCollator(padded_seq_length(cfg), pad_id(run.tokenizer), lengths=is_moe(model_config))
+        run.collate = PairCollator(
+            padded_seq_length(cfg),
+            pad_id(run.tokenizer),
+            lengths=is_moe(model_config),
+            context=(coords.cp_rank, coords.cp),
+        )
     else:
         run.collate = CausalLMCollator(
             padded_seq_length(cfg),

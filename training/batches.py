@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from models.context_parallel import ContextParallel, sum_over_context
 from models.loss import IGNORE_INDEX
 
 
@@ -53,18 +54,30 @@ class PairScaledBatches(LossScaledBatches):
     """`objective=dpo`: micro-batches of pairs (data/pair_dataset.PairCollator) as `models.preference.PreferenceLoss`
     takes them: ((input_ids, position_ids), (labels, reference log-probs, pair scale, token scale)), the pair scale
     over the step's pairs that score (both sequences keep a completion token), the token scale over their chosen
-    completion tokens. `step_pairs` counts those pairs over the DP group."""
+    completion tokens. `step_pairs` counts those pairs over the DP group.
+
+    Under context parallelism (`context`: the stage's place, models/context_parallel.py) each rank holds S/C positions
+    of every sequence: whether a pair scores is decided on the whole sequences' target counts (summed over the CP
+    group). Each of the C ranks computes the same pair losses (`models.context_parallel.sum_over_context`), so each
+    counts the pairs, as a data replica would, and DeepSpeed's average over them (`dp_size` counts them) is the
+    mean over the step's pairs."""
 
     step_pairs = 0
+
+    def __init__(self, batches, micro_batches: int, dp_group, dp_size: int, context: ContextParallel | None = None):
+        super().__init__(batches, micro_batches, dp_group, dp_size)
+        self.context = context or ContextParallel()
 
     def counts(self, labels) -> list[int]:
         labels, _ = labels
         tokens = (labels != IGNORE_INDEX).sum(-1)
+        shard_tokens = int(tokens.sum())
+        tokens = sum_over_context(tokens, self.context)  # whole sequences
         p = labels.shape[0] // 2
         kept = (tokens[:p] > 0) & (tokens[p:] > 0)
-        return [int(tokens.sum()), int(kept.sum()), int((tokens[:p] * kept).sum())]
+        return [shard_tokens, int(kept.sum()), int((tokens[:p] * kept).sum())]
 
     def attach(self, step: list, counts: list[int]) -> list:
-        self.step_pairs = counts[1]
+        self.step_pairs = counts[1] // self.context.size
         pair_scale, token_scale = self.scale(counts[1]), self.scale(counts[2])
         return [(inputs, (labels, ref, pair_scale, token_scale)) for inputs, (labels, ref), _ in step]

@@ -186,12 +186,15 @@ def build_module(
         cfg: run config.
         coords: where this rank sits.
         model_config: transformers config of the model, attention implementation set.
-        loss_fn: `CausalLMLoss`.
+        loss_fn: `CausalLMLoss`, or a pair loss (`models.preference`), which gets the stage's context-parallel place.
         tp: this rank's tensor-parallel place; its group is set while the stage is built.
         bounds: the stage bounds (`models.partition.stage_bounds`, computed once per run).
         skip_init: leave weights uninitialised because a checkpoint will overwrite them.
     """
     topology = PipeModelDataParallelTopology(num_pp=cfg.num_stages, num_mp=coords.tp, num_dp=coords.data_ranks)
+    context = ContextParallel(coords.cp, coords.cp_rank)  # its group is set while the stage is built
+    if hasattr(loss_fn, "context"):  # a pair loss sums each sequence's log-probs over the CP group
+        loss_fn.context = context
     module = build_pipeline_module(
         model_config,
         topology,
@@ -201,7 +204,7 @@ def build_module(
             packed=cfg.data.documents_share_rows,
             checkpoint_every=checkpoint_every(cfg.model),
             routed_experts=cfg.moe.routed_experts,
-            context=ContextParallel(coords.cp, coords.cp_rank),
+            context=context,
             mlp_tiles=cfg.model.mlp_tiles,
         ),
         loss_fn=loss_fn,

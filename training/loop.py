@@ -128,8 +128,9 @@ class Trainer:
     def _scaled(self, batches, micro_batches: int) -> LossScaledBatches:
         """The last stage's micro-batches with their loss scales (pairs for objective=dpo)."""
         r = self.assembled
-        kind = PairScaledBatches if self.cfg.objective == "dpo" else LossScaledBatches
-        return kind(batches, micro_batches, r.dp_group(), r.coords.data_ranks)
+        if self.cfg.objective == "dpo":
+            return PairScaledBatches(batches, micro_batches, r.dp_group(), r.coords.data_ranks, r.loss_fn.context)
+        return LossScaledBatches(batches, micro_batches, r.dp_group(), r.coords.data_ranks)
 
     def _router_metrics(self, prefix: str = "") -> dict:
         """Last stage of a model with experts: the load-balancing loss (mean over the micro-batches since the last
@@ -154,6 +155,8 @@ class Trainer:
         sums = r.loss_fn.sums if r.loss_fn.sums is not None else torch.zeros(len(r.loss_fn.SUMS))
         sums = sums.detach().to("cpu", torch.float64)
         r.loss_fn.reset()
+        if r.coords.cp_rank > 0:  # the C ranks of a CP group hold the same pairs' sums: counted once
+            sums = torch.zeros_like(sums)
         if r.coords.data_ranks > 1:
             dist.all_reduce(sums, group=r.dp_group())
         return {f"{prefix}{k}": v for k, v in r.loss_fn.totals(sums).items()}

@@ -212,7 +212,7 @@ def score_pairs(run, todo: list[tuple[str, int, str]]) -> None:
         scorer.scored.clear()
         for _ in range(eval_num_batches(n, c.dp, mbs, micro_batches)):
             engine.eval_batch(data_iter, num_micro_batches=micro_batches)
-        scores = _collect(scorer.scored if c.is_last and c.tp_rank == 0 else [], n, c.rank)
+        scores = _collect(scorer.scored if c.is_last and c.tp_rank == 0 and c.cp_rank == 0 else [], n, c.rank)
         with agreed():
             if c.rank == 0:
                 _write(path, scores)

@@ -255,11 +255,6 @@ def validate_context_parallel(cfg: TrainConfig, model_config) -> None:
         f"context_parallel_size={cp} with a model with experts ({model_config.model_type}) is not built yet: "
         "expert routing and its load-balancing statistics are not split over CP ranks",
     )
-    _need(
-        cfg.objective == "sft",
-        f"context_parallel_size={cp} with objective={cfg.objective} is not built yet: a pair's log-probabilities "
-        "are not summed over CP ranks",
-    )
 
 
 def validate_expert_parallel(cfg: TrainConfig, world_size: int, model_config) -> None:
