@@ -3,11 +3,14 @@ sequence parallelism (or PP=2 x CP=2: context parallelism), every block recomput
 
     torchrun --nproc_per_node 4 tests/workers/long_rows.py CKPT_DIR OUT_DIR [--no-sequence-parallel]
         [--context-parallel] [--seq N] [--mlp-tiles K]
+    torchrun --nproc_per_node C tests/workers/long_rows.py CKPT_DIR OUT_DIR --stages 1 --cp C --seq N ...
 
-Each rank writes OUT_DIR/rank{R}.json: the step's loss (the mean over the row's target tokens), and the peak
-bytes of the tensors autograd saved in its stage's forward that were alive at once (parameters excluded;
+`--stages P` and `--cp C` choose another layout (TP takes the rest of the world; benchmarks/long_context.py runs
+PP=1 x CP=C). Each rank writes OUT_DIR/rank{R}.json: the step's loss (the mean over the row's target tokens), and
+the peak bytes of the tensors autograd saved in its stage's forward that were alive at once (parameters excluded;
 counted with `torch.autograd.graph.saved_tensors_hooks` around the stage's forward, so a recomputed block's
-recomputation, which torch keeps outside the hooks, is not in it).
+recomputation, which torch keeps outside the hooks, is not in it), its resident memory before the step and its
+peak (VmHWM), and the step's seconds.
 """
 
 import json
@@ -74,17 +77,28 @@ class _Held:
             self.owner.live -= self.nbytes
 
 
+def memory_status(field: str) -> int:
+    """A field of /proc/self/status in bytes (VmRSS: resident now; VmHWM: the peak)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def main():
     ckpt_dir, out_dir = sys.argv[1], sys.argv[2]
     flags = sys.argv[3:]
-    sp, cp = "--no-sequence-parallel" not in flags, 2 if "--context-parallel" in flags else 1
-    seq = int(flags[flags.index("--seq") + 1]) if "--seq" in flags else LONG_SEQ
+    value = lambda flag, default: int(flags[flags.index(flag) + 1]) if flag in flags else default  # noqa: E731
+    sp, seq, stages = "--no-sequence-parallel" not in flags, value("--seq", LONG_SEQ), value("--stages", 2)
+    cp = value("--cp", 2 if "--context-parallel" in flags else 1)
     rank, world = init_distributed()
+    tp_size = world // (stages * cp)
     from transformers import AutoConfig
 
     cfg = TrainConfig(
-        num_stages=2,
-        tensor_parallel_size=2 // cp,
+        num_stages=stages,
+        tensor_parallel_size=tp_size,
         context_parallel_size=cp,
         sequence_parallel=sp,
         micro_batch_size=1,
@@ -97,13 +111,13 @@ def main():
         cfg.model.mlp_tiles = int(flags[flags.index("--mlp-tiles") + 1])
     config = AutoConfig.from_pretrained(ckpt_dir)
     config._attn_implementation = "sdpa"
-    coords = Coords(rank, world, 2, 2 // cp, cp=cp)
-    tp = TensorParallel(2 // cp, coords.tp_rank, sequence_parallel=sp)
+    coords = Coords(rank, world, stages, tp_size, cp=cp)
+    tp = TensorParallel(tp_size, coords.tp_rank, sequence_parallel=sp)
     ce = None  # torch's, on whole logits (TP=1)
     if tp.size > 1:
         ce = lambda logits, labels: vocab_parallel_cross_entropy(logits, labels, tp, config.vocab_size)  # noqa: E731
     loss_fn = CausalLMLoss(ce, CHUNK)
-    module = build_module(cfg, coords, config, loss_fn, tp, stage_bounds(config, 2, cfg.model.partition))
+    module = build_module(cfg, coords, config, loss_fn, tp, stage_bounds(config, stages, cfg.model.partition))
     load_stage_weights(module, os.path.join(ckpt_dir, "global_step0"), config, tp)
     engine = initialize_engine(cfg, coords, module, 1)
     saved = SavedBytes(module.parameters())
@@ -118,6 +132,7 @@ def main():
     # DeepSpeed averages the loss and gradients over its data ranks, the CP ranks (each scoring its shard) among them
     scale = torch.tensor(cp / int((labels != -100).sum()))
     ids, labels = shard(ids, coords.cp_rank, cp), shard(labels, coords.cp_rank, cp)  # position_ids whole
+    rss_before = memory_status("VmRSS")
     start = time.perf_counter()
     loss = engine.train_batch(iter([((ids, pos), (labels, scale))]))
     seconds = time.perf_counter() - start
@@ -129,6 +144,7 @@ def main():
         "live_after_step": saved.live,
         "step_seconds": seconds,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rss_before_step_bytes": rss_before,
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
