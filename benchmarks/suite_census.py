@@ -1,12 +1,14 @@
 """Where the test suite's time goes: a pytest plugin recording each test's wall time, the CPU seconds of the
 processes it started (`RUSAGE_CHILDREN`: launchers and ranks that exited and were waited for; jobs started by a
-SLURM daemon and ranks orphaned by a SIGKILL are not counted) and the commands it launched.
+SLURM daemon and ranks orphaned by a SIGKILL are not counted; ranks forked by the tests' fork server,
+tests/zygote.py, as it reports them) and the commands it launched.
 
     PYTHONPATH=. SUITE_CENSUS=/tmp/census.jsonl bash scripts/test.sh -p benchmarks.suite_census
     python -m benchmarks.suite_census /tmp/census.jsonl [--top 40]
 
 The report lists the tests by CPU seconds with their launches (`tr4`: torchrun with 4 ranks, `ds2`: the deepspeed
-launcher with 2, `py1`: `python trainer.py`), and the totals per test file.
+launcher with 2, `py1`: `python trainer.py`, `fork4`: 4 ranks forked by the fork server), and the totals per test
+file.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def _launch_kind(argv: list[str]) -> str:
         return "tr" + (nproc[0] if nproc else "?")
     if any(a.endswith("trainer.py") for a in argv):
         return "py1"
+    if "tests.zygote" in argv:
+        return "fork server"
     return os.path.basename(argv[0]) if argv else "?"
 
 
@@ -58,11 +62,22 @@ def pytest_configure(config) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.time()
+    before, start, forked = resource.getrusage(resource.RUSAGE_CHILDREN), time.time(), _forked()
     yield
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    _record({"test": item.nodeid, "wall": time.time() - start, "child_cpu": cpu})
+    now = _forked()
+    for kind in now[1][len(forked[1]) :]:
+        _record({"launch": kind, "test": item.nodeid})
+    _record({"test": item.nodeid, "wall": time.time() - start, "child_cpu": cpu + now[0] - forked[0]})
+
+
+def _forked() -> tuple[float, list[str]]:
+    """(CPU seconds, launches) of the ranks the fork server (tests/zygote.py) ran for this process so far."""
+    import sys
+
+    servers = getattr(sys.modules.get("tests.conftest"), "_ZYGOTE", [])
+    return sum(z.cpu_seconds for z in servers), [k for z in servers for k in z.launches]
 
 
 def report(path: str, top: int) -> None:

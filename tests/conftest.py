@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
@@ -19,6 +20,7 @@ sys.path.insert(0, str(REPO))
 
 from data.sources import write_jsonl  # noqa: E402
 from demo.arithmetic import addition_rows  # noqa: E402, F401 - the demo's task, shared with the tests
+from tests.zygote import Zygote  # noqa: E402
 from tools.tiny_models import make_hf_model, make_sp_tokenizer, tiny_config  # noqa: E402
 
 # Llama 3.1's RoPE scaling, with the original context shrunk so short test sequences reach the scaled band.
@@ -131,12 +133,28 @@ def subprocess_env() -> dict:
     return env
 
 
+_ZYGOTE = []
+
+
+def forked() -> Zygote | None:
+    """This process's fork server for launches (tests/zygote.py), or None with TEST_LAUNCHER=subprocess."""
+    if os.environ.get("TEST_LAUNCHER", "zygote") == "subprocess":
+        return None
+    if not _ZYGOTE:
+        _ZYGOTE.append(Zygote(subprocess_env()))
+        atexit.register(_ZYGOTE[0].close)
+    return _ZYGOTE[0]
+
+
 def run_cmd(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     """Run a command from the repository root. `python convert2ckpt.py ARGS` runs in this process: its `main()` is
     the whole command (exit code, stdout, stderr; an unexpected exception fails the test as a traceback would),
-    and a new Python process would add only start-up time."""
+    and a new Python process would add only start-up time. `python trainer.py ARGS` runs as a process forked from
+    the fork server, which has imported what it needs (tests/zygote.py)."""
     if cmd[:2] == [sys.executable, "convert2ckpt.py"]:
         return convert_in_process(cmd[2:])
+    if cmd[:2] == [sys.executable, "trainer.py"] and (zygote := forked()) is not None:
+        return zygote.run("trainer.py", cmd[2:], 1, ranks=False, env=subprocess_env(), timeout=timeout)
     return subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -173,6 +191,12 @@ def spawn_ranks(worker, tmp_path, *args, ranks: int = 2, suffix: str = "pt", tim
 
 
 def torchrun(script: str, nprocs: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node N script args`: its ranks forked from the fork server (tests/zygote.py: the same
+    environment variables, process per rank and exit codes), or torchrun itself with TEST_LAUNCHER=subprocess."""
+    if (zygote := forked()) is not None:
+        return zygote.run(
+            script, list(args), nprocs, ranks=True, env=subprocess_env(), port=free_port(), timeout=timeout
+        )
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}", f"--master_port={free_port()}"]
     return run_cmd(cmd + [script, *args], timeout)
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.baseline import train_dpo_reference
 from tests.catalogue import Catalogue, Inputs, run_args, run_case, trainer_cmd
 from tests.conftest import LAUNCHER, check, free_port, launch, read_jsonl
 from tests.test_data import CHATML
@@ -155,69 +156,6 @@ def test_pipeline_evaluation_equals_trl(kind, dpo_models, tmp_path):
         assert correct == round(correct) == round(theirs["rewards/accuracies"] * 7)
         for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
             assert ours[f"eval_{key}"] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
-
-
-def hf_sequence_logps(model, sequences) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-prob of each sequence's completion tokens, their count) with the HF model, right-padded rows
-    in one batch, with autograd (the single-process reference trains through it)."""
-    width = max(len(ids) for ids, _ in sequences)
-    ids = torch.stack([torch.nn.functional.pad(i, (0, width - len(i))) for i, _ in sequences])
-    targets = torch.stack([torch.nn.functional.pad(t, (0, width - len(t))) for _, t in sequences])
-    logits = model(input_ids=ids).logits[:, :-1].float()
-    per_token = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    mask = targets[:, 1:]
-    return (per_token * mask).sum(-1), mask.sum(-1)
-
-
-def train_dpo_reference(policy_dir: str, reference_dir: str, cfg: TrainConfig, dp: int) -> tuple:
-    """The single-process reference: the HF policy (with `cfg.lora`: PEFT adapters seeded as the pipeline seeds
-    them) trained on the same global batches of pairs with TRL's loss (our `preference_losses`, equal to TRL's in
-    tests/test_preference.py) over every pair of the step, plus `sft_weight` x the step's chosen tokens' mean NLL;
-    the reference's log-probs from the HF reference model. Returns (model, losses, grad norms, reward margins)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from data.pair_dataset import PairDataset
-    from data.sampling import TrainPlan
-    from models.lora import add_lora
-    from models.preference import preference_losses, sft_loss
-    from training.engine import make_optimizer
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32, attn_implementation="sdpa").train()
-    reference = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32, attn_implementation="sdpa")
-    if cfg.lora.enabled:
-        lo = cfg.lora
-        add_lora(model, lo.r, lo.alpha, lo.dropout, lo.target_modules, cfg.seed)
-    d = cfg.data
-    pairs = PairDataset(
-        cfg.train_file, AutoTokenizer.from_pretrained(policy_dir), cfg.seq_length, d, d.train_weights, cfg.seed
-    )
-    plan = TrainPlan(len(pairs), dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
-    optimizer, scheduler = make_optimizer(cfg, model.named_parameters(), plan.total_steps(cfg.max_steps, 1))
-    settings = cfg.dpo.settings()
-    losses, norms, margins = [], [], []
-    for step in range(cfg.max_steps):
-        epoch, skip = plan.position(step)
-        batch = [
-            pairs[int(i)] for r in range(dp) for i in plan.epoch_indices(epoch, r, cfg.seed, skip)[: plan.rows_per_step]
-        ]
-        sequences = [(p[0], p[1]) for p in batch] + [(p[2], p[3]) for p in batch]
-        logps, tokens = hf_sequence_logps(model, sequences)
-        with torch.no_grad():
-            ref, _ = hf_sequence_logps(reference.eval(), sequences)
-        n = len(batch)
-        per_pair, chosen, rejected = preference_losses(
-            settings, logps[:n], logps[n:], tokens[:n], tokens[n:], ref[:n], ref[n:]
-        )
-        loss = per_pair.mean() + settings.sft_weight * sft_loss(logps[:n], tokens[:n])
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        margins.append(float((chosen - rejected).mean()))
-    return model, losses, norms, margins
 
 
 def train_config(train_files: list[str], **dpo) -> TrainConfig:
