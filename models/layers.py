@@ -50,9 +50,10 @@ from models.moe import (
     empty_stats,
     expert_keys,
     is_moe,
-    layer_stats,
+    layer_sums,
     router_of,
     token_mask,
+    with_load,
 )
 
 
@@ -238,10 +239,16 @@ class DecoderPipe:
         return hidden, position_ids, moe[0], add_stats(moe[1], stats)
 
     def _sparse_block(self, hidden: torch.Tensor, position_ids: torch.Tensor, lengths: torch.Tensor):
-        """The block's output and its router statistics (models/moe.py), over the row's real tokens."""
+        """The block's output and its router statistics (models/moe.py), over the row's real tokens. Under context
+        parallelism the router saw this rank's S/C positions: the sums are the CP group's (the whole rows'), so
+        every rank of the group carries the same statistics to the load-balancing loss."""
         out = self._block(hidden, position_ids)
         logits, self._router_logits = self._router_logits, None
-        return out, layer_stats(logits, self.top_k, token_mask(lengths, position_ids.shape[-1]))
+        batch, seq = position_ids.shape
+        mask = token_mask(lengths, seq).view(batch, seq)
+        mask = context_parallel.shard(mask, self.cp.rank, self.cp.size).reshape(-1)  # this rank's positions
+        sums = context_parallel.sum_over_context(layer_sums(logits, self.top_k, mask), self.cp)
+        return out, with_load(sums)
 
     def _block(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         # position_ids: the whole row's; hidden may hold S/T positions (sequence parallel) of this rank's S/C

@@ -56,9 +56,9 @@ def token_mask(lengths: torch.Tensor, seq: int) -> torch.Tensor:
     return (torch.arange(seq, device=lengths.device)[None, :] < lengths[:, None]).reshape(-1).float()
 
 
-def layer_stats(router_logits: torch.Tensor, top_k: int, mask: torch.Tensor) -> torch.Tensor:
-    """One sparse layer's [P | F | N | load] from its router logits [N, E], as `load_balancing_loss_func` reduces
-    them (its softmax in the logits' dtype, its own top-k, the padding mask as a weight)."""
+def layer_sums(router_logits: torch.Tensor, top_k: int, mask: torch.Tensor) -> torch.Tensor:
+    """One sparse layer's [P | F | N] from its router logits [N, E], as `load_balancing_loss_func` reduces them (its
+    softmax in the logits' dtype, its own top-k, the padding mask as a weight)."""
     experts = router_logits.shape[-1]
     probs = F.softmax(router_logits, dim=-1)
     _, selected = torch.topk(probs, top_k, dim=-1)
@@ -66,8 +66,19 @@ def layer_stats(router_logits: torch.Tensor, top_k: int, mask: torch.Tensor) -> 
         0, selected.reshape(-1), mask.repeat_interleave(top_k)
     )
     prob_sum = (probs.float() * mask[:, None]).sum(dim=0)
-    load = counts.max() / counts.mean().clamp_min(1e-12)  # the busiest expert's tokens over the mean
-    return torch.cat([prob_sum, counts, mask.sum()[None], load[None]])
+    return torch.cat([prob_sum, counts, mask.sum()[None]])
+
+
+def with_load(sums: torch.Tensor) -> torch.Tensor:
+    """A layer's [P | F | N] and its load: the busiest expert's tokens over the mean -> [P | F | N | load]."""
+    experts = (sums.shape[0] - 1) // 2
+    counts = sums[experts : 2 * experts].detach()
+    return torch.cat([sums, (counts.max() / counts.mean().clamp_min(1e-12))[None]])
+
+
+def layer_stats(router_logits: torch.Tensor, top_k: int, mask: torch.Tensor) -> torch.Tensor:
+    """One sparse layer's [P | F | N | load] from its router logits [N, E] (`layer_sums`, `with_load`)."""
+    return with_load(layer_sums(router_logits, top_k, mask))
 
 
 def add_stats(total: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
@@ -228,6 +239,15 @@ class WithAuxLoss:
 
     def __getattr__(self, name):
         return getattr(self.__dict__["loss"], name)
+
+    @property
+    def context(self):
+        """The wrapped pair loss's context-parallel place (AttributeError for a token loss, which has none)."""
+        return self.loss.context
+
+    @context.setter
+    def context(self, value) -> None:
+        self.loss.context = value
 
     def reset(self) -> None:
         self.loss.reset()

@@ -47,7 +47,13 @@ def test_collator_gives_each_cp_rank_its_positions():
             {"context_parallel_size": 4, "tensor_parallel_size": 2},
             "context_parallel_size=4 must divide the model's 2 attention heads per tensor-parallel rank",
         ),
-        ("mixtral", 2, {"context_parallel_size": 2}, "context_parallel_size=2 with a model with experts (mixtral)"),
+        ("llama4", 2, {"context_parallel_size": 2}, "context_parallel_size=2 with Llama 4 is not built yet"),
+        (
+            "mixtral",
+            4,
+            {"context_parallel_size": 2, "expert_parallel_size": 2},
+            "context_parallel_size=2 with expert_parallel_size=2 is not built yet",
+        ),
         ("gqa", 2, {"context_parallel_size": 0}, "context_parallel_size=0 must be >= 1"),
         ("gqa", 1, {"model.mlp_tiles": -1}, "model.mlp_tiles=-1 must be >= 0"),
         (

@@ -23,6 +23,7 @@ BAD_PAIRS = Catalogue()  # bad pair files through the trainer (tests/catalogue.p
 case = BAD_PAIRS.case
 
 SEQ = 128  # the sentencepiece chat prompts fit (at 64 they fill it)
+CP_SEQ = 48  # context parallelism: the conversational completions (byte-level BPE) cross the middle of the row
 
 
 def arithmetic_pairs(n: int, chat: bool, seed: int) -> list[dict]:
@@ -187,6 +188,7 @@ def launch_args(cfg: TrainConfig, policy: str, out, stages: int, **extra) -> lis
         "dpo.loss_type": d.loss_type,
         "dpo.beta": d.beta,
         "dpo.sft_weight": d.sft_weight,
+        "seq_length": cfg.seq_length,
         **extra,
     }
     if d.reference_model:
@@ -254,15 +256,15 @@ DPO_LAYOUTS = {
         {"model.loss_chunk_size": 7, "model.activation_checkpointing": "true"},
     ),
     "pp2-dp2-lora-sigmoid": (2, 1, {"loss_type": "sigmoid", "beta": 0.1}, False, True, {}),
-    # Context parallelism: each sequence's 128 positions split over 2 ranks (prompts and completions cross the
-    # boundary), its log-probs summed over them, in chunks; each pair counted once; the evaluation too.
+    # Context parallelism: each sequence's 48 positions split over 2 ranks at position 24, where the conversational
+    # pairs' completions (positions 21-26) and some eval pairs' cross it; log-probs summed over the ranks, in chunks.
     "pp2-cp2-sigmoid-sft-chunked": (
         2,
         1,
         {"loss_type": "sigmoid", "beta": 0.1, "sft_weight": 0.3},
         True,
         False,
-        {"context_parallel_size": 2, "model.loss_chunk_size": 5},
+        {"context_parallel_size": 2, "model.loss_chunk_size": 5, "seq_length": CP_SEQ},
     ),
 }
 
@@ -280,6 +282,8 @@ def test_dpo_training_matches_single_process_reference(layout, dpo_models, train
     stages, tp, dpo, distinct, lora, extra = DPO_LAYOUTS[layout]
     policy, reference = dpo_models["bpe"]
     cfg = train_config(train_pairs, reference_model=reference if distinct else None, **dpo)
+    extra = dict(extra)
+    cfg.seq_length = extra.pop("seq_length", SEQ)
     if lora:
         from tests.test_lora import LORA, lora_overrides
 
@@ -314,7 +318,7 @@ def test_dpo_training_matches_single_process_reference(layout, dpo_models, train
     rows = [r for group in EVAL_GROUPS.values() for r in group]
     hf_reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32, attn_implementation="sdpa")
     expected = our_evaluation(
-        model.eval(), hf_reference, AutoTokenizer.from_pretrained(policy), rows, cfg.dpo.settings(), SEQ
+        model.eval(), hf_reference, AutoTokenizer.from_pretrained(policy), rows, cfg.dpo.settings(), cfg.seq_length
     )
     got = json.loads((out / "eval_results.json").read_text())
     assert got["step"] == 4 and got["eval_pairs"] == expected["pairs"] == 7
@@ -334,12 +338,13 @@ def test_dpo_training_matches_single_process_reference(layout, dpo_models, train
     assert_same_run(out, part)
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_dpo_with_experts_matches_single_process_reference(ep, chat_tokenizers, train_pairs, tmp_path):
+@pytest.mark.parametrize("ep, cp", [(1, 1), (2, 1), (1, 2)])
+def test_dpo_with_experts_matches_single_process_reference(ep, cp, chat_tokenizers, train_pairs, tmp_path):
     """A Mixtral policy (4 experts, top-2), PP=2 x DP=2 (with EP=2: 2 experts per rank, for the reference pass as
-    for training), its starting weights as the reference: the reference pass and 4 AdamW steps with clipping equal
-    the single-process reference (no load-balancing loss: the model config's output_router_logits is false, as in
-    the hub's Mixtral and Qwen-MoE configs). With EP=2 in bf16 too: the same losses and grad norms to bf16 precision."""
+    for training; with CP=2: PP=2 x CP=2, each sequence's positions on 2 ranks), its starting weights as the
+    reference: the reference pass and 4 AdamW steps with clipping equal the single-process reference (no
+    load-balancing loss: the model config's output_router_logits is false, as in the hub's Mixtral and Qwen-MoE
+    configs). With EP=2 in bf16 too: the same losses and grad norms to bf16 precision."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(chat_tokenizers["bpe"])
@@ -353,12 +358,14 @@ def test_dpo_with_experts_matches_single_process_reference(ep, chat_tokenizers, 
     AutoModelForCausalLM.from_config(config).save_pretrained(policy)
     tok.save_pretrained(policy)
     cfg = train_config(train_pairs, loss_type="sigmoid", beta=0.1)
+    cfg.seq_length = CP_SEQ if cp > 1 else SEQ
     out = tmp_path / "run"
-    proc = check(launch(4, *launch_args(cfg, str(policy), out, 2, expert_parallel_size=ep)))
+    proc = check(launch(4, *launch_args(cfg, str(policy), out, 2, expert_parallel_size=ep, context_parallel_size=cp)))
     assert "reference log-probs of 40 pairs computed" in proc.stderr
-    worst, _ = assert_matches_dpo_reference(out, cfg, str(policy), str(policy), dp=2)
+    worst, _ = assert_matches_dpo_reference(out, cfg, str(policy), str(policy), dp=2 // cp)
     assert all(m["aux_loss"] > 0 for m in read_jsonl(out / "metrics.jsonl"))  # reported, not trained on
-    print(f"DPO training parity (mixtral, PP=2 x DP=2 x EP={ep}): max |weight diff| after 4 steps = {worst:.3g}")
+    layout = f"PP=2 x DP={2 // cp} x EP={ep}" + (f" x CP={cp}" if cp > 1 else "")
+    print(f"DPO training parity (mixtral, {layout}): max |weight diff| after 4 steps = {worst:.3g}")
     if ep == 2:  # the GPU default (bf16: DeepSpeed's bf16 optimizer reducing the experts), to bf16 precision
         bf16 = tmp_path / "bf16"
         check(launch(4, *launch_args(cfg, str(policy), bf16, 2, expert_parallel_size=ep, deepspeed="bf16_zero1")))

@@ -250,11 +250,17 @@ def validate_context_parallel(cfg: TrainConfig, model_config) -> None:
         f"context_parallel_size={cp} and the model's {kv} key/value heads{per_tp} (num_key_value_heads="
         f"{model_config.num_key_value_heads}): one must divide the other (fewer KV heads than C are replicated)",
     )
-    _need(
-        not is_moe(model_config),
-        f"context_parallel_size={cp} with a model with experts ({model_config.model_type}) is not built yet: "
-        "expert routing and its load-balancing statistics are not split over CP ranks",
-    )
+    if is_moe(model_config):
+        _need(
+            model_config.model_type != "llama4_text",
+            f"context_parallel_size={cp} with Llama 4 is not built yet: its attention's temperature tuning counts "
+            "positions from the shard's start, and its decoder layer does not hand attention the position ids",
+        )
+        _need(
+            cfg.expert_parallel_size == 1,
+            f"context_parallel_size={cp} with expert_parallel_size={cfg.expert_parallel_size} is not built yet: "
+            "expert-parallel groups would have to be carved apart from the context-parallel ranks (use one of them)",
+        )
 
 
 def validate_expert_parallel(cfg: TrainConfig, world_size: int, model_config) -> None:
