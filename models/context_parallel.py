@@ -72,8 +72,28 @@ def sum_over_context(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
 
 def _ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     """The attention-interface function every CP layer's attention calls (its config names ATTENTION_KEY): the
-    layer's own `UlyssesAttention` (query, key and value: [B, heads, S/C, D], this rank's positions)."""
+    layer's own `UlyssesAttention` (query, key and value: [B, heads, S/C, D], this rank's positions). Ulysses needs
+    this rank's position ids, which Llama 4's decoder layer keeps from its attention: the layer leaves them on the
+    module (`shard_positions`)."""
+    if "position_ids" not in kwargs:
+        kwargs["position_ids"] = module.shard_positions
     return module.ulysses(module, query, key, value, attention_mask, **kwargs)
+
+
+class ShardOffset:
+    """Stands for a KV cache holding the `offset` positions of the row before this rank's shard: Llama 4's attention
+    temperature tuning counts a token's position from `past_key_values.get_seq_length()`, as in generation after
+    a prompt, so a CP rank's positions count from the row's start. Holds nothing: `update` gives keys and values
+    back as they are."""
+
+    def __init__(self, offset: int):
+        self.offset = offset
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.offset
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return key_states, value_states
 
 
 def register_attention() -> None:

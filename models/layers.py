@@ -259,8 +259,13 @@ class DecoderPipe:
         window = self.window if self.window is not None and self.window < seq else None
         chunk = self.chunk if self.chunk is not None and self.chunk < seq else None
         mask, extra = None, {}
+        if self.cp.size > 1:
+            self.self_attn.shard_positions = local_positions  # Ulysses reads them (models/context_parallel.py)
+            attn = self.self_attn
+            if getattr(attn, "attn_temperature_tuning", False) and not attn.use_rope:  # Llama 4's NoPE layers
+                extra["past_key_values"] = context_parallel.ShardOffset(self.cp.rank * (seq // self.cp.size))
         if self.attn_implementation == "flash_attention_2":
-            extra = flash_varlen_kwargs(position_ids) if packed else {}
+            extra.update(flash_varlen_kwargs(position_ids) if packed else {})
         elif packed or window is not None or chunk is not None or self.attn_implementation == "eager":
             mask = attention_mask(position_ids, packed, window, chunk)
             if self.attn_implementation == "eager":  # additive: 0 where allowed, the dtype's minimum elsewhere

@@ -47,7 +47,6 @@ def test_collator_gives_each_cp_rank_its_positions():
             {"context_parallel_size": 4, "tensor_parallel_size": 2},
             "context_parallel_size=4 must divide the model's 2 attention heads per tensor-parallel rank",
         ),
-        ("llama4", 2, {"context_parallel_size": 2}, "context_parallel_size=2 with Llama 4 is not built yet"),
         (
             "mixtral",
             4,

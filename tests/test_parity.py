@@ -52,14 +52,14 @@ def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
     records = [r for rank in ranks for r in rank["records"]]
     seen = {(r["case"], r["pp"], r["tp"], r["sp"], r["ep"], r["cp"], r["dp_rank"], r["tp_rank"]) for r in records}
     # Every (case, layout) is checked on every rank of the last stage (each CP rank on its positions); models with
-    # experts at EP=2 too, every family but Llama 4 at CP=2.
+    # experts at EP=2 too, and every case at CP=2.
     layouts = [(*x, 1, 1) for x in LAYOUTS]
     assert seen == {
         (c["name"], pp, tp, sp, ep, cp, d, t)
         for c in cases
         for pp, tp, sp, ep, cp in layouts
         + ([(*x, 2, 1) for x in EP_LAYOUTS] if c["name"] in MOE else [])
-        + ([(*x, 1, 2) for x in CP_LAYOUTS] if not c["name"].startswith("llama4") else [])  # CP refused for it
+        + [(*x, 1, 2) for x in CP_LAYOUTS]
         for d in range(4 // (pp * tp * cp))
         for t in range(tp)
     }

@@ -98,6 +98,9 @@ LAYOUTS = {
     # parallelism (the row in C x T = 4 pieces) and the chunked vocab-parallel loss.
     "mixtral-pp2-cp2-recompute": ("mixtral", "true", 2, 1, "", 0),
     "qwen3_moe-tp2-cp2-chunked": ("qwen3_moe", "false", 1, 2, "", 5),
+    # Llama 4 under CP=2: chunked attention across the shard boundary, the NoPE layer's temperature counted from the
+    # row's start on the second shard.
+    "llama4-pp2-cp2": ("llama4", "false", 2, 1, "", 0),
 }
 
 

@@ -252,11 +252,6 @@ def validate_context_parallel(cfg: TrainConfig, model_config) -> None:
     )
     if is_moe(model_config):
         _need(
-            model_config.model_type != "llama4_text",
-            f"context_parallel_size={cp} with Llama 4 is not built yet: its attention's temperature tuning counts "
-            "positions from the shard's start, and its decoder layer does not hand attention the position ids",
-        )
-        _need(
             cfg.expert_parallel_size == 1,
             f"context_parallel_size={cp} with expert_parallel_size={cfg.expert_parallel_size} is not built yet: "
             "expert-parallel groups would have to be carved apart from the context-parallel ranks (use one of them)",
