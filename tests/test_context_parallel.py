@@ -50,8 +50,8 @@ def test_collator_gives_each_cp_rank_its_positions():
         (
             "mixtral",
             4,
-            {"context_parallel_size": 2, "expert_parallel_size": 2},
-            "context_parallel_size=2 with expert_parallel_size=2 is not built yet",
+            {"context_parallel_size": 2, "expert_parallel_size": 4, "num_stages": 2},
+            "expert_parallel_size=4 does not divide the 2 data ranks (DP=1 x CP=2) of each stage",
         ),
         ("gqa", 2, {"context_parallel_size": 0}, "context_parallel_size=0 must be >= 1"),
         ("gqa", 1, {"model.mlp_tiles": -1}, "model.mlp_tiles=-1 must be >= 0"),

@@ -52,7 +52,8 @@ def test_expert_parallel_under_zero1_and_bf16(converted, sft_data, tmp_path, tmp
     precision, and its first grad norm within 1e-3 of the same run's at EP=1 (the experts are 0.8% of this model's
     squared norm: counting one EP rank's experts only, or each twice, would move it by 2e-3 or more); Qwen2-MoE
     TP=2 x DP=2 with its experts split over TP and EP at once (the Qwen3-30B-A3B recipe's layout) in the GPU
-    default. bf16 ZeRO-1 saved at step 2 resumes bit for bit; with another E it is refused in one line."""
+    default; Mixtral PP=2 x CP=2 with its experts split over the CP ranks, in both. bf16 ZeRO-1 saved at step 2
+    resumes bit for bit; with another E it is refused in one line."""
     from transformers import AutoConfig
 
     mixtral, qwen = "mixtral-pp2-dp2-ep2-recompute", "qwen2_moe-tp2-dp2-ep2"
@@ -62,6 +63,9 @@ def test_expert_parallel_under_zero1_and_bf16(converted, sft_data, tmp_path, tmp
         "bf16_zero1_ep1": (mixtral, {"deepspeed": "bf16_zero1", "expert_parallel_size": 1}),
         "bf16_zero1_tp2": (qwen, {"deepspeed": "bf16_zero1"}),
         "fp32_zero1_dp4": ("mixtral-dp4-ep2", {"deepspeed.zero_stage": 1}),  # expert-data groups of 2 ranks
+        # the experts split over the 2 context-parallel ranks of PP=2 x CP=2 (each routes its own positions)
+        "fp32_zero1_cp2": ("mixtral-pp2-cp2-ep2-recompute", {"deepspeed.zero_stage": 1}),
+        "bf16_zero1_cp2": ("mixtral-pp2-cp2-ep2-recompute", {"deepspeed": "bf16_zero1"}),
     }
     for name, (layout, more) in runs.items():
         fp32 = Path(layout_run(layout, converted, sft_data, tmp_path_factory))

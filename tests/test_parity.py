@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import check, torchrun
-from tests.workers.forward_parity import CP_LAYOUTS, EP_LAYOUTS, LAYOUTS, SEQ
+from tests.workers.forward_parity import CP_LAYOUTS, EP_CP_LAYOUTS, EP_LAYOUTS, LAYOUTS, SEQ
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 
@@ -58,7 +58,7 @@ def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
         (c["name"], pp, tp, sp, ep, cp, d, t)
         for c in cases
         for pp, tp, sp, ep, cp in layouts
-        + ([(*x, 2, 1) for x in EP_LAYOUTS] if c["name"] in MOE else [])
+        + ([(*x, 2, 1) for x in EP_LAYOUTS] + [(*x, 2, 2) for x in EP_CP_LAYOUTS] if c["name"] in MOE else [])
         + [(*x, 1, 2) for x in CP_LAYOUTS]
         for d in range(4 // (pp * tp * cp))
         for t in range(tp)

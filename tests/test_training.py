@@ -94,9 +94,10 @@ LAYOUTS = {
     "gqa-pp2-cp2-packed-recompute-chunked-tiled": ("gqa", "true", 2, 1, "packing", 5),
     "mistral-tp2-cp2": ("mistral", "false", 1, 2, "", 0),
     # Experts under context parallelism (the router statistics of the load-balancing loss summed over the CP ranks):
-    # Mixtral's window with its blocks recomputed over two stages; Qwen3-MoE's experts split over TP=2 with sequence
-    # parallelism (the row in C x T = 4 pieces) and the chunked vocab-parallel loss.
-    "mixtral-pp2-cp2-recompute": ("mixtral", "true", 2, 1, "", 0),
+    # Mixtral's window with its blocks recomputed over two stages and its experts split over the 2 CP ranks (EP=2);
+    # Qwen3-MoE's experts split over TP=2 with sequence parallelism (the row in C x T = 4 pieces) and the chunked
+    # vocab-parallel loss.
+    "mixtral-pp2-cp2-ep2-recompute": ("mixtral", "true", 2, 1, "", 0),
     "qwen3_moe-tp2-cp2-chunked": ("qwen3_moe", "false", 1, 2, "", 5),
     # Llama 4 under CP=2: chunked attention across the shard boundary, the NoPE layer's temperature counted from the
     # row's start on the second shard.

@@ -250,12 +250,6 @@ def validate_context_parallel(cfg: TrainConfig, model_config) -> None:
         f"context_parallel_size={cp} and the model's {kv} key/value heads{per_tp} (num_key_value_heads="
         f"{model_config.num_key_value_heads}): one must divide the other (fewer KV heads than C are replicated)",
     )
-    if is_moe(model_config):
-        _need(
-            cfg.expert_parallel_size == 1,
-            f"context_parallel_size={cp} with expert_parallel_size={cfg.expert_parallel_size} is not built yet: "
-            "expert-parallel groups would have to be carved apart from the context-parallel ranks (use one of them)",
-        )
 
 
 def validate_expert_parallel(cfg: TrainConfig, world_size: int, model_config) -> None:
@@ -265,8 +259,12 @@ def validate_expert_parallel(cfg: TrainConfig, world_size: int, model_config) ->
     if ep == 1:
         return
     _need(is_moe(model_config), f"expert_parallel_size={ep}: the model ({model_config.model_type}) has no experts")
-    dp = world_size // (cfg.num_stages * cfg.tensor_parallel_size * cfg.context_parallel_size)
-    _need(dp % ep == 0, f"expert_parallel_size={ep} does not divide the data-parallel size {dp} of each stage")
+    # The experts split over consecutive ranks of a stage's data axis: its DP replicas and, inside each, its CP ranks
+    # (training/topology.py), which route their own positions' tokens alike.
+    cp = cfg.context_parallel_size
+    dp = world_size // (cfg.num_stages * cfg.tensor_parallel_size * cp)
+    ranks = f"data-parallel size {dp}" if cp == 1 else f"{dp * cp} data ranks (DP={dp} x CP={cp})"
+    _need((dp * cp) % ep == 0, f"expert_parallel_size={ep} does not divide the {ranks} of each stage")
     experts = num_experts(model_config)
     _need(experts % ep == 0, f"expert_parallel_size={ep} does not divide the model's {experts} experts")
     precision = resolve_precision(cfg.deepspeed.precision)

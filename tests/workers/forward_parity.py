@@ -42,6 +42,7 @@ LAYOUTS = [(1, 1, False), (2, 1, False), (4, 1, False), (1, 2, False), (2, 2, Fa
 EP_LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, True)]
 # Context parallelism C=2 (Ulysses): CP=2 (DP=2), PP=2 x CP=2, TP=2 x CP=2 without and with SP; dense models.
 CP_LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (1, 2, True)]
+EP_CP_LAYOUTS = [(1, 1, False), (2, 1, False)]  # experts split over EP=2 ranks of the data axis under CP=2
 CP_NOT_BUILT: set[str] = set()  # model types that context parallelism refuses (training/validate.py)
 FIRST_DOC = 10  # packed cases: documents of 10 and 14 tokens per row
 
@@ -124,6 +125,7 @@ def main():
         experts = is_moe(model_config)
         layouts = [(*x, 1, 1) for x in LAYOUTS] + [(*x, 2, 1) for x in EP_LAYOUTS if experts]
         layouts += [(*x, 1, 2) for x in CP_LAYOUTS if model_config.model_type not in CP_NOT_BUILT]
+        layouts += [(*x, 2, 2) for x in EP_CP_LAYOUTS if experts]
         if "--pp2-tp2-cp2" in sys.argv[3:]:
             layouts = [(2, 2, False, 1, 2), (2, 2, True, 1, 2)]
         for pp, tp_size, sp, ep, cp in layouts:
