@@ -7,7 +7,8 @@ moments, named by global layer index, so layout-free) and loaded with `load_univ
 always come from the layer files, which are layout-free by construction.
 
 DeepSpeed's tool reads ZeRO optimizer shards only; ZeRO-0 state (the fp32 preset) is reshaped by
-parameter name instead (checkpoint/optimizer_reshape.py).
+parameter name instead (checkpoint/optimizer_reshape.py). A model with experts is converted by
+checkpoint/expert_universal.py, which assembles the experts split over EP ranks.
 """
 
 from __future__ import annotations
@@ -63,29 +64,22 @@ def check_movable(saved: dict, current: dict, where: str) -> None:
         raise CheckpointError(f"{where}: ZeRO-1 optimizer state moves into ZeRO-1 runs only (deepspeed.zero_stage=1)")
 
 
-def ensure_universal(ckpt_dir: str, tag: str) -> str:
-    """Convert `ckpt_dir/tag` to DeepSpeed's universal format once; returns the universal tag."""
+def ensure_universal(ckpt_dir: str, tag: str, experts: bool = False) -> str:
+    """Convert `ckpt_dir/tag` to DeepSpeed's universal format once; returns the universal tag. A model with
+    `experts` goes through checkpoint/expert_universal.py (its fused experts assembled over the EP ranks)."""
     universal = f"{tag}_universal"
     target = os.path.join(ckpt_dir, universal)
     if os.path.isdir(target):
         return universal
     tmp = make_unique_dir(ckpt_dir, f".{universal}.tmp-")
     out = os.path.join(tmp, "out")
-    cmd = [
-        sys.executable,
-        "-m",
-        "deepspeed.checkpoint.ds_to_universal",
-        "--input_folder",
-        os.path.join(ckpt_dir, tag),
-        "--output_folder",
-        out,
-        "--num_extract_workers",
-        "1",
-        "--num_merge_workers",
-        "1",
-        "--inject_missing_state",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    tool = "checkpoint.expert_universal" if experts else "deepspeed.checkpoint.ds_to_universal"
+    cmd = [sys.executable, "-m", tool, "--input_folder", os.path.join(ckpt_dir, tag), "--output_folder", out]
+    if not experts:
+        cmd += ["--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: our module's import root
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -100,9 +94,8 @@ def universal_info(config) -> dict:
     how each merges across tensor-parallel ranks, by exact name. Column-parallel weights need no entry (DeepSpeed
     concatenates along dim 0 by default); row-parallel ones concatenate along dim 1; replicated ones are averaged;
     the vocabulary loses its padding (and is padded again for the new degree); the tied embedding is kept from
-    the first stage only. A sparse block's fused experts get no entry: DeepSpeed's default (dim 0) puts each rank's
-    shard back where it was, which is right as long as the TP degree stays (training/checkpointing.py refuses a TP
-    change for them)."""
+    the first stage only. A sparse block's fused experts get no entry: checkpoint/expert_universal.py assembles them
+    and records how each rank takes its share."""
     import re
 
     from deepspeed.checkpoint import constants as c

@@ -33,7 +33,6 @@ from checkpoint.saves import choose_checkpoint, publish_checkpoint
 from checkpoint.staging import remove_tree
 from checkpoint.universal import (
     LAYOUT_DEFAULTS,
-    LAYOUT_KEYS,
     check_movable,
     ensure_universal,
     layout_changed,
@@ -41,13 +40,20 @@ from checkpoint.universal import (
     write_layout,
 )
 from models.key_table import param_tp_split, pipe_layers
+from models.moe import is_moe
 from models.partition import rank_layers
 from models.tensor_parallel import TensorParallel
 from training.config import TrainConfig, resume_mode, sequence_parallel
 from training.distributed import agreed, broadcast_object
 from training.engine import follow_new_schedule
 from training.errors import RunError
-from training.expert_parallel import checkpoint_files_as_ours, deepspeed_owns_experts, every_expert, keep_own_experts
+from training.expert_parallel import (
+    checkpoint_files_as_ours,
+    deepspeed_owns_experts,
+    every_expert,
+    keep_own_experts,
+    universal_load_by_name,
+)
 from training.precision import resolve_precision, resolve_zero_stage
 from training.run_dir import check_resume_from
 from training.topology import Coords
@@ -130,34 +136,27 @@ def plan_resume(cfg: TrainConfig, coords: Coords, current: dict, experts: bool =
     with agreed():
         plan.tag = find_resume_tag(cfg)
         saved = read_layout(os.path.join(cfg.output_dir, plan.tag)) if plan.tag else None
-        if saved is not None:
-            check_expert_shards(saved, current, os.path.join(cfg.output_dir, plan.tag))
-        if layout_changed(saved, current):
+        moved = layout_changed(saved, current) or (saved is not None and experts_resharded(saved, current))
+        if moved:
             where = os.path.join(cfg.output_dir, plan.tag)
             check_movable(saved, current, where)
             plan.reshape = saved.get("zero_stage", 0) == 0
-            if not plan.reshape and experts and saved.get("tp_size", 1) != current["tp_size"]:
-                raise CheckpointError(
-                    f"{where}: a model with experts saved with ZeRO-1 cannot change tensor_parallel_size "
-                    f"({saved.get('tp_size', 1)} -> {current['tp_size']}): DeepSpeed's universal checkpoint cannot "
-                    "split transformers' fused experts; resume with the saved TP (PP and DP may change), or train "
-                    "with deepspeed=fp32 to move it"
-                )
             if not plan.reshape and cfg.lora.enabled:
                 raise CheckpointError(
                     f"{where}: a LoRA run saved with ZeRO-1 cannot move to another layout (DeepSpeed's universal "
                     "checkpoint does not handle frozen weights); train LoRA with deepspeed=fp32 to move it, or "
                     "resume it as saved"
                 )
-    if plan.tag and (plan.reshape or layout_changed(saved, current)):
+    if plan.tag and moved:
         universal = None
         with agreed():
             if not plan.reshape and coords.rank == 0:
-                universal = ensure_universal(cfg.output_dir, plan.tag)
+                universal = ensure_universal(cfg.output_dir, plan.tag, experts)
         plan.universal_tag = broadcast_object(universal)
         how = "optimizer state reshaped by parameter name" if plan.reshape else plan.universal_tag
+        was_ep, now_ep = saved.get("expert_parallel_size", 1), current["expert_parallel_size"]
         log.info(
-            "resuming %s saved with PP=%d x TP=%d x DP=%d in PP=%d x TP=%d x DP=%d (%s)",
+            "resuming %s saved with PP=%d x TP=%d x DP=%d in PP=%d x TP=%d x DP=%d%s (%s)",
             os.path.join(cfg.output_dir, plan.tag),
             saved["num_stages"],
             saved.get("tp_size", 1),
@@ -165,29 +164,22 @@ def plan_resume(cfg: TrainConfig, coords: Coords, current: dict, experts: bool =
             current["num_stages"],
             current["tp_size"],
             current["dp_size"],
+            f", expert_parallel_size {was_ep} -> {now_ep}" if was_ep != now_ep else "",
             how,
         )
     return plan
 
 
-def check_expert_shards(saved: dict, current: dict, where: str) -> None:
-    """DeepSpeed's optimizers (bf16, ZeRO-1) save each rank's shard of the expert groups, sharded over the DP / E
-    ranks holding the same experts (training/expert_parallel.py): nothing reads them into another E or layout."""
+def experts_resharded(saved: dict, current: dict) -> bool:
+    """Whether a change of expert_parallel_size alone moves the optimizer state: under DeepSpeed's optimizers (bf16,
+    ZeRO-1) each rank saves its shard of its own experts' state (training/expert_parallel.py), so another E reads
+    it through a universal checkpoint (checkpoint/expert_universal.py). fp32 ZeRO-0 saves every expert whole."""
     was = saved.get("expert_parallel_size", LAYOUT_DEFAULTS["expert_parallel_size"])
     now = current["expert_parallel_size"]
     sharded = (was > 1 and deepspeed_owns_experts(saved["precision"], saved.get("zero_stage", 0))) or (
         now > 1 and deepspeed_owns_experts(current["precision"], current["zero_stage"])
     )
-    saved_value = {k: saved.get(k, LAYOUT_DEFAULTS.get(k)) for k in ("expert_parallel_size", *LAYOUT_KEYS)}
-    changed = [k for k, v in saved_value.items() if v != current[k]]
-    if sharded and changed:
-        what = ", ".join(f"{k} {saved_value[k]} -> {current[k]}" for k in changed)
-        raise CheckpointError(
-            f"{where}: with experts split over expert_parallel_size > 1 under bf16 or ZeRO-1, each rank holds its "
-            f"own shard of the experts' optimizer state, which resumes in the same layout and E only ({what}); "
-            f"resume as saved, or start a new run in the new layout from its weights (model_name_or_path="
-            f"{os.path.dirname(where)}: layer files hold every expert; the optimizer state starts afresh)"
-        )
+    return sharded and was != now
 
 
 def load_stage_weights(module, step_dir: str, config, tp: TensorParallel, trainable_only: bool = False) -> list[int]:
@@ -259,7 +251,8 @@ def resume(
     if plan.reshape:
         client = _load_reshaped(engine, step_dir, config, tp)
     else:
-        with checkpoint_files_as_ours(engine), layer_files_as_plain_data(engine.checkpoint_engine):
+        by_name = universal_load_by_name(engine) if plan.universal_tag and is_moe(config) else contextlib.nullcontext()
+        with checkpoint_files_as_ours(engine), layer_files_as_plain_data(engine.checkpoint_engine), by_name:
             path, client = engine.load_checkpoint(
                 cfg.output_dir, tag=plan.universal_tag or plan.tag, load_module_strict=not cfg.lora.enabled
             )

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -291,3 +292,58 @@ def keep_own_experts(engine, ep: ExpertParallel) -> None:
             state[p] = {
                 k: _slice(v, ep, p.shape[0]) if torch.is_tensor(v) and v.dim() else v for k, v in state[p].items()
             }
+
+
+@contextlib.contextmanager
+def universal_load_by_name(engine):
+    """A universal resume of a model with experts under DeepSpeed's optimizers (the experts' state assembled by
+    checkpoint/expert_universal.py). DeepSpeed's loader (`load_hp_checkpoint_state_from_checkpoint_dir`, deepspeed
+    0.19.8 runtime/base_optimizer.py) pairs this run's optimizer groups with the saved ones by position, reads only as
+    many as were saved and copies the saved groups' settings onto them; the LR scheduler's state has one entry per
+    group too. Experts have groups of their own at E > 1 and none at E = 1 (training.engine.param_groups), so another
+    E shifts the groups. Here every group of this run reads its parameters' state by name as DeepSpeed reads it (each
+    rank's experts, TP shard and DP fragment), keeps its own settings, and the scheduler's per-group lists are fitted
+    to this run's groups (one schedule drives them all)."""
+    from deepspeed.runtime.base_optimizer import _get_universal_checkpoint_ep_info
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.utils import bwc_tensor_model_parallel_rank
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address, map_to_flat_opt_states
+
+    optimizer, scheduler = engine.optimizer, engine.lr_scheduler
+
+    def load(lp_groups_name: str, checkpoint_dir: str) -> None:
+        folder = os.path.join(checkpoint_dir, "zero")
+        with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
+            optimizer._load_global_state(torch.load(os.path.join(folder, "optimizer_state.pt"), weights_only=True))
+        tp_rank = bwc_tensor_model_parallel_rank(mpu=optimizer.mpu)
+        tp_size = optimizer.mpu.get_slice_parallel_world_size()
+        ep_rank, ep_size = _get_universal_checkpoint_ep_info()  # our EP group, registered as DeepSpeed's (`register`)
+        lp_groups = getattr(optimizer, lp_groups_name)
+        for i, group in enumerate(optimizer.optimizer.param_groups):
+            keys, steps = set(), []
+            for lp in lp_groups[i]:
+                if lp._hp_mapping is not None:
+                    path = os.path.join(folder, optimizer.param_names[lp])
+                    steps.append(lp.load_hp_checkpoint_state(path, tp_rank, tp_size, ep_rank=ep_rank, ep_size=ep_size))
+                    keys.update(lp._hp_mapping.get_optim_state_keys())
+            hp = group["params"][0]
+            if steps and steps[0] is not None:
+                optimizer.optimizer.state[hp]["step"] = steps[0]
+            map_to_flat_opt_states(hp, lp_groups[i], optimizer.optimizer.state, keys)
+
+    def load_schedule(state: dict) -> None:
+        groups = len(scheduler.optimizer.param_groups)
+        state = dict(state)
+        for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+            if isinstance(state.get(key), list) and state[key]:
+                state[key] = [state[key][0]] * groups
+        return load_scheduler_state(state)
+
+    load_scheduler_state = scheduler.load_state_dict
+    # NOTE: instance attributes for the load only, then deleted: LambdaLR.state_dict() saves its instance __dict__
+    optimizer.load_hp_checkpoint_state_from_checkpoint_dir, scheduler.load_state_dict = load, load_schedule
+    try:
+        yield
+    finally:
+        del optimizer.load_hp_checkpoint_state_from_checkpoint_dir, scheduler.load_state_dict
