@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from models.families import CONTAINERS, FAMILIES
+from models.families import CONTAINERS, DEFAULT_MODEL_TYPE, FAMILIES
 
 
 class Choice(str, Enum):
@@ -66,12 +66,12 @@ ARCH_KEYS = (
 
 
 def config_field(model_type: str | None, key: str) -> str:
-    """The transformers config field of preset key `key` for a family (Mixtral counts experts in num_local_experts)."""
-    family = FAMILIES.get(model_type or "llama")
+    """The transformers config field of preset key `key` for a family (the families' `MoeSpec.num_experts`)."""
+    family = FAMILIES.get(model_type or DEFAULT_MODEL_TYPE)
     return family.moe.num_experts if key == "num_experts" and family is not None and family.moe else key
 
 
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES) + tuple(CONTAINERS)
+SUPPORTED_MODEL_TYPES = tuple(sorted([*FAMILIES, *CONTAINERS]))  # the registry's (models/families/)
 
 
 @dataclass
@@ -153,11 +153,10 @@ def _read_config_json(path: str) -> dict:
         model_type = raw.get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise ValueError(f"{file}: not valid JSON ({e})") from None
-    if model_type == "llama" and raw.get("sliding_window") is not None:
-        raise ValueError(
-            f"{file}: model_type='llama' with sliding_window={raw['sliding_window']}: LLaMA attention has no "
-            "sliding window and would silently drop it (a Mistral model relabelled? model_type should be 'mistral')"
-        )
+    family = FAMILIES.get(model_type)
+    for key, why in (family.refused_fields if family else {}).items():
+        if raw.get(key) is not None:
+            raise ValueError(f"{file}: model_type={model_type!r} with {key}={raw[key]}: {why}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"{file}: model_type={model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
@@ -229,13 +228,19 @@ def read_config_fields(path: str) -> ConfigFields | None:
     from dataclasses import MISSING, fields
 
     raw = _read_config_json(path)
-    if FAMILIES[raw["model_type"]].moe is not None:  # experts: their count and layout need the config class
+    family = FAMILIES[raw["model_type"]]
+    if family.moe is not None:  # experts: their count and layout need the config class
+        return None
+    named = {b for b in (family.qkv_bias, family.o_bias, family.mlp_bias) if isinstance(b, str)}
+    if named - {"attention_bias", "mlp_bias"}:  # a bias field read here only through transformers
         return None
     values = {}
     for f in fields(ConfigFields):
         if f.name not in raw or raw[f.name] is None:
             if f.default is MISSING:
                 return None
+            if f.name in family.config_defaults:
+                values[f.name] = family.config_defaults[f.name]
             continue
         value, kind = raw[f.name], type(f.default) if f.default is not MISSING else None
         if f.name != "model_type" and type(value) is not (kind or int):  # bool is not int here
@@ -273,7 +278,7 @@ def config_from_preset(model: ModelSettings):
     from transformers import AutoConfig
 
     preset = preset_values(model)
-    model_type = preset.pop("model_type", "llama")
+    model_type = preset.pop("model_type", DEFAULT_MODEL_TYPE)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model.model_type={model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
     fields = {config_field(model_type, k): v for k, v in preset.items() if k != "rope_theta"}

@@ -48,7 +48,7 @@ class ExpertParallel:
     def split(self, block, config, routed: bool = False) -> None:
         """`dispatch_to_experts` on a sparse block built from `local_config` (at size 1 a no-op, unless `routed`
         asks Llama 4's block to run its experts on their routed tokens only)."""
-        if self.size > 1 or (routed and family_of(config).moe.fused_hub):
+        if self.size > 1 or (routed and family_of(config).moe.scaled_inputs):
             dispatch_to_experts(block, config, self)
 
 
@@ -107,8 +107,8 @@ def dispatch_to_experts(block, config, ep: ExpertParallel) -> None:
     """Make `block` (a sparse block built from `local_experts_config`) route over all experts and run its local
     ones for every rank of the group (see the module docstring)."""
     family = family_of(config)
-    if family.moe.fused_hub:
-        return _dispatch_llama4(block, config, ep)
+    if family.moe.scaled_inputs:
+        return _dispatch_scaled_inputs(block, config, ep)
     block.gate = type(block.gate)(config)  # the router over every expert, as transformers builds it
     experts = block.experts
     local_forward = experts.forward  # transformers' (its experts_implementation), on this rank's experts
@@ -130,8 +130,9 @@ def dispatch_to_experts(block, config, ep: ExpertParallel) -> None:
     experts.forward = types.MethodType(forward, experts)
 
 
-def _dispatch_llama4(block, config, ep: ExpertParallel) -> None:
-    """Llama 4's block (`Llama4TextMoe`) with its experts split: transformers runs every expert on every token,
+def _dispatch_scaled_inputs(block, config, ep: ExpertParallel) -> None:
+    """A block whose router scales the experts' inputs (`MoeSpec.scaled_inputs`: Llama 4's `Llama4TextMoe`) with its
+    experts split: transformers runs every expert on every token,
     each token's input scaled by its sigmoid score (0 outside its top-k); here only the top-k (token, expert)
     pairs travel, scaled the same way, and the local experts run as one grouped matmul over the rows they received
     (transformers' `grouped_mm` on Llama 4's x @ W layout). The shared expert runs on every token, as there."""
@@ -144,7 +145,7 @@ def _dispatch_llama4(block, config, ep: ExpertParallel) -> None:
     experts.has_gate, experts.has_bias, experts.is_transposed = True, False, True
     experts.has_post_expert_norm, experts._is_expert_parallel = False, False
     experts._apply_gate = types.MethodType(_default_apply_gate, experts)
-    num_experts, top_k = config.num_local_experts, config.num_experts_per_tok
+    num_experts, top_k = getattr(config, family_of(config).moe.num_experts), config.num_experts_per_tok
 
     def run_local(rows, local_id):
         ones = torch.ones(len(rows), 1, dtype=rows.dtype, device=rows.device)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from models.families import family_of, is_sparse_layer
+from models.families import FAMILIES, family_of, is_sparse_layer
 from models.sharding import COLUMN, EXPERT_IN, EXPERT_ROW, GATE_UP, GATE_UP_OUT, REPLICA, ROW, VOCAB
 
 EMBED, DECODER, NORM, LM_HEAD = "embed", "decoder", "norm", "lm_head"
@@ -37,7 +37,7 @@ KEY_TABLE: dict[str, dict[str, str]] = {
         "mlp.gate_proj.weight": "model.layers.{}.mlp.gate_proj.weight",
         "mlp.up_proj.weight": "model.layers.{}.mlp.up_proj.weight",
         "mlp.down_proj.weight": "model.layers.{}.mlp.down_proj.weight",
-        # Present only when config.attention_bias / config.mlp_bias is set.
+        # Present only where the family's `qkv_bias`, `o_bias`, `mlp_bias` say (models/families/).
         "self_attn.q_proj.bias": "model.layers.{}.self_attn.q_proj.bias",
         "self_attn.k_proj.bias": "model.layers.{}.self_attn.k_proj.bias",
         "self_attn.v_proj.bias": "model.layers.{}.self_attn.v_proj.bias",
@@ -55,14 +55,14 @@ KEY_TABLE: dict[str, dict[str, str]] = {
 
 # Mixture-of-experts blocks (models/families.py `MoeSpec`): our layer files keep the hub's keys, one per expert
 # ("{e}" stands for the expert number), and models/moe.py stacks them into transformers' fused in-memory
-# parameters at load (and back at save). {hub_block}: "block_sparse_moe" (Mixtral) or "mlp" (Qwen-MoE).
+# parameters at load (and back at save). {hub_block}: the family's `MoeSpec.hub_block`.
 MOE_KEYS: dict[str, str] = {
     "router": "{hub_block}.gate.weight",
     "gate": "{hub_block}.experts.{e}.{gate}.weight",
     "up": "{hub_block}.experts.{e}.{up}.weight",
     "down": "{hub_block}.experts.{e}.{down}.weight",
 }
-# Llama 4: the hub keeps each layer's experts fused as transformers does (`MoeSpec.fused_hub`), in x @ W layout.
+# `MoeSpec.hub_fused`: the hub keeps each layer's experts fused as transformers does, in x @ W layout.
 FUSED_MOE_KEYS: dict[str, str] = {
     "router": "{block}.router.weight",
     "gate_up": "{block}.experts.gate_up_proj",  # [E, H, 2I]: gate columns, then up columns
@@ -79,22 +79,18 @@ _DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weigh
 # HF keys that hold no weights (old checkpoints saved RoPE buffers): dropped on import.
 DROPPED_HF_KEYS: tuple[str, ...] = ("model.layers.{}.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq")
 
-_ATTN_BIAS = {k for k in KEY_TABLE[DECODER] if k.startswith("self_attn.") and k.endswith(".bias")}
-_QKV_BIAS = {k for k in _ATTN_BIAS if not k.startswith("self_attn.o_proj")}
+_QKV_BIAS = {f"self_attn.{p}_proj.bias" for p in "qkv"}
+_O_BIAS = {"self_attn.o_proj.bias"}
 _MLP_BIAS = {k for k in KEY_TABLE[DECODER] if k.startswith("mlp.") and k.endswith(".bias")}
 _QK_NORM = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
 
 
 def _optional_keys(config) -> set[str]:
-    """The optional decoder keys a model has, by its family (models/families.py) and config."""
+    """The optional decoder keys a model has, by its family (models/families/) and config."""
     family = family_of(config)
     keys = set()
-    if family.attention_bias == "qkv" or (family.attention_bias == "qkv_bias" and getattr(config, "qkv_bias", False)):
-        keys |= _QKV_BIAS
-    elif family.attention_bias == "config" and getattr(config, "attention_bias", False):
-        keys |= _ATTN_BIAS
-    if family.mlp_bias and getattr(config, "mlp_bias", False):
-        keys |= _MLP_BIAS
+    for present, optional in ((family.qkv_bias, _QKV_BIAS), (family.o_bias, _O_BIAS), (family.mlp_bias, _MLP_BIAS)):
+        keys |= optional if family.has(present, config) else set()
     if family.qk_norm:
         keys |= _QK_NORM
     return keys
@@ -108,7 +104,7 @@ def moe_key(config, part: str, expert: int | None = None) -> str:
     """Our (and the hub's, below `model.layers.N.`) key of a sparse block's router or of one expert's projection
     (`part`: "router", "gate", "up" or "down"; with fused hub experts "router", "gate_up" or "down", no expert)."""
     moe = family_of(config).moe
-    if moe.fused_hub:
+    if moe.hub_fused:
         return FUSED_MOE_KEYS[part].format(block=moe.block)
     gate, up, down = moe.expert_names
     return MOE_KEYS[part].format(hub_block=moe.hub_block, e=expert, gate=gate, up=up, down=down)
@@ -118,7 +114,7 @@ def sparse_block_keys(config) -> list[str]:
     """Our keys of one sparse MLP block: the router, each expert's gate, up and down (or the fused experts), the
     shared expert (and its gate)."""
     moe = family_of(config).moe
-    if moe.fused_hub:
+    if moe.hub_fused:
         keys = [moe_key(config, part) for part in FUSED_MOE_KEYS]
     else:
         experts = getattr(config, moe.num_experts)
@@ -137,22 +133,40 @@ def dense_mlp_keys(config) -> tuple[str, ...]:
     return tuple(block + k.removeprefix("mlp") for k in _DENSE_MLP)
 
 
-def _moe_regex(template: str) -> re.Pattern:
-    """`model.layers.{}.` + a MOE_KEYS template, any block and expert number, either hub block name."""
-    body = re.escape(template).replace(r"\{hub_block\}", "(?:block_sparse_moe|mlp)").replace(r"\{e\}", r"\d+")
-    for name in ("gate", "up", "down"):
-        body = body.replace(r"\{" + name + r"\}", r"(?:w1|w2|w3|gate_proj|up_proj|down_proj)")
-    return re.compile(r"^model\.layers\.(\d+)\.(" + body + ")$")
+_MOE_SPECS = [family.moe for family in FAMILIES.values() if family.moe is not None]
+
+
+def _alternatives(names) -> str:
+    return "(?:" + "|".join(re.escape(n) for n in sorted(set(names))) + ")"
+
+
+def _moe_patterns() -> list[re.Pattern]:
+    """Every registered family's sparse-layer keys on the hub (models/families/): per-expert projections and their
+    router, fused experts and their router, shared experts, and the dense MLP of a family whose block has another
+    name than `mlp`. Any block number, any expert number; `hf_key_to_layer` checks the block against the model."""
+    per_expert = [m for m in _MOE_SPECS if not m.hub_fused]
+    fused = [m for m in _MOE_SPECS if m.hub_fused]
+    bodies = []
+    if per_expert:
+        hub = _alternatives(m.hub_block for m in per_expert)
+        names = _alternatives(n for m in per_expert for n in m.expert_names)
+        bodies += [hub + r"\.gate\.weight", hub + r"\.experts\.\d+\." + names + r"\.weight"]
+    if fused:
+        block = _alternatives(m.block for m in fused)
+        routers = _alternatives(m.router for m in fused)
+        bodies += [block + r"\.experts\.(?:gate_up|down)_proj", block + r"\." + routers + r"\.weight"]
+    shared = [m for m in _MOE_SPECS if m.shared_expert]
+    if shared:
+        shared_keys = r"\.shared_expert(?:\.(?:gate|up|down)_proj|_gate)\.weight"
+        bodies.append(_alternatives(m.block for m in shared) + shared_keys)
+    renamed = [m.block for m in _MOE_SPECS if m.block != "mlp"]
+    if renamed:
+        bodies.append(_alternatives(renamed) + r"\.(?:gate|up|down)_proj\.weight")
+    return [re.compile(r"^model\.layers\.(\d+)\.(" + body + ")$") for body in bodies]
 
 
 _HF_PATTERNS = [(kind, ours, _template_regex(tpl)) for kind, keys in KEY_TABLE.items() for ours, tpl in keys.items()]
-_MOE_PATTERNS = [_moe_regex(tpl) for tpl in MOE_KEYS.values()] + [
-    re.compile(
-        r"^model\.layers\.(\d+)\.((?:mlp|feed_forward)\.shared_expert(?:\.(?:gate|up|down)_proj|_gate)\.weight)$"
-    ),
-    re.compile(r"^model\.layers\.(\d+)\.(feed_forward\.(?:(?:gate|up|down)_proj|router)\.weight)$"),  # Llama 4
-    re.compile(r"^model\.layers\.(\d+)\.(feed_forward\.experts\.(?:gate_up|down)_proj)$"),
-]
+_MOE_PATTERNS = _moe_patterns()
 _DROP_PATTERNS = [_template_regex(tpl) for tpl in DROPPED_HF_KEYS]
 
 
@@ -229,7 +243,7 @@ def layer_keys(layer: PipeLayer, config) -> dict[str, str]:
         return {}
     keys = KEY_TABLE[layer.kind]
     if layer.kind == DECODER:
-        optional = _ATTN_BIAS | _MLP_BIAS | _QK_NORM
+        optional = _QKV_BIAS | _O_BIAS | _MLP_BIAS | _QK_NORM
         present = _optional_keys(config)
         keys = {ours: tpl.format(layer.block) for ours, tpl in keys.items() if ours not in optional or ours in present}
         # The MLP: a sparse block's keys, or the dense MLP's under the family's own name (Llama 4: feed_forward).
@@ -284,28 +298,37 @@ def hf_decoder_module(block: int, module: str) -> str:
 
 
 # How each key of a pipeline layer splits across tensor-parallel ranks (Megatron's split; models/sharding.py).
+_MLP_BLOCKS = ("mlp", *dict.fromkeys(m.block for m in _MOE_SPECS if m.block != "mlp"))  # a dense MLP's names
 TP_COLUMN_MODULES = (
     "self_attn.q_proj",
     "self_attn.k_proj",
     "self_attn.v_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "feed_forward.gate_proj",
-    "feed_forward.up_proj",
+    *(f"{block}.{proj}" for block in _MLP_BLOCKS for proj in ("gate_proj", "up_proj")),
 )
-TP_ROW_MODULES = ("self_attn.o_proj", "mlp.down_proj", "feed_forward.down_proj")
+TP_ROW_MODULES = ("self_attn.o_proj", *(f"{block}.down_proj" for block in _MLP_BLOCKS))
 # Experts and shared experts split as dense MLPs do: gate and up by rows, down by columns (router: replicated).
+_EXPERT_BLOCKS = _alternatives([*_MLP_BLOCKS, *(m.hub_block for m in _MOE_SPECS)])
 _EXPERT_COLUMN = re.compile(
-    r"(block_sparse_moe|mlp|feed_forward)\.(experts\.\d+\.(w1|w3|gate_proj|up_proj)|shared_expert\.(gate|up)_proj)"
+    _EXPERT_BLOCKS
+    + r"\.(experts\.\d+\."
+    + _alternatives(["gate_proj", "up_proj", *(n for m in _MOE_SPECS for n in m.expert_names[:2])])
+    + r"|shared_expert\.(gate|up)_proj)"
 )
 _EXPERT_ROW = re.compile(
-    r"(block_sparse_moe|mlp|feed_forward)\.(experts\.\d+\.(w2|down_proj)|shared_expert\.down_proj)"
+    _EXPERT_BLOCKS
+    + r"\.(experts\.\d+\."
+    + _alternatives(["down_proj", *(m.expert_names[2] for m in _MOE_SPECS)])
+    + r"|shared_expert\.down_proj)"
 )
 # transformers' fused in-memory expert parameters (the optimizer's view): gate_up [E, 2I, H] holds each rank's gate
-# rows then its up rows (GATE_UP), down [E, H, I] its columns (dim 2: EXPERT_ROW). Llama 4's (also its layer files'
-# keys) are x @ W: gate_up [E, H, 2I] by columns of each half (GATE_UP_OUT), down [E, I, H] by rows (EXPERT_IN).
+# rows then its up rows (GATE_UP), down [E, H, I] its columns (dim 2: EXPERT_ROW). Experts fused on the hub too
+# (`MoeSpec.hub_fused`: also their layer files' keys) are x @ W: gate_up [E, H, 2I] by columns of each half
+# (GATE_UP_OUT), down [E, I, H] by rows (EXPERT_IN).
 FUSED_GATE_UP, FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
-FUSED_XW = {"feed_forward.experts.gate_up_proj": GATE_UP_OUT, "feed_forward.experts.down_proj": EXPERT_IN}
+FUSED_XW = {
+    **{f"{m.block}.experts.gate_up_proj": GATE_UP_OUT for m in _MOE_SPECS if m.hub_fused},
+    **{f"{m.block}.experts.down_proj": EXPERT_IN for m in _MOE_SPECS if m.hub_fused},
+}
 _LORA_KEY = re.compile(r"(.+)\.lora_([AB])\.[^.]+\.weight")
 # LoRA factors follow the layer they adapt: a column layer's B is split like it and its A replicated; a row
 # layer's A is split like it and its B replicated.

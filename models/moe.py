@@ -126,7 +126,7 @@ def expert_keys(layer: nn.Module, config, ep=None) -> None:
     from the file's E, and saving writes all E from `layer.gathered_experts` (set by the caller, which gathered
     them over the group) when it is there."""
     mine = ep.local_experts(num_experts(config)) if ep is not None else range(num_experts(config))
-    if family_of(config).moe.fused_hub:
+    if family_of(config).moe.hub_fused:
         return _fused_expert_keys(layer, config, mine)
     router_mem = router_param(config)
 
@@ -189,7 +189,7 @@ def param_name_of(config, key: str) -> str | None:
     """The in-memory parameter a layer-file key of a decoder layer belongs to when it is one parameter: the key
     itself, the router's transformers name, or None for one expert's slice of the fused experts."""
     moe = family_of(config).moe
-    if moe is None or moe.fused_hub:
+    if moe is None or moe.hub_fused:
         return key
     if key == moe_key(config, "router"):
         return router_param(config)
@@ -200,7 +200,7 @@ def file_keys_of(config, block: int, name: str, experts: range | None = None) ->
     """The layer-file keys of in-memory parameter `name` of decoder block `block` (LoRA's frozen-key filter);
     `experts`: the experts the layer's state dict holds (under expert parallelism, frozen experts are not gathered:
     this rank's own, `expert_keys`), default all."""
-    if not is_sparse_layer(config, block) or family_of(config).moe.fused_hub:
+    if not is_sparse_layer(config, block) or family_of(config).moe.hub_fused:
         return [name]
     if name == router_param(config):
         return [moe_key(config, "router")]

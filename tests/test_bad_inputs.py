@@ -38,8 +38,8 @@ def unsupported_model_type(t):
     edit_config(src, model_type="gemma")
     return (
         convert_cmd(src, t.out),
-        "model_type='gemma' is not supported (supported: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, "
-        "llama4_text, llama4)",
+        "model_type='gemma' is not supported (supported: ernie4_5, helium, llama, llama4, llama4_text, ministral3, "
+        "mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3)",
         t.out,
         [src],
     )

@@ -31,6 +31,15 @@ FAMILY_CONFIGS = {
     # Llama 4: chunks of 4 (shorter than the row), a NoPE layer with temperature tuning that acts from position 3
     # (floor_scale 4), L2 q/k norms, a dense layer between sparse ones, the shared expert, sigmoid top-2 routing.
     "llama4-chunked-nope": ("llama4_text", dict(no_rope_layer_interval=3, interleave_moe_layer_step=2)),
+    # Families built like LLaMA, one file each in models/families/: their own bias fields, NoPE layers (SmolLM3),
+    # position-scaled queries (Ministral 3), interleaved RoPE (ERNIE 4.5).
+    "helium-biases": ("helium", dict(attention_bias=True, mlp_bias=True)),
+    "smollm3-nope-biases": ("smollm3", dict(attention_bias=True, mlp_bias=True)),
+    "smollm3-sliding": ("smollm3", dict(use_sliding_window=True, sliding_window=4)),
+    "ministral3-scaled-window": ("ministral3", dict(sliding_window=5)),
+    "ministral3": ("ministral3", {}),
+    "seed_oss-biases": ("seed_oss", dict(attention_bias=True, attention_out_bias=True, mlp_bias=True)),
+    "ernie4_5-biases": ("ernie4_5", dict(use_bias=True)),
 }
 
 
@@ -89,7 +98,10 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
 def test_other_model_types_are_refused(tmp_path):
     for model_type in ("deepseek_v3", "gpt_oss"):  # experts behind attention we do not build (MLA, sinks)
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
-        supported = "supported: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, llama4_text, llama4"
+        supported = (
+            "supported: ernie4_5, helium, llama, llama4, llama4_text, ministral3, mistral, mixtral, qwen2, qwen2_moe, "
+            "qwen3, qwen3_moe, seed_oss, smollm3"
+        )
         with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported \\({supported}\\)"):
             load_hf_config(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "sliding_window": 4096}))
@@ -97,7 +109,7 @@ def test_other_model_types_are_refused(tmp_path):
         load_hf_config(str(tmp_path))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "helium", "smollm3", "ministral3"])
 def test_config_fields_read_without_transformers_equal_transformers_reading(model_type, tmp_path):
     """What conversion reads of config.json before transformers is imported equals transformers' own reading,
     for every family, with each key that has a default left out of the file (the defaults are transformers')."""

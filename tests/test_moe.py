@@ -146,7 +146,7 @@ def _ep_block(config):
     from models.families import family_of
 
     family = family_of(config)
-    return family.hf_class("Moe" if family.moe.fused_hub else "SparseMoeBlock")
+    return family.hf_class("Moe" if family.moe.hub_fused else "SparseMoeBlock")
 
 
 def _ep_out(block, x):

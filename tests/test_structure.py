@@ -144,3 +144,51 @@ def test_model_code_knows_nothing_of_distribution():
                 names = [node.module]
             offenders += [f"{name}: {n}" for n in names if n.startswith(("torch.distributed", "deepspeed"))]
     assert not offenders, offenders
+
+
+def _code_words(tree: ast.AST):
+    """(line, word) of every identifier and string literal of a module that is not a docstring."""
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield node.lineno, node.value
+        elif isinstance(node, ast.Name):
+            yield node.lineno, node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.lineno, node.attr
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.lineno, node.name
+        elif isinstance(node, ast.arg):
+            yield node.lineno, node.arg
+
+
+def test_no_family_is_named_outside_the_registry():
+    """Generic code names no family: a family's model type, container type or transformers class prefix appears
+    in code only in its own module of models/families/ (tests, benchmarks of one family's block, docstrings and
+    comments aside; tokenizer classes are not model families)."""
+    import re
+
+    from models.families import CONTAINERS, FAMILIES
+
+    types = sorted([*FAMILIES, *CONTAINERS], key=len, reverse=True)
+    prefixes = sorted({f.prefix for f in FAMILIES.values()}, key=len, reverse=True)
+    named = re.compile(
+        r"(?<![A-Za-z0-9])(" + "|".join(types) + r")(?![a-z0-9])|(" + "|".join(prefixes) + r")(?=[A-Z])(?!\w*Tokenizer)"
+    )
+    exempt = ("tests", "benchmarks", os.path.join("models", "families"))
+    offenders = []
+    for path in python_files():
+        relative = str(path.relative_to(REPO))
+        if relative.startswith(exempt):
+            continue
+        for line, word in _code_words(ast.parse(path.read_text())):
+            if named.search(word):
+                offenders.append(f"{relative}:{line}: {word[:80]!r}")
+    assert not offenders, offenders

@@ -30,7 +30,7 @@ def sparse_mlp_bytes(config, tp: int, act_bytes: int, routed: bool = False) -> f
     moe = family_of(config).moe
     experts, k, h = getattr(config, moe.num_experts), config.num_experts_per_tok, config.hidden_size
     width = getattr(config, moe.expert_size)
-    copies = experts if moe.fused_hub and not routed else k
+    copies = experts if moe.scaled_inputs and not routed else k
     per_token = copies * (2 * h + 4 * width / tp) * act_bytes + (2 * experts + 2 * k + 10) * 4
     if moe.shared_expert:
         shared = getattr(config, "shared_expert_intermediate_size", None) or width  # Llama 4's: the experts' width

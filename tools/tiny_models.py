@@ -20,6 +20,8 @@ import tempfile
 
 import torch
 
+from models.families import DEFAULT_MODEL_TYPE, FAMILIES
+
 SAMPLE_TEXTS = [
     "the quick brown fox jumps over the lazy dog",
     "pipeline parallel training of language models",
@@ -126,9 +128,10 @@ def make_bpe_tokenizer(
     return out_dir
 
 
-def tiny_config(model_type: str = "llama", **overrides):
-    """A small config of a supported family (transformers' own config class; 4 experts, top-2, for the
-    mixture-of-experts families); override any field (e.g. num_key_value_heads, tie_word_embeddings, head_dim)."""
+def tiny_config(model_type: str = DEFAULT_MODEL_TYPE, **overrides):
+    """A small config of a supported family (transformers' own config class, with the family's `tiny` fields:
+    4 experts, top-2, for the mixture-of-experts families); override any field (e.g. num_key_value_heads,
+    tie_word_embeddings, head_dim)."""
     from transformers import AutoConfig
 
     kwargs = dict(
@@ -144,24 +147,7 @@ def tiny_config(model_type: str = "llama", **overrides):
         bos_token_id=1,
         eos_token_id=2,
     )
-    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)  # Qwen-MoE's names
-    kwargs |= {
-        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-        "qwen2_moe": experts | dict(shared_expert_intermediate_size=96),
-        "qwen3_moe": experts,
-        # Llama 4: experts and shared expert `intermediate_size` wide, dense layers `intermediate_size_mlp`; every
-        # 2nd layer sparse, every 4th NoPE (full attention with temperature tuning), the others chunked.
-        "llama4_text": dict(
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            intermediate_size=64,
-            intermediate_size_mlp=128,
-            interleave_moe_layer_step=2,
-            attention_chunk_size=4,
-            floor_scale=4,
-            head_dim=16,
-        ),
-    }.get(model_type, {})
+    kwargs |= FAMILIES[model_type].tiny  # the family's own test-size fields (models/families/)
     kwargs.update(overrides)
     return AutoConfig.for_model(model_type, **kwargs)
 

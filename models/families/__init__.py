@@ -1,0 +1,186 @@
+"""The family registry: one module per decoder family in this package, read by generic code that names none.
+
+A family is a `model_type` of `config.json`. Each reuses transformers' own decoder layer, RMSNorm and rotary
+embedding for it (models/layers.py builds the pipeline classes on them), so the maths is transformers' own. A
+family module calls `register(Family(...))` with what is particular to it, as data:
+
+- `prefix` (and `package`): where transformers keeps its classes (`transformers.models.<package>.modeling_<package>`,
+  `<Prefix>DecoderLayer`, `<Prefix>RMSNorm`, `<Prefix>RotaryEmbedding`, `<Prefix>Config`);
+- which optional weights its decoder layer has (`qkv_bias`, `o_bias`, `mlp_bias`: always, never, or as a config field
+  says; `qk_norm`), where its sliding window applies (`window_everywhere`), its dense MLP's width field (`dense_size`);
+  tests/test_families.py holds the keys this gives to the keys of transformers' own layer built on the meta device;
+- a mixture-of-experts family's `MoeSpec`: hub key layout, router, shared expert, which layers are sparse;
+- `tiny`: the config overrides of the family's tiny test model (tools/tiny_models.py);
+- a multimodal checkpoint whose text model it is (`register_container`).
+
+Adding a family that is built like one already here is one module in this package (and a row in docs/families.md);
+tests/test_structure.py fails when a family's name appears in code outside it.
+
+Model code only: no DeepSpeed, no distributed code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+
+# The family of a config that names none (old LLaMA checkpoints have no model_type).
+DEFAULT_MODEL_TYPE = "llama"
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """How a mixture-of-experts family names and places its sparse blocks.
+
+    hub_block: the sparse block's name in hub checkpoints (transformers keeps it as `block` in memory).
+    expert_names: each expert's gate, up and down projection on the hub (`{hub_block}.experts.N.<name>.weight`).
+    num_experts / expert_size: the config fields with the number of experts and each expert's MLP width.
+    every_layer: every decoder layer is sparse (else `moe_layers`, or `decoder_sparse_step` and `mlp_only_layers`).
+    shared_expert: a dense expert every token goes through (`{block}.shared_expert`), sigmoid-gated
+        (`{block}.shared_expert_gate`) when `shared_gate`.
+    always_renormalise: top-k weights always divided by their sum (else only with `config.norm_topk_prob`).
+    block / router: the in-memory names of the sparse block in a decoder layer and of its router in the block.
+    router_logits: where the router's outputs hold the logits (transformers' tuples differ by family).
+    hub_fused: the hub keeps each layer's experts fused as transformers does, in x @ W layout
+        (`experts.gate_up_proj` [E, H, 2I], `experts.down_proj` [E, I, H]); else one key per expert.
+    scaled_inputs: the router's scores scale each expert's input, and transformers' block runs every expert on
+        every token (0-scaled outside its top-k); expert parallelism and `moe.routed_experts` send each expert its
+        routed tokens only (models/expert_parallel.py). Else transformers' router and fused experts weight outputs.
+    moe_layers: the config lists the sparse layers (`config.moe_layers`).
+    aux_loss: transformers adds a load-balancing loss for the family.
+    """
+
+    hub_block: str
+    expert_names: tuple[str, str, str]
+    num_experts: str
+    expert_size: str
+    every_layer: bool
+    shared_expert: bool = False
+    shared_gate: bool = True
+    always_renormalise: bool = False
+    block: str = "mlp"
+    router: str = "gate"
+    router_logits: int = 0
+    hub_fused: bool = False
+    scaled_inputs: bool = False
+    moe_layers: bool = False
+    aux_loss: bool = True
+
+
+@dataclass(frozen=True)
+class Family:
+    """One decoder family (see the module docstring)."""
+
+    model_type: str
+    prefix: str  # transformers class prefix: Llama, Mistral, Qwen2, Qwen3, ...
+    # Biases of q/k/v, of o and of the MLP's projections: True (always), False (never), or the config field that says.
+    qkv_bias: bool | str = False
+    o_bias: bool | str = False
+    mlp_bias: bool | str = False
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k (self_attn.q_norm / k_norm)
+    window_everywhere: bool = False  # config.sliding_window applies to every layer (else per attention module)
+    moe: MoeSpec | None = None  # a mixture-of-experts family
+    package: str = ""  # transformers' models/<package> (default: the model type)
+    dense_size: str = "intermediate_size"  # the config field with a dense layer's MLP width
+    flash_attention: bool = True  # transformers runs the family with flash-attn
+    # A config.json value the family's attention would silently ignore: refused at load with the reason.
+    refused_fields: dict[str, str] = field(default_factory=dict, compare=False)
+    tiny: dict = field(default_factory=dict, compare=False)  # config overrides of the tiny test model
+    # What the family's config class assumes for a key config.json leaves out, where that differs from
+    # `models.config.ConfigFields`' default (tests/test_families.py holds both to transformers).
+    config_defaults: dict = field(default_factory=dict, compare=False)
+
+    def has(self, bias: bool | str, config) -> bool:
+        """Whether a bias of this family (`qkv_bias`, `o_bias`, `mlp_bias`) is in a model of `config`."""
+        return bool(getattr(config, bias, False)) if isinstance(bias, str) else bias
+
+    def module(self):
+        package = self.package or self.model_type
+        return importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+
+    def hf_class(self, suffix: str):
+        """transformers' `<Prefix><suffix>` of this family, e.g. DecoderLayer, RMSNorm, RotaryEmbedding."""
+        return getattr(self.module(), self.prefix + suffix)
+
+    @property
+    def config_class(self) -> str:
+        return self.prefix + "Config"
+
+
+@dataclass(frozen=True)
+class Container:
+    """A multimodal checkpoint whose text model is one of FAMILIES: its config.json nests the text model's config
+    under `config_key`, and its weights carry `prefix` before the text model's keys (the other towers' keys are
+    not read). Conversion takes the text model only; the pipeline checkpoint is that text model's."""
+
+    config_key: str
+    prefix: str
+    text_architecture: str
+
+
+FAMILIES: dict[str, Family] = {}
+CONTAINERS: dict[str, Container] = {}
+
+
+def register(family: Family) -> Family:
+    """Add a family (called once by its module in this package)."""
+    if family.model_type in FAMILIES:
+        raise ValueError(f"model_type={family.model_type!r} registered twice")
+    FAMILIES[family.model_type] = family
+    return family
+
+
+def register_container(model_type: str, container: Container) -> None:
+    """Add a multimodal checkpoint type whose text model is a registered family."""
+    CONTAINERS[model_type] = container
+
+
+def _load_family_modules() -> None:
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        importlib.import_module(f"{__name__}.{info.name}")
+
+
+def hf_classes(suffix: str) -> tuple[type, ...]:
+    """transformers' `<Prefix><suffix>` class of every family (for isinstance checks)."""
+    return tuple(family.hf_class(suffix) for family in FAMILIES.values())
+
+
+def family_of(config) -> Family:
+    """The family of a transformers config (KeyError for a model type not in FAMILIES)."""
+    return FAMILIES[getattr(config, "model_type", None) or DEFAULT_MODEL_TYPE]
+
+
+def sliding_window(config, attention) -> int | None:
+    """The window of one layer's attention module (None: full causal attention), as HF applies it."""
+    if family_of(config).window_everywhere:
+        return getattr(config, "sliding_window", None)
+    return getattr(attention, "sliding_window", None)
+
+
+def attention_chunk(config, block: int) -> int | None:
+    """The chunk of decoder block `block`'s attention ("chunked_attention" layers: a query attends the keys of its
+    own `attention_chunk_size` positions only), or None."""
+    types = getattr(config, "layer_types", None)
+    if types and types[block] == "chunked_attention":
+        return config.attention_chunk_size
+    return None
+
+
+def is_sparse_layer(config, block: int) -> bool:
+    """Whether decoder block `block` has a mixture-of-experts MLP (as the family's decoder layer decides)."""
+    moe = family_of(config).moe
+    if moe is None:
+        return False
+    if moe.every_layer:
+        return True
+    if moe.moe_layers:
+        return block in config.moe_layers
+    return (
+        block not in (config.mlp_only_layers or [])
+        and config.num_experts > 0
+        and (block + 1) % config.decoder_sparse_step == 0
+    )
+
+
+_load_family_modules()

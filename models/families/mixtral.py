@@ -1,0 +1,21 @@
+"""Mixtral (`mixtral`): Mistral's attention (window on every layer) and a sparse block in every layer, its experts
+one key each on the hub (`block_sparse_moe.experts.N.w1/w3/w2`), top-k weights always renormalised."""
+
+from models.families import Family, MoeSpec, register
+
+register(
+    Family(
+        "mixtral",
+        "Mixtral",
+        window_everywhere=True,
+        moe=MoeSpec(
+            "block_sparse_moe",
+            ("w1", "w3", "w2"),
+            "num_local_experts",
+            "intermediate_size",
+            every_layer=True,
+            always_renormalise=True,
+        ),
+        tiny=dict(num_local_experts=4, num_experts_per_tok=2),
+    )
+)
