@@ -85,7 +85,7 @@ class ModelSettings:
 
     name: str = "from_checkpoint"  # the preset's name (conf/model/NAME.yaml)
     source: str | None = None  # where the preset's numbers come from
-    model_type: str | None = None  # the family (models/families.py); None: llama
+    model_type: str | None = None  # the family (models/families/, docs/families.md); None: llama
     vocab_size: int | None = None  # embedding rows (config.json's vocab_size)
     hidden_size: int | None = None  # width of the residual stream
     intermediate_size: int | None = None  # width of the MLP

@@ -176,8 +176,12 @@ class TPDecoderPipe:
     def __init__(
         self, config, layer_idx: int, tp: TensorParallel, options: DecoderOptions | None = None, ep=None
     ) -> None:
-        super().__init__(local_config(config, tp), layer_idx, options, ep)
+        local = local_config(config, tp)
+        super().__init__(local, layer_idx, options, ep)
         self.tp = tp
+        width, o_proj = local.num_attention_heads * local.head_dim, self.self_attn.o_proj
+        if o_proj.in_features != width:  # declared hidden x hidden (Helium's; equal when whole): this rank's heads
+            self.self_attn.o_proj = nn.Linear(width, o_proj.out_features, bias=o_proj.bias is not None)
         _row_parallel(self.self_attn.o_proj, tp)
         moe = family_of(config).moe
         if self.sparse:

@@ -47,7 +47,7 @@ MODEL_VARIANTS = {
         mlp_bias=True,
         rope_parameters=LLAMA3_ROPE,
     ),
-    # The other families, each with its own transformers classes (models/families.py).
+    # The other families, each with its own transformers classes (models/families/).
     "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32),
     "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=6),
@@ -62,8 +62,21 @@ MODEL_VARIANTS = {
     | MOE_AUX,
     # Llama 4 (tools/tiny_models.py): chunks of 4, layer 3 NoPE, layers 1 and 3 sparse with a shared expert.
     "llama4": dict(model_type="llama4_text", num_key_value_heads=2),
+    # Families built like LLaMA, one module each in models/families/ (their `tiny` fields: head_dim 16, ...):
+    # Helium's q/k/v and MLP biases, SmolLM3's NoPE layers (1 and 3: one per stage at PP=2) with every bias,
+    # Ministral 3's position-scaled queries under a window, Seed-OSS's separate o_proj bias, ERNIE 4.5's
+    # interleaved RoPE with every bias.
+    "helium": dict(model_type="helium", num_key_value_heads=2, attention_bias=True, mlp_bias=True),
+    "smollm3": dict(model_type="smollm3", num_key_value_heads=2, attention_bias=True, mlp_bias=True),
+    "ministral3": dict(model_type="ministral3", num_key_value_heads=2, sliding_window=6),
+    "seed_oss": dict(
+        model_type="seed_oss", num_key_value_heads=2, attention_bias=True, attention_out_bias=True, mlp_bias=True
+    ),
+    "ernie4_5": dict(model_type="ernie4_5", num_key_value_heads=2, use_bias=True, tie_word_embeddings=True),
 }
+NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5"]
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
+FAMILY_VARIANTS += NEW_FAMILY_VARIANTS
 
 
 LAUNCHER = str(Path(sys.executable).parent / "deepspeed")  # the `deepspeed` launcher of this environment

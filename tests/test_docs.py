@@ -15,6 +15,8 @@ PAGES = (
     "checkpoints",
     "reliability_and_security",
     "architecture",
+    "families",
+    "moe",
     "measured",
     "configuration",
 )

@@ -26,6 +26,12 @@ CASES = [
     ("qwen2_moe", "eager"),
     ("qwen3_moe", "sdpa"),
     ("llama4", "sdpa"),
+    ("helium", "sdpa"),
+    ("smollm3", "sdpa"),
+    ("ministral3", "eager"),
+    ("seed_oss", "sdpa"),
+    ("ernie4_5", "sdpa"),
+    ("ernie4_5", "sdpa-packed"),
 ]
 MOE = {f"{m}-{attn}" for m, attn in CASES if m in ("mixtral", "qwen2_moe", "qwen3_moe", "llama4")}
 

@@ -7,7 +7,7 @@ from models.families import Family, register
 TINY_ROPE = dict(
     rope_type="yarn",
     rope_theta=1e6,
-    factor=16.0,
+    factor=32.0,  # max_position_embeddings 256 / 8, as YaRN expects
     original_max_position_embeddings=8,
     llama_4_scaling_beta=0.1,
     beta_fast=32.0,
