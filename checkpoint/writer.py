@@ -18,6 +18,7 @@ from checkpoint.errors import CheckpointError
 from checkpoint.layer_files import layer_path, save_layer_state
 from checkpoint.manifest import build_manifest, write_manifest
 from checkpoint.names import CONVERSION_RECORD, CONVERTED_TAG, LATEST, MODEL_SIDE_FILES, PIECE_FILE, engine_file
+from models.families import tp_refusal
 from models.key_table import PipeLayer, tp_split
 from models.sharding import shard, tp_indivisible
 
@@ -170,6 +171,9 @@ def write_layer(
 
 def check_tp(config, tp_size: int, tp_ranks: list[int] | None) -> None:
     """`--tp` must divide the heads, KV heads and MLP width; `--tp-ranks` must be ranks of it."""
+    refused = tp_refusal(config, tp_size)
+    if refused:
+        raise CheckpointError(f"--tp {tp_size}: {refused}")
     bad = tp_indivisible(config, tp_size)
     if bad:
         raise CheckpointError(f"--tp {tp_size}: must divide {bad[0]}={bad[1]}")

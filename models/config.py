@@ -155,7 +155,7 @@ def _read_config_json(path: str) -> dict:
         raise ValueError(f"{file}: not valid JSON ({e})") from None
     family = FAMILIES.get(model_type)
     for key, why in (family.refused_fields if family else {}).items():
-        if raw.get(key) is not None:
+        if raw.get(key) not in (None, False):
             raise ValueError(f"{file}: model_type={model_type!r} with {key}={raw[key]}: {why}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(

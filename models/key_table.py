@@ -28,12 +28,10 @@ DECODER_PREFIX = "model.layers.{}."  # HF name of decoder block {} (the module; 
 KEY_TABLE: dict[str, dict[str, str]] = {
     EMBED: {"weight": "model.embed_tokens.weight"},
     DECODER: {
-        "input_layernorm.weight": "model.layers.{}.input_layernorm.weight",
         "self_attn.q_proj.weight": "model.layers.{}.self_attn.q_proj.weight",
         "self_attn.k_proj.weight": "model.layers.{}.self_attn.k_proj.weight",
         "self_attn.v_proj.weight": "model.layers.{}.self_attn.v_proj.weight",
         "self_attn.o_proj.weight": "model.layers.{}.self_attn.o_proj.weight",
-        "post_attention_layernorm.weight": "model.layers.{}.post_attention_layernorm.weight",
         "mlp.gate_proj.weight": "model.layers.{}.mlp.gate_proj.weight",
         "mlp.up_proj.weight": "model.layers.{}.mlp.up_proj.weight",
         "mlp.down_proj.weight": "model.layers.{}.mlp.down_proj.weight",
@@ -48,10 +46,17 @@ KEY_TABLE: dict[str, dict[str, str]] = {
         # Qwen3: RMSNorm over head_dim on queries and keys.
         "self_attn.q_norm.weight": "model.layers.{}.self_attn.q_norm.weight",
         "self_attn.k_norm.weight": "model.layers.{}.self_attn.k_norm.weight",
+        # Fused projections (`Family.fused_qkv`, `fused_gate_up`) in place of q/k/v or of gate and up.
+        "self_attn.qkv_proj.weight": "model.layers.{}.self_attn.qkv_proj.weight",
+        "mlp.gate_up_proj.weight": "model.layers.{}.mlp.gate_up_proj.weight",
     },
     NORM: {"weight": "model.norm.weight"},
     LM_HEAD: {"weight": "lm_head.weight"},
 }
+# The decoder layers' RMSNorms, every registered family's (`Family.norms`: input_layernorm, post_attention_layernorm;
+# Gemma's four); each layer has its family's only.
+_NORMS = {f"{n}.weight" for family in FAMILIES.values() for n in family.norms}
+KEY_TABLE[DECODER] |= {key: "model.layers.{}." + key for key in sorted(_NORMS)}
 
 # Mixture-of-experts blocks (models/families.py `MoeSpec`): our layer files keep the hub's keys, one per expert
 # ("{e}" stands for the expert number), and models/moe.py stacks them into transformers' fused in-memory
@@ -85,15 +90,19 @@ _MLP_BIAS = {k for k in KEY_TABLE[DECODER] if k.startswith("mlp.") and k.endswit
 _QK_NORM = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
 
 
+_SPLIT_QKV, _FUSED_QKV = {f"self_attn.{p}_proj.weight" for p in "qkv"}, {"self_attn.qkv_proj.weight"}
+_FUSED_GATE_UP = ("mlp.gate_up_proj.weight", "mlp.down_proj.weight")
+
+
 def _optional_keys(config) -> set[str]:
     """The optional decoder keys a model has, by its family (models/families/) and config."""
     family = family_of(config)
-    keys = set()
+    keys = set(_FUSED_QKV if family.fused_qkv else _SPLIT_QKV)
     for present, optional in ((family.qkv_bias, _QKV_BIAS), (family.o_bias, _O_BIAS), (family.mlp_bias, _MLP_BIAS)):
         keys |= optional if family.has(present, config) else set()
     if family.qk_norm:
         keys |= _QK_NORM
-    return keys
+    return keys | {f"{n}.weight" for n in family.norms}
 
 
 def _template_regex(template: str) -> re.Pattern:
@@ -128,8 +137,10 @@ def sparse_block_keys(config) -> list[str]:
 
 def dense_mlp_keys(config) -> tuple[str, ...]:
     """Our keys of a dense MLP in a decoder layer (`mlp.*`; Llama 4's `feed_forward.*`)."""
-    moe = family_of(config).moe
-    block = moe.block if moe is not None else "mlp"
+    family = family_of(config)
+    if family.fused_gate_up:
+        return _FUSED_GATE_UP
+    block = family.moe.block if family.moe is not None else "mlp"
     return tuple(block + k.removeprefix("mlp") for k in _DENSE_MLP)
 
 
@@ -243,12 +254,12 @@ def layer_keys(layer: PipeLayer, config) -> dict[str, str]:
         return {}
     keys = KEY_TABLE[layer.kind]
     if layer.kind == DECODER:
-        optional = _QKV_BIAS | _O_BIAS | _MLP_BIAS | _QK_NORM
+        optional = _QKV_BIAS | _O_BIAS | _MLP_BIAS | _QK_NORM | _NORMS | _SPLIT_QKV | _FUSED_QKV
         present = _optional_keys(config)
         keys = {ours: tpl.format(layer.block) for ours, tpl in keys.items() if ours not in optional or ours in present}
         # The MLP: a sparse block's keys, or the dense MLP's under the family's own name (Llama 4: feed_forward).
         mlp = sparse_block_keys(config) if is_sparse_layer(config, layer.block) else dense_mlp_keys(config)
-        keys = {ours: hf for ours, hf in keys.items() if ours not in _DENSE_MLP}
+        keys = {ours: hf for ours, hf in keys.items() if ours not in (*_DENSE_MLP, *_FUSED_GATE_UP)}
         keys |= {ours: DECODER_PREFIX.format(layer.block) + ours for ours in mlp}
     return dict(keys)
 
@@ -287,9 +298,12 @@ def hf_key_to_layer(hf_key: str, num_layers: int, tie_word_embeddings: bool) -> 
     raise KeyError(f"{hf_key}: not a key of the supported decoder families (models/key_table.py)")
 
 
-def linear_modules() -> list[str]:
-    """The linear layers of a decoder block, as named inside it ("self_attn.q_proj", ...): what LoRA can adapt."""
-    return [k.removesuffix(".weight") for k in KEY_TABLE[DECODER] if k.endswith("_proj.weight")]
+def linear_modules(config=None) -> list[str]:
+    """The linear layers of a decoder block, as named inside it ("self_attn.q_proj", ...): what LoRA can adapt.
+    With a dense model's `config`, its family's only (fused projections: `qkv_proj`, `gate_up_proj`); else every
+    family's."""
+    keys = KEY_TABLE[DECODER] if config is None else layer_keys(PipeLayer(decoder_index(0), DECODER, block=0), config)
+    return [k.removesuffix(".weight") for k in keys if k.endswith("_proj.weight")]
 
 
 def hf_decoder_module(block: int, module: str) -> str:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -65,10 +66,12 @@ class _Fp32Rotary:
     """
 
     def _apply(self, fn, recurse=True):
-        inv_freq, original = self.inv_freq.float(), self.original_inv_freq.float()
+        # Every table: `inv_freq`, `original_inv_freq`, and one of each per layer type where the family keeps them
+        # so (`full_attention_inv_freq`, ...).
+        kept = {name: b.float() for name, b in self._buffers.items() if b is not None and name.endswith("inv_freq")}
         super()._apply(fn, recurse)
-        self.inv_freq = inv_freq.to(self.inv_freq.device)
-        self.original_inv_freq = original.to(self.inv_freq.device)
+        for name, table in kept.items():
+            setattr(self, name, table.to(self._buffers[name].device))
         return self
 
 
@@ -84,12 +87,24 @@ def rotary_class(model_type: str) -> type[nn.Module]:
     return on_family_class(_Fp32Rotary, model_type, "RotaryEmbedding", "Fp32RotaryEmbedding")
 
 
+def embedding_scale(config) -> float | None:
+    """The factor a family multiplies its embeddings by (`Family.scaled_embedding`: sqrt(hidden_size)), or None."""
+    return config.hidden_size**0.5 if family_of(config).scaled_embedding else None
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """transformers' final-logit soft-capping, `cap * tanh(logits / cap)` in its order of operations (None: none)."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 class EmbeddingPipe(nn.Embedding):
-    """Token embedding. Keys: `weight` = HF `model.embed_tokens.weight`."""
+    """Token embedding. Keys: `weight` = HF `model.embed_tokens.weight`. Also holds what the head of a model with
+    tied embeddings needs: the final-logit soft-cap (`config.final_logit_softcapping`)."""
 
     def __init__(self, config):
         super().__init__(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.moe_config = config if is_moe(config) else None
+        self.scale, self.logit_cap = embedding_scale(config), getattr(config, "final_logit_softcapping", None)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         input_ids, *rest = inputs  # [B, S]; position_ids [B, S] (and lengths [B] with experts)
@@ -101,6 +116,8 @@ def embedded(embedding: nn.Module, hidden: torch.Tensor, rest: list) -> tuple[to
     """The embedding's output tuple: (hidden, position_ids), and the router statistics of no layer yet with
     experts."""
     grad = torch.is_grad_enabled()
+    if embedding.scale is not None:  # as transformers' scaled embedding: the factor in the weights' dtype
+        hidden = hidden * torch.tensor(embedding.scale).to(embedding.weight.dtype)
     if grad and not embedding.weight.requires_grad:
         # NOTE: a frozen embedding (LoRA) still has to hand the next stage a tensor that takes a gradient.
         hidden.requires_grad_()
@@ -206,6 +223,9 @@ class DecoderPipe:
             expert_keys(self, config, ep)
         self.attn_implementation = config._attn_implementation or "sdpa"
         self.rotary_emb = rotary_class(family_of(config).model_type)(config)  # non-persistent buffers: no keys
+        # A rotary embedding with tables per layer type (Gemma's) is called with this layer's type.
+        takes_type = "layer_type" in inspect.signature(type(self.rotary_emb).forward).parameters
+        self.rotary_args = (config.layer_types[layer_idx],) if takes_type else ()
         self.options = options
         self.recompute = self.options.recompute(layer_idx)
         self.window = sliding_window(config, self.self_attn)
@@ -254,7 +274,7 @@ class DecoderPipe:
         # position_ids: the whole row's; hidden may hold S/T positions (sequence parallel) of this rank's S/C
         # (context parallel), which attention sees: RoPE turns this rank's S/C positions into angles.
         local_positions = context_parallel.shard(position_ids, self.cp.rank, self.cp.size)
-        cos_sin = self.rotary_emb(hidden, local_positions)  # 2 x [B, S/C, head_dim]
+        cos_sin = self.rotary_emb(hidden, local_positions, *self.rotary_args)  # 2 x [B, S/C, head_dim]
         packed, seq = self.options.packed, position_ids.shape[-1]
         window = self.window if self.window is not None and self.window < seq else None
         chunk = self.chunk if self.chunk is not None and self.chunk < seq else None
@@ -302,13 +322,14 @@ def norm_class(model_type: str) -> type[nn.Module]:
 
 
 class LMHeadPipe(nn.Linear):
-    """Output projection. Keys: `weight` = HF `lm_head.weight`."""
+    """Output projection. Keys: `weight` = HF `lm_head.weight`. Soft-caps the logits where the config says."""
 
     def __init__(self, config):
         super().__init__(config.hidden_size, config.vocab_size, bias=False)
+        self.logit_cap = getattr(config, "final_logit_softcapping", None)
 
     def forward(self, hidden: torch.Tensor | tuple) -> torch.Tensor | tuple:
-        return with_stats(hidden, super().forward)  # [B, S, V]
+        return with_stats(hidden, lambda h: softcap(super(LMHeadPipe, self).forward(h), self.logit_cap))  # [B, S, V]
 
 
 def with_stats(inputs: torch.Tensor | tuple, head) -> torch.Tensor | tuple:
@@ -326,7 +347,7 @@ def split_stats(outputs: torch.Tensor | tuple) -> tuple[torch.Tensor, torch.Tens
 
 def tied_lm_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor | tuple) -> torch.Tensor | tuple:
     """LM head that reuses the (tied) input embedding's weight: `TiedLayerSpec.forward_fn`."""
-    return with_stats(hidden, lambda h: F.linear(h, embedding.weight))  # [B, S, V]
+    return with_stats(hidden, lambda h: softcap(F.linear(h, embedding.weight), embedding.logit_cap))  # [B, S, V]
 
 
 def layer_class_and_args(
@@ -362,7 +383,8 @@ def init_weights(module: nn.Module, initializer_range: float) -> None:
             if m.padding_idx is not None:
                 m.weight[m.padding_idx].zero_()
         elif isinstance(m, hf_classes("RMSNorm")):  # every family's, our final norm and q/k norms included
-            m.weight.fill_(1.0)
+            family = next(f for f in FAMILIES.values() if isinstance(m, f.hf_class("RMSNorm")))
+            m.weight.fill_(family.initial_norm_weight())  # 1, or 0 for (1 + w) norms
         elif type(m).__name__.endswith(("Experts", "TopKRouter")):  # fused experts, routers: as transformers does
             for p in m.parameters(recurse=False):
                 p.normal_(0.0, initializer_range)

@@ -28,7 +28,8 @@ def check_target_modules(targets: list[str], config=None) -> None:
     last dotted parts; it only complains when nothing at all matches). With experts (`config`): adapters go on
     attention and dense MLP layers; the fused experts (PEFT's `target_parameters`) and a shared expert's layers are
     refused. Raises ValueError naming the entry."""
-    modules = linear_modules()
+    dense = config is not None and family_of(config).moe is None
+    modules = linear_modules(config if dense else None)  # a dense family's own (fused q/k/v: qkv_proj)
     for target in targets:
         if not any(m == target or m.endswith("." + target) for m in modules):
             names = ", ".join(m.rsplit(".", 1)[-1] for m in modules)

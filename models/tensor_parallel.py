@@ -45,8 +45,10 @@ from models.layers import (
     LMHeadPipe,
     decoder_layer_class,
     embedded,
+    embedding_scale,
     layer_class_and_args,
     norm_class,
+    softcap,
     tied_lm_head_forward,
     with_stats,
 )
@@ -188,8 +190,11 @@ class TPDecoderPipe:
             split_sparse_block(self.moe_block(), tp, moe.router, moe.router_logits)
         else:
             _row_parallel(getattr(self, moe.block if moe else "mlp").down_proj, tp)
-        for norm in (self.input_layernorm, self.post_attention_layernorm):
-            norm.register_forward_hook(lambda _module, _inputs, out: enter_tp(out, self.tp))
+        family = family_of(config)
+        for name in family.norms:
+            norm = getattr(self, name)
+            if name in family.tp_entry_norms:  # its output is the input of q/k/v or of gate/up
+                norm.register_forward_hook(lambda _module, _inputs, out: enter_tp(out, self.tp))
             if tp.sp:
                 sum_grad_over_tp(norm.weight, tp)
         if family_of(config).qk_norm:
@@ -243,6 +248,7 @@ class VocabParallelEmbeddingPipe(EmbeddingPipe):
             self, padded_vocab(config.vocab_size, tp.size, tp.vocab_multiple) // tp.size, config.hidden_size
         )
         self.moe_config = config if is_moe(config) else None
+        self.scale, self.logit_cap = embedding_scale(config), getattr(config, "final_logit_softcapping", None)
         self.tp, self.start = tp, tp.rank * self.num_embeddings
         pad = config.pad_token_id
         if pad is not None and self.start <= pad < self.start + self.num_embeddings:
@@ -264,10 +270,10 @@ class VocabParallelLMHeadPipe(LMHeadPipe):
         nn.Linear.__init__(
             self, config.hidden_size, padded_vocab(config.vocab_size, tp.size, tp.vocab_multiple) // tp.size, bias=False
         )
-        self.tp = tp
+        self.tp, self.logit_cap = tp, getattr(config, "final_logit_softcapping", None)
 
     def forward(self, hidden: torch.Tensor | tuple) -> torch.Tensor | tuple:
-        return with_stats(hidden, lambda h: F.linear(enter_tp(h, self.tp), self.weight))
+        return with_stats(hidden, lambda h: softcap(F.linear(enter_tp(h, self.tp), self.weight), self.logit_cap))
 
 
 class TiedVocabParallelHead:
@@ -277,7 +283,10 @@ class TiedVocabParallelHead:
         self.tp = tp
 
     def __call__(self, embedding: nn.Embedding, hidden: torch.Tensor | tuple) -> torch.Tensor | tuple:
-        return with_stats(hidden, lambda h: F.linear(enter_tp(h, self.tp), embedding.weight))  # [B, S, V_local]
+        def logits(h):  # [B, S, V_local]
+            return softcap(F.linear(enter_tp(h, self.tp), embedding.weight), embedding.logit_cap)
+
+        return with_stats(hidden, logits)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

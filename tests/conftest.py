@@ -73,8 +73,19 @@ MODEL_VARIANTS = {
         model_type="seed_oss", num_key_value_heads=2, attention_bias=True, attention_out_bias=True, mlp_bias=True
     ),
     "ernie4_5": dict(model_type="ernie4_5", num_key_value_heads=2, use_bias=True, tie_word_embeddings=True),
+    # Gemma 3: four norms per layer, scaled embeddings, logits soft-capped at 2, local (window 4) and global layers
+    # alternating with their own RoPE bases, tied embeddings as Gemma ships them.
+    "gemma3": dict(model_type="gemma3_text", num_key_value_heads=2, tie_word_embeddings=True),
+    # Fused projections: Phi-3's q/k/v and gate/up (a window of 6), GLM-4's gate/up with its four norms and
+    # half-head RoPE; norms after each sublayer and q/k norms over the whole projection: OLMo 2 (biases), OLMo 3
+    # (local layers with a window of 4). No tensor parallelism for these four yet (`Family.tp_refused`).
+    "phi3": dict(model_type="phi3", num_key_value_heads=2, sliding_window=6),
+    "glm4": dict(model_type="glm4", num_key_value_heads=2),
+    "olmo2": dict(model_type="olmo2", num_key_value_heads=2, attention_bias=True),
+    "olmo3": dict(model_type="olmo3", num_key_value_heads=2),
 }
-NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5"]
+NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
+NEW_FAMILY_VARIANTS += ["olmo3"]
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
 FAMILY_VARIANTS += NEW_FAMILY_VARIANTS
 

@@ -49,7 +49,7 @@ def test_every_tensor_lands_once_in_its_file(variant, hf_models, converted):
 
 
 @pytest.mark.parametrize(
-    "preset_name", ["llama2_70b", "qwen2_5_7b", "qwen3_8b", "qwen3_30b_a3b", "mixtral_8x7b", "llama4_scout"]
+    "preset_name", ["llama2_70b", "qwen2_5_7b", "qwen3_8b", "qwen3_30b_a3b", "mixtral_8x7b", "llama4_scout", "phi4"]
 )
 def test_layer_modules_match_hf_at_preset_shapes(preset_name):
     """Shape-only conversion of the shipped presets (LLaMA-2-70B, Qwen2.5-7B, Qwen3-8B, Qwen3-30B-A3B, Mixtral 8x7B,
@@ -80,6 +80,7 @@ def test_layer_modules_match_hf_at_preset_shapes(preset_name):
         "qwen3_30b_a3b": ("model.layers.47.mlp.experts.127.down_proj.weight", (2048, 768)),
         "mixtral_8x7b": ("model.layers.31.block_sparse_moe.experts.7.w3.weight", (14336, 4096)),
         "llama4_scout": ("model.layers.47.feed_forward.experts.gate_up_proj", (16, 5120, 2 * 8192)),
+        "phi4": ("model.layers.39.self_attn.qkv_proj.weight", (5120 + 2 * 10 * 128, 5120)),  # q, k, v rows
     }[preset_name]
     assert hf[expected[0]] == expected[1]
     # The parameter counts the README and the memory estimate quote (the model cards say 7.61B and 8.19B).
@@ -92,6 +93,7 @@ def test_layer_modules_match_hf_at_preset_shapes(preset_name):
         "qwen3_30b_a3b": 30.53,
         "mixtral_8x7b": 46.7,
         "llama4_scout": 107.77,
+        "phi4": 14.66,  # its card: 14B
     }
     assert round(total / 1e9, 2) == expected[preset_name]
 

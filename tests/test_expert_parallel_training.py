@@ -80,7 +80,9 @@ def test_expert_parallel_under_zero1_and_bf16(converted, sft_data, tmp_path, tmp
         assert [m["step"] for m in got] == list(range(1, STEPS + 1))
         exact = name.startswith("fp32")  # bf16: weights and activations rounded every step
         for a, b in zip(expected, got, strict=True):
-            assert b["loss"] == pytest.approx(a["loss"], rel=1e-7 if exact else 1e-3), (name, a, b)
+            # fp32: within 1e-6 (the docstring's claim); a 1e-7 bound, one fp32 ulp, failed on one machine (1.26e-7
+            # on Llama 4's step 2) and passed on another: the summation order of a CPU's matmul kernels.
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-6 if exact else 1e-3), (name, a, b)
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6 if exact else 5e-3), (name, a, b)
             assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-6 if exact else 2e-2)
         config = AutoConfig.from_pretrained(str(fp32))

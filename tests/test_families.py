@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from models.config import ConfigFields, differing_field, load_hf_config, read_config_fields
+from models.families import FAMILIES, is_sparse_layer
 from models.key_table import all_layer_keys, pipe_layers
-from models.layers import DecoderOptions, build_layer, split_stats, tied_lm_head_forward
+from models.layers import DecoderOptions, build_layer, decoder_layer_class, split_stats, tied_lm_head_forward
 from tests.conftest import LLAMA3_ROPE, hf_state
 from tools.tiny_models import tiny_config
 
@@ -40,6 +41,17 @@ FAMILY_CONFIGS = {
     "ministral3": ("ministral3", {}),
     "seed_oss-biases": ("seed_oss", dict(attention_bias=True, attention_out_bias=True, mlp_bias=True)),
     "ernie4_5-biases": ("ernie4_5", dict(use_bias=True)),
+    # Gemma 3 (registry rules: four norms, scaled embeddings, soft-capped logits, RoPE per layer type): local layers
+    # with a window of 4, tied embeddings as Gemma ships them.
+    "gemma3-local-softcap": ("gemma3_text", {}),
+    "gemma3-tied": ("gemma3_text", dict(tie_word_embeddings=True)),
+    # Fused projections (Phi-3: q/k/v and gate/up; GLM-4: gate/up, with its four norms and half-head RoPE), norms
+    # after each sublayer with q/k norms over the whole projection (OLMo 2, OLMo 3 with local layers).
+    "phi3-window": ("phi3", dict(sliding_window=5)),
+    "phi3-partial-rope": ("phi3", dict(partial_rotary_factor=0.5)),
+    "glm4": ("glm4", {}),
+    "olmo2-biases": ("olmo2", dict(attention_bias=True)),
+    "olmo3-local": ("olmo3", {}),
 }
 
 
@@ -79,6 +91,12 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
     with torch.no_grad():
         reference = hf(input_ids=ids).logits
     assert torch.equal(pipeline_logits(config, state, ids), reference)
+    # The soft-cap and the local layers' window matter at this size and length: ignoring either would show.
+    for word, ignored in {"softcap": dict(final_logit_softcapping=None), "local": dict(sliding_window=64)}.items():
+        if word in name:
+            other = tiny_config(model_type, num_hidden_layers=3, num_key_value_heads=2, **overrides | ignored)
+            other._attn_implementation = attn
+            assert not torch.equal(pipeline_logits(other, state, ids), reference), ignored
     if "window" in name or "sliding" in name:  # the window matters at this length: ignoring it would show
         full = tiny_config(
             model_type,
@@ -99,8 +117,8 @@ def test_other_model_types_are_refused(tmp_path):
     for model_type in ("deepseek_v3", "gpt_oss"):  # experts behind attention we do not build (MLA, sinks)
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         supported = (
-            "supported: ernie4_5, helium, llama, llama4, llama4_text, ministral3, mistral, mixtral, qwen2, qwen2_moe, "
-            "qwen3, qwen3_moe, seed_oss, smollm3"
+            "supported: ernie4_5, gemma3_text, glm4, helium, llama, llama4, llama4_text, ministral3, mistral, mixtral, "
+            "olmo2, olmo3, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3"
         )
         with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported \\({supported}\\)"):
             load_hf_config(str(tmp_path))
@@ -109,7 +127,9 @@ def test_other_model_types_are_refused(tmp_path):
         load_hf_config(str(tmp_path))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "helium", "smollm3", "ministral3"])
+@pytest.mark.parametrize(
+    "model_type", ["llama", "mistral", "qwen2", "qwen3", "helium", "smollm3", "ministral3", "phi3", "olmo2", "glm4"]
+)
 def test_config_fields_read_without_transformers_equal_transformers_reading(model_type, tmp_path):
     """What conversion reads of config.json before transformers is imported equals transformers' own reading,
     for every family, with each key that has a default left out of the file (the defaults are transformers')."""
@@ -123,3 +143,81 @@ def test_config_fields_read_without_transformers_equal_transformers_reading(mode
         assert light is not None and differing_field(light, load_hf_config(str(tmp_path))) is None, left_out
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in full.items() if k != "num_hidden_layers"}))
     assert read_config_fields(str(tmp_path)) is None  # no default: only transformers knows (it assumes 32)
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "olmo2", "olmo3", "glm4"])
+def test_tensor_parallelism_is_refused_in_one_line_where_its_split_is_not_built(model_type):
+    """Fused q/k/v or gate/up projections, q/k norms over the whole projection: training and conversion at TP > 1
+    stop with one line naming the family and the way out, before anything is read or written; TP=1 passes."""
+    from checkpoint.errors import CheckpointError
+    from checkpoint.writer import check_tp
+    from training.config import TrainConfig
+    from training.validate import validate_layout
+
+    config = tiny_config(model_type, num_key_value_heads=2)
+    line = (
+        rf"model_type='{model_type}' is not split over tensor-parallel ranks \([^)]+\); use pipeline, context and data"
+    )
+    with pytest.raises(CheckpointError, match=rf"^--tp 2: {line} parallelism$"):
+        check_tp(config, 2, None)
+    with pytest.raises(ValueError, match=rf"^tensor_parallel_size=2: {line} parallelism$"):
+        validate_layout(TrainConfig(num_stages=2, tensor_parallel_size=2), 4, config)
+    check_tp(config, 1, None)
+    validate_layout(TrainConfig(num_stages=2, tensor_parallel_size=1), 4, config)
+
+
+def test_lora_targets_are_the_familys_own_linear_layers():
+    """Phi-3 fuses q/k/v and gate/up: `q_proj` names nothing there (one line naming its layers), `qkv_proj` does."""
+    from models.lora import check_target_modules
+
+    phi3, llama = tiny_config("phi3", num_key_value_heads=2), tiny_config("llama", num_key_value_heads=2)
+    with pytest.raises(ValueError, match=r"^lora.target_modules: 'q_proj' is not a linear layer of the decoder \("):
+        check_target_modules(["q_proj"], phi3)
+    check_target_modules(["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], phi3)
+    check_target_modules(["q_proj", "v_proj", "down_proj"], llama)
+    with pytest.raises(ValueError, match="'qkv_proj' is not a linear layer"):
+        check_target_modules(["qkv_proj"], llama)
+
+
+# transformers' tensor-parallel styles and the split each means for our keys (models/sharding.py): a column split
+# of x @ W experts [E, I, H] is our EXPERT_IN, a row split of W x experts [E, H, I] our EXPERT_ROW.
+PLAN_STYLES = {
+    "colwise": {"column", "expert_in"},
+    "rowwise": {"row", "expert_row"},
+    "replicated_with_grad_allreduce": {"replica"},
+    "packed_colwise": {"gate_up"},
+    "packed_rowwise": {"gate_up_out"},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_tp_rules_agree_with_transformers_tp_plan(model_type):
+    """Every entry of the family's `base_model_tp_plan` names a module or parameter of its decoder layer (a sparse one
+    for experts), and our split of it is the one the plan's style means; every weight our rules split is in the
+    plan. Families whose split is not built (`tp_refused`) only have their plan's modules checked."""
+    from models.key_table import DECODER, tp_split
+
+    config = tiny_config(model_type, num_key_value_heads=2)
+    names = {}
+    with torch.device("meta"):
+        for block in range(config.num_hidden_layers):  # sparse and dense layers
+            names |= dict(decoder_layer_class(model_type)(config, block).named_parameters())
+    plan = {k.removeprefix("layers.*."): v for k, v in config.base_model_tp_plan.items() if v != "moe_tp_experts"}
+    dense_mlp = any(not is_sparse_layer(config, b) for b in range(config.num_hidden_layers))
+    for module, style in plan.items():
+        name = module if module in names else f"{module}.weight"
+        # A model with experts in every layer of the tiny config has no dense MLP for the plan's dense entries.
+        absent_dense = FAMILIES[model_type].moe is not None and not dense_mlp and module.count(".") == 1
+        assert name in names or absent_dense, (module, sorted(names))
+        if not FAMILIES[model_type].tp_refused:
+            assert tp_split(DECODER, name) in PLAN_STYLES[style.removesuffix("_gather_output")], (name, style)
+    if not FAMILIES[model_type].tp_refused:
+        split = {n for n in names if n.endswith("weight") or ".experts." in n} - {f"{m}.weight" for m in plan}
+        # Beyond the plan: transformers leaves Qwen2-MoE's shared expert whole on every rank; we split it as a dense
+        # MLP (tests/test_tensor_parallel.py holds the split block to the whole one).
+        beyond = (
+            {f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")}
+            if model_type == "qwen2_moe"
+            else set()
+        )
+        assert {n for n in split - set(plan) if tp_split(DECODER, n) != "replica"} == beyond

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from tests.conftest import check, torchrun
-from tests.workers.forward_parity import CP_LAYOUTS, EP_CP_LAYOUTS, EP_LAYOUTS, LAYOUTS, SEQ
+from tests.conftest import MODEL_VARIANTS, check, torchrun
+from tests.workers.forward_parity import CP_LAYOUTS, EP_CP_LAYOUTS, EP_LAYOUTS, LAYOUTS, SEQ, TP_NOT_BUILT
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 
@@ -32,8 +32,15 @@ CASES = [
     ("seed_oss", "sdpa"),
     ("ernie4_5", "sdpa"),
     ("ernie4_5", "sdpa-packed"),
+    ("gemma3", "sdpa"),
+    ("gemma3", "eager-packed"),
+    ("phi3", "sdpa"),
+    ("glm4", "sdpa"),
+    ("olmo2", "sdpa"),
+    ("olmo3", "eager-packed"),
 ]
 MOE = {f"{m}-{attn}" for m, attn in CASES if m in ("mixtral", "qwen2_moe", "qwen3_moe", "llama4")}
+NO_TP = {f"{m}-{attn}" for m, attn in CASES if MODEL_VARIANTS[m].get("model_type") in TP_NOT_BUILT}
 
 
 def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
@@ -66,6 +73,7 @@ def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
         for pp, tp, sp, ep, cp in layouts
         + ([(*x, 2, 1) for x in EP_LAYOUTS] + [(*x, 2, 2) for x in EP_CP_LAYOUTS] if c["name"] in MOE else [])
         + [(*x, 1, 2) for x in CP_LAYOUTS]
+        if tp == 1 or c["name"] not in NO_TP
         for d in range(4 // (pp * tp * cp))
         for t in range(tp)
     }

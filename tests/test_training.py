@@ -102,6 +102,21 @@ LAYOUTS = {
     # Llama 4 under CP=2: chunked attention across the shard boundary, the NoPE layer's temperature counted from the
     # row's start on the second shard.
     "llama4-pp2-cp2": ("llama4", "false", 2, 1, "", 0),
+    # Families of one registry module each: Gemma 3's four norms, scaled embeddings and soft-capped logits under TP=2
+    # with SP and the vocab-parallel loss (tied embeddings); SmolLM3's NoPE layers on both stages; Helium's o_proj
+    # (hidden x hidden) split by heads; Ministral 3's position-scaled queries under its window; Seed-OSS's own o_proj
+    # bias under TP; ERNIE 4.5's interleaved RoPE with every bias and tied embeddings.
+    "gemma3-pp2-tp2": ("gemma3", "false", 2, 2, "", 0),
+    "smollm3-pp2-dp2": ("smollm3", "false", 2, 1, "", 0),
+    "helium-pp2-tp2": ("helium", "false", 2, 2, "", 0),
+    "ministral3-pp2-dp2": ("ministral3", "false", 2, 1, "", 0),
+    "seed_oss-pp2-tp2": ("seed_oss", "false", 2, 2, "", 0),
+    "ernie4_5-pp2-dp2": ("ernie4_5", "false", 2, 1, "", 0),
+    # Fused q/k/v and gate/up (Phi-3, its window), four norms and fused gate/up (GLM-4), norms after each sublayer with
+    # q/k norms over the whole projection and local layers (OLMo 3): no TP for these yet.
+    "phi3-pp2-dp2": ("phi3", "false", 2, 1, "", 0),
+    "glm4-pp2-dp2": ("glm4", "false", 2, 1, "", 0),
+    "olmo3-pp2-dp2": ("olmo3", "false", 2, 1, "", 0),
 }
 
 

@@ -11,7 +11,7 @@ import math
 import re
 
 from models.config import checkpoint_every
-from models.families import family_of
+from models.families import family_of, tp_refusal
 from models.lora import check_target_modules
 from models.moe import is_moe, num_experts
 from models.sharding import tp_indivisible
@@ -205,8 +205,12 @@ def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
         world_size % (cfg.num_stages * tp * cp) == 0,
         f"{split} does not divide the world size {world_size} (PP x TP x CP x DP = world size)",
     )
+    refused = tp_refusal(model_config, tp)
+    _need(refused is None, f"tensor_parallel_size={tp}: {refused}")
     bad = tp_indivisible(model_config, tp)
     _need(bad is None, f"tensor_parallel_size={tp} must divide {bad[0]}={bad[1]}" if bad else "")
+    if cfg.lora.enabled and not is_moe(model_config):  # the family's own linear layers (fused: qkv_proj, ...)
+        check_target_modules(cfg.lora.target_modules, model_config)
     validate_context_parallel(cfg, model_config)
     validate_expert_parallel(cfg, world_size, model_config)
     if is_moe(model_config):

@@ -6,6 +6,9 @@ family module calls `register(Family(...))` with what is particular to it, as da
 
 - `prefix` (and `package`): where transformers keeps its classes (`transformers.models.<package>.modeling_<package>`,
   `<Prefix>DecoderLayer`, `<Prefix>RMSNorm`, `<Prefix>RotaryEmbedding`, `<Prefix>Config`);
+- its decoder layer's norms (`norms`) and which of them feed a tensor-parallel region (`tp_entry_norms`), whether its
+  embeddings are scaled (`scaled_embedding`); the head's `final_logit_softcapping` and a rotary embedding that takes
+  the layer's type (`config.layer_types`) are read from transformers' config and classes, not declared;
 - which optional weights its decoder layer has (`qkv_bias`, `o_bias`, `mlp_bias`: always, never, or as a config field
   says; `qk_norm`), where its sliding window applies (`window_everywhere`), its dense MLP's width field (`dense_size`);
   tests/test_families.py holds the keys this gives to the keys of transformers' own layer built on the meta device;
@@ -84,6 +87,17 @@ class Family:
     package: str = ""  # transformers' models/<package> (default: the model type)
     dense_size: str = "intermediate_size"  # the config field with a dense layer's MLP width
     flash_attention: bool = True  # transformers runs the family with flash-attn
+    config_name: str = ""  # transformers' config class (default `<Prefix>Config`)
+    # The decoder layer's RMSNorms, and those whose output enters a tensor-parallel split region (the input of
+    # q/k/v or of gate/up): the others normalise whole (or, under sequence parallelism, sharded) activations.
+    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    tp_entry_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    scaled_embedding: bool = False  # embeddings times sqrt(hidden_size) in the weights' dtype (Gemma's)
+    fused_qkv: bool = False  # one `self_attn.qkv_proj` holds q, k and v (Phi-3's)
+    fused_gate_up: bool = False  # one `mlp.gate_up_proj` holds gate and up (Phi-3's, GLM-4's)
+    # Why tensor parallelism is refused for the family until its split is built (a fused projection, a q/k norm
+    # over the whole projection); "" where it splits.
+    tp_refused: str = ""
     # A config.json value the family's attention would silently ignore: refused at load with the reason.
     refused_fields: dict[str, str] = field(default_factory=dict, compare=False)
     tiny: dict = field(default_factory=dict, compare=False)  # config overrides of the tiny test model
@@ -105,7 +119,11 @@ class Family:
 
     @property
     def config_class(self) -> str:
-        return self.prefix + "Config"
+        return self.config_name or self.prefix + "Config"
+
+    def initial_norm_weight(self) -> float:
+        """What the family's RMSNorm initialises its weight to (1; Gemma's (1 + w) norms: 0)."""
+        return float(self.hf_class("RMSNorm")(1).weight.detach()[0])
 
 
 @dataclass(frozen=True)
@@ -139,6 +157,17 @@ def register_container(model_type: str, container: Container) -> None:
 def _load_family_modules() -> None:
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
         importlib.import_module(f"{__name__}.{info.name}")
+
+
+def tp_refusal(config, tp_size: int) -> str | None:
+    """Why a model of `config` cannot be split over `tp_size` > 1 tensor-parallel ranks (`Family.tp_refused`)."""
+    family = family_of(config)
+    if tp_size > 1 and family.tp_refused:
+        return (
+            f"model_type={family.model_type!r} is not split over tensor-parallel ranks ({family.tp_refused}); "
+            "use pipeline, context and data parallelism"
+        )
+    return None
 
 
 def hf_classes(suffix: str) -> tuple[type, ...]:

@@ -44,6 +44,7 @@ EP_LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, True)]
 CP_LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (1, 2, True)]
 EP_CP_LAYOUTS = [(1, 1, False), (2, 1, False)]  # experts split over EP=2 ranks of the data axis under CP=2
 CP_NOT_BUILT: set[str] = set()  # model types that context parallelism refuses (training/validate.py)
+TP_NOT_BUILT = {"phi3", "olmo2", "olmo3", "glm4"}  # model types that tensor parallelism refuses (`Family.tp_refused`)
 FIRST_DOC = 10  # packed cases: documents of 10 and 14 tokens per row
 
 
@@ -128,6 +129,8 @@ def main():
         layouts += [(*x, 2, 2) for x in EP_CP_LAYOUTS if experts]
         if "--pp2-tp2-cp2" in sys.argv[3:]:
             layouts = [(2, 2, False, 1, 2), (2, 2, True, 1, 2)]
+        if model_config.model_type in TP_NOT_BUILT:
+            layouts = [x for x in layouts if x[1] == 1]
         for pp, tp_size, sp, ep, cp in layouts:
             cfg = TrainConfig(
                 num_stages=pp,
