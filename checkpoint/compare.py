@@ -11,8 +11,8 @@ import torch
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import read_model_config
 from checkpoint.pipeline_reader import PipelineCheckpoint
-from models.key_table import EMBED, pipe_layers
 from models.layers import build_layer, split_stats, tied_lm_head_forward
+from models.pipe_layout import EMBED, pipe_layers
 
 
 @torch.inference_mode()

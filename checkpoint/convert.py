@@ -3,7 +3,7 @@
 Output (`CKPT_DIR`):
 
     latest                                  "global_step0"
-    global_step0/layer_XX-model_00-model_states.pt   one per pipeline layer (see models.key_table)
+    global_step0/layer_XX-model_00-model_states.pt   one per pipeline layer (see models.pipe_layout)
     global_step0/mp_rank_00_model_states.pt          DeepSpeed's engine metadata, no weights
     config.json, generation_config.json, tokenizer files   copied from the HF directory
 
@@ -28,13 +28,14 @@ from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import iter_tensors, read_model_config, stored_dtype
 from checkpoint.layer_files import find_layer_file, unchecked_zip_records
 from checkpoint.manifest import BackgroundDescriber, copy_verified, read_manifest
-from checkpoint.names import PIECE_FILE
+from checkpoint.names import PIECE_FILE, layer_file_name
 from checkpoint.outputs import PIPELINE, check_output
 from checkpoint.source_checks import SourceCheck, check_keys
 from checkpoint.staging import staged_directory
 from checkpoint.writer import TAG, ConvertStats, check_tp, finish_converted, finish_piece, own_storage, write_layer
 from models.config import read_config_fields
-from models.key_table import all_layer_keys, hf_key_to_layer, layer_file_name, pipe_layers
+from models.key_table import all_layer_keys, hf_key_to_layer
+from models.pipe_layout import pipe_layers
 
 
 def convert_layers(

@@ -26,8 +26,8 @@ import shutil
 import torch
 
 from checkpoint.names import LAYOUT_FILE
-from models.key_table import param_tp_split
 from models.sharding import EXPERT_IN, EXPERT_ROW, GATE_UP, GATE_UP_OUT, merge
+from models.tp_rules import param_tp_split
 
 EXPERT_RULES = {GATE_UP: (1, 2), EXPERT_ROW: (2, 1), GATE_UP_OUT: (2, 2), EXPERT_IN: (1, 1)}  # rule: (CAT_DIM, halves)
 STATES = ("fp32", "exp_avg", "exp_avg_sq")

@@ -12,11 +12,10 @@ import os
 from collections import Counter
 
 from checkpoint.layer_files import layer_tensor_specs
-from checkpoint.names import ZERO_FILE, engine_file
+from checkpoint.names import ZERO_FILE, engine_file, parse_layer_file_name
 from checkpoint.pipeline_reader import PipelineCheckpoint
 from checkpoint.safe_load import load_pt
 from checkpoint.universal import read_layout
-from models.key_table import parse_layer_file_name
 
 
 def experts_of(config) -> dict:

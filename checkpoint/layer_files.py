@@ -15,10 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoint.errors import CheckpointError
-from checkpoint.names import LAYOUT_FILE, PIECE_FILE
+from checkpoint.names import LAYER_FILE_FORMATS, LAYOUT_FILE, PIECE_FILE, layer_file_name, parse_layer_file_name
 from checkpoint.safe_load import load_pt
-from models.key_table import LAYER_FILE_FORMATS, PipeLayer, layer_file_name, parse_layer_file_name, tp_split
+from models.pipe_layout import PipeLayer
 from models.sharding import VOCAB, merge, padded_vocab, shard
+from models.tp_rules import tp_split
 
 FORMATS = LAYER_FILE_FORMATS
 

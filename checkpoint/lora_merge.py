@@ -26,8 +26,9 @@ from checkpoint.errors import CheckpointError
 from checkpoint.names import LORA_FILE
 from checkpoint.pipeline_reader import PipelineCheckpoint
 from checkpoint.safe_load import load_pt
-from models.key_table import DECODER, DECODER_PREFIX, decoder_index, hf_decoder_module
+from models.key_table import DECODER_PREFIX, hf_decoder_module
 from models.lora import LORA_A, LORA_B, LoraDelta
+from models.pipe_layout import DECODER, decoder_index
 
 # PEFT's saved key of a decoder module's factor: "base_model.model." + the HF module name + ".lora_A.weight".
 PEFT_KEY = re.compile(

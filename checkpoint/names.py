@@ -1,4 +1,4 @@
-"""Every name inside a checkpoint directory, in one place (layer file names live in models/key_table.py).
+"""Every name inside a checkpoint directory, in one place.
 
 CKPT_DIR/latest                                 the tag to load ("global_stepN")
 CKPT_DIR/global_stepN/                          one checkpoint (a "step directory")
@@ -62,3 +62,19 @@ def rng_file(rank: int) -> str:
 
 def engine_files(names: list[str]) -> list[str]:
     return sorted(n for n in names if ENGINE_FILE.fullmatch(n))
+
+
+# DeepSpeed's per-layer weight files: pipeline layer XX (models/pipe_layout.py), tensor-parallel rank YY.
+LAYER_FILE_FORMATS = ("pt", "safetensors")
+_LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.(pt|safetensors)")
+
+
+def layer_file_name(index: int, tp_rank: int = 0, fmt: str = "pt") -> str:
+    """DeepSpeed's per-layer file name; zero-padded because DeepSpeed globs `layer_XX-*`."""
+    return f"layer_{index:02d}-model_{tp_rank:02d}-model_states.{fmt}"
+
+
+def parse_layer_file_name(name: str) -> tuple[int, int, str] | None:
+    """(layer index, TP rank, format) of a layer file name, or None for any other file."""
+    m = _LAYER_FILE.fullmatch(name)
+    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None

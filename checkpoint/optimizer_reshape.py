@@ -64,7 +64,7 @@ def gather_moved_state(
         step_dir: the checkpoint.
         saved_layout: its `layout.json` (stages and TP degree that wrote it).
         wanted: this new stage's parameter names.
-        rule_of: name -> how it splits across TP ranks (models.key_table.param_tp_split).
+        rule_of: name -> how it splits across TP ranks (models.tp_rules.param_tp_split).
         tp_rank, tp_size, vocab_size, vocab_multiple: where the state goes (models/sharding.py).
     """
     stages, saved_tp = saved_layout["num_stages"], saved_layout.get("tp_size", 1)

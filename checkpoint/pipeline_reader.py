@@ -24,20 +24,13 @@ from checkpoint.layer_files import (
     load_layer_shard,
     load_layer_whole,
 )
-from checkpoint.names import engine_files
+from checkpoint.names import engine_files, layer_file_name
 from checkpoint.safe_load import check_pickles
 from checkpoint.saves import read_tag
-from models.key_table import (
-    EMBED,
-    KEY_TABLE,
-    LM_HEAD,
-    PipeLayer,
-    all_layer_keys,
-    layer_file_name,
-    pipe_layers,
-    tp_split,
-)
+from models.key_table import KEY_TABLE, all_layer_keys
+from models.pipe_layout import EMBED, LM_HEAD, PipeLayer, pipe_layers
 from models.sharding import merged_shape
+from models.tp_rules import tp_split
 
 
 class PipelineCheckpoint:

@@ -100,9 +100,11 @@ def universal_info(config) -> dict:
 
     from deepspeed.checkpoint import constants as c
 
-    from models.key_table import DECODER, TIED_PARAM, layer_keys, pipe_layers, tp_split
+    from models.key_table import layer_keys
     from models.moe import param_name_of
+    from models.pipe_layout import DECODER, TIED_PARAM, pipe_layers
     from models.sharding import REPLICA, ROW, VOCAB
+    from models.tp_rules import tp_split
 
     rules = {}
     for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):

@@ -19,8 +19,9 @@ from checkpoint.layer_files import layer_path, save_layer_state
 from checkpoint.manifest import build_manifest, write_manifest
 from checkpoint.names import CONVERSION_RECORD, CONVERTED_TAG, LATEST, MODEL_SIDE_FILES, PIECE_FILE, engine_file
 from models.families import tp_refusal
-from models.key_table import PipeLayer, tp_split
+from models.pipe_layout import PipeLayer
 from models.sharding import shard, tp_indivisible
+from models.tp_rules import tp_split
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 NOT_COPIED = (PIECE_FILE, CONVERSION_RECORD)  # records of how a directory was made, not model files

@@ -1,7 +1,7 @@
-"""The one table: pipeline layer index <-> Hugging Face key names <-> layer file names.
+"""The one table of key names: pipeline layer (models/pipe_layout.py) <-> Hugging Face keys, both directions.
 
-Every converter, loader and test goes through this module; nothing else knows key names or
-index offsets. For a model with L decoder layers the pipeline layers are:
+Every converter, loader and test goes through this module; nothing else knows hub key names. For a model with L
+decoder layers the pipeline layers are:
 
     index 0          embedding         model.embed_tokens.weight
     index 1 .. L     decoder block b   model.layers.{b}.*           (index = b + 1)
@@ -15,12 +15,9 @@ With tied input/output embeddings the LM head is a second use of layer 0's modul
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from models.families import FAMILIES, family_of, is_sparse_layer
-from models.sharding import COLUMN, EXPERT_IN, EXPERT_ROW, GATE_UP, GATE_UP_OUT, REPLICA, ROW, VOCAB
-
-EMBED, DECODER, NORM, LM_HEAD = "embed", "decoder", "norm", "lm_head"
+from models.pipe_layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer, decoder_index, pipe_layers
 
 DECODER_PREFIX = "model.layers.{}."  # HF name of decoder block {} (the module; its keys follow)
 
@@ -144,10 +141,11 @@ def dense_mlp_keys(config) -> tuple[str, ...]:
     return tuple(block + k.removeprefix("mlp") for k in _DENSE_MLP)
 
 
-_MOE_SPECS = [family.moe for family in FAMILIES.values() if family.moe is not None]
+MOE_SPECS = [family.moe for family in FAMILIES.values() if family.moe is not None]  # every registered family's
 
 
-def _alternatives(names) -> str:
+def alternatives(names) -> str:
+    """A regular expression matching any of `names` exactly (sorted, escaped)."""
     return "(?:" + "|".join(re.escape(n) for n in sorted(set(names))) + ")"
 
 
@@ -155,97 +153,30 @@ def _moe_patterns() -> list[re.Pattern]:
     """Every registered family's sparse-layer keys on the hub (models/families/): per-expert projections and their
     router, fused experts and their router, shared experts, and the dense MLP of a family whose block has another
     name than `mlp`. Any block number, any expert number; `hf_key_to_layer` checks the block against the model."""
-    per_expert = [m for m in _MOE_SPECS if not m.hub_fused]
-    fused = [m for m in _MOE_SPECS if m.hub_fused]
+    per_expert = [m for m in MOE_SPECS if not m.hub_fused]
+    fused = [m for m in MOE_SPECS if m.hub_fused]
     bodies = []
     if per_expert:
-        hub = _alternatives(m.hub_block for m in per_expert)
-        names = _alternatives(n for m in per_expert for n in m.expert_names)
+        hub = alternatives(m.hub_block for m in per_expert)
+        names = alternatives(n for m in per_expert for n in m.expert_names)
         bodies += [hub + r"\.gate\.weight", hub + r"\.experts\.\d+\." + names + r"\.weight"]
     if fused:
-        block = _alternatives(m.block for m in fused)
-        routers = _alternatives(m.router for m in fused)
+        block = alternatives(m.block for m in fused)
+        routers = alternatives(m.router for m in fused)
         bodies += [block + r"\.experts\.(?:gate_up|down)_proj", block + r"\." + routers + r"\.weight"]
-    shared = [m for m in _MOE_SPECS if m.shared_expert]
+    shared = [m for m in MOE_SPECS if m.shared_expert]
     if shared:
         shared_keys = r"\.shared_expert(?:\.(?:gate|up|down)_proj|_gate)\.weight"
-        bodies.append(_alternatives(m.block for m in shared) + shared_keys)
-    renamed = [m.block for m in _MOE_SPECS if m.block != "mlp"]
+        bodies.append(alternatives(m.block for m in shared) + shared_keys)
+    renamed = [m.block for m in MOE_SPECS if m.block != "mlp"]
     if renamed:
-        bodies.append(_alternatives(renamed) + r"\.(?:gate|up|down)_proj\.weight")
+        bodies.append(alternatives(renamed) + r"\.(?:gate|up|down)_proj\.weight")
     return [re.compile(r"^model\.layers\.(\d+)\.(" + body + ")$") for body in bodies]
 
 
 _HF_PATTERNS = [(kind, ours, _template_regex(tpl)) for kind, keys in KEY_TABLE.items() for ours, tpl in keys.items()]
 _MOE_PATTERNS = _moe_patterns()
 _DROP_PATTERNS = [_template_regex(tpl) for tpl in DROPPED_HF_KEYS]
-
-
-@dataclass(frozen=True)
-class PipeLayer:
-    """One entry of the pipeline layer list.
-
-    Args:
-        index: position in the `LayerSpec` list; also the number in the layer file name.
-        kind: one of EMBED, DECODER, NORM, LM_HEAD.
-        block: decoder block number (HF `model.layers.{block}`), None for other kinds.
-        has_file: False for the tied LM head, whose weight lives in layer 0's file.
-    """
-
-    index: int
-    kind: str
-    block: int | None = None
-    has_file: bool = True
-
-
-def decoder_index(block: int) -> int:
-    """Pipeline layer index of decoder block `block` (HF `model.layers.{block}`)."""
-    return block + 1
-
-
-def num_pipe_layers(num_layers: int) -> int:
-    """Length of the pipeline layer list: embedding, `num_layers` blocks, norm, head."""
-    return num_layers + 3
-
-
-def pipe_layers(num_layers: int, tie_word_embeddings: bool) -> list[PipeLayer]:
-    """The pipeline layer list for a model with `num_layers` decoder blocks."""
-    layers = [PipeLayer(0, EMBED)]
-    layers += [PipeLayer(decoder_index(b), DECODER, block=b) for b in range(num_layers)]
-    layers.append(PipeLayer(num_layers + 1, NORM))
-    layers.append(PipeLayer(num_layers + 2, LM_HEAD, has_file=not tie_word_embeddings))
-    return layers
-
-
-def block_of(index: int, num_layers: int) -> int | None:
-    """The decoder block at pipeline layer `index`, or None for the embedding, norm and head."""
-    return index - 1 if 1 <= index <= num_layers else None
-
-
-def stage_bounds_from_blocks(blocks_per_stage: list[int]) -> list[int]:
-    """Stage bounds (layer indices) from decoder blocks per stage: the embedding joins the first stage,
-    the norm and head the last. Stage s owns layers [bounds[s], bounds[s + 1])."""
-    bounds, blocks = [0], 0
-    for n in blocks_per_stage:
-        blocks += n
-        bounds.append(decoder_index(blocks - 1) + 1)  # one past the stage's last block
-    bounds[-1] = num_pipe_layers(blocks)
-    return bounds
-
-
-LAYER_FILE_FORMATS = ("pt", "safetensors")
-_LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.(pt|safetensors)")
-
-
-def layer_file_name(index: int, tp_rank: int = 0, fmt: str = "pt") -> str:
-    """DeepSpeed's per-layer file name; zero-padded because DeepSpeed globs `layer_XX-*`."""
-    return f"layer_{index:02d}-model_{tp_rank:02d}-model_states.{fmt}"
-
-
-def parse_layer_file_name(name: str) -> tuple[int, int, str] | None:
-    """(layer index, TP rank, format) of a layer file name, or None for any other file."""
-    m = _LAYER_FILE.fullmatch(name)
-    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
 
 
 def layer_keys(layer: PipeLayer, config) -> dict[str, str]:
@@ -309,82 +240,6 @@ def linear_modules(config=None) -> list[str]:
 def hf_decoder_module(block: int, module: str) -> str:
     """HF name of a module of decoder block `block`: (3, "self_attn.q_proj") -> "model.layers.3.self_attn.q_proj"."""
     return DECODER_PREFIX.format(block) + module
-
-
-# How each key of a pipeline layer splits across tensor-parallel ranks (Megatron's split; models/sharding.py).
-_MLP_BLOCKS = ("mlp", *dict.fromkeys(m.block for m in _MOE_SPECS if m.block != "mlp"))  # a dense MLP's names
-TP_COLUMN_MODULES = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    *(f"{block}.{proj}" for block in _MLP_BLOCKS for proj in ("gate_proj", "up_proj")),
-)
-TP_ROW_MODULES = ("self_attn.o_proj", *(f"{block}.down_proj" for block in _MLP_BLOCKS))
-# Experts and shared experts split as dense MLPs do: gate and up by rows, down by columns (router: replicated).
-_EXPERT_BLOCKS = _alternatives([*_MLP_BLOCKS, *(m.hub_block for m in _MOE_SPECS)])
-_EXPERT_COLUMN = re.compile(
-    _EXPERT_BLOCKS
-    + r"\.(experts\.\d+\."
-    + _alternatives(["gate_proj", "up_proj", *(n for m in _MOE_SPECS for n in m.expert_names[:2])])
-    + r"|shared_expert\.(gate|up)_proj)"
-)
-_EXPERT_ROW = re.compile(
-    _EXPERT_BLOCKS
-    + r"\.(experts\.\d+\."
-    + _alternatives(["down_proj", *(m.expert_names[2] for m in _MOE_SPECS)])
-    + r"|shared_expert\.down_proj)"
-)
-# transformers' fused in-memory expert parameters (the optimizer's view): gate_up [E, 2I, H] holds each rank's gate
-# rows then its up rows (GATE_UP), down [E, H, I] its columns (dim 2: EXPERT_ROW). Experts fused on the hub too
-# (`MoeSpec.hub_fused`: also their layer files' keys) are x @ W: gate_up [E, H, 2I] by columns of each half
-# (GATE_UP_OUT), down [E, I, H] by rows (EXPERT_IN).
-FUSED_GATE_UP, FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
-FUSED_XW = {
-    **{f"{m.block}.experts.gate_up_proj": GATE_UP_OUT for m in _MOE_SPECS if m.hub_fused},
-    **{f"{m.block}.experts.down_proj": EXPERT_IN for m in _MOE_SPECS if m.hub_fused},
-}
-_LORA_KEY = re.compile(r"(.+)\.lora_([AB])\.[^.]+\.weight")
-# LoRA factors follow the layer they adapt: a column layer's B is split like it and its A replicated; a row
-# layer's A is split like it and its B replicated.
-_LORA_SPLIT = {(COLUMN, "A"): REPLICA, (COLUMN, "B"): COLUMN, (ROW, "A"): ROW, (ROW, "B"): REPLICA}
-
-
-def tp_split(kind: str, key: str) -> str:
-    """COLUMN, ROW, VOCAB or REPLICA for `key` of a layer of `kind` (see models/sharding.py)."""
-    if kind in (EMBED, LM_HEAD):
-        return VOCAB
-    if kind != DECODER:
-        return REPLICA
-    lora = _LORA_KEY.fullmatch(key)
-    module, param = (lora.group(1), "weight") if lora else key.replace(".base_layer", "").rsplit(".", 1)
-    rule = COLUMN if module in TP_COLUMN_MODULES else ROW if module in TP_ROW_MODULES else REPLICA
-    if _EXPERT_COLUMN.fullmatch(module):
-        rule = COLUMN
-    elif _EXPERT_ROW.fullmatch(module):
-        rule = ROW
-    elif key == FUSED_GATE_UP:
-        return GATE_UP
-    elif key == FUSED_DOWN:
-        return EXPERT_ROW
-    elif key in FUSED_XW:
-        return FUSED_XW[key]
-    if lora:
-        return _LORA_SPLIT.get((rule, lora.group(2)), REPLICA)
-    return REPLICA if rule == ROW and param == "bias" else rule
-
-
-# The pipeline module's name for the tied embedding (DeepSpeed's TiedLayerSpec key "embed"); other
-# parameters are named "<layer index>.<key inside the layer>", e.g. "5.self_attn.q_proj.weight".
-TIED_KEY = "embed"
-TIED_PARAM = f"tied_modules.{TIED_KEY}.weight"
-
-
-def param_tp_split(name: str, num_layers: int, tie_word_embeddings: bool) -> str:
-    """How the pipeline module's parameter `name` splits across tensor-parallel ranks (models/sharding.py)."""
-    if name == TIED_PARAM:
-        return tp_split(EMBED, "weight")
-    index, key = name.split(".", 1)
-    return tp_split(pipe_layers(num_layers, tie_word_embeddings)[int(index)].kind, key)
 
 
 def all_layer_keys(config) -> dict[int, dict[str, str]]:

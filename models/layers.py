@@ -44,7 +44,6 @@ from models import context_parallel
 from models.context_parallel import ContextParallel
 from models.expert_parallel import ExpertParallel
 from models.families import FAMILIES, attention_chunk, family_of, hf_classes, is_sparse_layer, sliding_window
-from models.key_table import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
 from models.moe import (
     DEFAULT_EXPERTS_IMPLEMENTATION,
     add_stats,
@@ -56,6 +55,7 @@ from models.moe import (
     token_mask,
     with_load,
 )
+from models.pipe_layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
 
 
 class _Fp32Rotary:

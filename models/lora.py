@@ -15,9 +15,11 @@ import torch
 from torch import nn
 
 from models.families import family_of, hf_classes
-from models.key_table import DECODER, TP_COLUMN_MODULES, TP_ROW_MODULES, linear_modules, tp_split
+from models.key_table import linear_modules
+from models.pipe_layout import DECODER
 from models.sharding import ROW, shard
 from models.tensor_parallel import TensorParallel, TPDecoderPipe, leave_tp, sum_grad_over_tp
+from models.tp_rules import TP_COLUMN_MODULES, TP_ROW_MODULES, tp_split
 
 ADAPTER = "default"
 LORA_A, LORA_B = f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"

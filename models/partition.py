@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import torch
 
 from models.families import is_sparse_layer
-from models.key_table import DECODER, LM_HEAD, num_pipe_layers, pipe_layers, stage_bounds_from_blocks
 from models.layers import build_layer
 from models.moe import num_experts
+from models.pipe_layout import DECODER, LM_HEAD, num_pipe_layers, pipe_layers, stage_bounds_from_blocks
 
 PARTITION_METHODS = ("parameters", "compute", "uniform")
 

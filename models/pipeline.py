@@ -15,16 +15,16 @@ from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
 from models.context_parallel import ContextParallel
 from models.expert_parallel import ExpertParallel
-from models.key_table import TIED_KEY, pipe_layers
 from models.layers import DecoderOptions
 from models.moe import file_keys_of, num_experts
+from models.pipe_layout import TIED_KEY, pipe_layers
 from models.tensor_parallel import TensorParallel, tp_layer_class_and_args, tp_tied_head_forward
 
 
 def layer_specs(
     config, tp: TensorParallel, options: DecoderOptions | None = None, ep: ExpertParallel | None = None
 ) -> list[LayerSpec]:
-    """One spec per entry of `models.key_table.pipe_layers`, in the same order."""
+    """One spec per entry of `models.pipe_layout.pipe_layers`, in the same order."""
     specs = []
     for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):
         cls, args = tp_layer_class_and_args(layer, config, tp, options, ep)

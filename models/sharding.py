@@ -1,6 +1,6 @@
 """How each weight splits across tensor-parallel ranks, and the pure tensor maths of splitting and merging.
 
-One rule per key (`models.key_table.tp_split`), Megatron's split:
+One rule per key (`models.tp_rules.tp_split`), Megatron's split:
 
     COLUMN  dim 0 in T contiguous blocks   q/k/v (by heads), gate/up (by rows), their biases, LoRA B of those
     ROW     dim 1 in T contiguous blocks   o_proj, down_proj (by input columns), LoRA A of those

@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.families import family_of
-from models.key_table import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
 from models.layers import (
     DecoderOptions,
     EmbeddingPipe,
@@ -54,6 +53,7 @@ from models.layers import (
 )
 from models.loss import IGNORE_INDEX
 from models.moe import is_moe
+from models.pipe_layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
 from models.sequence_parallel import gather_sequence, scatter_sequence
 from models.sharding import padded_vocab, tp_indivisible
 

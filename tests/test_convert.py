@@ -14,8 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoint.convert import convert_hf_to_pipeline
+from checkpoint.names import layer_file_name
 from checkpoint.pipeline_reader import load_hf_state_dict
-from models.key_table import layer_file_name, layer_keys, pipe_layers
+from models.key_table import layer_keys
+from models.pipe_layout import pipe_layers
 from tests.conftest import FAMILY_VARIANTS, hf_state, one_error_line, run_cmd
 from tools.tiny_models import make_hf_model, tiny_config
 
@@ -348,36 +350,54 @@ def test_tp_split_and_merge_between_any_degrees_round_trip_bit_identical(tmp_pat
     assert original.keys() == exported.keys() and all(torch.equal(original[k], exported[k]) for k in original)
 
 
-def test_llama4_multimodal_checkpoint_converts_its_text_model(tmp_path):
-    """A Llama4ForConditionalGeneration checkpoint (the hub's Llama 4 Scout and Maverick): conversion takes the
-    text model (keys under `language_model.`, config.json's `text_config`), skips the vision tower, and gives the
-    text model's checkpoint; `--verify --against` the multimodal directory finds transformers' text logits
-    (max difference 0), and the export is a Llama4ForCausalLM with the same tensors, bit for bit."""
-    from transformers import Llama4Config, Llama4ForConditionalGeneration, Llama4VisionConfig
+def _multimodal(family: str):
+    """A tiny multimodal model whose text model is `family`'s, and the name of its vision tower's keys."""
+    import transformers
 
+    if family == "llama4":
+        vision = transformers.Llama4VisionConfig(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            image_size=28,
+            patch_size=14,
+            vision_output_dim=32,
+            projector_input_dim=32,
+            projector_output_dim=32,
+        ).to_dict()
+        text = tiny_config("llama4_text", num_key_value_heads=2).to_dict()
+        config = transformers.Llama4Config(text_config=text, vision_config=vision)
+        return transformers.Llama4ForConditionalGeneration(config), "vision_model.", "llama4_text", "Llama4ForCausalLM"
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32)
+    # No logit soft-cap, as the hub's Gemma 3 configs: Gemma3ForConditionalGeneration's forward applies none even when
+    # set, where Gemma3ForCausalLM (the text model we convert to) applies it.
+    text = tiny_config("gemma3_text", num_key_value_heads=2, tie_word_embeddings=True, final_logit_softcapping=None)
+    text = text.to_dict()
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision | dict(patch_size=8), mm_tokens_per_image=4
+    )
+    return transformers.Gemma3ForConditionalGeneration(config), "vision_tower.", "gemma3_text", "Gemma3ForCausalLM"
+
+
+@pytest.mark.parametrize("family", ["llama4", "gemma3"])
+def test_multimodal_checkpoint_converts_its_text_model(family, tmp_path):
+    """A Llama4ForConditionalGeneration checkpoint (the hub's Llama 4 Scout and Maverick) or a
+    Gemma3ForConditionalGeneration one (Gemma 3 4B-27B): conversion takes the text model (keys under
+    `language_model.`, config.json's `text_config`), skips the vision tower, and gives the text model's checkpoint;
+    `--verify --against` the multimodal directory finds transformers' text logits (max difference 0), and the export
+    is the text model's ForCausalLM with the same tensors, bit for bit."""
     from tests.conftest import convert_in_process
 
-    text = tiny_config("llama4_text", num_key_value_heads=2)
-    vision = Llama4VisionConfig(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        image_size=28,
-        patch_size=14,
-        vision_output_dim=32,
-        projector_input_dim=32,
-        projector_output_dim=32,
-    )
     torch.manual_seed(0)
-    model = Llama4ForConditionalGeneration(Llama4Config(text_config=text.to_dict(), vision_config=vision.to_dict()))
+    model, vision_keys, text_type, architecture = _multimodal(family)
     model.save_pretrained(tmp_path / "mm")
     source = hf_state(str(tmp_path / "mm"))
-    assert any(k.startswith("vision_model.") for k in source)
+    assert any(k.startswith(vision_keys) for k in source)
     ckpt, export = tmp_path / "ckpt", tmp_path / "export"
     assert convert_in_process(["--input", str(tmp_path / "mm"), "--output", str(ckpt)]).returncode == 0
     conf = json.loads((ckpt / "config.json").read_text())
-    assert conf["model_type"] == "llama4_text" and conf["architectures"] == ["Llama4ForCausalLM"]
+    assert conf["model_type"] == text_type and conf["architectures"] == [architecture]
     verified = convert_in_process(["--verify", str(ckpt), "--against", str(tmp_path / "mm")])
     assert verified.returncode == 0 and "max |logit difference| against" in verified.stdout, verified.stdout
     assert verified.stdout.strip().endswith(": 0"), verified.stdout

@@ -11,8 +11,9 @@ import torch
 
 from models.config import ConfigFields, differing_field, load_hf_config, read_config_fields
 from models.families import FAMILIES, is_sparse_layer
-from models.key_table import all_layer_keys, pipe_layers
+from models.key_table import all_layer_keys
 from models.layers import DecoderOptions, build_layer, decoder_layer_class, split_stats, tied_lm_head_forward
+from models.pipe_layout import pipe_layers
 from tests.conftest import LLAMA3_ROPE, hf_state
 from tools.tiny_models import tiny_config
 
@@ -117,8 +118,8 @@ def test_other_model_types_are_refused(tmp_path):
     for model_type in ("deepseek_v3", "gpt_oss"):  # experts behind attention we do not build (MLA, sinks)
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         supported = (
-            "supported: ernie4_5, gemma3_text, glm4, helium, llama, llama4, llama4_text, ministral3, mistral, mixtral, "
-            "olmo2, olmo3, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3"
+            "supported: ernie4_5, gemma3, gemma3_text, glm4, helium, llama, llama4, llama4_text, ministral3, mistral, "
+            "mixtral, olmo2, olmo3, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3"
         )
         with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported \\({supported}\\)"):
             load_hf_config(str(tmp_path))
@@ -195,7 +196,8 @@ def test_tp_rules_agree_with_transformers_tp_plan(model_type):
     """Every entry of the family's `base_model_tp_plan` names a module or parameter of its decoder layer (a sparse one
     for experts), and our split of it is the one the plan's style means; every weight our rules split is in the
     plan. Families whose split is not built (`tp_refused`) only have their plan's modules checked."""
-    from models.key_table import DECODER, tp_split
+    from models.pipe_layout import DECODER
+    from models.tp_rules import tp_split
 
     config = tiny_config(model_type, num_key_value_heads=2)
     names = {}

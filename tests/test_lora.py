@@ -25,7 +25,7 @@ def lora_overrides() -> list[str]:
 def adapter_state(run_dir, config) -> dict[str, torch.Tensor]:
     """Our adapter weights under PEFT's key names (tensor-parallel shards merged)."""
     from checkpoint.layer_files import checkpoint_tp_size, load_layer_whole
-    from models.key_table import pipe_layers
+    from models.pipe_layout import pipe_layers
 
     step_dir = os.path.join(run_dir, (run_dir / "latest").read_text())
     out = {}

@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from models.key_table import pipe_layers
 from models.layers import DecoderOptions, build_layer
 from models.moe import empty_stats, is_moe
 from models.partition import layer_param_counts, stage_bounds
+from models.pipe_layout import pipe_layers
 from tests.conftest import spawn_ranks
 from tools.activation_bytes import stage_activation_bytes
 from tools.tiny_models import tiny_config

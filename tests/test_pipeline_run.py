@@ -7,9 +7,9 @@ import os
 
 import pytest
 
+from checkpoint.names import layer_file_name
 from data.config import DataConfig
 from data.dataset import TokenizedDataset
-from models.key_table import layer_file_name
 from tests.conftest import built_once, check, shared_path, torchrun
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks

@@ -9,11 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.key_table import DECODER, EMBED, linear_modules, tp_split
+from models.key_table import linear_modules
 from models.layers import DecoderOptions, decoder_layer_class
 from models.loss import IGNORE_INDEX
 from models.moe import aux_loss, empty_stats, is_moe
+from models.pipe_layout import DECODER, EMBED
 from models.sharding import COLUMN, REPLICA, ROW, VOCAB, merge, merged_shape, padded_vocab, shard
+from models.tp_rules import tp_split
 from tests.conftest import spawn_ranks
 from tools.tiny_models import tiny_config
 

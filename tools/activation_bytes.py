@@ -107,7 +107,7 @@ def stage_activation_bytes(
     `vocab_multiple`: `model.vocab_pad_multiple` (a padded vocabulary takes the vocab-parallel embedding and head);
     `routed`: Llama 4's experts run on their routed tokens only (`sparse_mlp_bytes`); `row`: the whole row's length
     when `s` is one context-parallel rank's share of it; `tiled`: dense MLPs run in tiles (`model.mlp_tiles`)."""
-    from models.key_table import EMBED, NORM, block_of, pipe_layers
+    from models.pipe_layout import EMBED, NORM, block_of, pipe_layers
     from models.tensor_parallel import TensorParallel, vocab_parallel
 
     moe = family_of(config).moe is not None

@@ -46,8 +46,8 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     (`training.schedules.memory_states`): 1F1B's p - s on stage s; zero_bubble the same plus at most two
     backward passes' deferred weight gradients; dualpipev's two half stages per rank, rank 0 scoring the loss."""
     from models.config import checkpoint_every
-    from models.key_table import block_of
     from models.partition import layer_param_counts, rank_stages, stage_bounds
+    from models.pipe_layout import block_of
     from models.sharding import padded_vocab
     from models.tensor_parallel import TensorParallel
     from training.config import model_stages, padded_seq_length, sequence_parallel, sequences_per_sample

@@ -39,10 +39,11 @@ from checkpoint.universal import (
     read_layout,
     write_layout,
 )
-from models.key_table import param_tp_split, pipe_layers
 from models.moe import is_moe
 from models.partition import rank_layers
+from models.pipe_layout import pipe_layers
 from models.tensor_parallel import TensorParallel
+from models.tp_rules import param_tp_split
 from training.config import TrainConfig, resume_mode, sequence_parallel
 from training.distributed import agreed, broadcast_object
 from training.engine import follow_new_schedule

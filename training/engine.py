@@ -15,12 +15,12 @@ from checkpoint.universal import universal_info
 from models.config import checkpoint_every
 from models.context_parallel import ContextParallel
 from models.expert_parallel import ExpertParallel
-from models.key_table import param_tp_split
 from models.layers import DecoderOptions, init_weights
 from models.moe import is_moe, num_experts
 from models.pipeline import build_pipeline_module
 from models.sharding import REPLICA
 from models.tensor_parallel import TensorParallel
+from models.tp_rules import param_tp_split
 from training.config import TrainConfig, sequence_parallel
 from training.expert_parallel import (
     attach,

@@ -145,6 +145,8 @@ def register(family: Family) -> Family:
     """Add a family (called once by its module in this package)."""
     if family.model_type in FAMILIES:
         raise ValueError(f"model_type={family.model_type!r} registered twice")
+    if not family.tp_refused and len(family.tp_entry_norms) != 2:  # TP enters after a norm, twice per layer
+        raise ValueError(f"{family.model_type}: tp_entry_norms must name the norms before attention and the MLP")
     FAMILIES[family.model_type] = family
     return family
 

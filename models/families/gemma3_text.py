@@ -7,10 +7,12 @@ q/k norms, embeddings scaled by sqrt(hidden_size) in the weights' dtype, the fin
 `final_logit_softcapping` is set, and RoPE tables per layer type (local `sliding_attention` layers with their own base
 and window, global `full_attention` layers: `rotary(x, positions, layer_type)`). Attention scales queries by
 `query_pre_attn_scalar` inside transformers' own attention. Bidirectional attention (`use_bidirectional_attention`,
-for embedding models) is refused.
+for embedding models) is refused. Gemma3ForConditionalGeneration checkpoints (`gemma3`: Gemma 3 4B, 12B, 27B) convert
+their text model: config.json's `text_config`, weights under `language_model.` (the vision tower is not read); the hub's
+configs set no `final_logit_softcapping`, which transformers' multimodal forward would not apply (its text model does).
 """
 
-from models.families import Family, register
+from models.families import Container, Family, register, register_container
 
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
@@ -42,3 +44,4 @@ register(
         ),
     )
 )
+register_container("gemma3", Container("text_config", "language_model.", "Gemma3ForCausalLM"))

@@ -1,0 +1,81 @@
+"""How each key of a pipeline layer splits across tensor-parallel ranks: Megatron's split, one rule per key
+(models/sharding.py has the rules' tensor maths). Column layers (q/k/v, gate/up, experts' gate and up) split their
+rows, row layers (o_proj, down_proj, experts' down) their columns, transformers' fused experts per half; the rules
+agree with each family's `base_model_tp_plan` in transformers (tests/test_families.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+from models.key_table import MOE_SPECS, alternatives
+from models.pipe_layout import DECODER, EMBED, LM_HEAD, TIED_PARAM, pipe_layers
+from models.sharding import COLUMN, EXPERT_IN, EXPERT_ROW, GATE_UP, GATE_UP_OUT, REPLICA, ROW, VOCAB
+
+_MLP_BLOCKS = ("mlp", *dict.fromkeys(m.block for m in MOE_SPECS if m.block != "mlp"))  # a dense MLP's names
+TP_COLUMN_MODULES = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    *(f"{block}.{proj}" for block in _MLP_BLOCKS for proj in ("gate_proj", "up_proj")),
+)
+TP_ROW_MODULES = ("self_attn.o_proj", *(f"{block}.down_proj" for block in _MLP_BLOCKS))
+# Experts and shared experts split as dense MLPs do: gate and up by rows, down by columns (router: replicated).
+_EXPERT_BLOCKS = alternatives([*_MLP_BLOCKS, *(m.hub_block for m in MOE_SPECS)])
+_EXPERT_COLUMN = re.compile(
+    _EXPERT_BLOCKS
+    + r"\.(experts\.\d+\."
+    + alternatives(["gate_proj", "up_proj", *(n for m in MOE_SPECS for n in m.expert_names[:2])])
+    + r"|shared_expert\.(gate|up)_proj)"
+)
+_EXPERT_ROW = re.compile(
+    _EXPERT_BLOCKS
+    + r"\.(experts\.\d+\."
+    + alternatives(["down_proj", *(m.expert_names[2] for m in MOE_SPECS)])
+    + r"|shared_expert\.down_proj)"
+)
+# transformers' fused in-memory expert parameters (the optimizer's view): gate_up [E, 2I, H] holds each rank's gate
+# rows then its up rows (GATE_UP), down [E, H, I] its columns (dim 2: EXPERT_ROW). Experts fused on the hub too
+# (`MoeSpec.hub_fused`: also their layer files' keys) are x @ W: gate_up [E, H, 2I] by columns of each half
+# (GATE_UP_OUT), down [E, I, H] by rows (EXPERT_IN).
+FUSED_GATE_UP, FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+FUSED_XW = {
+    **{f"{m.block}.experts.gate_up_proj": GATE_UP_OUT for m in MOE_SPECS if m.hub_fused},
+    **{f"{m.block}.experts.down_proj": EXPERT_IN for m in MOE_SPECS if m.hub_fused},
+}
+_LORA_KEY = re.compile(r"(.+)\.lora_([AB])\.[^.]+\.weight")
+# LoRA factors follow the layer they adapt: a column layer's B is split like it and its A replicated; a row
+# layer's A is split like it and its B replicated.
+_LORA_SPLIT = {(COLUMN, "A"): REPLICA, (COLUMN, "B"): COLUMN, (ROW, "A"): ROW, (ROW, "B"): REPLICA}
+
+
+def tp_split(kind: str, key: str) -> str:
+    """COLUMN, ROW, VOCAB or REPLICA for `key` of a layer of `kind` (see models/sharding.py)."""
+    if kind in (EMBED, LM_HEAD):
+        return VOCAB
+    if kind != DECODER:
+        return REPLICA
+    lora = _LORA_KEY.fullmatch(key)
+    module, param = (lora.group(1), "weight") if lora else key.replace(".base_layer", "").rsplit(".", 1)
+    rule = COLUMN if module in TP_COLUMN_MODULES else ROW if module in TP_ROW_MODULES else REPLICA
+    if _EXPERT_COLUMN.fullmatch(module):
+        rule = COLUMN
+    elif _EXPERT_ROW.fullmatch(module):
+        rule = ROW
+    elif key == FUSED_GATE_UP:
+        return GATE_UP
+    elif key == FUSED_DOWN:
+        return EXPERT_ROW
+    elif key in FUSED_XW:
+        return FUSED_XW[key]
+    if lora:
+        return _LORA_SPLIT.get((rule, lora.group(2)), REPLICA)
+    return REPLICA if rule == ROW and param == "bias" else rule
+
+
+def param_tp_split(name: str, num_layers: int, tie_word_embeddings: bool) -> str:
+    """How the pipeline module's parameter `name` splits across tensor-parallel ranks (models/sharding.py)."""
+    if name == TIED_PARAM:
+        return tp_split(EMBED, "weight")
+    index, key = name.split(".", 1)
+    return tp_split(pipe_layers(num_layers, tie_word_embeddings)[int(index)].kind, key)
