@@ -76,7 +76,7 @@ def convert_layers(
             stats.tensors += 1
             if len(pending[index]) == len(expected[index]):
                 layer = pending.pop(index)
-                paths = write_layer(step_dir, layers[index], layer, fmt, config.vocab_size, tp_size, tp_ranks)
+                paths = write_layer(step_dir, layers[index], layer, fmt, config.vocab_size, tp_size, tp_ranks, config)
                 pending_bytes -= sum(t.numel() * t.element_size() for t in layer.values())
                 for t in layer.values():
                     pool.give(t)

@@ -76,11 +76,13 @@ def _shards(step_dir: str, layer: PipeLayer, saved_tp: int) -> list[dict[str, to
     return shards
 
 
-def load_layer_whole(step_dir: str, layer: PipeLayer, vocab_size: int, saved_tp: int) -> dict[str, torch.Tensor]:
+def load_layer_whole(
+    step_dir: str, layer: PipeLayer, vocab_size: int, saved_tp: int, config=None
+) -> dict[str, torch.Tensor]:
     """A layer's whole tensors from the `saved_tp` files it was written as (the vocabulary without padding).
-    One layer in memory; files are memory-mapped."""
+    One layer in memory; files are memory-mapped. `config`: the model's (a fused q/k/v projection's merge needs it)."""
     shards = _shards(step_dir, layer, saved_tp)
-    return {k: merge([s[k] for s in shards], tp_split(layer.kind, k), vocab_size) for k in shards[0]}
+    return {k: merge([s[k] for s in shards], tp_split(layer.kind, k, config), vocab_size) for k in shards[0]}
 
 
 def load_layer_shard(
@@ -91,6 +93,7 @@ def load_layer_shard(
     tp_rank: int = 0,
     tp_size: int = 1,
     vocab_multiple: int = 1,
+    config=None,
 ) -> dict[str, torch.Tensor]:
     """This tensor-parallel rank's share of a layer, from a checkpoint written with `saved_tp` ranks.
 
@@ -100,12 +103,13 @@ def load_layer_shard(
     if saved_tp == tp_size:
         state = load_layer_state(layer_shard_file(step_dir, layer.index, tp_rank), mmap=True)
         rows = padded_vocab(vocab_size, tp_size, vocab_multiple) // tp_size
-        if all(v.shape[0] == rows for k, v in state.items() if tp_split(layer.kind, k) == VOCAB):
+        if all(v.shape[0] == rows for k, v in state.items() if tp_split(layer.kind, k, config) == VOCAB):
             return state
-    whole = load_layer_whole(step_dir, layer, vocab_size, saved_tp)
+    whole = load_layer_whole(step_dir, layer, vocab_size, saved_tp, config)
     try:
         return {
-            k: shard(v, tp_split(layer.kind, k), tp_rank, tp_size, vocab_size, vocab_multiple) for k, v in whole.items()
+            k: shard(v, tp_split(layer.kind, k, config), tp_rank, tp_size, vocab_size, vocab_multiple)
+            for k, v in whole.items()
         }
     except ValueError as e:
         where = os.path.join(step_dir, layer_file_name(layer.index))

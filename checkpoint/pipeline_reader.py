@@ -103,7 +103,7 @@ class PipelineCheckpoint:
 
     def load_whole(self, layer: PipeLayer) -> dict[str, torch.Tensor]:
         """A layer's whole tensors (TP shards merged, the vocabulary without padding); memory-mapped files."""
-        return load_layer_whole(self.step_dir, layer, self.config.vocab_size, self.tp_size)
+        return load_layer_whole(self.step_dir, layer, self.config.vocab_size, self.tp_size, self.config)
 
     def load_shard(
         self, layer: PipeLayer, tp_rank: int = 0, tp_size: int = 1, vocab_multiple: int = 1
@@ -111,7 +111,7 @@ class PipelineCheckpoint:
         """TP rank `tp_rank` of `tp_size`'s share of a layer: its own file when the degree matches, else merged
         and split again."""
         return load_layer_shard(
-            self.step_dir, layer, self.config.vocab_size, self.tp_size, tp_rank, tp_size, vocab_multiple
+            self.step_dir, layer, self.config.vocab_size, self.tp_size, tp_rank, tp_size, vocab_multiple, self.config
         )
 
     def _check_keys(self, index: int, found) -> None:
@@ -126,7 +126,8 @@ class PipelineCheckpoint:
             specs = [layer_tensor_specs(f) for f in self.layer_files(layer.index)]
             self._check_keys(layer.index, specs[0])
             for ours, hf in self.keys[layer.index].items():
-                shape = merged_shape([s[ours][0] for s in specs], tp_split(layer.kind, ours), self.config.vocab_size)
+                rule = tp_split(layer.kind, ours, self.config)
+                shape = merged_shape([s[ours][0] for s in specs], rule, self.config.vocab_size)
                 plan.append((hf, shape, specs[0][ours][1]))
         return plan
 

@@ -64,7 +64,7 @@ def reshard_checkpoint(
             state = ckpt.load_whole(layer)
             dtype = dtype or dtype_name(next(iter(state.values())).dtype)
             with unchecked_zip_records():
-                paths = write_layer(out_step, layer, state, fmt, config.vocab_size, tp_size, tp_ranks)
+                paths = write_layer(out_step, layer, state, fmt, config.vocab_size, tp_size, tp_ranks, config)
             for path in paths:
                 describer.add(path)
             stats.layers_written += 1

@@ -89,13 +89,15 @@ def ensure_universal(ckpt_dir: str, tag: str, experts: bool = False) -> str:
     return universal
 
 
-def universal_info(config) -> dict:
+def universal_info(config, tp_size: int = 1) -> dict:
     """DeepSpeed's universal-checkpoint description of our parameters (`module.universal_checkpoint_info`):
     how each merges across tensor-parallel ranks, by exact name. Column-parallel weights need no entry (DeepSpeed
     concatenates along dim 0 by default); row-parallel ones concatenate along dim 1; replicated ones are averaged;
     the vocabulary loses its padding (and is padded again for the new degree); the tied embedding is kept from
     the first stage only. A sparse block's fused experts get no entry: checkpoint/expert_universal.py assembles them
-    and records how each rank takes its share."""
+    and records how each rank takes its share. A fused projection (models/sharding.py's parts rules) is a parameter
+    with sub-parameters: gate and up halves (DeepSpeed's two sub-parameters along dim 0); q, k and v by heads, with
+    the widths each of the `tp_size` ranks saving it holds (DeepSpeed's sub-parameter shape and shard widths)."""
     import re
 
     from deepspeed.checkpoint import constants as c
@@ -103,7 +105,7 @@ def universal_info(config) -> dict:
     from models.key_table import layer_keys
     from models.moe import param_name_of
     from models.pipe_layout import DECODER, TIED_PARAM, pipe_layers
-    from models.sharding import REPLICA, ROW, VOCAB
+    from models.sharding import REPLICA, ROW, VOCAB, parts_rule
     from models.tp_rules import tp_split
 
     rules = {}
@@ -112,7 +114,7 @@ def universal_info(config) -> dict:
             tied = config.tie_word_embeddings and layer.index == 0
             name = param_name_of(config, key) if layer.kind == DECODER else key
             if name is not None:
-                rules[TIED_PARAM if tied else f"{layer.index}.{name}"] = tp_split(layer.kind, key)
+                rules[TIED_PARAM if tied else f"{layer.index}.{name}"] = tp_split(layer.kind, key, config)
 
     def patterns(rule: str) -> list[str]:
         return [f"^{re.escape(name)}$" for name, r in rules.items() if r == rule]
@@ -125,6 +127,20 @@ def universal_info(config) -> dict:
     ):
         if patterns(rule):  # DeepSpeed's converter insists every declared pattern matches a parameter
             info[key] = patterns(rule)
+    halves = patterns(parts_rule(1, 1))
+    if halves:
+        info[c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0] = halves
+    fused = {name: rule for name, rule in rules.items() if rule.startswith("parts:") and rule != parts_rule(1, 1)}
+    if fused:
+        info[c.PARAMETER_WITH_SUB_PARAMS], info[c.SUB_PARAM_SHARD_WIDTHS] = [], {}
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv = config.num_key_value_heads * head_dim
+        for name in fused:  # q/k/v: rows per part are heads x head_dim
+            rows = (config.num_attention_heads * head_dim, kv, kv)
+            shape = (rows, config.hidden_size) if name.endswith("weight") else (rows,)
+            pattern = f"^{re.escape(name)}$"
+            info[c.PARAMETER_WITH_SUB_PARAMS].append(dict(patterns=[pattern], shape=shape, partition_dim=0))
+            info[c.SUB_PARAM_SHARD_WIDTHS][pattern] = [[r // tp_size] * tp_size for r in rows]
     info[c.ORIGINAL_VOCAB_SIZE] = config.vocab_size
     if config.tie_word_embeddings:
         info[c.PIPELINE_REPLICATED_PARAMETER_PATTERNS] = [f"^{re.escape(TIED_PARAM)}$"]

@@ -12,6 +12,10 @@ One rule per key (`models.tp_rules.tp_split`), Megatron's split:
     EXPERT_ROW  fused expert down projections [E, H, I]: dim 2 in T contiguous blocks
     GATE_UP_OUT Llama 4's fused experts in x @ W layout [E, H, 2I]: each half in T blocks along dim 2
     EXPERT_IN   Llama 4's fused down projections [E, I, H]: dim 1 in T contiguous blocks
+    "parts:a,b,c"  a fused projection whose rows are parts in the proportion a : b : c (`parts_rule`: Phi-3's q/k/v
+            in one qkv_proj, heads : KV heads : KV heads; gate and up in one gate_up_proj, 1 : 1): each part in T
+            blocks along dim 0, a rank holding its block of each part in order, which is what transformers' layer
+            built with heads / T (intermediate / T) holds
 
 Contiguous blocks are `torch.chunk`'s, so these shards are the ones DeepSpeed's universal checkpoint
 slices (its loader takes `full.chunk(T, dim)[rank]`). Merging then splitting goes through the whole
@@ -33,6 +37,23 @@ _DIM = {COLUMN: 0, ROW: 1, GATE_UP: 1, EXPERT_ROW: 2, GATE_UP_OUT: 2, EXPERT_IN:
 
 TP_DIVIDES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
 _OPTIONAL_WIDTHS = ("moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size_mlp")
+
+
+def parts_rule(*proportion: int) -> str:
+    """The rule of a projection fused from parts whose rows are in `proportion` (dim 0), e.g. q, k, v by heads;
+    reduced to lowest terms, so a shard (each part / T, T dividing every head count) splits by the same rule."""
+    common = math.gcd(*proportion)
+    return "parts:" + ",".join(str(p // common) for p in proportion)
+
+
+def _parts(rule: str, rows: int) -> list[int] | None:
+    """The rows of each part of a `parts_rule` tensor with `rows` rows (None for any other rule)."""
+    if not rule.startswith("parts:"):
+        return None
+    proportion = [int(p) for p in rule.removeprefix("parts:").split(",")]
+    if rows % sum(proportion):
+        raise ValueError(f"{rows} rows do not divide into parts {proportion}")
+    return [rows // sum(proportion) * p for p in proportion]
 
 
 def tp_indivisible(config, tp_size: int) -> tuple[str, int] | None:
@@ -59,6 +80,10 @@ def shard(
     it already is; every other rule: a fresh tensor, so the whole one can be freed)."""
     if rule == REPLICA or (tp_size == 1 and rule != VOCAB):
         return full.contiguous() if full.is_contiguous() else full.clone()
+    if (parts := _parts(rule, full.shape[0])) is not None:
+        if any(rows % tp_size for rows in parts):
+            raise ValueError(f"parts of {parts} rows do not split into {tp_size} equal shards")
+        return torch.cat([part.chunk(tp_size, 0)[tp_rank] for part in full.split(parts, 0)], 0)
     if rule in (GATE_UP, GATE_UP_OUT):
         dim = _DIM[rule]
         gate, up = full.chunk(2, dim)
@@ -81,6 +106,9 @@ def merge(shards: list[torch.Tensor], rule: str, vocab_size: int | None = None) 
     """The whole tensor from every rank's shard, in rank order (VOCAB: the padding dropped)."""
     if rule == REPLICA or len(shards) == 1 and rule != VOCAB:
         return shards[0]
+    if (parts := _parts(rule, shards[0].shape[0])) is not None:  # each shard holds its block of every part
+        pieces = [s.split(parts, 0) for s in shards]
+        return torch.cat([piece[i] for i in range(len(parts)) for piece in pieces], 0)
     if rule in (GATE_UP, GATE_UP_OUT):
         dim = _DIM[rule]
         halves = [s.chunk(2, dim) for s in shards]
@@ -97,6 +125,6 @@ def merged_shape(shapes: list[tuple[int, ...]], rule: str, vocab_size: int | Non
     first = list(shapes[0])
     if rule == REPLICA:
         return tuple(first)
-    dim = _DIM.get(rule, 0)
+    dim = _DIM.get(rule, 0)  # parts: dimension 0
     first[dim] = vocab_size if rule == VOCAB else sum(s[dim] for s in shapes)
     return tuple(first)

@@ -10,7 +10,7 @@ import re
 
 from models.key_table import MOE_SPECS, alternatives
 from models.pipe_layout import DECODER, EMBED, LM_HEAD, TIED_PARAM, pipe_layers
-from models.sharding import COLUMN, EXPERT_IN, EXPERT_ROW, GATE_UP, GATE_UP_OUT, REPLICA, ROW, VOCAB
+from models.sharding import COLUMN, EXPERT_IN, EXPERT_ROW, GATE_UP, GATE_UP_OUT, REPLICA, ROW, VOCAB, parts_rule
 
 _MLP_BLOCKS = ("mlp", *dict.fromkeys(m.block for m in MOE_SPECS if m.block != "mlp"))  # a dense MLP's names
 TP_COLUMN_MODULES = (
@@ -43,14 +43,28 @@ FUSED_XW = {
     **{f"{m.block}.experts.gate_up_proj": GATE_UP_OUT for m in MOE_SPECS if m.hub_fused},
     **{f"{m.block}.experts.down_proj": EXPERT_IN for m in MOE_SPECS if m.hub_fused},
 }
+# Fused projections (`Family.fused_qkv`, `fused_gate_up`): their rows split part by part (models/sharding.py).
+FUSED_QKV, FUSED_GATE_UP_PROJ = "self_attn.qkv_proj", "mlp.gate_up_proj"
 _LORA_KEY = re.compile(r"(.+)\.lora_([AB])\.[^.]+\.weight")
 # LoRA factors follow the layer they adapt: a column layer's B is split like it and its A replicated; a row
 # layer's A is split like it and its B replicated.
 _LORA_SPLIT = {(COLUMN, "A"): REPLICA, (COLUMN, "B"): COLUMN, (ROW, "A"): ROW, (ROW, "B"): REPLICA}
 
 
-def tp_split(kind: str, key: str) -> str:
-    """COLUMN, ROW, VOCAB or REPLICA for `key` of a layer of `kind` (see models/sharding.py)."""
+def _fused_rule(module: str, key: str, config) -> str | None:
+    """The parts rule of a fused projection (`Family.fused_qkv`, `fused_gate_up`), or None for any other module:
+    q/k/v by heads (the config's, so it is needed), gate and up by halves."""
+    if module == FUSED_QKV:
+        if config is None:
+            raise ValueError(f"{key}: the split of a fused q/k/v projection needs the model's config")
+        kv = config.num_key_value_heads
+        return parts_rule(config.num_attention_heads, kv, kv)
+    return parts_rule(1, 1) if module == FUSED_GATE_UP_PROJ else None
+
+
+def tp_split(kind: str, key: str, config=None) -> str:
+    """How `key` of a layer of `kind` splits (see models/sharding.py): COLUMN, ROW, VOCAB, REPLICA, a fused
+    expert rule, or a fused projection's parts (`config`: the model's, which q/k/v in one projection need)."""
     if kind in (EMBED, LM_HEAD):
         return VOCAB
     if kind != DECODER:
@@ -58,6 +72,8 @@ def tp_split(kind: str, key: str) -> str:
     lora = _LORA_KEY.fullmatch(key)
     module, param = (lora.group(1), "weight") if lora else key.replace(".base_layer", "").rsplit(".", 1)
     rule = COLUMN if module in TP_COLUMN_MODULES else ROW if module in TP_ROW_MODULES else REPLICA
+    if module in (FUSED_QKV, FUSED_GATE_UP_PROJ):  # split as a column layer, part by part (LoRA's A: replicated)
+        return REPLICA if lora and lora.group(2) == "A" else _fused_rule(module, key, config)
     if _EXPERT_COLUMN.fullmatch(module):
         rule = COLUMN
     elif _EXPERT_ROW.fullmatch(module):
@@ -73,9 +89,9 @@ def tp_split(kind: str, key: str) -> str:
     return REPLICA if rule == ROW and param == "bias" else rule
 
 
-def param_tp_split(name: str, num_layers: int, tie_word_embeddings: bool) -> str:
+def param_tp_split(name: str, num_layers: int, tie_word_embeddings: bool, config=None) -> str:
     """How the pipeline module's parameter `name` splits across tensor-parallel ranks (models/sharding.py)."""
     if name == TIED_PARAM:
         return tp_split(EMBED, "weight")
     index, key = name.split(".", 1)
-    return tp_split(pipe_layers(num_layers, tie_word_embeddings)[int(index)].kind, key)
+    return tp_split(pipe_layers(num_layers, tie_word_embeddings)[int(index)].kind, key, config)

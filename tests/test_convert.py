@@ -309,11 +309,16 @@ def test_workers_write_the_same_files(tmp_path, hf_models, converted):
 
 
 @pytest.mark.slow
-def test_tp_split_and_merge_between_any_degrees_round_trip_bit_identical(tmp_path, tokenizer_dir):
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_tp_split_and_merge_between_any_degrees_round_trip_bit_identical(model_type, tmp_path, tokenizer_dir):
     """A 6-head model (hidden 96): HF -> TP 2 -> TP 3 -> TP 6 -> TP 1 equals HF -> TP 1, file for file and bit for
     bit; TP 2 written as two pieces by --tp-ranks and combined equals HF -> TP 2; a TP 3 checkpoint verifies
-    against the HF model and exports back to it exactly."""
-    six_heads = tiny_config(hidden_size=96, num_attention_heads=6, num_key_value_heads=6, intermediate_size=192)
+    against the HF model and exports back to it exactly. Phi-3 (12 heads, 6 KV heads): its fused q/k/v rows in
+    unequal parts and its fused gate/up, split part by part at every degree."""
+    heads = dict(num_attention_heads=12, num_key_value_heads=6) if model_type == "phi3" else {}
+    six_heads = tiny_config(
+        model_type, hidden_size=96, intermediate_size=192, **dict(num_attention_heads=6, num_key_value_heads=6) | heads
+    )
     hf = make_hf_model(str(tmp_path / "hf"), six_heads, tokenizer_dir=tokenizer_dir)
     cli = [sys.executable, "convert2ckpt.py"]
     run = [*cli, "--input", hf, "--output"]

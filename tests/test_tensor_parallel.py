@@ -14,18 +14,20 @@ from models.layers import DecoderOptions, decoder_layer_class
 from models.loss import IGNORE_INDEX
 from models.moe import aux_loss, empty_stats, is_moe
 from models.pipe_layout import DECODER, EMBED
-from models.sharding import COLUMN, REPLICA, ROW, VOCAB, merge, merged_shape, padded_vocab, shard
+from models.sharding import COLUMN, REPLICA, ROW, VOCAB, merge, merged_shape, padded_vocab, parts_rule, shard
 from models.tp_rules import tp_split
 from tests.conftest import spawn_ranks
 from tools.tiny_models import tiny_config
 
 
-@pytest.mark.parametrize("rule", [COLUMN, ROW, VOCAB, REPLICA])
+@pytest.mark.parametrize("rule", [COLUMN, ROW, VOCAB, REPLICA, parts_rule(12, 12, 12), parts_rule(1, 1)])
 def test_split_then_merge_is_exact_between_any_degrees(rule):
-    """Degrees that divide the (12) heads: 1, 2, 3, 4, 6; every pair, via the whole tensor, bit for bit."""
+    """Degrees that divide the (12) heads: 1, 2, 3, 4, 6; every pair, via the whole tensor, bit for bit. Fused
+    projections (q/k/v of 12 heads each, 2 rows per head; gate/up) too, where every shard holds its block of each
+    part: a rank's rows are its q rows, then its k rows, then its v rows."""
     vocab = 61  # not a multiple of any degree: the vocabulary is padded
     torch.manual_seed(0)
-    whole = torch.randn(vocab if rule == VOCAB else 24, 36)
+    whole = torch.randn(vocab if rule == VOCAB else 72 if rule.startswith("parts:1,1,") else 24, 36)
     for a, b in itertools.product([1, 2, 3, 4, 6], repeat=2):
         shards = [shard(whole, rule, r, a, vocab) for r in range(a)]
         assert merged_shape([s.shape for s in shards], rule, vocab) == tuple(whole.shape)
@@ -37,6 +39,8 @@ def test_split_then_merge_is_exact_between_any_degrees(rule):
             assert not resplit[-1][resplit[-1].shape[0] - pad :].any()  # the padding rows (the last shard's) are zero
         if rule == REPLICA:
             assert all(torch.equal(s, whole) for s in resplit)
+        if rule == parts_rule(12, 12, 12) and b == 2:  # rank 1: q rows 12-23, k rows 36-47, v rows 60-71
+            assert torch.equal(resplit[1], torch.cat([whole[12:24], whole[36:48], whole[60:72]]))
 
 
 def test_megatron_split_rules():
@@ -145,7 +149,8 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
         for sp in (False, True):
             tp = TensorParallel(2, rank, group=group, sequence_parallel=sp)
             layer = tp_decoder_layer_class(model_type)(config, 0, tp, DecoderOptions())
-            layer.load_state_dict({k: shard(v, tp_split(DECODER, k), rank, 2) for k, v in whole.state_dict().items()})
+            state = whole.state_dict()
+            layer.load_state_dict({k: shard(v, tp_split(DECODER, k, config), rank, 2) for k, v in state.items()})
             x, position_ids, weight = _block_io(config)
             mine = slice(rank * SEQ // 2, (rank + 1) * SEQ // 2) if sp else slice(None)
             x = x[:, mine].clone().requires_grad_()
@@ -164,7 +169,7 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
 @pytest.mark.parametrize(
     "model_type",
     ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
-    + ["helium", "smollm3", "seed_oss", "ernie4_5", "gemma3_text"],
+    + ["helium", "smollm3", "seed_oss", "ernie4_5", "gemma3_text", "phi3", "glm4"],
 )
 def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tmp_path):
     """TP=2 shards of a LLaMA block (o_proj and down_proj biases, added once after the row-parallel sum), a Qwen2
@@ -175,7 +180,8 @@ def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tm
     load-balancing loss: their router statistics equal the whole block's on both ranks. The families of one registry
     module each: Helium's o_proj (declared hidden x hidden, built from the rank's heads), SmolLM3's NoPE block,
     Seed-OSS's own o_proj bias, ERNIE 4.5's interleaved RoPE with every bias, Gemma 3's four norms (two of them
-    entering the split regions, all four on the shard under SP) and scaled q/k norms."""
+    entering the split regions, all four on the shard under SP) and scaled q/k norms, Phi-3's fused q/k/v and
+    gate/up and GLM-4's fused gate/up (split part by part)."""
     ranks = [torch.load(o, weights_only=True) for o in spawn_ranks(_tp_block_worker, tmp_path, model_type)]
     config = _block_config(model_type)
     whole = decoder_layer_class(model_type)(config, 0, DecoderOptions())
@@ -205,7 +211,7 @@ def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tm
             torch.testing.assert_close(got_y[r], y.detach(), rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(got_x_grad[r], x.grad, rtol=1e-5, atol=x_grad_atol)
         for key, p in keys.items():
-            rule = tp_split(DECODER, key)
+            rule = tp_split(DECODER, key, config)
             got = merge([r[sp]["grads"][key] for r in ranks], rule)
             torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, k=key, q=sp: f"sp={q} {k}: {m}")
             if rule == REPLICA:

@@ -290,7 +290,7 @@ def _load_reshaped(engine, step_dir: str, config, tp: TensorParallel) -> dict:
         raise RunError(f"{step_dir}: ZeRO-0 optimizer state moves into a ZeRO-0 fp32 run only (deepspeed=fp32)")
 
     def rule_of(name: str) -> str:
-        return param_tp_split(name, config.num_hidden_layers, config.tie_word_embeddings)
+        return param_tp_split(name, config.num_hidden_layers, config.tie_word_embeddings, config)
 
     moved = gather_moved_state(
         step_dir,

@@ -212,7 +212,8 @@ def build_module(
         dual=cfg.pipeline_schedule == "dualpipev",
         ep=ExpertParallel(cfg.expert_parallel_size),
     )
-    module.universal_checkpoint_info = universal_info(model_config)  # saved with the engine state (ZeRO-1 moves)
+    # Saved with the engine state (ZeRO-1 moves); a fused q/k/v projection's widths depend on the TP degree.
+    module.universal_checkpoint_info = universal_info(model_config, cfg.tensor_parallel_size)
     if not skip_init:
         init_weights(module, model_config.initializer_range)
         module._synchronize_tied_weights()
@@ -263,7 +264,7 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
     # adapter parameters count as well.
     config = module.model_config
     for name, p in module.named_parameters():
-        split = param_tp_split(name, config.num_hidden_layers, config.tie_word_embeddings) != REPLICA
+        split = param_tp_split(name, config.num_hidden_layers, config.tie_word_embeddings, config) != REPLICA
         p.model_parallel = not getattr(p, "ds_pipe_replicated", False) and (coords.tp_rank == 0 or split)
     ep = module._ep
     deepspeed_experts = ep.size > 1 and deepspeed_owns_experts(
