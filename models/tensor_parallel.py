@@ -197,9 +197,48 @@ class TPDecoderPipe:
                 norm.register_forward_hook(lambda _module, _inputs, out: enter_tp(out, self.tp))
             if tp.sp:
                 sum_grad_over_tp(norm.weight, tp)
-        if family_of(config).qk_norm:
+        if not family.tp_entry_norms:  # no norm before attention or the MLP: the split regions start at their inputs
+            for region in (self.self_attn, getattr(self, moe.block if moe else "mlp")):
+                region.register_forward_pre_hook(self._enter_region, with_kwargs=True)
+        if family.qk_norm:
             for norm in (self.self_attn.q_norm, self.self_attn.k_norm):
-                sum_grad_over_tp(norm.weight, tp)
+                if family.qk_norm_whole:  # this rank's rows of the weight; the statistics of every rank's heads
+                    norm.forward = functools.partial(_whole_projection_norm, norm, tp)
+                else:
+                    sum_grad_over_tp(norm.weight, tp)
+
+    def _enter_region(self, _module, args, kwargs):
+        if args:
+            return (enter_tp(args[0], self.tp), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": enter_tp(kwargs["hidden_states"], self.tp)}
+
+
+class _SumOverTP(torch.autograd.Function):
+    """A sum over the TP group that every rank's result depends on: all-reduced forward, and its gradient (each
+    rank's share of it) all-reduced backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=tp.group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.tp.group)
+        return grad, None
+
+
+def _whole_projection_norm(norm: nn.Module, tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
+    """transformers' RMSNorm over a whole q or k projection (OLMo's) on this rank's columns of it: the mean of
+    squares is the TP group's sum over every rank's columns; the weight is this rank's share."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    mean = _SumOverTP.apply(x.pow(2).sum(-1, keepdim=True), tp) / (x.shape[-1] * tp.size)
+    x = x * torch.rsqrt(mean + norm.variance_epsilon)
+    return (norm.weight * x).to(dtype)
 
 
 def split_sparse_block(block: nn.Module, tp: TensorParallel, router: str = "gate", logits_at: int = 0) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from models.families import family_of
 from models.key_table import MOE_SPECS, alternatives
 from models.pipe_layout import DECODER, EMBED, LM_HEAD, TIED_PARAM, pipe_layers
 from models.sharding import COLUMN, EXPERT_IN, EXPERT_ROW, GATE_UP, GATE_UP_OUT, REPLICA, ROW, VOCAB, parts_rule
@@ -45,6 +46,7 @@ FUSED_XW = {
 }
 # Fused projections (`Family.fused_qkv`, `fused_gate_up`): their rows split part by part (models/sharding.py).
 FUSED_QKV, FUSED_GATE_UP_PROJ = "self_attn.qkv_proj", "mlp.gate_up_proj"
+QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")  # per head (replicated), or over the whole projection
 _LORA_KEY = re.compile(r"(.+)\.lora_([AB])\.[^.]+\.weight")
 # LoRA factors follow the layer they adapt: a column layer's B is split like it and its A replicated; a row
 # layer's A is split like it and its B replicated.
@@ -64,7 +66,8 @@ def _fused_rule(module: str, key: str, config) -> str | None:
 
 def tp_split(kind: str, key: str, config=None) -> str:
     """How `key` of a layer of `kind` splits (see models/sharding.py): COLUMN, ROW, VOCAB, REPLICA, a fused
-    expert rule, or a fused projection's parts (`config`: the model's, which q/k/v in one projection need)."""
+    expert rule, or a fused projection's parts (`config`: the model's, which q/k/v in one projection and q/k norms
+    over the whole projection need; without it q/k norms are per head, replicated)."""
     if kind in (EMBED, LM_HEAD):
         return VOCAB
     if kind != DECODER:
@@ -72,6 +75,8 @@ def tp_split(kind: str, key: str, config=None) -> str:
     lora = _LORA_KEY.fullmatch(key)
     module, param = (lora.group(1), "weight") if lora else key.replace(".base_layer", "").rsplit(".", 1)
     rule = COLUMN if module in TP_COLUMN_MODULES else ROW if module in TP_ROW_MODULES else REPLICA
+    if module in QK_NORMS and config is not None and family_of(config).qk_norm_whole:  # one weight per q/k row
+        return COLUMN
     if module in (FUSED_QKV, FUSED_GATE_UP_PROJ):  # split as a column layer, part by part (LoRA's A: replicated)
         return REPLICA if lora and lora.group(2) == "A" else _fused_rule(module, key, config)
     if _EXPERT_COLUMN.fullmatch(module):

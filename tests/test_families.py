@@ -146,15 +146,17 @@ def test_config_fields_read_without_transformers_equal_transformers_reading(mode
     assert read_config_fields(str(tmp_path)) is None  # no default: only transformers knows (it assumes 32)
 
 
-@pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])
-def test_tensor_parallelism_is_refused_in_one_line_where_its_split_is_not_built(model_type):
-    """q/k norms over the whole projection: training and conversion at TP > 1 stop with one line naming the family
-    and the way out, before anything is read or written; TP=1 passes."""
+def test_tensor_parallelism_is_refused_in_one_line_where_its_split_is_not_built(monkeypatch):
+    """A family whose split is not built (`Family.tp_refused`; none of today's: a registry entry patched for the
+    test): training and conversion at TP > 1 stop with one line naming the family and the way out, before anything
+    is read or written; TP=1 passes."""
     from checkpoint.errors import CheckpointError
     from checkpoint.writer import check_tp
     from training.config import TrainConfig
     from training.validate import validate_layout
 
+    model_type = "olmo2"
+    monkeypatch.setitem(FAMILIES, model_type, dataclasses.replace(FAMILIES[model_type], tp_refused="a reason"))
     config = tiny_config(model_type, num_key_value_heads=2)
     line = (
         rf"model_type='{model_type}' is not split over tensor-parallel ranks \([^)]+\); use pipeline, context and data"
@@ -217,11 +219,13 @@ def test_tp_rules_agree_with_transformers_tp_plan(model_type):
             assert rule in PLAN_STYLES[style.removesuffix("_gather_output").removesuffix("_split_input")], (name, style)
     if not FAMILIES[model_type].tp_refused:
         split = {n for n in names if n.endswith("weight") or ".experts." in n} - {f"{m}.weight" for m in plan}
-        # Beyond the plan: transformers leaves Qwen2-MoE's shared expert whole on every rank; we split it as a dense
-        # MLP (tests/test_tensor_parallel.py holds the split block to the whole one).
-        beyond = (
-            {f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")}
-            if model_type == "qwen2_moe"
-            else set()
-        )
+        # Beyond the plan: transformers leaves Qwen2-MoE's shared expert whole on every rank, and gathers OLMo's q/k/v
+        # outputs so that its q/k norms see whole projections; we split the shared expert as a dense MLP, and OLMo's
+        # q/k norms with the heads, their statistics summed over TP (tests/test_tensor_parallel.py holds both split
+        # blocks to the whole ones).
+        beyond = {
+            "qwen2_moe": {f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")},
+            "olmo2": {"self_attn.q_norm.weight", "self_attn.k_norm.weight"},
+            "olmo3": {"self_attn.q_norm.weight", "self_attn.k_norm.weight"},
+        }.get(model_type, set())
         assert {n for n in split - set(plan) if tp_split(DECODER, n, config) != "replica"} == beyond

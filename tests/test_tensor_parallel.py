@@ -99,7 +99,7 @@ BLOCK_EXTRA = {
     "ernie4_5": dict(use_bias=True),
 }
 MLP_BIAS = {"llama", "helium", "smollm3", "seed_oss", "ernie4_5"}
-QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text"}
+QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3"}
 
 
 def _block_config(model_type: str):
@@ -169,7 +169,7 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
 @pytest.mark.parametrize(
     "model_type",
     ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
-    + ["helium", "smollm3", "seed_oss", "ernie4_5", "gemma3_text", "phi3", "glm4"],
+    + ["helium", "smollm3", "seed_oss", "ernie4_5", "gemma3_text", "phi3", "glm4", "olmo2", "olmo3"],
 )
 def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tmp_path):
     """TP=2 shards of a LLaMA block (o_proj and down_proj biases, added once after the row-parallel sum), a Qwen2
@@ -181,7 +181,8 @@ def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tm
     module each: Helium's o_proj (declared hidden x hidden, built from the rank's heads), SmolLM3's NoPE block,
     Seed-OSS's own o_proj bias, ERNIE 4.5's interleaved RoPE with every bias, Gemma 3's four norms (two of them
     entering the split regions, all four on the shard under SP) and scaled q/k norms, Phi-3's fused q/k/v and
-    gate/up and GLM-4's fused gate/up (split part by part)."""
+    gate/up and GLM-4's fused gate/up (split part by part), OLMo 2/3's q/k norms over the whole projection (their
+    statistics summed over TP) with no norm before attention or the MLP (the split regions start at their inputs)."""
     ranks = [torch.load(o, weights_only=True) for o in spawn_ranks(_tp_block_worker, tmp_path, model_type)]
     config = _block_config(model_type)
     whole = decoder_layer_class(model_type)(config, 0, DecoderOptions())

@@ -113,12 +113,13 @@ LAYOUTS = {
     "seed_oss-pp2-tp2": ("seed_oss", "false", 2, 2, "", 0),
     "ernie4_5-pp2-dp2": ("ernie4_5", "false", 2, 1, "", 0),
     # Fused q/k/v and gate/up (Phi-3, its window), four norms and fused gate/up (GLM-4), norms after each sublayer with
-    # q/k norms over the whole projection and local layers (OLMo 3: no TP for it yet).
+    # q/k norms over the whole projection (their statistics summed over TP) and local layers (OLMo 3, OLMo 2).
     "phi3-pp2-dp2": ("phi3", "false", 2, 1, "", 0),
     "phi3-pp2-tp2": ("phi3", "false", 2, 2, "", 0),
     "glm4-pp2-dp2": ("glm4", "false", 2, 1, "", 0),
     "glm4-pp2-tp2": ("glm4", "false", 2, 2, "", 0),
     "olmo3-pp2-dp2": ("olmo3", "false", 2, 1, "", 0),
+    "olmo2-pp2-tp2": ("olmo2", "false", 2, 2, "", 0),
 }
 
 

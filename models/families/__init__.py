@@ -82,6 +82,9 @@ class Family:
     o_bias: bool | str = False
     mlp_bias: bool | str = False
     qk_norm: bool = False  # RMSNorm over head_dim on q and k (self_attn.q_norm / k_norm)
+    # The q/k norms normalise the whole projection (all heads at once; OLMo's): under TP their weights split with the
+    # heads and their statistics are summed over the ranks.
+    qk_norm_whole: bool = False
     window_everywhere: bool = False  # config.sliding_window applies to every layer (else per attention module)
     moe: MoeSpec | None = None  # a mixture-of-experts family
     package: str = ""  # transformers' models/<package> (default: the model type)
@@ -89,7 +92,9 @@ class Family:
     flash_attention: bool = True  # transformers runs the family with flash-attn
     config_name: str = ""  # transformers' config class (default `<Prefix>Config`)
     # The decoder layer's RMSNorms, and those whose output enters a tensor-parallel split region (the input of
-    # q/k/v or of gate/up): the others normalise whole (or, under sequence parallelism, sharded) activations.
+    # q/k/v or of gate/up): the others normalise whole (or, under sequence parallelism, sharded) activations. No
+    # entry norms (OLMo's layer normalises after each sublayer only): the split regions start at the attention's
+    # and the MLP's own inputs.
     norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     tp_entry_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     scaled_embedding: bool = False  # embeddings times sqrt(hidden_size) in the weights' dtype (Gemma's)
@@ -145,7 +150,7 @@ def register(family: Family) -> Family:
     """Add a family (called once by its module in this package)."""
     if family.model_type in FAMILIES:
         raise ValueError(f"model_type={family.model_type!r} registered twice")
-    if not family.tp_refused and len(family.tp_entry_norms) != 2:  # TP enters after a norm, twice per layer
+    if not family.tp_refused and len(family.tp_entry_norms) not in (0, 2):  # TP enters twice per layer
         raise ValueError(f"{family.model_type}: tp_entry_norms must name the norms before attention and the MLP")
     FAMILIES[family.model_type] = family
     return family

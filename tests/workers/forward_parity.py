@@ -44,7 +44,7 @@ EP_LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, True)]
 CP_LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (1, 2, True)]
 EP_CP_LAYOUTS = [(1, 1, False), (2, 1, False)]  # experts split over EP=2 ranks of the data axis under CP=2
 CP_NOT_BUILT: set[str] = set()  # model types that context parallelism refuses (training/validate.py)
-TP_NOT_BUILT = {"olmo2", "olmo3"}  # model types that tensor parallelism refuses (`Family.tp_refused`)
+TP_NOT_BUILT: set[str] = set()  # model types that tensor parallelism refuses (`Family.tp_refused`)
 FIRST_DOC = 10  # packed cases: documents of 10 and 14 tokens per row
 
 
