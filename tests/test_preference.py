@@ -212,7 +212,8 @@ def test_pipeline_preference_loss_equals_trl_whole_and_in_chunks(kind, chat_toke
     from transformers import AutoTokenizer
 
     from models.preference import PreferenceLoss
-    from models.tensor_parallel import TensorParallel, vocab_parallel_token_cross_entropy
+    from models.tensor_parallel import TensorParallel
+    from models.vocab_parallel_loss import vocab_parallel_token_cross_entropy
 
     tok = AutoTokenizer.from_pretrained(chat_tokenizers[kind])
     tok.pad_token = tok.pad_token or tok.eos_token

@@ -68,7 +68,8 @@ def test_vocab_parallel_cross_entropy_masks_padding_and_matches_torch(tmp_path):
     """One rank, vocabulary padded from 61 to 64: loss and gradient equal torch's on the 61 real columns."""
     import torch.distributed as dist
 
-    from models.tensor_parallel import TensorParallel, vocab_parallel_cross_entropy
+    from models.tensor_parallel import TensorParallel
+    from models.vocab_parallel_loss import vocab_parallel_cross_entropy
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:

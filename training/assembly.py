@@ -25,13 +25,9 @@ from models.loss import CausalLMLoss
 from models.moe import WithAuxLoss, default_aux_loss_coef, is_moe
 from models.partition import stage_bounds
 from models.preference import PreferenceLoss
-from models.tensor_parallel import (
-    TensorParallel,
-    token_cross_entropy_for,
-    vocab_parallel,
-    vocab_parallel_cross_entropy,
-)
+from models.tensor_parallel import TensorParallel, token_cross_entropy_for, vocab_parallel
 from models.tokenizer import check_tokenizer_fits, configured_tokenizer
+from models.vocab_parallel_loss import vocab_parallel_cross_entropy
 from training import checkpointing
 from training.config import TrainConfig, model_stages, padded_seq_length, sequence_parallel
 from training.data_setup import data_state, load_data, pad_id, write_data_report

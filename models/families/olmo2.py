@@ -6,7 +6,7 @@ MLP, the split regions start at their inputs."""
 
 from models.families import Family, register
 
-register(
+OLMO2 = register(
     Family(
         "olmo2",
         "Olmo2",

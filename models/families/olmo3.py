@@ -2,18 +2,10 @@
 local layers (`layer_types` "sliding_attention") attending within `sliding_window` and global layers; split over
 tensor-parallel ranks as OLMo 2 is."""
 
-from models.families import Family, register
+import dataclasses
 
-register(
-    Family(
-        "olmo3",
-        "Olmo3",
-        qkv_bias="attention_bias",
-        o_bias="attention_bias",
-        qk_norm=True,
-        qk_norm_whole=True,
-        norms=("post_attention_layernorm", "post_feedforward_layernorm"),
-        tp_entry_norms=(),
-        tiny=dict(sliding_window=4),  # local layers' window shorter than the test rows
-    )
-)
+from models.families import register
+from models.families.olmo2 import OLMO2
+
+# The local layers' window shorter than the test rows.
+register(dataclasses.replace(OLMO2, model_type="olmo3", prefix="Olmo3", tiny=dict(sliding_window=4)))

@@ -29,7 +29,8 @@ from models.layers import split_stats
 from models.loss import IGNORE_INDEX
 from models.moe import WithAuxLoss, aux_loss, empty_stats, is_moe
 from models.partition import stage_bounds
-from models.tensor_parallel import TensorParallel, vocab_parallel, vocab_parallel_cross_entropy
+from models.tensor_parallel import TensorParallel, vocab_parallel
+from models.vocab_parallel_loss import vocab_parallel_cross_entropy
 from training.checkpointing import load_stage_weights
 from training.config import TrainConfig
 from training.distributed import init_distributed, shutdown_distributed

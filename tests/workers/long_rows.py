@@ -24,7 +24,8 @@ import torch
 from models.context_parallel import shard
 from models.loss import CausalLMLoss
 from models.partition import stage_bounds
-from models.tensor_parallel import TensorParallel, vocab_parallel_cross_entropy
+from models.tensor_parallel import TensorParallel
+from models.vocab_parallel_loss import vocab_parallel_cross_entropy
 from training.checkpointing import load_stage_weights
 from training.config import TrainConfig
 from training.distributed import init_distributed, shutdown_distributed
