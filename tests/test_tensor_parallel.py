@@ -53,7 +53,16 @@ def test_megatron_split_rules():
         "mlp.up_proj": COLUMN,
         "mlp.down_proj": ROW,
     }
-    for module in linear_modules():
+    # Fused projections (Phi-3: 4 heads, 2 KV heads) split part by part; LoRA's A replicated, its B like the layer.
+    phi3 = tiny_config("phi3", num_key_value_heads=2)
+    fused = {"self_attn.qkv_proj": parts_rule(4, 2, 2), "mlp.gate_up_proj": parts_rule(1, 1)}
+    for module, rule in fused.items():
+        assert tp_split(DECODER, f"{module}.weight", phi3) == rule == tp_split(DECODER, f"{module}.bias", phi3)
+        a, b = (tp_split(DECODER, f"{module}.lora_{x}.default.weight", phi3) for x in "AB")
+        assert (a, b) == (REPLICA, rule)
+    with pytest.raises(ValueError, match="needs the model's config"):
+        tp_split(DECODER, "self_attn.qkv_proj.weight")
+    for module in (m for m in linear_modules() if m not in fused):
         rule = expected[module]
         assert tp_split(DECODER, f"{module}.weight") == rule
         assert tp_split(DECODER, f"{module}.bias") == (REPLICA if rule == ROW else COLUMN)  # row bias added once
@@ -170,7 +179,8 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
 @pytest.mark.parametrize(
     "model_type",
     ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
-    + ["helium", "smollm3", "seed_oss", "ernie4_5", "gemma3_text", "phi3", "glm4", "olmo2", "olmo3"],
+    # The families of a registry module each: slow tier (2 ranks, ~9 s each; the fast tier keeps the first six).
+    + [pytest.param(t, marks=pytest.mark.slow) for t in ("helium", "gemma3_text", "phi3", "glm4", "olmo2")],
 )
 def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tmp_path):
     """TP=2 shards of a LLaMA block (o_proj and down_proj biases, added once after the row-parallel sum), a Qwen2
@@ -178,12 +188,12 @@ def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tm
     summed over TP), without and with sequence parallelism: output, input gradient and every parameter gradient
     equal the whole block's, and replicated parameters' gradients are identical on both ranks. Blocks with experts
     (each expert split as an MLP, the router replicated; Qwen2-MoE's gated shared expert) also under the
-    load-balancing loss: their router statistics equal the whole block's on both ranks. The families of one registry
-    module each: Helium's o_proj (declared hidden x hidden, built from the rank's heads), SmolLM3's NoPE block,
-    Seed-OSS's own o_proj bias, ERNIE 4.5's interleaved RoPE with every bias, Gemma 3's four norms (two of them
-    entering the split regions, all four on the shard under SP) and scaled q/k norms, Phi-3's fused q/k/v and
-    gate/up and GLM-4's fused gate/up (split part by part), OLMo 2/3's q/k norms over the whole projection (their
-    statistics summed over TP) with no norm before attention or the MLP (the split regions start at their inputs)."""
+    load-balancing loss: their router statistics equal the whole block's on both ranks. Families whose TP needed a
+    rule of its own: Helium's o_proj (declared hidden x hidden, built from the rank's heads), Gemma 3's four norms
+    (two of them entering the split regions, all four on the shard under SP) and scaled q/k norms, Phi-3's fused
+    q/k/v and gate/up and GLM-4's fused gate/up (split part by part), OLMo 2's q/k norms over the whole projection
+    (their statistics summed over TP) with no norm before attention or the MLP (the split regions start at their
+    inputs). SmolLM3, Seed-OSS, ERNIE 4.5 and OLMo 3 passed it too once (docs/measured.md); the suite keeps these."""
     ranks = [torch.load(o, weights_only=True) for o in spawn_ranks(_tp_block_worker, tmp_path, model_type)]
     config = _block_config(model_type)
     whole = decoder_layer_class(model_type)(config, 0, DecoderOptions())
