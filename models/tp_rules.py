@@ -19,6 +19,10 @@ TP_COLUMN_MODULES = (
     "self_attn.k_proj",
     "self_attn.v_proj",
     *(f"{block}.{proj}" for block in _MLP_BLOCKS for proj in ("gate_proj", "up_proj")),
+    # Fused projections are column layers too, split part by part (`tp_split` gives their parts rule first); LoRA's
+    # A on them is replicated inside the split region, so its gradient is summed over TP (models/lora.py).
+    "self_attn.qkv_proj",
+    "mlp.gate_up_proj",
 )
 TP_ROW_MODULES = ("self_attn.o_proj", *(f"{block}.down_proj" for block in _MLP_BLOCKS))
 # Experts and shared experts split as dense MLPs do: gate and up by rows, down by columns (router: replicated).

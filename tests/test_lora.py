@@ -30,7 +30,9 @@ def adapter_state(run_dir, config) -> dict[str, torch.Tensor]:
     step_dir = os.path.join(run_dir, (run_dir / "latest").read_text())
     out = {}
     for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings)[1 : config.num_hidden_layers + 1]:
-        for key, value in load_layer_whole(step_dir, layer, config.vocab_size, checkpoint_tp_size(step_dir)).items():
+        for key, value in load_layer_whole(
+            step_dir, layer, config.vocab_size, checkpoint_tp_size(step_dir), config
+        ).items():
             out[f"base_model.model.model.layers.{layer.block}.{key}"] = value
     return out
 

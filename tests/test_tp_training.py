@@ -87,18 +87,25 @@ def test_resume_moves_across_tp_and_pp(precision, variant, converted, sft_data, 
             print(f"PP=2 x TP=2 -> {name}: max |weight diff| after {len(expected)} steps vs unmoved = {worst:.3g}")
 
 
-def test_lora_under_tp_matches_peft_reference(hf_models, converted, tokenizer_dir, sft_data, tmp_path):
+@pytest.mark.parametrize("variant", ["gqa", "phi3"])
+def test_lora_under_tp_matches_peft_reference(variant, hf_models, converted, tokenizer_dir, sft_data, tmp_path):
     """LoRA on column (q, v) and row (down) layers split over TP=2, PP=2: the PEFT reference's losses, grad norms
-    and adapters; the merged export equals PEFT's unmerged adapter model."""
+    and adapters; the merged export equals PEFT's unmerged adapter model. Phi-3: on its fused q/k/v and gate/up
+    (split part by part, LoRA's B with them, A replicated with its gradient summed over TP) and down."""
+    import dataclasses
+
     from transformers import AutoModelForCausalLM
 
     from tests.test_lora import assert_matches_peft
 
     cfg = parity_cfg(sft_data[0])
-    cfg.lora = LORA
+    targets = ["qkv_proj", "gate_up_proj", "down_proj"] if variant == "phi3" else LORA.target_modules
+    cfg.lora = dataclasses.replace(LORA, target_modules=targets)
+    more = [o for o in lora_overrides() if not o.startswith("lora.target_modules=")]
+    more.append("lora.target_modules=[" + ",".join(targets) + "]")
     run = tmp_path / "run"
-    check(launch(4, *overrides(cfg, converted["gqa"], str(run), 2, tensor_parallel_size=2), *lora_overrides()))
-    ours = assert_matches_peft(run, cfg, hf_models["gqa"], tokenizer_dir, dp=1)  # TP shards merged
+    check(launch(4, *overrides(cfg, converted[variant], str(run), 2, tensor_parallel_size=2), *more))
+    ours = assert_matches_peft(run, cfg, hf_models[variant], tokenizer_dir, dp=1)  # TP shards merged
     merged_dir = tmp_path / "merged"
     check(
         run_cmd(
@@ -118,7 +125,7 @@ def test_lora_under_tp_matches_peft_reference(hf_models, converted, tokenizer_di
     ids = torch.randint(3, 60, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(
-            merged(ids).logits, peft_model(hf_models["gqa"], ours)(ids).logits, rtol=1e-5, atol=1e-5
+            merged(ids).logits, peft_model(hf_models[variant], ours, targets)(ids).logits, rtol=1e-5, atol=1e-5
         )
 
 
