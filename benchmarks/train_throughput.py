@@ -36,7 +36,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,12 +67,8 @@ def build(
     return hf, data
 
 
-def trainer_run(
-    hf: str, data: str, out: str, stages: int, args, ga: int, schedule: str = "1f1b", ranks: int = 0, extra=()
-) -> list[dict]:
-    """metrics.jsonl of one trainer launch on `ranks` processes (default `stages`), with more `extra` overrides."""
-    shutil.rmtree(out, ignore_errors=True)  # a fresh run each time (the trainer refuses to mix runs)
-    overrides = [
+def trainer_overrides(hf: str, data: str, out: str, stages: int, args, ga: int, schedule: str, extra=()) -> list[str]:
+    return [
         f"model_name_or_path={hf}",
         f"output_dir={out}",
         f"train_file={data}",
@@ -83,63 +78,49 @@ def trainer_run(
         f"micro_batch_size={args.mbs}",
         f"gradient_accumulation_steps={ga}",
         f"max_steps={args.steps}",
-        "deepspeed=fp32",
+        f"deepspeed={'bf16_zero1' if getattr(args, 'precision', 'fp32') == 'bf16' else 'fp32'}",
         "progress_bar=false",
         "save_steps=0",
         "save_manifest=false",
         f"data.packing={str(args.packing).lower()}",
         "optim.lr_scheduler=constant",
+        "learning_rate=1e-4",  # the plain loop's
         f"pipeline_schedule={schedule}",
         *extra,
     ]
-    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=REPO)
-    cmd = [launcher, "--num_gpus", str(ranks or stages), "trainer.py", *overrides]
-    subprocess.run(cmd, check=True, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def trainer_run(
+    hf: str, data: str, out: str, stages: int, args, ga: int, schedule: str = "1f1b", ranks: int = 0, extra=()
+) -> list[dict]:
+    """metrics.jsonl of one trainer launch on `ranks` processes (default `stages`), with more `extra` overrides."""
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run each time (the trainer refuses to mix runs)
+    overrides = trainer_overrides(hf, data, out, stages, args, ga, schedule, extra)
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=path)
+    cmd = [*launcher(), "--num_gpus", str(ranks or stages), "trainer.py", *overrides]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode:  # the launch's own words: on a machine lent for minutes there is no second look
+        print((done.stdout + done.stderr)[-6000:], file=sys.stderr)
+        raise SystemExit(f"trainer.py exited {done.returncode} ({' '.join(overrides)})")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 
-def plain_run(hf: str, data: str, args, ga: int) -> list[float]:
-    """Step times of transformers + AdamW on the trainer's own batches (its sampler, collator, loss scaling)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaForCausalLM
+def launcher() -> list[str]:
+    """This environment's `deepspeed` launcher; its module where the package was installed without scripts."""
+    script = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    return [script] if os.path.exists(script) else [sys.executable, "-m", "deepspeed.launcher.runner"]
 
-    from data.collator import CausalLMCollator
-    from data.config import DataConfig
-    from data.dataset import TokenizedDataset
-    from data.packing import PackedDataset
-    from data.sampling import TrainPlan, train_batches
-    from models.loss import CausalLMLoss
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(hf)
-    dataset = TokenizedDataset(data, tokenizer, args.seq, DataConfig())
-    if args.packing:
-        dataset = PackedDataset(dataset, args.seq)
-    plan = TrainPlan(len(dataset), 1, args.mbs, ga)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batches = train_batches(dataset, plan, 0, 42, 0, CausalLMCollator(args.seq, pad, args.packing))
-    model = LlamaForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="sdpa")
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    loss_fn = CausalLMLoss()
-    times = []
-    for _ in range(args.steps):
-        step = [next(batches) for _ in range(ga)]
-        start = time.perf_counter()
-        scale = torch.tensor(ga / max(sum(int((lab != -100).sum()) for _, lab, _ in step), 1))
-        for (ids, pos), labels, _ in step:
-            # NOTE: packed rows need the per-row mask the pipeline builds; HF's own forward gets position_ids
-            # only, which is exact for unpacked rows (the benchmark's overhead figure is without packing).
-            logits = model(input_ids=ids, position_ids=pos).logits
-            (loss_fn(logits, (labels, scale)) / ga).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-    return times
+def plain_run(hf: str, data: str, args, ga: int):
+    """Step times and peak memory of transformers + AdamW on the trainer's own batches (benchmarks/plain_loop.py)."""
+    from benchmarks.plain_loop import plain_run as run
+
+    fields = dict(seq=args.seq, mbs=args.mbs, ga=ga, steps=args.steps, packing=args.packing)
+    return run(
+        hf, data, **fields, precision=args.precision, device=args.device, threads=args.threads, profile=args.profile
+    )
 
 
 def model_flops_per_token(config, seq: int) -> float:
@@ -150,6 +131,21 @@ def model_flops_per_token(config, seq: int) -> float:
     per_layer = h * h * 2 + 2 * h * kv * q + 3 * h * inter  # q, o, k, v, gate/up/down
     n = layers * per_layer + vocab * h  # the LM head is a matmul, the input embedding a lookup
     return 6 * n + 12 * layers * heads * q * seq
+
+
+def intermediate(args) -> dict:
+    return {"intermediate_size": args.intermediate} if args.intermediate else {}
+
+
+def planned_gib(hf: str, args, ga: int) -> float:
+    """The memory planner's busiest-stage figure (tools/memory_estimate.py) for the PP=1 run of `args`."""
+    from tools.memory_estimate import GIB, estimate
+    from training.assembly import load_model_config
+    from training.cli import compose_config
+
+    overrides = trainer_overrides(hf, "unused.jsonl", "unused", 1, args, ga, "1f1b")
+    cfg = compose_config(overrides)
+    return max(r.total for r in estimate(cfg, load_model_config(cfg), 1)) / GIB
 
 
 def main() -> None:
@@ -171,10 +167,19 @@ def main() -> None:
     p.add_argument("--peak-tflops", type=float, default=None, help="per-device peak, for MFU")
     p.add_argument("--schedule", default="1f1b", help="comma-separated pipeline_schedule values for PP > 1")
     p.add_argument("--skip-plain", action="store_true", help="leave out the plain PyTorch loop")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: deepspeed=bf16_zero1")
+    p.add_argument("--device", default="cpu", help="the plain loop's device (cuda on a GPU)")
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    p.add_argument("--intermediate", type=int, default=None, help="default: 8/3 x --hidden")
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--profile", default=None, help="a file: the plain loop's last step's torch.profiler table")
     args = p.parse_args()
     sys.path.insert(0, REPO)
     os.makedirs(args.work, exist_ok=True)
-    hf, data = build(args.work, args.layers, args.hidden, args.heads, args.rows)
+    shape = {"num_key_value_heads": args.kv_heads or args.heads, "vocab_size": args.vocab}
+    shape["max_position_embeddings"] = max(args.seq, 256)
+    hf, data = build(args.work, args.layers, args.hidden, args.heads, args.rows, **shape | intermediate(args))
+    import torch
     from transformers import AutoConfig
 
     from training.config import min_micro_batches
@@ -183,18 +188,28 @@ def main() -> None:
     flops = model_flops_per_token(config, args.seq)
     schedules = args.schedule.split(",")
     print(
-        f"model: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro-batch {args.mbs}, fp32, "
+        f"model: {args.layers} layers, hidden {args.hidden}, "
+        f"seq {args.seq}, micro-batch {args.mbs}, {args.precision} on {args.device}, "
         f"packing={args.packing}, {args.threads} thread(s)/rank; medians of {args.repeat} runs"
     )
     for ga in [int(m) for m in args.ga.split(",")]:
         t_plain = None
         if not args.skip_plain:
-            plain = [statistics.median(plain_run(hf, data, args, ga)[args.warmup :]) for _ in range(args.repeat)]
-            t_plain = statistics.median(plain)
-            print(
-                f"m={ga}: plain loop (LlamaForCausalLM + AdamW): {t_plain:.3f} s/step "
-                f"(runs: {[round(t, 3) for t in plain]})"
-            )
+            try:
+                runs = [plain_run(hf, data, args, ga) for _ in range(args.repeat)]
+            except torch.OutOfMemoryError:  # transformers' loop holds the whole fp32 logits: the trainer may fit
+                print(f"m={ga}: plain loop (transformers + AdamW, {args.precision}): out of memory", flush=True)
+                runs = []
+            if runs:
+                plain = [statistics.median(r.seconds[args.warmup :]) for r in runs]
+                t_plain = statistics.median(plain)
+                memory = f", peak GPU memory {runs[0].max_memory_gib:.2f} GiB" if runs[0].max_memory_gib else ""
+                print(
+                    f"m={ga}: plain loop (transformers + AdamW, {args.precision}): {t_plain:.3f} s/step "
+                    f"(runs: {[round(t, 3) for t in plain]}){memory}",
+                    flush=True,
+                )
+                torch.cuda.empty_cache()
         base, first = None, {}
         for stages in [int(s) for s in args.stages.split(",")]:
             for schedule in schedules if stages > 1 else ["1f1b"]:
@@ -204,7 +219,7 @@ def main() -> None:
                         flush=True,
                     )
                     continue
-                step, tokens, padded = measure(hf, data, stages, args, ga, schedule)
+                step, tokens, padded, peak = measure(hf, data, stages, args, ga, schedule)
                 base = base or (step if stages == 1 else None)
                 achieved = tokens * flops / stages
                 line = f"m={ga} trainer PP={stages} {schedule}: {step:.3f} s/step"
@@ -216,6 +231,11 @@ def main() -> None:
                 )
                 if args.peak_tflops:
                     line += f", MFU {achieved / (args.peak_tflops * 1e12):.1%}"
+                    if t_plain and stages == 1:  # the same tokens in the plain loop's time
+                        line += f" (plain loop {achieved * step / t_plain / (args.peak_tflops * 1e12):.1%})"
+                if peak and stages == 1:
+                    planned = planned_gib(hf, args, ga)
+                    line += f"; peak GPU memory {peak:.2f} GiB, planner {planned:.2f} GiB ({peak / planned - 1:+.1%})"
                 if stages > 1:
                     from training.schedules import timeline
 
@@ -232,8 +252,9 @@ def main() -> None:
                 print(line, flush=True)
 
 
-def measure(hf: str, data: str, stages: int, args, ga: int, schedule: str) -> tuple[float, float, float]:
-    """Median over `--repeat` runs of the median step seconds, tokens/s and padded tokens/s after the warm-up."""
+def measure(hf: str, data: str, stages: int, args, ga: int, schedule: str) -> tuple[float, float, float, float]:
+    """Medians over `--repeat` runs of the median step seconds, tokens/s and padded tokens/s after the warm-up, and
+    of the peak GPU memory (0 on CPU)."""
     runs = []
     for i in range(args.repeat):
         out = os.path.join(args.work, f"run_pp{stages}_{schedule}_m{ga}_{i}")
@@ -244,9 +265,10 @@ def measure(hf: str, data: str, stages: int, args, ga: int, schedule: str) -> tu
                 statistics.median(m["step_seconds"] for m in metrics),
                 statistics.median(m["tokens_per_second"] for m in metrics),
                 statistics.median(m["padded_tokens_per_second"] for m in metrics),
+                max(m.get("max_memory_allocated_gib", 0.0) for m in metrics),
             )
         )
-    return tuple(statistics.median(r[k] for r in runs) for k in range(3))
+    return tuple(statistics.median(r[k] for r in runs) for k in range(4))
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ FAMILY_CONFIGS = {
 }
 
 
-def pipeline_logits(config, state: dict, ids: torch.Tensor) -> torch.Tensor:
+def pipeline_logits(config, state: dict, ids: torch.Tensor, device="cpu", dtype=None) -> torch.Tensor:
     layers = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings)
     keys = all_layer_keys(config)
     modules = []
@@ -64,8 +64,8 @@ def pipeline_logits(config, state: dict, ids: torch.Tensor) -> torch.Tensor:
         if layer.has_file:
             module = build_layer(layer, config, DecoderOptions())
             module.load_state_dict({ours: state[hf] for ours, hf in keys[layer.index].items()})
-            modules.append(module.eval())
-    x = (ids, torch.arange(ids.shape[1]).expand_as(ids))
+            modules.append(module.to(device=device, dtype=dtype).eval())
+    x = (ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids))
     with torch.no_grad():
         for module in modules:
             x = module(x)

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import random
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -311,6 +312,7 @@ def save(engine, cfg: TrainConfig, coords: Coords, layout: dict, step: int, data
     rank 0 renames it to `<tag>` and points `latest` at it (checkpoint/saves.py)."""
     tag = step_tag(step)
     staging = staging_tag(tag)
+    start = time.perf_counter()
     try:
         _save_into(engine, cfg, coords, layout, staging, {**data_state, "step": step})
         if coords.rank == 0:
@@ -322,7 +324,8 @@ def save(engine, cfg: TrainConfig, coords: Coords, layout: dict, step: int, data
         where = e.filename or os.path.join(cfg.output_dir, staging)
         raise RunError(f"saving checkpoint {tag} failed: {e.strerror or e} ({where}); 'latest' unchanged") from None
     dist.barrier()
-    log.info("saved checkpoint %s", os.path.join(cfg.output_dir, tag))
+    # The time the training loop stood still for this save (every rank waits at the barrier above).
+    log.info("saved checkpoint %s in %.2f s", os.path.join(cfg.output_dir, tag), time.perf_counter() - start)
 
 
 def _save_into(engine, cfg: TrainConfig, coords: Coords, layout: dict, staging: str, data: dict) -> None:

@@ -183,6 +183,8 @@ class Trainer:
             "input_tokens": batches.step_input_tokens,
             "step_seconds": seconds,
         }
+        if torch.cuda.is_available():  # this reporting rank's peak since the start, for the memory planner
+            record["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if extra:  # experts: aux_loss, expert_load_max; dpo: TRL's reward means over the step's pairs (`loss` above)
             record.update({k: v for k, v in extra.items() if k != "loss"})
         self.reporter.step(record)

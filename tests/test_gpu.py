@@ -1,0 +1,41 @@
+"""On a CUDA GPU only (skipped elsewhere; CI has none): each family's pipeline layers in bf16 with SDPA against
+transformers' own model in bf16 on the same GPU. On CPU the same cases are bit-identical in fp32
+(tests/test_families.py); here the kernels are cuBLAS's and SDPA's flash/efficient ones, in bf16.
+
+Run where a GPU is: `python -m pytest tests/test_gpu.py -s` (benchmarks/gpu_check.sh does, and prints each case)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import hf_state
+from tests.test_families import FAMILY_CONFIGS, pipeline_logits
+from tools.tiny_models import tiny_config
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_family_layers_match_transformers_in_bf16_on_gpu(name, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model_type, overrides = FAMILY_CONFIGS[name]
+    config = tiny_config(model_type, num_hidden_layers=3, num_key_value_heads=2, **overrides)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    hf = hf.cuda().eval()
+    state = {k: v.to(torch.bfloat16) for k, v in hf_state(str(tmp_path)).items()}
+    ids = torch.randint(0, config.vocab_size, (2, 12), device="cuda")
+    with torch.no_grad():
+        reference = hf(input_ids=ids).logits
+    ours = pipeline_logits(config, state, ids, device="cuda", dtype=torch.bfloat16)
+    diff = (ours.float() - reference.float()).abs()
+    print(
+        f"bf16 GPU {name}: {int((diff > 0).sum())} of {diff.numel()} logits differ, max |diff| "
+        f"{float(diff.max()):.3g} (max |logit| {float(reference.float().abs().max()):.3g})"
+    )
+    # bf16 keeps 8 bits of mantissa: one rounding step of the largest logit, at most.
+    assert float(diff.max()) <= 2**-7 * max(1.0, float(reference.float().abs().max()))
