@@ -37,5 +37,5 @@ def test_family_layers_match_transformers_in_bf16_on_gpu(name, tmp_path):
         f"bf16 GPU {name}: {int((diff > 0).sum())} of {diff.numel()} logits differ, max |diff| "
         f"{float(diff.max()):.3g} (max |logit| {float(reference.float().abs().max()):.3g})"
     )
-    # bf16 keeps 8 bits of mantissa: one rounding step of the largest logit, at most.
-    assert float(diff.max()) <= 2**-7 * max(1.0, float(reference.float().abs().max()))
+    # The same kernels in the same order: equal to the bit (all 25 cases were, on an H200: docs/measured.md).
+    assert torch.equal(ours, reference)
