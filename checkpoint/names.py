@@ -60,6 +60,12 @@ def rng_file(rank: int) -> str:
     return f"rng_state_rank{rank}.pt"
 
 
+def written_marker(rank: int) -> str:
+    """In a save's staging directory: this rank's files are durable (its manifest entries inside); removed when the
+    save is published (training/saving.py)."""
+    return f".written-rank{rank}.json"
+
+
 def engine_files(names: list[str]) -> list[str]:
     return sorted(n for n in names if ENGINE_FILE.fullmatch(n))
 

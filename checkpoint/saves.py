@@ -27,7 +27,7 @@ from checkpoint.names import (
     TAG_PATTERN,
     staging_tag,
 )
-from checkpoint.staging import fsync_dir, remove_tree, write_text_atomic
+from checkpoint.staging import publish_dir, remove_tree, write_text_atomic
 
 
 def clean_stale(output_dir: str) -> list[str]:
@@ -108,13 +108,8 @@ def read_tag(ckpt_dir: str, tag: str | None = None) -> str:
 def publish_checkpoint(output_dir: str, tag: str, keep_last_n: int = 0) -> list[str]:
     """Rank 0, after every rank finished writing `.saving-<tag>`: make it `tag`, point `latest` at it,
     then apply retention. Returns the tags deleted by retention."""
-    staging = os.path.join(output_dir, staging_tag(tag))
-    final = os.path.join(output_dir, tag)
-    fsync_dir(staging)
-    if os.path.exists(final):  # saved again at the same step (a resumed run): replace it
-        remove_tree(final)
-    os.replace(staging, final)
-    fsync_dir(output_dir)
+    # A checkpoint of the same step (saved again by a resumed run) is replaced as every output is (`publish_dir`).
+    publish_dir(os.path.join(output_dir, staging_tag(tag)), os.path.join(output_dir, tag))
     write_text_atomic(os.path.join(output_dir, LATEST), tag)
     return prune(output_dir, keep_last_n, keep=tag)
 

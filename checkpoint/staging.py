@@ -4,6 +4,7 @@
   directory and renames it into place at the end; an interrupted run leaves only the temporary
   directory, never something at the output path.
 - `write_text_atomic`: small files (`latest`, `layout.json`) replaced by rename after an fsync.
+- `publish_dir`: the one publisher of a finished directory (outputs and training checkpoints): old aside, new in.
 - `remove_tree`: a directory is renamed aside before it is deleted, so it never looks complete half-way.
 """
 
@@ -66,16 +67,25 @@ def make_unique_dir(parent: str, prefix: str) -> str:
     raise FileExistsError(f"{parent}: no free name for {prefix}*")
 
 
-def publish_staged(tmp: str, out_dir: str) -> None:
-    """Move a finished temporary directory to `out_dir`; an existing output is removed only after that."""
-    out_dir = os.path.abspath(out_dir)
-    old = None
-    if os.path.exists(out_dir):
-        old = make_unique_dir(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.old-")
-        os.rename(out_dir, os.path.join(old, "x"))
-    os.rename(tmp, out_dir)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+def publish_dir(staged: str, final: str) -> None:
+    """The one way a finished directory takes its place, for conversions, exports and training checkpoints alike.
+
+    An existing `final` is first renamed aside (`.deleting-<name>-<pid>`, a name no reader takes as complete and the
+    next start or save removes), then `staged` is renamed to `final`, the parent fsynced, and the old one deleted. A
+    crash at any moment leaves `final` complete (old or new) or absent, never partial: between the two renames the
+    old copy is aside and the new one still under its staging name, both whole. Training checkpoints then fall back
+    to the newest complete one (checkpoint/saves.py `choose_checkpoint`)."""
+    final = os.path.abspath(final)
+    parent, name = os.path.split(final)
+    fsync_dir(staged)
+    aside = None
+    if os.path.exists(final):
+        aside = os.path.join(parent, f"{DELETING_PREFIX}{name}-{os.getpid()}")
+        os.replace(final, aside)
+    os.replace(staged, final)
+    fsync_dir(parent)
+    if aside:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -103,7 +113,7 @@ def staged_directory(out_dir: str, force: bool, kind: str, command: str, inputs:
     try:
         yield tmp
         write_writer(tmp, kind, command, inputs)
-        publish_staged(tmp, out_dir)
+        publish_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -2,7 +2,7 @@
 
 - Start: weights come from layer files named by global layer index (layout-free), each rank reading
   only its own stage's files (`load_stage_weights`).
-- Save: crash-safe (checkpoint/saves.py): every rank writes into `.saving-<tag>`, then rank 0 publishes.
+- Save: training/saving.py (snapshot, background write, commit; crash-safe by checkpoint/saves.py).
 - Resume in the same layout: DeepSpeed's `load_checkpoint`, plus per-rank RNG states.
 - Resume in another PP x TP x DP layout: ZeRO-1 state through DeepSpeed's universal checkpoint (converted
   once by rank 0), ZeRO-0 state reshaped by parameter name (checkpoint/optimizer_reshape.py).
@@ -16,29 +16,24 @@ import contextlib
 import logging
 import os
 import random
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from checkpoint.errors import CheckpointError
 from checkpoint.layer_files import layer_files_as_plain_data
-from checkpoint.manifest import build_manifest, checkpoint_files, write_manifest
-from checkpoint.names import rng_file, staging_tag, step_tag
-from checkpoint.optimizer_reshape import OPTIMIZER_NAMES, gather_moved_state, load_moved_state, optimizer_param_names
+from checkpoint.names import rng_file
+from checkpoint.optimizer_reshape import gather_moved_state, load_moved_state, optimizer_param_names
 from checkpoint.pipeline_reader import PipelineCheckpoint
 from checkpoint.safe_load import load_pt
-from checkpoint.saves import choose_checkpoint, publish_checkpoint
-from checkpoint.staging import remove_tree
+from checkpoint.saves import choose_checkpoint
 from checkpoint.universal import (
     LAYOUT_DEFAULTS,
     check_movable,
     ensure_universal,
     layout_changed,
     read_layout,
-    write_layout,
 )
 from models.moe import is_moe
 from models.partition import rank_layers
@@ -52,7 +47,6 @@ from training.errors import RunError
 from training.expert_parallel import (
     checkpoint_files_as_ours,
     deepspeed_owns_experts,
-    every_expert,
     keep_own_experts,
     universal_load_by_name,
 )
@@ -305,63 +299,6 @@ def _load_reshaped(engine, step_dir: str, config, tp: TensorParallel) -> dict:
     )
     load_moved_state(engine, names, moved)
     return moved.client_state
-
-
-def save(engine, cfg: TrainConfig, coords: Coords, layout: dict, step: int, data_state: dict) -> None:
-    """Crash-safe: every rank writes into `.saving-<tag>`; once all are done and the manifest is written,
-    rank 0 renames it to `<tag>` and points `latest` at it (checkpoint/saves.py)."""
-    tag = step_tag(step)
-    staging = staging_tag(tag)
-    start = time.perf_counter()
-    try:
-        _save_into(engine, cfg, coords, layout, staging, {**data_state, "step": step})
-        if coords.rank == 0:
-            for old in publish_checkpoint(cfg.output_dir, tag, cfg.keep_last_n):
-                log.info("keep_last_n=%d: deleted %s", cfg.keep_last_n, os.path.join(cfg.output_dir, old))
-    except OSError as e:
-        if coords.rank == 0:
-            remove_tree(os.path.join(cfg.output_dir, staging))
-        where = e.filename or os.path.join(cfg.output_dir, staging)
-        raise RunError(f"saving checkpoint {tag} failed: {e.strerror or e} ({where}); 'latest' unchanged") from None
-    dist.barrier()
-    # The time the training loop stood still for this save (every rank waits at the barrier above).
-    log.info("saved checkpoint %s in %.2f s", os.path.join(cfg.output_dir, tag), time.perf_counter() - start)
-
-
-def _save_into(engine, cfg: TrainConfig, coords: Coords, layout: dict, staging: str, data: dict) -> None:
-    step_dir = os.path.join(cfg.output_dir, staging)
-    if coords.rank == 0:
-        remove_tree(step_dir)
-        write_layout(step_dir, layout)
-    dist.barrier()
-    client = {"data": data}
-    names = optimizer_param_names(engine.module, engine.optimizer)
-    if names is not None:  # lets a ZeRO-0 checkpoint move to another layout
-        client[OPTIMIZER_NAMES] = names
-    ep = engine.module._ep
-    with every_expert(engine, ep) if ep.size > 1 else contextlib.nullcontext():  # files hold every expert
-        engine.save_checkpoint(
-            cfg.output_dir,
-            tag=staging,
-            client_state=client,
-            save_latest=False,  # `latest` moves in publish_checkpoint(), after the rename
-            exclude_frozen_parameters=cfg.lora.enabled,  # LoRA: layer files hold the adapter only
-        )
-    torch.save(rng_state(), os.path.join(step_dir, rng_file(coords.rank)))
-    dist.barrier()
-    if cfg.save_manifest:
-        _write_manifest(step_dir, coords)
-
-
-def _write_manifest(step_dir: str, coords: Coords) -> None:
-    """Every rank hashes a share of the checkpoint's files; rank 0 writes manifest.json."""
-    names = checkpoint_files(step_dir)
-    mine = build_manifest(step_dir, names[coords.rank :: coords.world], sync=True) if names else {}
-    gathered = [None] * coords.world
-    dist.all_gather_object(gathered, mine)
-    if coords.rank == 0:
-        write_manifest(step_dir, {k: v for part in gathered for k, v in part.items()})
-    dist.barrier()
 
 
 def rng_state() -> dict:

@@ -113,6 +113,15 @@ class MoeConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """How saves run (training/saving.py)."""
+
+    # true: the loop is blocked only while the state is copied into host buffers; files are written in the background
+    # and published at a later step boundary once every rank's are durable. false: written and published in the call.
+    async_save: bool = True
+
+
+@dataclass
 class TrainConfig:
     model_name_or_path: str | None = None  # a converted pipeline checkpoint (convert2ckpt.py) or an HF directory
     tokenizer_name_or_path: str | None = None  # default: model_name_or_path
@@ -168,6 +177,7 @@ class TrainConfig:
     objective: Objective = Objective.sft  # sft: next-token loss on rows; dpo: preference pairs (the `dpo` settings)
     dpo: DpoConfig = field(default_factory=DpoConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 def register_configs() -> None:

@@ -23,7 +23,7 @@ from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import list_shards, read_model_config, stored_dtype
 from checkpoint.names import CONVERSION_RECORD, CONVERTED_DIR
 from checkpoint.source_checks import plan_conversion
-from checkpoint.staging import publish_staged
+from checkpoint.staging import publish_dir
 from checkpoint.writer import TAG, finish_converted
 from models.key_table import all_layer_keys
 from models.partition import rank_layers
@@ -75,5 +75,5 @@ def convert_on_load(
             finish_converted(tmp, hf_dir, dtype_name(stored_dtype(hf_dir)))
             with open(os.path.join(tmp, CONVERSION_RECORD), "w") as f:
                 json.dump(record, f, indent=2)
-            publish_staged(tmp, final)  # replaces a conversion of an older source
+            publish_dir(tmp, final)  # replaces a conversion of an older source
     return final, False

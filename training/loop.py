@@ -17,7 +17,6 @@ from omegaconf import OmegaConf
 from checkpoint.names import step_tag
 from checkpoint.saves import newest_checkpoint
 from data.sampling import eval_batches, eval_indices, eval_num_batches, train_batches
-from training import checkpointing
 from training.assembly import assemble
 from training.batches import LossScaledBatches, PairScaledBatches
 from training.config import (
@@ -32,6 +31,7 @@ from training.distributed import control_group
 from training.errors import RunError
 from training.logs import rank_log_path
 from training.reporting import StepReporter, truncate_metrics
+from training.saving import Saver
 
 log = logging.getLogger("trainer")
 
@@ -58,6 +58,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.assembled = assemble(cfg)
+        r = self.assembled
+        self.saver = Saver(r.engine, cfg, r.coords, r.layout)
         self.last_saved_step = self.assembled.step if self.assembled.step else None
         self.stop_signal, self.stopped, self.reporter = None, False, None
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -68,10 +70,12 @@ class Trainer:
 
     # ---------------------------------------------------------------- train
 
-    def save(self) -> None:
+    def save(self) -> float:
+        """Save this step (training/saving.py); the seconds the loop was blocked."""
         r = self.assembled
-        checkpointing.save(r.engine, self.cfg, r.coords, r.layout, r.step, r.data_state)
+        blocked = self.saver.save(r.step, r.data_state)
         self.last_saved_step = r.step
+        return blocked
 
     def train(self) -> None:
         cfg, r, c = self.cfg, self.assembled, self.assembled.coords
@@ -102,20 +106,23 @@ class Trainer:
             extra = self._router_metrics() if c.is_last else {}
             if cfg.objective == "dpo" and c.is_last:
                 extra.update(self._preference_metrics())
+            stop = not math.isfinite(loss) and cfg.nonfinite_loss != "skip"
+            if not stop and ((cfg.save_steps and r.step % cfg.save_steps == 0) or r.step == r.total_steps):
+                extra["save_seconds"] = self.save()  # the time the loop was blocked
             if self.reporter is not None:
                 self._report(loss, lr, seconds, tokens_per_step, data_iter, extra)
-            if not math.isfinite(loss) and cfg.nonfinite_loss == "skip":
+            if not math.isfinite(loss) and not stop:
                 log.warning(
                     "loss is %s at step %d: update skipped (weights and optimizer state unchanged)", loss, r.step
                 )
-            elif not math.isfinite(loss):
+            elif stop:
+                self.saver.finish()  # every rank stops here: the save in flight is committed first
                 last = step_tag(self.last_saved_step) if self.last_saved_step is not None else "none"
                 raise RunError(f"loss is {loss} at step {r.step}; stopped without saving (last checkpoint: {last})")
-            if (cfg.save_steps and r.step % cfg.save_steps == 0) or r.step == r.total_steps:
-                self.save()
             if self._stop_requested():
                 if self.last_saved_step != r.step:
                     self.save()
+                self.saver.finish()
                 log.info(
                     "%s: stopped after step %d with a checkpoint; resume with resume=auto",
                     self.stop_signal or "a signal on another rank",
@@ -124,6 +131,7 @@ class Trainer:
                 break
             if evaluating(cfg) and cfg.eval_steps and r.step % cfg.eval_steps == 0 and r.step < r.total_steps:
                 self.evaluate()
+        self.saver.finish()  # the last save committed before the run reports its checkpoint
 
     def _scaled(self, batches, micro_batches: int) -> LossScaledBatches:
         """The last stage's micro-batches with their loss scales (pairs for objective=dpo)."""
@@ -216,10 +224,12 @@ class Trainer:
         log.warning("received %s: saving a checkpoint at the end of this step, then exiting", self.stop_signal)
 
     def _stop_requested(self) -> bool:
-        """Whether any rank got SIGTERM; every rank takes part so that all stop after the same step."""
-        flag = torch.tensor([1 if self.stop_signal else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control_group())
-        self.stopped = bool(flag.item())
+        """Whether any rank got SIGTERM; every rank takes part so that all stop after the same step. The same
+        all-reduce tells whether every rank has written the save in flight, which then commits."""
+        flags = torch.tensor([1 if self.stop_signal else 0, *self.saver.poll_flags()], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=control_group())
+        self.saver.after_flags(int(flags[1]), int(flags[2]))
+        self.stopped = bool(flags[0])
         return self.stopped
 
     # ---------------------------------------------------------------- eval
@@ -307,6 +317,10 @@ class Trainer:
                 self.train()
             if evaluating(cfg) and not self.stopped:
                 self.evaluate()
+        except BaseException:
+            # A rank failed (or all did): a save every rank finished writing is still published (no collectives).
+            self.saver.salvage(seconds=min(60.0, cfg.dist_timeout_minutes * 60))
+            raise
         finally:
             if self.reporter is not None:
                 self.reporter.close()

@@ -7,6 +7,9 @@ Kinds (the trainer code itself is unchanged; the fault is patched in from outsid
     raise:rank=R,step=S    rank R raises in the middle of step S (second micro-batch forward)
     hang:rank=R,step=S     rank R stops responding in the middle of step S
     nan:step=S             the loss of step S is NaN
+    kill_write:step=S      the whole job is SIGKILLed while rank 0's background writer writes step S's second file
+    kill_commit:step=S     the whole job is SIGKILLed while step S commits: renamed, `latest` not yet moved
+    slow_write:ms=M        each file of a save takes M ms more to write (a slow disk), for SIGTERM mid-write
 """
 
 import errno
@@ -63,6 +66,45 @@ elif kind == "nan":
         return loss * float("nan") if (seen["n"] - 1) // micro == opts["step"] - 1 else loss
 
     CausalLMLoss.__call__ = nan_loss
+
+elif kind in ("kill_write", "kill_commit", "slow_write"):
+    import signal
+
+    from checkpoint import background_writer, saves
+
+    def kill_job():
+        os.killpg(os.getpgid(0), signal.SIGKILL)  # the launcher and every rank, as a node failure would
+
+    if kind == "kill_write":
+        _write, written = background_writer.write_durably, {"n": 0}
+
+        def dying_write(path, state):
+            if int(os.environ["RANK"]) == 0 and f"global_step{opts['step']}/" in path:
+                written["n"] += 1
+                if written["n"] == 2:
+                    with open(path, "wb") as f:
+                        f.write(b"half a file")
+                    kill_job()
+            _write(path, state)
+
+        background_writer.write_durably = dying_write
+    elif kind == "kill_commit":
+        _latest = saves.write_text_atomic
+
+        def dying_latest(path, text):
+            if text == f"global_step{opts['step']}":
+                kill_job()
+            _latest(path, text)
+
+        saves.write_text_atomic = dying_latest
+    else:
+        _write = background_writer.write_durably
+
+        def slow_write(path, state):
+            time.sleep(opts["ms"] / 1000)
+            _write(path, state)
+
+        background_writer.write_durably = slow_write
 
 else:
     raise SystemExit(f"faulty_trainer: unknown FAULT kind {kind!r}")

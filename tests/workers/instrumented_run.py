@@ -4,7 +4,7 @@
 
 Records per rank: which decoder layers were built (off the meta device), which checkpoint files
 were read, every open() of the data files, every row index read per data file, the step count, and for each
-layer file it writes how many sparse layers held every expert gathered then (`gathered_experts`).
+layer file, when the save takes its state, how many sparse layers held every expert gathered (`gathered_experts`).
 """
 
 import builtins
@@ -43,18 +43,21 @@ def recording_load(f, *args, **kwargs):
 
 torch.load = recording_load
 
-_save = torch.save
+from training import saving as saving_mod  # noqa: E402
+
+_snapshot_save = saving_mod.SnapshotEngine.save
 
 
-def recording_save(obj, f, *args, **kwargs):
-    name = os.path.basename(str(f)) if isinstance(f, (str, os.PathLike)) else ""
+def recording_save(self, state_dict, path):
+    """When DeepSpeed hands a layer's state to the save (copied to host right there; written later)."""
+    name = os.path.basename(str(path))
     if name.startswith("layer_") and stage_module:
         held = sum(getattr(m, "gathered_experts", None) is not None for m in stage_module[0].modules())
         rec["gathered_at_save"].append([name, held])
-    return _save(obj, f, *args, **kwargs)
+    return _snapshot_save(self, state_dict, path)
 
 
-torch.save = recording_save
+saving_mod.SnapshotEngine.save = recording_save
 
 _getitem = dataset_mod.TokenizedDataset.__getitem__
 

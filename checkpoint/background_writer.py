@@ -1,0 +1,129 @@
+"""A save's files written off the training thread: snapshot now, write, fsync and describe in the background.
+
+`HostSnapshot.copy(obj)` copies every tensor of a (nested) state into host memory the training step no longer
+touches: buffers kept from one save to the next (pinned when the tensors live on a GPU, where the copies run
+asynchronously until `ready()`), so a steady run allocates them once. `BackgroundWriter` takes the files of one save
+(`write(jobs)`), writes them in order on one thread with `torch.save`, flushes each to disk and describes it for the
+manifest (size, sha256, tensor shapes: checkpoint/manifest.py) while the training thread goes on. Python objects in a
+state are copied too (dicts, lists, tuples; anything else is kept as it is: numbers, strings, enums).
+
+No process group here: agreeing that every rank's files are durable, and publishing, is the trainer's
+(training/async_save.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import torch
+
+from checkpoint.manifest import describe_file
+from checkpoint.staging import write_text_atomic
+
+
+class HostSnapshot:
+    """Copies of states in reusable host buffers, keyed by file name and position in the state."""
+
+    def __init__(self):
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.pending_device_copies = False
+
+    def copy(self, obj, key: tuple = ()):
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj.detach(), key)
+        if isinstance(obj, dict):
+            return type(obj)((k, self.copy(v, (*key, k))) for k, v in obj.items())
+        if isinstance(obj, (list, tuple)):
+            copied = [self.copy(v, (*key, i)) for i, v in enumerate(obj)]
+            if isinstance(obj, list):
+                return copied
+            if type(obj) is tuple:
+                return tuple(copied)
+            return type(obj)(*copied) if hasattr(obj, "_fields") else type(obj)(copied)  # named tuple; torch.Size
+        return obj
+
+    def _tensor(self, t: torch.Tensor, key: tuple) -> torch.Tensor:
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            # Compact (a view's whole storage is never kept), pinned for asynchronous copies from a GPU.
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            self.buffers[key] = buf
+        buf.copy_(t, non_blocking=t.is_cuda)
+        self.pending_device_copies |= t.is_cuda
+        return buf
+
+    def ready(self) -> None:
+        """Wait for the asynchronous device-to-host copies (the only GPU wait of a save)."""
+        if self.pending_device_copies:
+            torch.cuda.synchronize()
+            self.pending_device_copies = False
+
+
+class WriteError(Exception):
+    """A file of a background save could not be written; the message names it."""
+
+
+class BackgroundWriter:
+    """One save's files at a time, written by a daemon thread (a failed or killed run abandons them unpublished)."""
+
+    def __init__(self):
+        self.thread: threading.Thread | None = None
+        self.entries: dict[str, dict] = {}
+        self.error: str | None = None
+        self.seconds = 0.0
+
+    def write(self, jobs: list[tuple[str, object]], describe: bool, marker: str | None = None) -> None:
+        """Start writing `jobs` ([(path, state)], states already snapshotted). One save in flight: call `wait()`
+        before the next."""
+        assert self.thread is None, "a background save is still in flight"
+        self.entries, self.error = {}, None
+        self.thread = threading.Thread(
+            target=self.run_jobs, args=(jobs, describe, marker), name="checkpoint-writer", daemon=True
+        )
+        self.thread.start()
+
+    def run_jobs(self, jobs, describe: bool, marker: str | None = None) -> None:
+        """Write `jobs` in order on the calling thread; the first failure stops it (`error` names the file). Once all
+        are durable, `marker` (a JSON file: the manifest entries and seconds) says so to whoever publishes."""
+        self.entries, self.error = {}, None
+        start = time.perf_counter()
+        for path, state in jobs:
+            try:
+                write_durably(path, state)
+                if describe:
+                    self.entries[os.path.basename(path)] = describe_file(path)
+            except Exception as e:  # noqa: BLE001 - reported on the training thread, naming the file
+                reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+                self.error = f"{path}: {reason}"
+                break
+        self.seconds = time.perf_counter() - start
+        if marker and self.error is None:
+            try:
+                write_text_atomic(marker, json.dumps({"entries": self.entries, "seconds": self.seconds}))
+            except OSError as e:
+                self.error = f"{marker}: {e.strerror or e}"
+
+    def done(self) -> bool:
+        return self.thread is None or not self.thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> tuple[dict[str, dict], str | None, float]:
+        """(manifest entries, the error or None, seconds spent writing) of the save in flight, once written (or after
+        `timeout` seconds, still writing)."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+            if not self.thread.is_alive():
+                self.thread = None
+        return self.entries, self.error, self.seconds
+
+
+def write_durably(path: str, state) -> None:
+    """`torch.save` to `path`, then flushed to the disk (the commit publishes only durable files)."""
+    torch.save(state, path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
