@@ -8,8 +8,8 @@ for each precision (`fp32`: fp32 + Adam, ZeRO-0; `bf16`: `bf16_zero1`) and each 
 
 - blocked: the median `save_seconds` (metrics.jsonl: the time the loop stood still for a save), against the median
   step of the run that saves only at the end;
-- end to end: (wall time saving every step - wall time saving at the end) / (steps - 1), the cost of each extra
-  save, against the same median step (the background writer shares this machine's cores with the ranks);
+- end to end: (wall time saving every `--save-steps` steps - wall time saving at the end) / (saves - 1), the cost
+  of each extra save, against the same median step (the background writer shares this machine's cores with the ranks);
 - the losses of the two runs, which must be equal bit for bit (a save changes nothing a later step computes).
 
 Medians over `--repeat` launches of each. Not a test: timings on a shared machine are noisy.
@@ -48,6 +48,7 @@ def main() -> None:
     p.add_argument("--precision", default="fp32,bf16")
     p.add_argument("--async-save", default="true,false")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--save-steps", type=int, default=1, help="the saving run saves every this many steps")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--mbs", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3)
@@ -64,20 +65,21 @@ def main() -> None:
             every, end, blocked, steps, same = [], [], [], [], True
             for i in range(args.repeat):
                 base = os.path.join(args.work, f"run_{precision}_{async_save}_{i}")
-                m_every, w_every = run(hf, data, base + "_every", args, precision, async_save, 1)
+                m_every, w_every = run(hf, data, base + "_every", args, precision, async_save, args.save_steps)
                 m_end, w_end = run(hf, data, base + "_end", args, precision, async_save, 0)
                 every.append(w_every)
                 end.append(w_end)
-                blocked += [m["save_seconds"] for m in m_every[:-1]]  # the last save commits before the run ends
+                blocked += [m["save_seconds"] for m in m_every[:-1] if "save_seconds" in m]  # the last one waits
                 steps += [m["step_seconds"] for m in m_end[1:]]
                 same &= [m["loss"] for m in m_every] == [m["loss"] for m in m_end]
             step = statistics.median(steps)
-            extra = (statistics.median(every) - statistics.median(end)) / (args.steps - 1)
+            extra = (statistics.median(every) - statistics.median(end)) / (args.steps // args.save_steps - 1)
             print(
                 f"{precision} async_save={async_save}: median step {step:.3f} s; blocked per save "
                 f"{statistics.median(blocked):.3f} s ({statistics.median(blocked) / step:.2f} of a step); each extra "
                 f"save end to end {extra:.3f} s ({extra / step:.2f} of a step); wall {statistics.median(every):.1f} s "
-                f"saving every step vs {statistics.median(end):.1f} s; losses bit-identical: {same}",
+                f"saving every {args.save_steps} step(s) vs {statistics.median(end):.1f} s; "
+                f"losses bit-identical: {same}",
                 flush=True,
             )
 
