@@ -19,8 +19,8 @@ Two owners of the reduction, chosen by the optimizer (`deepspeed_owns_experts`):
   `register` hands our groups to DeepSpeed's own MoE bookkeeping (`deepspeed.utils.groups`, parameters marked as
   its MoE layers mark them, groups of their own in the optimizer), which reduces the experts over the expert-data
   group dividing by DP, shards their optimizer state over those DP / E ranks, broadcasts them within it at start-up
-  and counts them once in the norm. Each rank saves its own shard: such a run resumes with the same layout and E
-  (training/checkpointing.py refuses another in one line).
+  and counts them once in the norm. Each rank saves its own shard; a resume with another E, PP, TP or DP goes
+  through DeepSpeed's universal format (checkpoint/expert_universal.py, `universal_load_by_name`).
 """
 
 from __future__ import annotations
