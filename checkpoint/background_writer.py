@@ -5,7 +5,7 @@ touches: buffers kept from one save to the next (pinned when the tensors live on
 asynchronously until `ready()`), so a steady run allocates them once. `BackgroundWriter` takes the files of one save
 (`write(jobs)`), writes them in order on one thread with `torch.save`, flushes each to disk and describes it for the
 manifest (size, sha256, tensor shapes: checkpoint/manifest.py) while the training thread goes on. Python objects in a
-state are copied too (dicts, lists, tuples; anything else is kept as it is: numbers, strings, enums).
+state are copied too (containers rebuilt, other objects deep-copied; numbers, strings and enums kept as they are).
 
 No process group here: agreeing that every rank's files are durable, and publishing, is the trainer's
 (training/async_save.py).
@@ -13,6 +13,8 @@ No process group here: agreeing that every rank's files are durable, and publish
 
 from __future__ import annotations
 
+import copy
+import enum
 import json
 import os
 import threading
@@ -22,6 +24,8 @@ import torch
 
 from checkpoint.manifest import describe_file
 from checkpoint.staging import write_text_atomic
+
+IMMUTABLE = (bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device, range)
 
 
 class HostSnapshot:
@@ -35,7 +39,10 @@ class HostSnapshot:
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj.detach(), key)
         if isinstance(obj, dict):
-            return type(obj)((k, self.copy(v, (*key, k))) for k, v in obj.items())
+            out = type(obj)((k, self.copy(v, (*key, k))) for k, v in obj.items())
+            if hasattr(obj, "_metadata"):  # a module state dict's per-module versions
+                out._metadata = copy.deepcopy(obj._metadata)
+            return out
         if isinstance(obj, (list, tuple)):
             copied = [self.copy(v, (*key, i)) for i, v in enumerate(obj)]
             if isinstance(obj, list):
@@ -43,7 +50,10 @@ class HostSnapshot:
             if type(obj) is tuple:
                 return tuple(copied)
             return type(obj)(*copied) if hasattr(obj, "_fields") else type(obj)(copied)  # named tuple; torch.Size
-        return obj
+        if obj is None or isinstance(obj, IMMUTABLE):
+            return obj
+        # Any other object (DeepSpeed's dynamic loss scaler, say) changes with the next steps: copied now too.
+        return copy.deepcopy(obj)
 
     def _tensor(self, t: torch.Tensor, key: tuple) -> torch.Tensor:
         buf = self.buffers.get(key)

@@ -37,6 +37,14 @@ def test_snapshot_is_a_compact_copy_in_buffers_reused_by_the_next_save():
     assert torch.equal(second["w"], torch.arange(104.0, 108.0))
     snapshot.ready()  # nothing to wait for on the CPU
 
+    class Scaler:  # DeepSpeed's dynamic loss scaler: a plain object the next steps change
+        cur_scale = 2.0**16
+
+    scaler = Scaler()
+    copied = snapshot.copy({"loss_scaler": scaler}, ("optim",))
+    scaler.cur_scale = 2.0**15
+    assert copied["loss_scaler"].cur_scale == 2.0**16
+
 
 def test_writer_describes_what_it_wrote_and_names_the_file_it_could_not_write(tmp_path):
     writer = BackgroundWriter()

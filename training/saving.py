@@ -35,14 +35,14 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngi
 
 from checkpoint.background_writer import BackgroundWriter, HostSnapshot
 from checkpoint.manifest import checkpoint_files, describe_file, write_manifest
-from checkpoint.names import rng_file, staging_tag, step_tag, written_marker
+from checkpoint.names import STAGING_PREFIX, rng_file, staging_tag, step_tag, written_marker
 from checkpoint.optimizer_reshape import OPTIMIZER_NAMES, optimizer_param_names
-from checkpoint.saves import publish_checkpoint
+from checkpoint.saves import prune, publish_checkpoint
 from checkpoint.staging import remove_tree
 from checkpoint.universal import write_layout
 from training.checkpointing import rng_state
 from training.config import TrainConfig
-from training.distributed import control_group
+from training.distributed import agreed, control_group
 from training.errors import RunError
 from training.expert_parallel import every_expert
 
@@ -82,10 +82,12 @@ class Saver:
         self.in_flight: dict | None = None  # tag, step, staging, blocked seconds
 
     def save(self, step: int, data_state: dict) -> float:
+        """The seconds the loop stood still: waiting for the previous save to commit (a disk slower than the saves
+        come), then this one's snapshot; with `async_save=false`, the whole save."""
+        start = time.perf_counter()
         self.finish()  # one save in flight at most
         tag = step_tag(step)
         staging = os.path.join(self.cfg.output_dir, staging_tag(tag))
-        start = time.perf_counter()
         jobs = self._snapshot(staging, {**data_state, "step": step})
         self.in_flight = {"tag": tag, "step": step, "staging": staging, "blocked": time.perf_counter() - start}
         marker = os.path.join(staging, written_marker(self.coords.rank))
@@ -99,10 +101,14 @@ class Saver:
     def _snapshot(self, staging: str, data: dict) -> list[tuple[str, object]]:
         """Phase 1: the files of this rank, as (path, state in host buffers); directories made, nothing written."""
         engine, coords = self.engine, self.coords
-        if coords.rank == 0:
-            remove_tree(staging)
-            write_layout(staging, self.layout)
-        dist.barrier()
+        with agreed():  # rank 0 prepares the directory; a failure there stops every rank with its line
+            if coords.rank == 0:
+                try:
+                    remove_tree(staging)
+                    write_layout(staging, self.layout)
+                except OSError as e:
+                    where = e.filename or staging
+                    raise RunError(f"saving checkpoint {step_tag_of(staging)} failed: {where}: {e.strerror}") from None
         client = {"data": data}
         names = optimizer_param_names(engine.module, engine.optimizer)
         if names is not None:  # lets a ZeRO-0 checkpoint move to another layout
@@ -154,8 +160,8 @@ class Saver:
             try:
                 if problem is None:
                     publish(staging, tag, self.coords.world, self.cfg)
-            except OSError as e:
-                problem = f"{e.filename or staging}: {e.strerror or e}"
+            except Exception as e:  # noqa: BLE001 - every rank waits for this rank's word below
+                problem = f"{getattr(e, 'filename', None) or staging}: {getattr(e, 'strerror', None) or e}"
             if problem is not None:
                 remove_tree(staging)  # never published
         problem = broadcast_object_in(problem, control_group())
@@ -205,8 +211,16 @@ def publish(staging: str, tag: str, world: int, cfg: TrainConfig) -> None:
     if cfg.save_manifest:
         names = checkpoint_files(staging)
         write_manifest(staging, {n: known.get(n) or describe_file(os.path.join(staging, n), sync=True) for n in names})
-    for old in publish_checkpoint(cfg.output_dir, tag, cfg.keep_last_n):
-        log.info("keep_last_n=%d: deleted %s", cfg.keep_last_n, os.path.join(cfg.output_dir, old))
+    publish_checkpoint(cfg.output_dir, tag)
+    try:  # published and `latest` moved: a failing deletion of an older checkpoint no longer fails the save
+        for old in prune(cfg.output_dir, cfg.keep_last_n, keep=tag):
+            log.info("keep_last_n=%d: deleted %s", cfg.keep_last_n, os.path.join(cfg.output_dir, old))
+    except OSError as e:
+        log.warning("keep_last_n=%d: could not delete an older checkpoint: %s", cfg.keep_last_n, e)
+
+
+def step_tag_of(staging: str) -> str:
+    return os.path.basename(staging).removeprefix(STAGING_PREFIX)
 
 
 def broadcast_object_in(value, group):
