@@ -72,10 +72,6 @@ class HostSnapshot:
             self.pending_device_copies = False
 
 
-class WriteError(Exception):
-    """A file of a background save could not be written; the message names it."""
-
-
 class BackgroundWriter:
     """One save's files at a time, written by a daemon thread (a failed or killed run abandons them unpublished)."""
 

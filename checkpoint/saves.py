@@ -105,13 +105,12 @@ def read_tag(ckpt_dir: str, tag: str | None = None) -> str:
     return found
 
 
-def publish_checkpoint(output_dir: str, tag: str, keep_last_n: int = 0) -> list[str]:
-    """Rank 0, after every rank finished writing `.saving-<tag>`: make it `tag`, point `latest` at it,
-    then apply retention. Returns the tags deleted by retention."""
+def publish_checkpoint(output_dir: str, tag: str) -> None:
+    """Rank 0, after every rank finished writing `.saving-<tag>`: make it `tag`, then point `latest` at it.
+    Retention (`prune`) comes after, by the caller: a failing deletion must not read as a failed save."""
     # A checkpoint of the same step (saved again by a resumed run) is replaced as every output is (`publish_dir`).
     publish_dir(os.path.join(output_dir, staging_tag(tag)), os.path.join(output_dir, tag))
     write_text_atomic(os.path.join(output_dir, LATEST), tag)
-    return prune(output_dir, keep_last_n, keep=tag)
 
 
 def prune(output_dir: str, keep_last_n: int, keep: str) -> list[str]:

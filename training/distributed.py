@@ -121,10 +121,10 @@ def agreed() -> Iterator[None]:
     agree(error)
 
 
-def broadcast_object(value, src: int = 0):
-    """`value` of rank `src` on every rank."""
+def broadcast_object(value, src: int = 0, group=None):
+    """`value` of rank `src` on every rank (of `group`, default all)."""
     box = [value]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 

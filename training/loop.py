@@ -121,8 +121,7 @@ class Trainer:
                 raise RunError(f"loss is {loss} at step {r.step}; stopped without saving (last checkpoint: {last})")
             if self._stop_requested():
                 if self.last_saved_step != r.step:
-                    self.save()
-                self.saver.finish()
+                    self.save()  # committed by the `finish` after the loop
                 log.info(
                     "%s: stopped after step %d with a checkpoint; resume with resume=auto",
                     self.stop_signal or "a signal on another rank",

@@ -35,14 +35,14 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngi
 
 from checkpoint.background_writer import BackgroundWriter, HostSnapshot
 from checkpoint.manifest import checkpoint_files, describe_file, write_manifest
-from checkpoint.names import STAGING_PREFIX, rng_file, staging_tag, step_tag, written_marker
+from checkpoint.names import rng_file, staging_tag, step_tag, written_marker
 from checkpoint.optimizer_reshape import OPTIMIZER_NAMES, optimizer_param_names
 from checkpoint.saves import prune, publish_checkpoint
 from checkpoint.staging import remove_tree
 from checkpoint.universal import write_layout
 from training.checkpointing import rng_state
 from training.config import TrainConfig
-from training.distributed import agreed, control_group
+from training.distributed import agreed, broadcast_object, control_group
 from training.errors import RunError
 from training.expert_parallel import every_expert
 
@@ -88,7 +88,7 @@ class Saver:
         self.finish()  # one save in flight at most
         tag = step_tag(step)
         staging = os.path.join(self.cfg.output_dir, staging_tag(tag))
-        jobs = self._snapshot(staging, {**data_state, "step": step})
+        jobs = self._snapshot(staging, tag, {**data_state, "step": step})
         self.in_flight = {"tag": tag, "step": step, "staging": staging, "blocked": time.perf_counter() - start}
         marker = os.path.join(staging, written_marker(self.coords.rank))
         if self.cfg.checkpoint.async_save:
@@ -98,7 +98,7 @@ class Saver:
         self._agree_and_commit()
         return time.perf_counter() - start
 
-    def _snapshot(self, staging: str, data: dict) -> list[tuple[str, object]]:
+    def _snapshot(self, staging: str, tag: str, data: dict) -> list[tuple[str, object]]:
         """Phase 1: the files of this rank, as (path, state in host buffers); directories made, nothing written."""
         engine, coords = self.engine, self.coords
         with agreed():  # rank 0 prepares the directory; a failure there stops every rank with its line
@@ -108,7 +108,7 @@ class Saver:
                     write_layout(staging, self.layout)
                 except OSError as e:
                     where = e.filename or staging
-                    raise RunError(f"saving checkpoint {step_tag_of(staging)} failed: {where}: {e.strerror}") from None
+                    raise RunError(f"saving checkpoint {tag} failed: {where}: {e.strerror}") from None
         client = {"data": data}
         names = optimizer_param_names(engine.module, engine.optimizer)
         if names is not None:  # lets a ZeRO-0 checkpoint move to another layout
@@ -164,7 +164,7 @@ class Saver:
                 problem = f"{getattr(e, 'filename', None) or staging}: {getattr(e, 'strerror', None) or e}"
             if problem is not None:
                 remove_tree(staging)  # never published
-        problem = broadcast_object_in(problem, control_group())
+        problem = broadcast_object(problem, group=control_group())
         step, blocked = self.in_flight["step"], self.in_flight["blocked"]
         self.in_flight = None
         if problem is not None:
@@ -194,7 +194,7 @@ class Saver:
         try:
             if all(os.path.exists(m) for m in markers):
                 publish(staging, tag, self.coords.world, self.cfg)
-                log.info("saved step %s after the failure: every rank had written it", tag)
+                log.info("saved %s after the failure: every rank had written it", tag)
         except OSError as e:
             log.warning("%s not published after the failure: %s", tag, e)
 
@@ -217,13 +217,3 @@ def publish(staging: str, tag: str, world: int, cfg: TrainConfig) -> None:
             log.info("keep_last_n=%d: deleted %s", cfg.keep_last_n, os.path.join(cfg.output_dir, old))
     except OSError as e:
         log.warning("keep_last_n=%d: could not delete an older checkpoint: %s", cfg.keep_last_n, e)
-
-
-def step_tag_of(staging: str) -> str:
-    return os.path.basename(staging).removeprefix(STAGING_PREFIX)
-
-
-def broadcast_object_in(value, group):
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
