@@ -34,7 +34,8 @@ from checkpoint.source_checks import SourceCheck, check_keys
 from checkpoint.staging import staged_directory
 from checkpoint.writer import TAG, ConvertStats, check_tp, finish_converted, finish_piece, own_storage, write_layer
 from models.config import read_config_fields
-from models.key_table import all_layer_keys, hf_key_to_layer
+from models.families import family_of
+from models.key_table import all_layer_keys, hf_key_to_layer, hub_index
 from models.pipe_layout import pipe_layers
 
 
@@ -53,18 +54,19 @@ def convert_layers(
     `tp_size` > 1 each layer is split the moment it is complete (TP ranks `tp_ranks`, default all).
     `config`: the model's (default: read from hf_dir); `between_layers` runs after each layer (it may raise)."""
     config = config or read_model_config(hf_dir)
-    n_layers, tied = config.num_hidden_layers, config.tie_word_embeddings
-    layers = pipe_layers(n_layers, tied)
+    layers = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings)
     expected = all_layer_keys(config)
     wanted = {hf for index in todo for hf in expected[index].values()}
+    index_of = hub_index(config)
     stats = ConvertStats()
     pending: dict[int, dict[str, torch.Tensor]] = {}
     pending_bytes = 0
     describer, pool = BackgroundDescriber(), BufferPool()
     with torch.inference_mode(), unchecked_zip_records():
         for name, tensor, _ in iter_tensors(hf_dir, wanted, alloc=pool.take):
-            index, ours = hf_key_to_layer(name, n_layers, tied)
-            if dtype and tensor.is_floating_point() and tensor.dtype != DTYPES[dtype]:
+            index, ours = hf_key_to_layer(name, config, index_of)
+            keep = family_of(config).keeps_fp32(ours)  # stays fp32 as transformers keeps it (a router's bias)
+            if dtype and tensor.is_floating_point() and tensor.dtype != DTYPES[dtype] and not keep:
                 cast = pool.take(tensor.numel() * DTYPES[dtype].itemsize).view(DTYPES[dtype]).view(tensor.shape)
                 cast.copy_(tensor)
                 pool.give(tensor)
@@ -197,7 +199,7 @@ def convert_hf_to_pipeline(
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     source = SourceCheck(hf_dir)
-    config = light or source.result()
+    config = source.result(light)  # the layer files' keys come from transformers' own layers (models/key_table.py)
     expected = check_keys(hf_dir, config)
     check_tp(config, tp_size, tp_ranks)
     whole = layers is None and (tp_ranks is None or sorted(tp_ranks) == list(range(tp_size)))

@@ -13,7 +13,7 @@ import threading
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import read_model_config, validate
 from models.config import ConfigFields, differing_field
-from models.key_table import all_layer_keys, hf_key_to_layer
+from models.key_table import all_layer_keys, hf_key_to_layer, hub_index
 from models.tokenizer import check_tokenizer_fits, has_tokenizer, load_tokenizer
 
 
@@ -43,12 +43,12 @@ def plan_conversion(hf_dir: str):
 def check_keys(hf_dir: str, config) -> dict[int, dict[str, str]]:
     """Every shard complete, every HF key with a home and every home with a key. Returns {layer index:
     {ours: HF key}}. Raises CheckpointError naming the shard or the first missing key."""
-    n_layers, tied = config.num_hidden_layers, config.tie_word_embeddings
     where = validate(hf_dir)
     expected = all_layer_keys(config)
+    index = hub_index(config)
     for name, shard_file in where.items():
         try:
-            hf_key_to_layer(name, n_layers, tied)
+            hf_key_to_layer(name, config, index)
         except KeyError as e:
             raise CheckpointError(f"{os.path.join(hf_dir, shard_file)}: {e.args[0]}") from None
     missing = [hf for keys in expected.values() for hf in keys.values() if hf not in where]

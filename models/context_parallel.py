@@ -116,7 +116,13 @@ def ulysses_class():
                 self.required_query_shape = torch.Size([1, self.batch_size, *self.required_query_shape[2:]])
                 self.required_key_value_shape = torch.Size([1, self.batch_size, *self.required_key_value_shape[2:]])
                 self.required_context_shape = torch.Size([1, self.batch_size, self.required_context_shape[2]])
-            return super().forward(module, query, key, value, attention_mask, *args, **kwargs)
+            pad = key.shape[-1] - value.shape[-1]  # MLA's value heads are narrower than its query and key heads
+            if pad:  # DeepSpeed's exchange takes one head size: zero columns travel and are dropped after
+                value = torch.nn.functional.pad(value, (0, pad))
+            out, weights = super().forward(module, query, key, value, attention_mask, *args, **kwargs)
+            if pad:  # [B, S/C, heads * D] -> each head's first D - pad columns
+                out = out.view(*out.shape[:2], -1, key.shape[-1])[..., :-pad].reshape(*out.shape[:2], -1)
+            return out, weights
 
     return UlyssesAttention
 
@@ -149,6 +155,7 @@ def attach(attention: torch.nn.Module, config, cp: ContextParallel, implementati
     else:
         kernel = ALL_ATTENTION_FUNCTIONS[implementation]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = getattr(attention, "qk_head_dim", head_dim)  # MLA: query and key heads hold a nope and a rope part
     ulysses = ulysses_class()(
         attn=kernel,
         batch_size=1,

@@ -21,11 +21,11 @@ with a gradient); the norm hands the statistics on to the head and the loss:
       -> (logits, stats)
 
 Packed rows (`data.packing`): several documents share a row and `position_ids` restart at 0 at each
-one. Each decoder layer rebuilds the per-document causal mask from them (`document_mask`; flash-attn
+one. Each decoder layer rebuilds the per-document causal mask from them (models/attention_masks.py; flash-attn
 gets the equivalent `cu_seqlens`), so attention never crosses a document boundary.
 
 The modules subclass the family's transformers classes so their state_dict keys are the HF suffixes
-listed in `models.key_table.KEY_TABLE`, and their maths is HF's own.
+(models/key_table.py derives them from the same classes), and their maths is HF's own.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from models import context_parallel
+from models.attention_masks import attention_mask, flash_varlen_kwargs
 from models.context_parallel import ContextParallel
 from models.expert_parallel import ExpertParallel
 from models.families import FAMILIES, attention_chunk, family_of, hf_classes, is_sparse_layer, sliding_window
@@ -68,11 +69,20 @@ class _Fp32Rotary:
     def _apply(self, fn, recurse=True):
         # Every table: `inv_freq`, `original_inv_freq`, and one of each per layer type where the family keeps them
         # so (`full_attention_inv_freq`, ...).
-        kept = {name: b.float() for name, b in self._buffers.items() if b is not None and name.endswith("inv_freq")}
-        super()._apply(fn, recurse)
-        for name, table in kept.items():
-            setattr(self, name, table.to(self._buffers[name].device))
-        return self
+        return apply_keeping_fp32(
+            self, lambda name: name.endswith("inv_freq"), lambda: super(_Fp32Rotary, self)._apply(fn, recurse)
+        )
+
+
+def apply_keeping_fp32(module: nn.Module, keep, apply) -> nn.Module:
+    """`apply()` (a cast of `module`) with the buffers whose names `keep` selects left fp32."""
+    kept = {name: b.float() for name, b in module.named_buffers() if keep(name)}
+    apply()
+    for name, table in kept.items():
+        owner, _, leaf = name.rpartition(".")
+        holder = module.get_submodule(owner)
+        holder._buffers[leaf] = table.to(holder._buffers[leaf].device)
+    return module
 
 
 def on_family_class(mixin: type, model_type: str, hf_suffix: str, name: str) -> type[nn.Module]:
@@ -154,46 +164,6 @@ class DecoderOptions:
         return self.checkpoint_every > 0 and block % self.checkpoint_every == 0
 
 
-def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """[B, 1, S, S] bool, True where query i may attend key j: j <= i and both in the same document.
-
-    A document starts wherever `position_ids` is 0 (the collator restarts them per packed row).
-    """
-    document = torch.cumsum(position_ids == 0, dim=-1)  # [B, S]: 1, 1, 1, 2, 2, ...
-    same = document[:, :, None] == document[:, None, :]  # [B, S, S]
-    causal = torch.ones(position_ids.shape[-1], position_ids.shape[-1], dtype=torch.bool, device=position_ids.device)
-    return (same & causal.tril())[:, None]
-
-
-def flash_varlen_kwargs(position_ids: torch.Tensor) -> dict:
-    """flash-attn's variable-length arguments for packed rows: one sequence per document of the flattened batch."""
-    flat = position_ids.reshape(-1)
-    starts = (flat == 0).nonzero().view(-1).to(torch.int32)
-    cu = torch.cat([starts, torch.tensor([flat.numel()], dtype=torch.int32, device=flat.device)])
-    longest = int(cu.diff().max())
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
-
-
-def attention_mask(
-    position_ids: torch.Tensor, packed: bool, window: int | None, chunk: int | None = None
-) -> torch.Tensor:
-    """[B or 1, 1, S, S] bool, True where query i may attend key j: j <= i, within the same packed row
-    (`packed`), i - j < `window` (a sliding window, as HF's sliding-window mask), and both in the same `chunk`
-    positions of their document (Llama 4's chunked attention; HF's chunked mask counts from the row's start, which
-    is the document's start unless rows are packed)."""
-    s = position_ids.shape[-1]
-    index = torch.arange(s, device=position_ids.device)
-    allowed = (index[None, :] <= index[:, None])[None, None]  # [1, 1, S, S]
-    if window is not None:
-        allowed = allowed & (index[:, None] - index[None, :] < window)[None, None]
-    if chunk is not None:
-        part = torch.div(position_ids, chunk, rounding_mode="floor")  # [B, S]
-        allowed = allowed & (part[:, :, None] == part[:, None, :])[:, None]
-    if packed:
-        allowed = allowed & document_mask(position_ids)
-    return allowed
-
-
 class DecoderPipe:
     """Mixin that makes a family's HF decoder block a pipeline layer (see `decoder_layer_class`).
 
@@ -219,6 +189,7 @@ class DecoderPipe:
             (ep or ExpertParallel()).split(self.moe_block(), config, options.routed_experts)
             self.top_k = config.num_experts_per_tok
             self.router_logits_at = family_of(config).moe.router_logits
+            self.router_choice = family_of(config).moe.router_choice
             router_of(self.moe_block(), config).register_forward_hook(self._keep_router_logits)
             expert_keys(self, config, ep)
         self.attn_implementation = config._attn_implementation or "sdpa"
@@ -237,12 +208,17 @@ class DecoderPipe:
             moe = family_of(config).moe
             context_parallel.tile_mlp(getattr(self, moe.block if moe else "mlp"), options.mlp_tiles)
 
+    def _apply(self, fn, recurse=True):  # buffers transformers keeps fp32 in any dtype stay so (`Family.keeps_fp32`)
+        keep = family_of(self.self_attn.config).keeps_fp32
+        return apply_keeping_fp32(self, keep, lambda: super(DecoderPipe, self)._apply(fn, recurse))
+
     def moe_block(self) -> nn.Module:
         """The sparse block (`mlp`; Llama 4's `feed_forward`) of a sparse layer."""
         return getattr(self, self.moe_block_name)
 
     def _keep_router_logits(self, _module, _inputs, outputs) -> None:
         self._router_logits = outputs[self.router_logits_at]  # [B * S, E]
+        self._router_choice = outputs[2] if self.router_choice else None  # [B * S, k]: its own choice (DeepSeek's)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, position_ids, *moe = inputs  # [B, S, H], [B, S]; with experts: lengths [B], stats [2E + 2]
@@ -267,7 +243,8 @@ class DecoderPipe:
         batch, seq = position_ids.shape
         mask = token_mask(lengths, seq).view(batch, seq)
         mask = context_parallel.shard(mask, self.cp.rank, self.cp.size).reshape(-1)  # this rank's positions
-        sums = context_parallel.sum_over_context(layer_sums(logits, self.top_k, mask), self.cp)
+        sums = layer_sums(logits, self.top_k, mask, self._router_choice)
+        sums = context_parallel.sum_over_context(sums, self.cp)
         return out, with_load(sums)
 
     def _block(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

@@ -56,12 +56,15 @@ def token_mask(lengths: torch.Tensor, seq: int) -> torch.Tensor:
     return (torch.arange(seq, device=lengths.device)[None, :] < lengths[:, None]).reshape(-1).float()
 
 
-def layer_sums(router_logits: torch.Tensor, top_k: int, mask: torch.Tensor) -> torch.Tensor:
+def layer_sums(
+    router_logits: torch.Tensor, top_k: int, mask: torch.Tensor, chosen: torch.Tensor | None = None
+) -> torch.Tensor:
     """One sparse layer's [P | F | N] from its router logits [N, E], as `load_balancing_loss_func` reduces them (its
-    softmax in the logits' dtype, its own top-k, the padding mask as a weight)."""
+    softmax in the logits' dtype, its own top-k, the padding mask as a weight). `chosen` [N, k]: the experts a
+    router that chooses its own (`MoeSpec.router_choice`) chose, counted in F instead of the softmax's top-k."""
     experts = router_logits.shape[-1]
     probs = F.softmax(router_logits, dim=-1)
-    _, selected = torch.topk(probs, top_k, dim=-1)
+    selected = torch.topk(probs, top_k, dim=-1)[1] if chosen is None else chosen
     counts = torch.zeros(experts, dtype=torch.float32, device=probs.device).scatter_add_(
         0, selected.reshape(-1), mask.repeat_interleave(top_k)
     )

@@ -55,6 +55,7 @@ from models.moe import is_moe
 from models.pipe_layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
 from models.sequence_parallel import gather_sequence, scatter_sequence
 from models.sharding import padded_vocab, tp_indivisible
+from models.tp_rules import attention_replicas
 from models.vocab_parallel_loss import vocab_parallel_token_cross_entropy
 
 
@@ -182,9 +183,11 @@ class TPDecoderPipe:
         super().__init__(local, layer_idx, options, ep)
         self.tp = tp
         width, o_proj = local.num_attention_heads * local.head_dim, self.self_attn.o_proj
-        if o_proj.in_features != width:  # declared hidden x hidden (Helium's; equal when whole): this rank's heads
+        if o_proj.in_features == config.hidden_size != width:  # declared hidden x hidden (Helium's): this rank's heads
             self.self_attn.o_proj = nn.Linear(width, o_proj.out_features, bias=o_proj.bias is not None)
         _row_parallel(self.self_attn.o_proj, tp)
+        for param in attention_replicas(self.self_attn, config):
+            sum_grad_over_tp(param, tp)
         moe = family_of(config).moe
         if self.sparse:
             split_sparse_block(self.moe_block(), tp, moe.router, moe.router_logits)
@@ -200,7 +203,7 @@ class TPDecoderPipe:
         if not family.tp_entry_norms:  # no norm before attention or the MLP: the split regions start at their inputs
             for region in (self.self_attn, getattr(self, moe.block if moe else "mlp")):
                 region.register_forward_pre_hook(self._enter_region, with_kwargs=True)
-        if family.qk_norm:
+        if family.has(family.qk_norm, config):
             for norm in (self.self_attn.q_norm, self.self_attn.k_norm):
                 if family.qk_norm_whole:  # this rank's rows of the weight; the statistics of every rank's heads
                     norm.forward = functools.partial(_whole_projection_norm, norm, tp)

@@ -23,6 +23,10 @@ TP_COLUMN_MODULES = (
     # A on them is replicated inside the split region, so its gradient is summed over TP (models/lora.py).
     "self_attn.qkv_proj",
     "mlp.gate_up_proj",
+    # Multi-head latent attention (DeepSeek's): the up-projections to each head's queries and keys/values. Its
+    # low-rank down-projections and their norms are replicated (`attention_replicas`).
+    "self_attn.q_b_proj",
+    "self_attn.kv_b_proj",
 )
 TP_ROW_MODULES = ("self_attn.o_proj", *(f"{block}.down_proj" for block in _MLP_BLOCKS))
 # Experts and shared experts split as dense MLPs do: gate and up by rows, down by columns (router: replicated).
@@ -31,13 +35,13 @@ _EXPERT_COLUMN = re.compile(
     _EXPERT_BLOCKS
     + r"\.(experts\.\d+\."
     + alternatives(["gate_proj", "up_proj", *(n for m in MOE_SPECS for n in m.expert_names[:2])])
-    + r"|shared_expert\.(gate|up)_proj)"
+    + r"|shared_experts?\.(gate|up)_proj)"
 )
 _EXPERT_ROW = re.compile(
     _EXPERT_BLOCKS
     + r"\.(experts\.\d+\."
     + alternatives(["down_proj", *(m.expert_names[2] for m in MOE_SPECS)])
-    + r"|shared_expert\.down_proj)"
+    + r"|shared_experts?\.down_proj)"
 )
 # transformers' fused in-memory expert parameters (the optimizer's view): gate_up [E, 2I, H] holds each rank's gate
 # rows then its up rows (GATE_UP), down [E, H, I] its columns (dim 2: EXPERT_ROW). Experts fused on the hub too
@@ -96,6 +100,19 @@ def tp_split(kind: str, key: str, config=None) -> str:
     if lora:
         return _LORA_SPLIT.get((rule, lora.group(2)), REPLICA)
     return REPLICA if rule == ROW and param == "bias" else rule
+
+
+def attention_replicas(attention, config) -> list:
+    """The parameters of a decoder layer's attention (`attention`, transformers' module) that every tensor-parallel
+    rank holds whole although only its heads use their output (MLA's low-rank `q_a_proj`, `kv_a_proj_with_mqa` and
+    their norms): each rank's gradient is partial, so it is summed over TP. Per-head q/k norms and the row layer's
+    bias have rules of their own (models/tensor_parallel.py)."""
+    own = ("o_proj.", *(f"{n.removeprefix('self_attn.')}." for n in QK_NORMS))
+    return [
+        p
+        for name, p in attention.named_parameters()
+        if not name.startswith(own) and tp_split(DECODER, f"self_attn.{name}", config) == REPLICA
+    ]
 
 
 def param_tp_split(name: str, num_layers: int, tie_word_embeddings: bool, config=None) -> str:

@@ -83,9 +83,14 @@ MODEL_VARIANTS = {
     "glm4": dict(model_type="glm4", num_key_value_heads=2),
     "olmo2": dict(model_type="olmo2", num_key_value_heads=2, attention_bias=True),
     "olmo3": dict(model_type="olmo3", num_key_value_heads=2),
+    # DeepSeek's router (sigmoid, score bias, 2 groups, top-2 scaled by 2.5), a dense first layer, shared experts:
+    # GLM-4.5 with q/k norms and q/k/v biases, DeepSeek-V3 with multi-head latent attention.
+    "glm4_moe": dict(model_type="glm4_moe", num_key_value_heads=2, use_qk_norm=True, attention_bias=True),
+    "deepseek_v3": dict(model_type="deepseek_v3"),
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
-NEW_FAMILY_VARIANTS += ["olmo3"]
+NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3"]
+MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "glm4_moe", "deepseek_v3")
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
 FAMILY_VARIANTS += NEW_FAMILY_VARIANTS
 

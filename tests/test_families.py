@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models.config import ConfigFields, differing_field, load_hf_config, read_config_fields
-from models.families import FAMILIES, is_sparse_layer
+from models.families import FAMILIES, family_of, is_sparse_layer
 from models.key_table import all_layer_keys
 from models.layers import DecoderOptions, build_layer, decoder_layer_class, split_stats, tied_lm_head_forward
 from models.pipe_layout import pipe_layers
@@ -53,7 +53,23 @@ FAMILY_CONFIGS = {
     "glm4": ("glm4", {}),
     "olmo2-biases": ("olmo2", dict(attention_bias=True)),
     "olmo3-local": ("olmo3", {}),
+    # DeepSeek's router (sigmoid scores plus `e_score_correction_bias` for the choice, 2 groups of which 1 is chosen,
+    # weights scaled by 2.5), a dense first layer, shared experts: GLM-4.5 with q/k norms, biases and partial RoPE;
+    # DeepSeek-V3's MLA with low-rank queries and interleaved RoPE, and with one q_proj and RoPE by halves.
+    "glm4_moe-qk-norm-biases": ("glm4_moe", dict(use_qk_norm=True, attention_bias=True)),
+    "deepseek_v3-mla": ("deepseek_v3", dict(num_key_value_heads=4)),
+    "deepseek_v3-mla-q-proj": ("deepseek_v3", dict(num_key_value_heads=4, q_lora_rank=None, rope_interleave=False)),
 }
+
+
+@torch.no_grad()
+def perturb(model) -> None:
+    """Norms, biases and routers' score biases moved off their init (ones, zeros), so a key the pipeline dropped
+    or read into the wrong place would show in the logits."""
+    generator = torch.Generator().manual_seed(1)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and ("norm" in name or name.endswith(("bias", "e_score_correction_bias"))):
+            tensor.add_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * 0.2)
 
 
 def pipeline_logits(config, state: dict, ids: torch.Tensor, device="cpu", dtype=None) -> torch.Tensor:
@@ -79,10 +95,11 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model_type, overrides = FAMILY_CONFIGS[name]
-    config = tiny_config(model_type, num_hidden_layers=3, num_key_value_heads=2, **overrides)
+    config = tiny_config(model_type, num_hidden_layers=3, **{"num_key_value_heads": 2} | overrides)
     config._attn_implementation = attn
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config).eval()
+    perturb(hf)
     hf.save_pretrained(tmp_path)  # the hub's keys: one per expert where transformers fuses them in memory
     state = hf_state(str(tmp_path))
     # The table's keys are exactly the checkpoint's (the tied head's weight lives in the embedding's file).
@@ -107,6 +124,10 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
         )
         full._attn_implementation = attn
         assert not torch.equal(pipeline_logits(full, state, ids), reference)
+    if "rope_interleave" not in overrides and family_of(config).keeps_fp32("e_score_correction_bias"):
+        # The routers' score biases change the choice of experts at this size: dropping them would show.
+        unbiased = {k: torch.zeros_like(v) if k.endswith("e_score_correction_bias") else v for k, v in state.items()}
+        assert not torch.equal(pipeline_logits(config, unbiased, ids), reference)
     if "chunked" in name:  # the chunk and the temperature matter at this length: ignoring either would show
         for ignored in (dict(attention_chunk_size=64), dict(attn_temperature_tuning=False)):
             other = tiny_config(model_type, num_hidden_layers=3, num_key_value_heads=2, **overrides | ignored)
@@ -115,11 +136,12 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
 
 
 def test_other_model_types_are_refused(tmp_path):
-    for model_type in ("deepseek_v3", "gpt_oss"):  # experts behind attention we do not build (MLA, sinks)
+    for model_type in ("qwen3_next", "gpt_oss"):  # what we do not build (linear attention, attention sinks)
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         supported = (
-            "supported: ernie4_5, gemma3, gemma3_text, glm4, helium, llama, llama4, llama4_text, ministral3, mistral, "
-            "mixtral, olmo2, olmo3, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3"
+            "supported: deepseek_v3, ernie4_5, gemma3, gemma3_text, glm4, glm4_moe, helium, llama, llama4, "
+            "llama4_text, ministral3, mistral, mixtral, olmo2, olmo3, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, "
+            "seed_oss, smollm3"
         )
         with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported \\({supported}\\)"):
             load_hf_config(str(tmp_path))
@@ -227,5 +249,7 @@ def test_tp_rules_agree_with_transformers_tp_plan(model_type):
             "qwen2_moe": {f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")},
             "olmo2": {"self_attn.q_norm.weight", "self_attn.k_norm.weight"},
             "olmo3": {"self_attn.q_norm.weight", "self_attn.k_norm.weight"},
+            # transformers' plan leaves DeepSeek's attention whole; we split MLA by heads.
+            "deepseek_v3": {f"self_attn.{p}.weight" for p in ("q_b_proj", "kv_b_proj", "o_proj")},
         }.get(model_type, set())
         assert {n for n in split - set(plan) if tp_split(DECODER, n, config) != "replica"} == beyond

@@ -11,7 +11,7 @@ import torch
 from checkpoint.layer_files import find_layer_file, load_layer_state
 from models.config import LoraSettings
 from tests.baseline import train_baseline
-from tests.conftest import FAMILY_VARIANTS, check, launch, read_jsonl, run_cmd
+from tests.conftest import FAMILY_VARIANTS, MOE_VARIANTS, check, launch, read_jsonl, run_cmd
 from tests.test_training import interrupted_copy, overrides, parity_cfg
 
 LORA = LoraSettings(enabled=True, r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
@@ -167,8 +167,9 @@ def test_merge_peft_adapter_directory_into_checkpoint_or_hf(variant, hf_models, 
     """A PEFT adapter directory merged into a pipeline checkpoint or an HF directory gives PEFT's logits (with experts:
     adapters on attention; PEFT puts `down_proj` on the fused experts' parameters, which merging refuses)."""
     adapter_dir = tmp_path / "adapter"
-    moe = variant in ("mixtral", "qwen2_moe", "qwen3_moe", "llama4")
-    model = peft_model(hf_models[variant], targets=["q_proj", "v_proj"] if moe else None)
+    moe = variant in MOE_VARIANTS
+    attention = ["q_b_proj", "kv_b_proj", "o_proj"] if variant == "deepseek_v3" else ["q_proj", "v_proj"]  # MLA's
+    model = peft_model(hf_models[variant], targets=attention if moe else None)
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from data.collator import CausalLMCollator
-from models.layers import DecoderOptions, decoder_layer_class, document_mask, flash_varlen_kwargs
+from models.attention_masks import document_mask, flash_varlen_kwargs
+from models.layers import DecoderOptions, decoder_layer_class
 from models.loss import IGNORE_INDEX, CausalLMLoss, chunked_cross_entropy, summed_cross_entropy
 from tools.tiny_models import tiny_config
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import MODEL_VARIANTS, check, torchrun
+from tests.conftest import MODEL_VARIANTS, MOE_VARIANTS, check, torchrun
 from tests.workers.forward_parity import CP_LAYOUTS, EP_CP_LAYOUTS, EP_LAYOUTS, LAYOUTS, SEQ, TP_NOT_BUILT
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
@@ -38,8 +38,10 @@ CASES = [
     ("glm4", "sdpa"),
     ("olmo2", "sdpa"),
     ("olmo3", "eager-packed"),
+    ("glm4_moe", "sdpa"),
+    ("deepseek_v3", "eager"),
 ]
-MOE = {f"{m}-{attn}" for m, attn in CASES if m in ("mixtral", "qwen2_moe", "qwen3_moe", "llama4")}
+MOE = {f"{m}-{attn}" for m, attn in CASES if m in MOE_VARIANTS}
 NO_TP = {f"{m}-{attn}" for m, attn in CASES if MODEL_VARIANTS[m].get("model_type") in TP_NOT_BUILT}
 
 

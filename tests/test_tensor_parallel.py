@@ -107,9 +107,13 @@ BLOCK_EXTRA = {
     "smollm3": dict(mlp_bias=True, no_rope_layer_interval=1),  # block 0 a NoPE layer
     "seed_oss": dict(attention_out_bias=True, mlp_bias=True),
     "ernie4_5": dict(use_bias=True),
+    # Block 0 sparse (DeepSeek's router, shared experts); GLM-4.5's q/k norms; MLA's q_a/kv_a and o biases, its
+    # low-rank projections and norms replicated (their gradients summed over TP).
+    "glm4_moe": dict(first_k_dense_replace=0, use_qk_norm=True),
+    "deepseek_v3": dict(first_k_dense_replace=0, head_dim=8, num_key_value_heads=4),  # MLA: RoPE dims, all heads
 }
 MLP_BIAS = {"llama", "helium", "smollm3", "seed_oss", "ernie4_5"}
-QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3"}
+QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "glm4_moe"}
 
 
 def _block_config(model_type: str):
@@ -180,7 +184,10 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
     "model_type",
     ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
     # The families of a registry module each: slow tier (2 ranks, ~9 s each; the fast tier keeps the first six).
-    + [pytest.param(t, marks=pytest.mark.slow) for t in ("helium", "gemma3_text", "phi3", "glm4", "olmo2")],
+    + [
+        pytest.param(t, marks=pytest.mark.slow)
+        for t in ("helium", "gemma3_text", "phi3", "glm4", "olmo2", "glm4_moe", "deepseek_v3")
+    ],
 )
 def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tmp_path):
     """TP=2 shards of a LLaMA block (o_proj and down_proj biases, added once after the row-parallel sum), a Qwen2

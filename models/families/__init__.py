@@ -24,6 +24,7 @@ Model code only: no DeepSpeed, no distributed code.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
@@ -39,9 +40,15 @@ class MoeSpec:
     hub_block: the sparse block's name in hub checkpoints (transformers keeps it as `block` in memory).
     expert_names: each expert's gate, up and down projection on the hub (`{hub_block}.experts.N.<name>.weight`).
     num_experts / expert_size: the config fields with the number of experts and each expert's MLP width.
-    every_layer: every decoder layer is sparse (else `moe_layers`, or `decoder_sparse_step` and `mlp_only_layers`).
-    shared_expert: a dense expert every token goes through (`{block}.shared_expert`), sigmoid-gated
-        (`{block}.shared_expert_gate`) when `shared_gate`.
+    every_layer: every decoder layer is sparse (else `first_dense`, `moe_layers`, or `decoder_sparse_step` and
+        `mlp_only_layers`).
+    first_dense: the config field with the number of dense layers before the sparse ones (DeepSeek's
+        `first_k_dense_replace`), "" where there are none.
+    shared_expert: a dense expert every token goes through (`{block}.shared_expert`, DeepSeek's `shared_experts`),
+        sigmoid-gated (`{block}.shared_expert_gate`) when `shared_gate`.
+    router_choice: the router returns its own choice of experts (DeepSeek's sigmoid router: [logits, weights,
+        indices], group-limited top-k on scores plus `e_score_correction_bias`): the router statistics count the
+        experts it chose, not a softmax top-k of its logits.
     always_renormalise: top-k weights always divided by their sum (else only with `config.norm_topk_prob`).
     block / router: the in-memory names of the sparse block in a decoder layer and of its router in the block.
     router_logits: where the router's outputs hold the logits (transformers' tuples differ by family).
@@ -59,6 +66,8 @@ class MoeSpec:
     num_experts: str
     expert_size: str
     every_layer: bool
+    first_dense: str = ""
+    router_choice: bool = False
     shared_expert: bool = False
     shared_gate: bool = True
     always_renormalise: bool = False
@@ -81,7 +90,7 @@ class Family:
     qkv_bias: bool | str = False
     o_bias: bool | str = False
     mlp_bias: bool | str = False
-    qk_norm: bool = False  # RMSNorm over head_dim on q and k (self_attn.q_norm / k_norm)
+    qk_norm: bool | str = False  # RMSNorm over head_dim on q and k (self_attn.q_norm / k_norm); or its config field
     # The q/k norms normalise the whole projection (all heads at once; OLMo's): under TP their weights split with the
     # heads and their statistics are summed over the ranks.
     qk_norm_whole: bool = False
@@ -126,9 +135,21 @@ class Family:
     def config_class(self) -> str:
         return self.config_name or self.prefix + "Config"
 
+    def keeps_fp32(self, key: str) -> bool:
+        """Whether `key` stays fp32 in a model of any dtype, as transformers keeps it
+        (`_keep_in_fp32_modules_strict` of the family's PreTrainedModel: DeepSeek's `e_score_correction_bias`)."""
+        return any(name in key.split(".") for name in _fp32_names(self.module()))
+
     def initial_norm_weight(self) -> float:
         """What the family's RMSNorm initialises its weight to (1; Gemma's (1 + w) norms: 0)."""
         return float(self.hf_class("RMSNorm")(1).weight.detach()[0])
+
+
+@functools.cache
+def _fp32_names(module) -> frozenset[str]:
+    """`_keep_in_fp32_modules_strict` of every PreTrainedModel class of a transformers modeling module."""
+    classes = [getattr(module, name) for name in dir(module) if name.endswith("PreTrainedModel")]
+    return frozenset(n for cls in classes for n in getattr(cls, "_keep_in_fp32_modules_strict", None) or ())
 
 
 @dataclass(frozen=True)
@@ -210,6 +231,8 @@ def is_sparse_layer(config, block: int) -> bool:
         return False
     if moe.every_layer:
         return True
+    if moe.first_dense:
+        return block >= getattr(config, moe.first_dense)
     if moe.moe_layers:
         return block in config.moe_layers
     return (
