@@ -306,9 +306,10 @@ def validate_experts(cfg: TrainConfig, model_config) -> None:
         f"moe.aux_loss_coef={cfg.moe.aux_loss_coef}: transformers trains {name} with no load-balancing loss (its "
         "sigmoid router has none to reproduce); leave it 0",
     )
-    tuning = getattr(model_config, "attn_temperature_tuning", False)
+    if not getattr(model_config, "attn_temperature_tuning", False):  # Llama 4's NoPE layers
+        return
     _need(
-        not (tuning and cfg.data.documents_share_rows and cfg.seq_length > model_config.floor_scale),
+        not (cfg.data.documents_share_rows and cfg.seq_length > model_config.floor_scale),
         f"data.packing/concatenate with seq_length={cfg.seq_length} > floor_scale={model_config.floor_scale}: "
         f"{name}'s attention temperature counts positions from the row's start, not each document's (transformers "
         "ignores position_ids there); use rows of at most floor_scale tokens or unpacked rows",
