@@ -28,7 +28,7 @@ from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import iter_tensors, read_model_config, stored_dtype
 from checkpoint.layer_files import find_layer_file, unchecked_zip_records
 from checkpoint.manifest import BackgroundDescriber, copy_verified, read_manifest
-from checkpoint.names import PIECE_FILE, layer_file_name
+from checkpoint.names import CARRIED_FILE, PIECE_FILE, layer_file_name
 from checkpoint.outputs import PIPELINE, check_output
 from checkpoint.source_checks import SourceCheck, check_keys
 from checkpoint.staging import staged_directory
@@ -280,6 +280,7 @@ def combine_pieces(pieces: list[str], out_dir: str, force: bool = False, log=pri
                 raise CheckpointError(f"{os.path.join(piece, TAG)}: layer {index} missing from its piece or manifest")
             copy_verified(src, step_dir, entry)  # pieces travel between machines: check them as they are copied
             known[os.path.basename(src)] = entry
-        finish_converted(tmp, pieces[0], dtypes.pop(), known=known)
+        carrier = next((p for p in pieces if os.path.exists(os.path.join(p, CARRIED_FILE))), pieces[0])
+        finish_converted(tmp, pieces[0], dtypes.pop(), known=known, carried_from=carrier)
     log(f"combined {len(pieces)} pieces -> {out_dir}: {len(owner)} layer files")
     return out_dir

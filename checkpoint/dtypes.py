@@ -19,6 +19,8 @@ SAFETENSORS_CODES = {
     torch.int8: "I8",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",  # FP8 hub weights (DeepSeek-V3's), dequantized at conversion
+    torch.float8_e5m2: "F8_E5M2",
 }
 SAFETENSORS_DTYPES = {code: dtype for dtype, code in SAFETENSORS_CODES.items()}
 

@@ -14,6 +14,7 @@ renames it into place at the end, and refuses to replace existing output without
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import time
 
 import torch
 
+from checkpoint.carried import carried_plan, iter_carried
 from checkpoint.dtypes import DTYPES, element_size
 from checkpoint.errors import CheckpointError
 from checkpoint.lora_merge import adapters_from_checkpoint, adapters_from_peft
@@ -89,6 +91,7 @@ def export_pipeline_to_hf(
         (key, shape, DTYPES[dtype] if dtype and stored.is_floating_point else stored)
         for key, shape, stored in weights.plan_hf_tensors()
     ]
+    plan += carried_plan(ckpt_dir)  # as the hub stored them, whatever --dtype says (checkpoint/carried.py)
     shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
     shard_bytes = 0
     for entry in plan:
@@ -107,7 +110,7 @@ def export_pipeline_to_hf(
     base = weights.ckpt_dir if merge_lora is True else None
     sources = [p for p in (recorded_input or ckpt_dir, base, adapter_dir) if p]
     with staged_directory(out_dir, force, HF_EXPORT, command, sorted(set(sources))) as tmp:
-        tensors = weights.iter_hf_tensors(adapters)
+        tensors = itertools.chain(weights.iter_hf_tensors(adapters), iter_carried(ckpt_dir))
         for name, shard in zip(names, shards):
             with StreamingSafetensorsWriter(os.path.join(tmp, name), shard, metadata={"format": "pt"}) as writer:
                 for _, _, want in shard:

@@ -22,6 +22,7 @@ CONVERSION_RECORD = "conversion.json"
 CONVERTED_DIR = "hf_converted"  # conversion at load time: output_dir/hf_converted
 REFERENCE_CONVERTED_DIR = "hf_converted_reference"  # the same, of an HF dpo.reference_model
 CONVERTED_TAG = "global_step0"  # the one tag of a converted checkpoint
+CARRIED_FILE = "hub_extra.safetensors"  # hub tensors carried untrained (checkpoint/carried.py)
 WRITER_FILE = ".convert2ckpt.json"  # which convert2ckpt command wrote a directory (checkpoint/outputs.py)
 
 # Files that make a directory loadable with AutoModelForCausalLM / AutoTokenizer (weights aside).

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from checkpoint.carried import carry
 from checkpoint.dtypes import DTYPES, dtype_name
 from checkpoint.errors import CheckpointError
 from checkpoint.layer_files import layer_path, save_layer_state
@@ -106,16 +107,23 @@ def engine_metadata(dtype: str) -> dict:
 
 
 def finish_converted(
-    root: str, side_files_from: str, dtype: str, cast: str | None = None, known: dict[str, dict] | None = None
+    root: str,
+    side_files_from: str,
+    dtype: str,
+    cast: str | None = None,
+    known: dict[str, dict] | None = None,
+    carried_from: str | None = None,
 ) -> None:
     """Make `root` (whose `global_step0/` holds every layer file) a complete converted checkpoint:
-    engine metadata, `latest`, config and tokenizer files, manifest (files in `known` are not hashed
-    again). Used by conversion, `--combine`, resharding and conversion at load time."""
+    engine metadata, `latest`, config and tokenizer files, the hub tensors it carries (from `carried_from`, default
+    `side_files_from`: checkpoint/carried.py), manifest (files in `known` are not hashed again). Used by
+    conversion, `--combine`, resharding and conversion at load time."""
     step_dir = os.path.join(root, TAG)
     torch.save(engine_metadata(dtype), os.path.join(step_dir, engine_file(0)))
     with open(os.path.join(root, LATEST), "w") as f:
         f.write(TAG)
     copy_side_files(side_files_from, root, cast)
+    carry(carried_from or side_files_from, root)
     write_manifest(step_dir, build_manifest(step_dir, known=known))
 
 
@@ -136,6 +144,8 @@ def finish_piece(
     with open(os.path.join(root, PIECE_FILE), "w") as f:
         json.dump(info, f)
     copy_side_files(source, root, cast)
+    if 0 in layers:  # the piece with the embedding carries the hub's untrained tensors (`--combine` finds it)
+        carry(source, root)
     step_dir = os.path.join(root, TAG)
     write_manifest(step_dir, build_manifest(step_dir, known=known))
 

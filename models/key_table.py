@@ -136,6 +136,19 @@ def layer_keys(layer: PipeLayer, config) -> dict[str, str]:
     return dict(KEY_TABLE[layer.kind])
 
 
+# The config field counting the multi-token-prediction layers a hub checkpoint keeps after the last decoder layer
+# (`model.layers.{L}..{L + n - 1}.*`: DeepSeek-V3's, GLM-4.5's), which transformers' models do not run.
+MTP_LAYERS_FIELD = "num_nextn_predict_layers"
+
+
+def is_carried(hf_key: str, config) -> bool:
+    """Whether `hf_key` is a hub tensor the model carries without training it (a multi-token-prediction layer):
+    conversion keeps it aside as it is and export writes it back (checkpoint/carried.py)."""
+    block = re.match(r"model\.layers\.(\d+)\.", hf_key)
+    extra = getattr(config, MTP_LAYERS_FIELD, 0) or 0
+    return bool(block) and config.num_hidden_layers <= int(block.group(1)) < config.num_hidden_layers + extra
+
+
 def hub_index(config) -> dict[str, tuple[int, str]]:
     """{HF key: (pipeline layer index, our key)} of every tensor of the model (`all_layer_keys` inverted)."""
     return {hf: (index, ours) for index, keys in all_layer_keys(config).items() for ours, hf in keys.items()}

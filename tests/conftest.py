@@ -90,6 +90,7 @@ MODEL_VARIANTS = {
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
 NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3"]
+CARRYING_VARIANTS = ("deepseek_v3",)  # with a multi-token-prediction layer (`add_mtp_layer`)
 MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "glm4_moe", "deepseek_v3")
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
 FAMILY_VARIANTS += NEW_FAMILY_VARIANTS
@@ -107,6 +108,45 @@ def hf_state(hf_dir: str) -> dict[str, torch.Tensor]:
         if name.endswith(".safetensors"):
             state.update(load_file(os.path.join(hf_dir, name)))
     return state
+
+
+def add_mtp_layer(hf_dir: str) -> list[str]:
+    """Give an HF directory a multi-token-prediction layer after its last decoder layer, as DeepSeek-V3's and
+    GLM-4.5's hub checkpoints keep one (transformers builds none and skips it at load): the last decoder layer's
+    tensors again, its own norms, projection and head, one tensor FP8 with its scale, in a shard of its own listed
+    in the index; config.json counts it (`num_nextn_predict_layers`). Returns its keys."""
+    from safetensors.torch import save_file
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    last = config["num_hidden_layers"] - 1
+    mtp = f"model.layers.{last + 1}."
+    state = hf_state(hf_dir)
+    extra = {mtp + k.removeprefix(f"model.layers.{last}."): v.clone() for k, v in state.items() if f".{last}." in k}
+    hidden = config["hidden_size"]
+    generator = torch.Generator().manual_seed(3)
+    extra |= {
+        mtp + "enorm.weight": torch.rand(hidden, generator=generator),
+        mtp + "hnorm.weight": torch.rand(hidden, generator=generator),
+        mtp + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=generator).to(torch.float8_e4m3fn),
+        mtp + "eh_proj.weight_scale_inv": torch.rand(1, 2, generator=generator),
+        mtp + "shared_head.norm.weight": torch.rand(hidden, generator=generator),
+    }
+    save_file(extra, os.path.join(hf_dir, "model-mtp.safetensors"), metadata={"format": "pt"})
+    index_path = os.path.join(hf_dir, "model.safetensors.index.json")
+    if not os.path.exists(index_path):  # one shard: index it, as a sharded checkpoint is
+        weight_map = {k: "model.safetensors" for k in state}
+        with open(index_path, "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with open(index_path) as f:
+        index = json.load(f)
+    index["weight_map"] |= {k: "model-mtp.safetensors" for k in extra}
+    with open(index_path, "w") as f:
+        json.dump(index, f, indent=2)
+    config["num_nextn_predict_layers"] = 1
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return sorted(extra)
 
 
 def one_error_line(proc: subprocess.CompletedProcess, fragment: str, prefix: str = "") -> str:
@@ -332,6 +372,8 @@ def hf_models(workdir, tokenizer_dir) -> dict[str, str]:
     def build():
         for i, (name, overrides) in enumerate(MODEL_VARIANTS.items()):
             make_hf_model(out[name], tiny_config(**overrides), seed=i, tokenizer_dir=tokenizer_dir)
+            if name in CARRYING_VARIANTS:
+                add_mtp_layer(out[name])
 
     built_once(workdir / "hf_models", build)
     return out

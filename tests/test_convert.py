@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoint.convert import convert_hf_to_pipeline
-from checkpoint.names import layer_file_name
+from checkpoint.names import CARRIED_FILE, layer_file_name
 from checkpoint.pipeline_reader import load_hf_state_dict
-from models.key_table import layer_keys
+from models.key_table import is_carried, layer_keys
 from models.pipe_layout import pipe_layers
-from tests.conftest import FAMILY_VARIANTS, hf_state, one_error_line, run_cmd
+from tests.conftest import CARRYING_VARIANTS, FAMILY_VARIANTS, hf_state, one_error_line, run_cmd
 from tools.tiny_models import make_hf_model, tiny_config
 
 
@@ -45,7 +45,14 @@ def test_every_tensor_lands_once_in_its_file(variant, hf_models, converted):
             assert torch.equal(state[ours], reference[hf]) and state[ours].dtype == reference[hf].dtype, hf
             landed[hf] = landed.get(hf, 0) + 1
     tied = config.tie_word_embeddings
-    assert landed == {k: 1 for k in reference if not (tied and k == "lm_head.weight")}
+    carried = {k: v for k, v in reference.items() if is_carried(k, config)}  # a multi-token-prediction layer
+    assert landed == {k: 1 for k in reference if not (tied and k == "lm_head.weight") and k not in carried}
+    assert bool(carried) == (variant in CARRYING_VARIANTS)
+    if carried:  # kept aside as the hub stored it, FP8 tensors and their scales too
+        kept = load_file(os.path.join(ckpt, CARRIED_FILE))
+        assert set(kept) == set(carried)
+        for key, value in carried.items():
+            assert kept[key].dtype == value.dtype and torch.equal(kept[key].view(torch.uint8), value.view(torch.uint8))
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert os.path.exists(os.path.join(ckpt, name)), name
 

@@ -14,6 +14,7 @@ import torch
 
 from checkpoint.pipeline_reader import load_hf_state_dict
 from checkpoint.safe_load import load_pt
+from models.key_table import is_carried
 from tests.baseline import baseline_eval, hub_state_dict, train_baseline
 from tests.conftest import built_once, check, deepspeed_launch, hf_state, launch, read_jsonl, run_cmd, shared_path
 from training.config import OptimConfig, TrainConfig
@@ -120,9 +121,8 @@ LAYOUTS = {
     "glm4-pp2-tp2": ("glm4", "false", 2, 2, "", 0),
     "olmo3-pp2-dp2": ("olmo3", "false", 2, 1, "", 0),
     "olmo2-pp2-tp2": ("olmo2", "false", 2, 2, "", 0),
-    # DeepSeek's router (sigmoid, score bias, groups, scaled weights) with dense first layers and shared experts:
-    # DeepSeek-V3's multi-head latent attention split by heads over TP=2 (its low-rank projections replicated) and
-    # its experts split over EP=2 across two stages; GLM-4.5's over TP=2 x EP=2 with sequence parallelism.
+    # DeepSeek's router, dense first layers, shared experts: DeepSeek-V3's MLA split by heads over TP=2, its experts
+    # over EP=2 across two stages; GLM-4.5's over TP=2 x EP=2 with sequence parallelism.
     "deepseek_v3-pp2-tp2": ("deepseek_v3", "false", 2, 2, "", 0),
     "deepseek_v3-pp2-dp2-ep2": ("deepseek_v3", "false", 2, 1, "", 0),
     "glm4_moe-tp2-dp2-ep2": ("glm4_moe", "false", 1, 2, "", 0),
@@ -224,11 +224,12 @@ def test_training_matches_single_process_reference(layout, hf_models, converted,
     export = tmp_path / "hf_export"
     check(run_cmd([sys.executable, "convert2ckpt.py", "--to-hf", "--input", out, "--output", str(export)]))
     AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32)  # transformers loads it
+    config = AutoConfig.from_pretrained(out)
     exported = hf_state(str(export))  # the hub's keys (one per expert), the tied head once
+    ours |= {k: v for k, v in hf_state(hf_models[variant]).items() if is_carried(k, config)}  # untrained, as it was
     assert set(exported) | {"lm_head.weight"} == set(ours) and (export / "generation_config.json").exists()
     for key in exported:
-        assert torch.equal(exported[key], ours[key]), key
-    config = AutoConfig.from_pretrained(out)
+        assert torch.equal(exported[key].view(torch.uint8), ours[key].view(torch.uint8)), key
     moved = max(float((ours[k] - v).abs().max()) for k, v in load_hf_state_dict(converted[variant], config).items())
     assert moved > 1e-3, "weights should have changed"
     cp = " x CP=2" if "-cp2" in layout else ""
@@ -286,14 +287,11 @@ def assert_matches_reference(out: str, cfg: TrainConfig, hf_dir: str, sft_data, 
     # NOTE: Adam turns a gradient into a step of about lr whatever its size, so the fp32 summation-order
     # differences of near-zero gradients (DP all-reduce, micro-batch accumulation) can move single
     # elements by a small fraction of lr. The bound is 1% of one step's lr; typical elements agree to 1e-7.
-    atol = 0.01 * cfg.learning_rate
+    # One element measured above 1% of lr: Qwen3 (q/k norms, TP) 1.02% of 8192, Phi-3 (fused q/k/v, gate/up, TP)
+    # 2.08% of 4096, GLM-4.5 (TP x EP) 1.58% of an expert's 4096; losses and grad norms within the bounds above.
+    # TP gradients are held to the whole block's in tests/test_tensor_parallel.py.
     wider = {"qwen3-pp2-tp2": 0.02, "phi3-pp2-tp2": 0.03, "glm4_moe-tp2-dp2-ep2": 0.02}
-    if layout in wider:
-        # One element measured above 1% of lr: Qwen3 (q/k norms under TP) 1.02% of 8192, Phi-3 (fused q/k/v and
-        # gate/up under TP) 2.08% of o_proj's 4096, GLM-4.5 (TP x EP) 1.58% of an expert's gate_proj's 4096, their
-        # losses and grad norms within the bounds above. The TP gradients themselves are checked against the whole
-        # block in tests/test_tensor_parallel.py.
-        atol = wider[layout] * cfg.learning_rate
+    atol = wider.get(layout, 0.01) * cfg.learning_rate
     worst = 0.0
     for key, value in ref.items():
         torch.testing.assert_close(ours[key], value, rtol=1e-5, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
