@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 
+from checkpoint.dequantize import is_scale
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import read_model_config, validate
 from models.config import ConfigFields, differing_field
@@ -47,7 +48,7 @@ def check_keys(hf_dir: str, config) -> dict[int, dict[str, str]]:
     expected = all_layer_keys(config)
     index = hub_index(config)
     for name, shard_file in where.items():
-        if is_carried(name, config):  # kept aside as it is (checkpoint/carried.py)
+        if is_carried(name, config) or is_scale(name, config):  # kept aside (carried.py); scales (dequantize.py)
             continue
         try:
             hf_key_to_layer(name, config, index)

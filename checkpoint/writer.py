@@ -77,11 +77,13 @@ def text_model_config(config_path: str) -> None:
 
 
 def record_dtype(config_path: str, dtype: str) -> None:
-    """Write a cast dtype into config.json (`dtype`, the transformers 5 key; the old `torch_dtype` dropped)."""
+    """Write a cast dtype into config.json (`dtype`, the transformers 5 key; the old `torch_dtype` dropped). The
+    files hold plain tensors of that dtype: an FP8 source's `quantization_config` goes (checkpoint/dequantize.py)."""
     with open(config_path) as f:
         conf = json.load(f)
     conf["dtype"] = dtype_name(DTYPES[dtype])
     conf.pop("torch_dtype", None)
+    conf.pop("quantization_config", None)
     with open(config_path, "w") as f:
         json.dump(conf, f, indent=2)
 

@@ -18,6 +18,7 @@ import os
 import shutil
 
 from checkpoint.convert import convert_layers
+from checkpoint.dequantize import fp8_blocks
 from checkpoint.dtypes import dtype_name
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import list_shards, read_model_config, stored_dtype
@@ -63,16 +64,17 @@ def convert_on_load(
             os.makedirs(os.path.join(tmp, TAG))
     config = read_model_config(hf_dir)  # rank 0 has validated everything already
     expected = all_layer_keys(config)
+    cast = "bf16" if fp8_blocks(config) else None  # FP8 weights dequantized to bf16 (checkpoint/dequantize.py)
     mine = [i for i in rank_layers(bounds, coords.num_stages)[coords.stage] if i in expected]  # DualPipeV: two stages
     with agreed():
         if coords.data_index == 0 and coords.tp_rank == 0 and mine:  # one writer per file (TP ranks slice at load)
             try:
-                convert_layers(hf_dir, os.path.join(tmp, TAG), mine, None, config=config)
+                convert_layers(hf_dir, os.path.join(tmp, TAG), mine, cast, config=config)
             except (OSError, CheckpointError) as e:
                 raise CheckpointError(f"stage {coords.stage}: {e}") from None
     with agreed():
         if coords.rank == 0:
-            finish_converted(tmp, hf_dir, dtype_name(stored_dtype(hf_dir)))
+            finish_converted(tmp, hf_dir, cast or dtype_name(stored_dtype(hf_dir)), cast)
             with open(os.path.join(tmp, CONVERSION_RECORD), "w") as f:
                 json.dump(record, f, indent=2)
             publish_dir(tmp, final)  # replaces a conversion of an older source
