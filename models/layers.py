@@ -48,6 +48,7 @@ from models.families import FAMILIES, attention_chunk, family_of, hf_classes, is
 from models.moe import (
     DEFAULT_EXPERTS_IMPLEMENTATION,
     add_stats,
+    count_chosen,
     empty_stats,
     expert_keys,
     is_moe,
@@ -232,6 +233,8 @@ class DecoderPipe:
         if not self.sparse:
             return out, position_ids, *moe
         hidden, stats = out
+        if self.router_choice and torch.is_grad_enabled():  # the step's expert loads (models/moe.py `balance`)
+            self.expert_counts = count_chosen(stats, getattr(self, "expert_counts", None))
         return hidden, position_ids, moe[0], add_stats(moe[1], stats)
 
     def _sparse_block(self, hidden: torch.Tensor, position_ids: torch.Tensor, lengths: torch.Tensor):

@@ -91,6 +91,24 @@ def add_stats(total: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
     return torch.cat([summed, torch.maximum(total[-1:], layer[-1:]).detach()])
 
 
+def count_chosen(stats: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+    """A sparse layer's running count of the tokens its router sent to each expert this step, plus one micro-batch's
+    (F of its statistics, over real tokens; under context parallelism the CP group's: the whole rows')."""
+    experts = (stats.shape[0] - 2) // 2
+    chosen = stats[experts : 2 * experts].detach().double()
+    return chosen if counts is None else counts + chosen
+
+
+@torch.no_grad()
+def balance(router: nn.Module, counts: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, once per optimizer step: each expert's score bias
+    (`e_score_correction_bias`, which only steers the choice of experts, not their weights) rises by `rate` when
+    the expert received fewer tokens than the mean over experts this step, falls by `rate` when more, and stays when
+    equal. `counts` [E]: the step's tokens per expert over the whole global batch (every data-parallel rank)."""
+    step = torch.sign(counts.mean() - counts) * rate
+    router.e_score_correction_bias += step.to(router.e_score_correction_bias.dtype)
+
+
 def aux_loss(stats: torch.Tensor) -> torch.Tensor:
     """transformers' load-balancing loss from the statistics of every sparse layer (0 when there are none)."""
     experts = (stats.shape[0] - 2) // 2

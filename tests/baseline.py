@@ -64,6 +64,7 @@ def train_baseline(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, s
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     losses, norms, step_tokens = [], [], []
     experts = getattr(model.config, "num_experts_per_tok", None) is not None
+    loads = _expert_loads(model) if cfg.moe.bias_update_rate else None
     for step in range(steps):
         ids, mask, labels = global_batch(dataset, plan, step, cfg.seed, cfg.seq_length, pad_id)
         step_tokens.append(int(mask.sum()))
@@ -78,8 +79,32 @@ def train_baseline(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, s
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
+        if loads is not None:  # DeepSeek-V3's balancing, written out: +rate below the mean load, -rate above
+            with torch.no_grad():
+                for router, counts in loads.items():
+                    step = torch.sign(counts.mean() - counts) * cfg.moe.bias_update_rate
+                    router.e_score_correction_bias += step.to(router.e_score_correction_bias.dtype)
+                    counts.zero_()
     model.step_tokens = step_tokens
     return model, losses, norms
+
+
+def _expert_loads(model) -> dict:
+    """{router: [E] tokens it sent to each expert since the last reset}, counted by forward hooks on every router
+    with a score bias, over the real tokens of the forward (`model.real_tokens`, the attention mask, set by the
+    caller)."""
+    loads = {}
+    for router in [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]:
+        loads[router] = torch.zeros(router.e_score_correction_bias.shape[0], dtype=torch.float64)
+
+        def count(module, _inputs, outputs):
+            if not torch.is_grad_enabled():  # an evaluation's forward
+                return
+            chosen = outputs[2][model.real_tokens.reshape(-1).bool()]  # [tokens, k]
+            loads[module] += torch.bincount(chosen.reshape(-1), minlength=len(loads[module])).double()
+
+        router.register_forward_hook(count)
+    return loads
 
 
 def _micro_batch_steps(model, ids, mask, labels, cfg: TrainConfig) -> torch.Tensor:
@@ -96,6 +121,7 @@ def _micro_batch_steps(model, ids, mask, labels, cfg: TrainConfig) -> torch.Tens
     total = torch.zeros(())
     for start in chunks:
         rows = slice(start, start + cfg.micro_batch_size)
+        model.real_tokens = mask[rows]
         out = model(input_ids=ids[rows], attention_mask=mask[rows], output_router_logits=True)
         logits = out.logits[:, :-1].float()
         ce = torch.nn.functional.cross_entropy(

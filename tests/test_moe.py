@@ -255,6 +255,8 @@ def test_experts_split_over_two_ranks_equal_the_whole_block(model_type, tmp_path
             4,
             "expert_parallel_size=2 with deepspeed.offload_optimizer=true is not supported",
         ),
+        (["moe.bias_update_rate=0.001"], 4, "moe.bias_update_rate=0.001: mixtral's router has no score bias"),
+        (["moe.bias_update_rate=-1"], 4, "moe.bias_update_rate=-1.0 must be >= 0"),
     ],
 )
 def test_expert_parallel_settings_that_cannot_run_are_refused(extra, world, message, tmp_path):
@@ -268,6 +270,8 @@ def test_expert_parallel_settings_that_cannot_run_are_refused(extra, world, mess
     tiny_config("llama").save_pretrained(tmp_path / "dense")
     got = config_error([*base, f"model_name_or_path={tmp_path}/dense", "expert_parallel_size=2"], world_size=4)
     assert got == "expert_parallel_size=2: the model (llama) has no experts"
+    got = config_error([*base, f"model_name_or_path={tmp_path}/dense", "moe.bias_update_rate=0.001"], world_size=4)
+    assert got == "moe.bias_update_rate=0.001: the model (llama) has no experts"
 
 
 @pytest.mark.parametrize(

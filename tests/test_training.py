@@ -17,6 +17,7 @@ from checkpoint.safe_load import load_pt
 from models.key_table import is_carried
 from tests.baseline import baseline_eval, hub_state_dict, train_baseline
 from tests.conftest import built_once, check, deepspeed_launch, hf_state, launch, read_jsonl, run_cmd, shared_path
+from tests.layouts import LAYOUTS
 from training.config import OptimConfig, TrainConfig
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
@@ -62,73 +63,6 @@ def overrides(cfg: TrainConfig, ckpt: str, out: str, num_stages: int, **extra) -
     return [f"{k}={v}" for k, v in args.items()]
 
 
-# (model, activation_checkpointing, stages, TP, rows arranged: "", "packing" or "concatenate", model.loss_chunk_size)
-LAYOUTS = {
-    "gqa-pp2-dp2": ("gqa", "false", 2, 1, "", 0),
-    "tied-pp2-dp2": ("tied", "false", 2, 1, "", 0),
-    # Packed rows against the reference's unpacked rows; every 2nd block recomputed; loss 5 tokens at a time.
-    "gqa-pp2-dp2-packed-recompute2-chunked": ("gqa", "2", 2, 1, "packing", 5),
-    # Documents end to end in blocks (data.concatenate) against each block's pieces run as rows of their own.
-    "tied-pp2-dp2-concatenated": ("tied", "false", 2, 1, "concatenate", 0),
-    "gqa-pp2-tp2-chunked": ("gqa", "false", 2, 2, "", 7),  # chunks through the vocab-parallel loss
-    "tied-tp2-dp2-recompute": ("tied", "true", 1, 2, "", 0),
-    # The other families: Qwen3's per-head q/k norms under TP, Qwen2's biases (tied), Mistral's sliding window.
-    "qwen3-pp2-tp2": ("qwen3", "false", 2, 2, "", 0),
-    "qwen2-tp2-dp2-recompute": ("qwen2", "true", 1, 2, "", 0),
-    "mistral-pp2-dp2": ("mistral", "false", 2, 1, "", 0),
-    # Mixture of experts, transformers' load-balancing loss on (coefficient 0.1) across stages: Mixtral's experts
-    # split over EP=2 (2 of 4 per rank, tokens sent by all-to-all), its sparse blocks recomputed; Qwen3-MoE's experts
-    # split over TP with sequence parallelism and the chunked vocab-parallel loss; Qwen2-MoE's gated shared expert
-    # (every 2nd layer sparse, tied embeddings) with its experts split over TP=2 and EP=2 at once.
-    "mixtral-pp2-dp2-ep2-recompute": ("mixtral", "true", 2, 1, "", 0),
-    # DP=4 x EP=2: each expert held by 2 DP ranks, whose gradients are summed over that expert-data group.
-    "mixtral-dp4-ep2": ("mixtral", "false", 1, 1, "", 0),
-    "qwen3_moe-pp2-tp2-chunked": ("qwen3_moe", "false", 2, 2, "", 5),
-    "qwen2_moe-tp2-dp2-ep2": ("qwen2_moe", "false", 1, 2, "", 0),
-    # Llama 4 (no load-balancing loss in transformers): chunked and NoPE layers, dense layers between sparse ones,
-    # the shared expert; its experts split over EP=2 across two stages, and over TP=2 x EP=2 with sequence parallelism.
-    "llama4-pp2-dp2-ep2": ("llama4", "false", 2, 1, "", 0),
-    "llama4-tp2-dp2-ep2": ("llama4", "false", 1, 2, "", 0),
-    # Context parallelism C=2 (Ulysses; DP=1): packed rows whose documents cross the shard boundary, every block
-    # recomputed, the loss 5 tokens at a time, the MLPs in 3 tiles (DeepSpeed's TiledMLP), over two stages;
-    # Mistral's sliding window under TP=2 with sequence parallelism (the row cut into C x T = 4 pieces).
-    "gqa-pp2-cp2-packed-recompute-chunked-tiled": ("gqa", "true", 2, 1, "packing", 5),
-    "mistral-tp2-cp2": ("mistral", "false", 1, 2, "", 0),
-    # Experts under context parallelism (the router statistics of the load-balancing loss summed over the CP ranks):
-    # Mixtral's window with its blocks recomputed over two stages and its experts split over the 2 CP ranks (EP=2);
-    # Qwen3-MoE's experts split over TP=2 with sequence parallelism (the row in C x T = 4 pieces) and the chunked
-    # vocab-parallel loss.
-    "mixtral-pp2-cp2-ep2-recompute": ("mixtral", "true", 2, 1, "", 0),
-    "qwen3_moe-tp2-cp2-chunked": ("qwen3_moe", "false", 1, 2, "", 5),
-    # Llama 4 under CP=2: chunked attention across the shard boundary, the NoPE layer's temperature counted from the
-    # row's start on the second shard.
-    "llama4-pp2-cp2": ("llama4", "false", 2, 1, "", 0),
-    # Families of one registry module each: Gemma 3's four norms, scaled embeddings and soft-capped logits under TP=2
-    # with SP and the vocab-parallel loss (tied embeddings); SmolLM3's NoPE layers on both stages; Helium's o_proj
-    # (hidden x hidden) split by heads; Ministral 3's position-scaled queries under its window; Seed-OSS's own o_proj
-    # bias under TP; ERNIE 4.5's interleaved RoPE with every bias and tied embeddings.
-    "gemma3-pp2-tp2": ("gemma3", "false", 2, 2, "", 0),
-    "smollm3-pp2-dp2": ("smollm3", "false", 2, 1, "", 0),
-    "helium-pp2-tp2": ("helium", "false", 2, 2, "", 0),
-    "ministral3-pp2-dp2": ("ministral3", "false", 2, 1, "", 0),
-    "seed_oss-pp2-tp2": ("seed_oss", "false", 2, 2, "", 0),
-    "ernie4_5-pp2-dp2": ("ernie4_5", "false", 2, 1, "", 0),
-    # Fused q/k/v and gate/up (Phi-3, its window), four norms and fused gate/up (GLM-4), norms after each sublayer with
-    # q/k norms over the whole projection (their statistics summed over TP) and local layers (OLMo 3, OLMo 2).
-    "phi3-pp2-dp2": ("phi3", "false", 2, 1, "", 0),
-    "phi3-pp2-tp2": ("phi3", "false", 2, 2, "", 0),
-    "glm4-pp2-dp2": ("glm4", "false", 2, 1, "", 0),
-    "glm4-pp2-tp2": ("glm4", "false", 2, 2, "", 0),
-    "olmo3-pp2-dp2": ("olmo3", "false", 2, 1, "", 0),
-    "olmo2-pp2-tp2": ("olmo2", "false", 2, 2, "", 0),
-    # DeepSeek's router, dense first layers, shared experts: DeepSeek-V3's MLA split by heads over TP=2, its experts
-    # over EP=2 across two stages; GLM-4.5's over TP=2 x EP=2 with sequence parallelism.
-    "deepseek_v3-pp2-tp2": ("deepseek_v3", "false", 2, 2, "", 0),
-    "deepseek_v3-pp2-dp2-ep2": ("deepseek_v3", "false", 2, 1, "", 0),
-    "glm4_moe-tp2-dp2-ep2": ("glm4_moe", "false", 1, 2, "", 0),
-}
-
-
 # The layout runs that resume and layout-move tests continue from their step 2 (saved there too).
 RESUMED = {
     "tied-pp2-dp2",
@@ -150,6 +84,8 @@ def layout_config(layout: str, sft_data, gas: int | None = None) -> TrainConfig:
     if arrangement:
         setattr(cfg.data, arrangement, True)
         cfg.seq_length = 40  # room for several rows in each packed row or block
+    if layout.endswith("-balanced"):
+        cfg.moe.bias_update_rate = 2e-3  # DeepSeek-V3's balancing (its own rate is 1e-3 per step)
     if layout == "qwen2-tp2-dp2-recompute":
         cfg.seq_length -= 1  # an odd length: sequence parallelism pads it inside to a multiple of TP=2
     return cfg
@@ -199,6 +135,8 @@ def layout_args(
         extra["sequence_parallel"] = "false"
     if "-ep2" in layout:
         extra["expert_parallel_size"] = 2
+    if cfg.moe.bias_update_rate:
+        extra["moe.bias_update_rate"] = cfg.moe.bias_update_rate
     if "-cp2" in layout:
         extra["context_parallel_size"] = 2
     if layout.endswith("-tiled"):
@@ -292,6 +230,9 @@ def assert_matches_reference(out: str, cfg: TrainConfig, hf_dir: str, sft_data, 
     # TP gradients are held to the whole block's in tests/test_tensor_parallel.py.
     wider = {"qwen3-pp2-tp2": 0.02, "phi3-pp2-tp2": 0.03, "glm4_moe-tp2-dp2-ep2": 0.02}
     atol = wider.get(layout, 0.01) * cfg.learning_rate
+    biases = [k for k in ref if k.endswith("e_score_correction_bias")]  # moved only by the balancing, in +-rate steps
+    assert all(torch.equal(ours[key], ref[key]) for key in biases)
+    assert any(ref[key].any() for key in biases) == bool(cfg.moe.bias_update_rate)
     worst = 0.0
     for key, value in ref.items():
         torch.testing.assert_close(ours[key], value, rtol=1e-5, atol=atol, msg=lambda m, k=key: f"{k}: {m}")

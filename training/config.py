@@ -101,7 +101,7 @@ class DpoConfig:
 
 @dataclass
 class MoeConfig:
-    """Mixture-of-experts models (mixtral, qwen2_moe, qwen3_moe, llama4_text; models/moe.py)."""
+    """Mixture-of-experts models (models/moe.py; the families with a `MoeSpec`, docs/moe.md)."""
 
     # Weight of transformers' load-balancing loss, added per micro-batch over every sparse layer of the model. None:
     # the model config's router_aux_loss_coef when its output_router_logits is true, else 0 (as transformers does).
@@ -110,6 +110,10 @@ class MoeConfig:
     # the others' inputs scaled by 0 as transformers does: the same model within fp32 rounding, E / k times less
     # expert compute and activation memory. Always so under expert parallelism; other families always route.
     routed_experts: bool = False
+    # DeepSeek-V3's auxiliary-loss-free balancing (deepseek_v3, glm4_moe): after every optimizer step each sparse
+    # layer's `e_score_correction_bias` moves by this much toward the experts that got fewer tokens than the mean
+    # (models/moe.py `balance`), from the step's loads over the whole global batch. 0: the bias stays as loaded.
+    bias_update_rate: float = 0.0
 
 
 @dataclass

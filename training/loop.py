@@ -18,6 +18,7 @@ from checkpoint.names import step_tag
 from checkpoint.saves import newest_checkpoint
 from data.sampling import eval_batches, eval_indices, eval_num_batches, train_batches
 from training.assembly import assemble
+from training.balancing import balance_experts
 from training.batches import LossScaledBatches, PairScaledBatches
 from training.config import (
     TrainConfig,
@@ -101,6 +102,8 @@ class Trainer:
             lr = r.engine.get_lr()[0]
             start = time.perf_counter()
             loss = self._train_step(data_iter)
+            if cfg.moe.bias_update_rate and math.isfinite(loss):
+                balance_experts(r.engine.module, cfg.moe.bias_update_rate, r.dp_group(), c.cp)
             seconds = time.perf_counter() - start
             r.step += 1
             extra = self._router_metrics() if c.is_last else {}

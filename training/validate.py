@@ -11,7 +11,7 @@ import math
 import re
 
 from models.config import checkpoint_every
-from models.families import family_of, tp_refusal
+from models.families import FAMILIES, family_of, tp_refusal
 from models.lora import check_target_modules
 from models.moe import is_moe, num_experts
 from models.sharding import tp_indivisible
@@ -215,6 +215,9 @@ def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
     validate_expert_parallel(cfg, world_size, model_config)
     if is_moe(model_config):
         validate_experts(cfg, model_config)
+    else:
+        rate = cfg.moe.bias_update_rate
+        _need(not rate, f"moe.bias_update_rate={rate}: the model ({model_config.model_type}) has no experts")
 
 
 def validate_mlp_tiles(cfg: TrainConfig) -> None:
@@ -284,6 +287,11 @@ def validate_expert_parallel(cfg: TrainConfig, world_size: int, model_config) ->
     )
 
 
+def balanced_families() -> list[str]:
+    """The families whose router chooses experts by its scores plus a score bias (`MoeSpec.router_choice`)."""
+    return [name for name, family in FAMILIES.items() if family.moe is not None and family.moe.router_choice]
+
+
 def validate_experts(cfg: TrainConfig, model_config) -> None:
     """A model with experts: routing that transformers computes and we reproduce exactly, never approximated."""
     jitter = getattr(model_config, "router_jitter_noise", 0.0) or 0.0
@@ -297,6 +305,13 @@ def validate_experts(cfg: TrainConfig, model_config) -> None:
     _need(
         cfg.moe.aux_loss_coef is None or cfg.moe.aux_loss_coef >= 0,
         f"moe.aux_loss_coef={cfg.moe.aux_loss_coef} must be >= 0",
+    )
+    rate = cfg.moe.bias_update_rate
+    _need(rate >= 0, f"moe.bias_update_rate={rate} must be >= 0")
+    _need(
+        not rate or family_of(model_config).moe.router_choice,
+        f"moe.bias_update_rate={rate}: {model_config.model_type}'s router has no score bias to balance with "
+        f"(a router that chooses by scores plus e_score_correction_bias: {', '.join(balanced_families())}); leave it 0",
     )
     if family_of(model_config).moe.aux_loss:
         return

@@ -1,0 +1,70 @@
+"""The 4-rank training layouts that tests/test_training.py (and the resume, schedule and move tests built on it)
+hold to a single-process transformers reference. A layout's name says what it adds: `-ep2` expert parallelism,
+`-cp2` context parallelism, `-tiled` DeepSpeed's TiledMLP, `-balanced` DeepSeek-V3's bias balancing."""
+
+# (model, activation_checkpointing, stages, TP, rows arranged: "", "packing" or "concatenate", model.loss_chunk_size)
+LAYOUTS = {
+    "gqa-pp2-dp2": ("gqa", "false", 2, 1, "", 0),
+    "tied-pp2-dp2": ("tied", "false", 2, 1, "", 0),
+    # Packed rows against the reference's unpacked rows; every 2nd block recomputed; loss 5 tokens at a time.
+    "gqa-pp2-dp2-packed-recompute2-chunked": ("gqa", "2", 2, 1, "packing", 5),
+    # Documents end to end in blocks (data.concatenate) against each block's pieces run as rows of their own.
+    "tied-pp2-dp2-concatenated": ("tied", "false", 2, 1, "concatenate", 0),
+    "gqa-pp2-tp2-chunked": ("gqa", "false", 2, 2, "", 7),  # chunks through the vocab-parallel loss
+    "tied-tp2-dp2-recompute": ("tied", "true", 1, 2, "", 0),
+    # The other families: Qwen3's per-head q/k norms under TP, Qwen2's biases (tied), Mistral's sliding window.
+    "qwen3-pp2-tp2": ("qwen3", "false", 2, 2, "", 0),
+    "qwen2-tp2-dp2-recompute": ("qwen2", "true", 1, 2, "", 0),
+    "mistral-pp2-dp2": ("mistral", "false", 2, 1, "", 0),
+    # Mixture of experts, transformers' load-balancing loss on (coefficient 0.1) across stages: Mixtral's experts
+    # split over EP=2 (2 of 4 per rank, tokens sent by all-to-all), its sparse blocks recomputed; Qwen3-MoE's experts
+    # split over TP with sequence parallelism and the chunked vocab-parallel loss; Qwen2-MoE's gated shared expert
+    # (every 2nd layer sparse, tied embeddings) with its experts split over TP=2 and EP=2 at once.
+    "mixtral-pp2-dp2-ep2-recompute": ("mixtral", "true", 2, 1, "", 0),
+    # DP=4 x EP=2: each expert held by 2 DP ranks, whose gradients are summed over that expert-data group.
+    "mixtral-dp4-ep2": ("mixtral", "false", 1, 1, "", 0),
+    "qwen3_moe-pp2-tp2-chunked": ("qwen3_moe", "false", 2, 2, "", 5),
+    "qwen2_moe-tp2-dp2-ep2": ("qwen2_moe", "false", 1, 2, "", 0),
+    # Llama 4 (no load-balancing loss in transformers): chunked and NoPE layers, dense layers between sparse ones,
+    # the shared expert; its experts split over EP=2 across two stages, and over TP=2 x EP=2 with sequence parallelism.
+    "llama4-pp2-dp2-ep2": ("llama4", "false", 2, 1, "", 0),
+    "llama4-tp2-dp2-ep2": ("llama4", "false", 1, 2, "", 0),
+    # Context parallelism C=2 (Ulysses; DP=1): packed rows whose documents cross the shard boundary, every block
+    # recomputed, the loss 5 tokens at a time, the MLPs in 3 tiles (DeepSpeed's TiledMLP), over two stages;
+    # Mistral's sliding window under TP=2 with sequence parallelism (the row cut into C x T = 4 pieces).
+    "gqa-pp2-cp2-packed-recompute-chunked-tiled": ("gqa", "true", 2, 1, "packing", 5),
+    "mistral-tp2-cp2": ("mistral", "false", 1, 2, "", 0),
+    # Experts under context parallelism (the router statistics of the load-balancing loss summed over the CP ranks):
+    # Mixtral's window with its blocks recomputed over two stages and its experts split over the 2 CP ranks (EP=2);
+    # Qwen3-MoE's experts split over TP=2 with sequence parallelism (the row in C x T = 4 pieces) and the chunked
+    # vocab-parallel loss.
+    "mixtral-pp2-cp2-ep2-recompute": ("mixtral", "true", 2, 1, "", 0),
+    "qwen3_moe-tp2-cp2-chunked": ("qwen3_moe", "false", 1, 2, "", 5),
+    # Llama 4 under CP=2: chunked attention across the shard boundary, the NoPE layer's temperature counted from the
+    # row's start on the second shard.
+    "llama4-pp2-cp2": ("llama4", "false", 2, 1, "", 0),
+    # Families of one registry module each: Gemma 3's four norms, scaled embeddings and soft-capped logits under TP=2
+    # with SP and the vocab-parallel loss (tied embeddings); SmolLM3's NoPE layers on both stages; Helium's o_proj
+    # (hidden x hidden) split by heads; Ministral 3's position-scaled queries under its window; Seed-OSS's own o_proj
+    # bias under TP; ERNIE 4.5's interleaved RoPE with every bias and tied embeddings.
+    "gemma3-pp2-tp2": ("gemma3", "false", 2, 2, "", 0),
+    "smollm3-pp2-dp2": ("smollm3", "false", 2, 1, "", 0),
+    "helium-pp2-tp2": ("helium", "false", 2, 2, "", 0),
+    "ministral3-pp2-dp2": ("ministral3", "false", 2, 1, "", 0),
+    "seed_oss-pp2-tp2": ("seed_oss", "false", 2, 2, "", 0),
+    "ernie4_5-pp2-dp2": ("ernie4_5", "false", 2, 1, "", 0),
+    # Fused q/k/v and gate/up (Phi-3, its window), four norms and fused gate/up (GLM-4), norms after each sublayer with
+    # q/k norms over the whole projection (their statistics summed over TP) and local layers (OLMo 3, OLMo 2).
+    "phi3-pp2-dp2": ("phi3", "false", 2, 1, "", 0),
+    "phi3-pp2-tp2": ("phi3", "false", 2, 2, "", 0),
+    "glm4-pp2-dp2": ("glm4", "false", 2, 1, "", 0),
+    "glm4-pp2-tp2": ("glm4", "false", 2, 2, "", 0),
+    "olmo3-pp2-dp2": ("olmo3", "false", 2, 1, "", 0),
+    "olmo2-pp2-tp2": ("olmo2", "false", 2, 2, "", 0),
+    # DeepSeek's router, dense first layers, shared experts: DeepSeek-V3's MLA split by heads over TP=2, its experts
+    # over EP=2 across two stages, both with its score biases balanced after every step; GLM-4.5's experts over
+    # TP=2 x EP=2 with sequence parallelism.
+    "deepseek_v3-pp2-tp2-balanced": ("deepseek_v3", "false", 2, 2, "", 0),
+    "deepseek_v3-pp2-dp2-ep2-balanced": ("deepseek_v3", "false", 2, 1, "", 0),
+    "glm4_moe-tp2-dp2-ep2": ("glm4_moe", "false", 1, 2, "", 0),
+}
