@@ -23,10 +23,10 @@ from collections.abc import Callable
 import torch
 
 from checkpoint.buffer_pool import BufferPool
-from checkpoint.dequantize import dequantize, fp8_blocks, scale_key
+from checkpoint.dequantize import is_quantized, plain_tensors
 from checkpoint.dtypes import DTYPES, dtype_name
 from checkpoint.errors import CheckpointError
-from checkpoint.hf_reader import iter_tensors, read_model_config, stored_dtype, validate
+from checkpoint.hf_reader import read_model_config, stored_dtype
 from checkpoint.layer_files import find_layer_file, unchecked_zip_records
 from checkpoint.manifest import BackgroundDescriber, copy_verified, read_manifest
 from checkpoint.names import CARRIED_FILE, PIECE_FILE, layer_file_name
@@ -59,19 +59,14 @@ def convert_layers(
     expected = all_layer_keys(config)
     wanted = {hf for index in todo for hf in expected[index].values()}
     index_of = hub_index(config)
-    blocks = fp8_blocks(config)  # FP8 weights: dequantized as they arrive (checkpoint/dequantize.py)
-    scales = dict(fp8_scales(hf_dir, wanted)) if blocks else {}
     stats = ConvertStats()
     pending: dict[int, dict[str, torch.Tensor]] = {}
     pending_bytes = 0
     describer, pool = BackgroundDescriber(), BufferPool()
     with torch.inference_mode(), unchecked_zip_records():
-        for name, tensor, _ in iter_tensors(hf_dir, wanted, alloc=pool.take):
+        # Quantized weights (FP8, MXFP4) arrive dequantized (checkpoint/dequantize.py).
+        for name, tensor in plain_tensors(hf_dir, config, wanted, DTYPES[dtype or "bf16"], pool):
             index, ours = hf_key_to_layer(name, config, index_of)
-            if name in scales:
-                plain = dequantize(tensor, scales.pop(name), blocks, DTYPES[dtype or "bf16"])
-                pool.give(tensor)
-                tensor = plain
             keep = family_of(config).keeps_fp32(ours)  # stays fp32 as transformers keeps it (a router's bias)
             if dtype and tensor.is_floating_point() and tensor.dtype != DTYPES[dtype] and not keep:
                 cast = pool.take(tensor.numel() * DTYPES[dtype].itemsize).view(DTYPES[dtype]).view(tensor.shape)
@@ -101,14 +96,6 @@ def convert_layers(
     if pending:  # duplicates across shards or a key listed twice would land here
         raise CheckpointError(f"{hf_dir}: layers {sorted(pending)} incomplete after reading every shard")
     return stats
-
-
-def fp8_scales(hf_dir: str, weights: set[str]):
-    """(weight key, its block scales) of the FP8 weights among `weights` (scales are 1/16384 of their weights)."""
-    scales = {scale_key(w): w for w in weights}
-    present = set(scales) & set(validate(hf_dir))
-    for name, scale, _ in iter_tensors(hf_dir, present):
-        yield scales[name], scale.clone()
 
 
 def _split(todo: list[int], parts: int) -> list[list[int]]:
@@ -221,7 +208,7 @@ def convert_hf_to_pipeline(
     todo = sorted(expected) if layers is None else sorted(layers)
     if set(todo) - set(expected):
         raise CheckpointError(f"{hf_dir}: no layer file {sorted(set(todo) - set(expected))} in this model")
-    dtype = dtype or ("bf16" if fp8_blocks(config) else None)  # FP8 weights become bf16 unless --dtype says
+    dtype = dtype or ("bf16" if is_quantized(config) else None)  # FP8 and MXFP4 become bf16 unless --dtype says
     out_dtype = dtype or dtype_name(stored_dtype(hf_dir))
     with staged_directory(out_dir, force, PIPELINE, "convert", [hf_dir]) as tmp:
         step_dir = os.path.join(tmp, TAG)

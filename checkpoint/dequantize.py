@@ -1,4 +1,4 @@
-"""FP8 hub weights dequantized at conversion, the way transformers dequantizes them.
+"""Quantized hub weights dequantized at conversion, the way transformers dequantizes them: FP8 blocks, MXFP4 experts.
 
 DeepSeek-V3's (and Kimi K2's) official checkpoints store their linear layers' weights as float8 (e4m3) in blocks
 (`quantization_config`: `quant_method: fp8`, `weight_block_size: [128, 128]`), each block's scale beside the weight
@@ -8,30 +8,72 @@ conversion multiplies each block by its scale in fp32 and casts the product to t
 products where the blocks divide the weight (tests/test_convert.py holds the two equal); where they do not, the
 scale grid is the ceiling of the blocks, and the edge blocks are cut to the weight. The converted config.json keeps
 no `quantization_config`: the checkpoint is a plain bf16 model, and so is its export.
+
+gpt-oss's official checkpoints keep their experts in MXFP4 (`quant_method: mxfp4`): each expert tensor `X` is
+stored as `X_blocks` (two 4-bit e2m1 values per byte, 32 values per block) and `X_scales` (one power-of-two exponent
+per block); transformers' own pure-torch routine (`integrations/mxfp4.py` `convert_moe_packed_tensors`) turns the
+pair into `X` in transformers' x @ W layout, and conversion calls it as each expert tensor arrives.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from checkpoint.errors import CheckpointError
+from checkpoint.hf_reader import iter_tensors, validate
 
 SCALE_SUFFIX = "_scale_inv"  # `<module>.weight_scale_inv` beside `<module>.weight`
 
 
-def fp8_blocks(config) -> tuple[int, int] | None:
-    """The (rows, cols) of a block of an FP8 block-quantized checkpoint, or None for a plain one."""
-    quant = getattr(config, "quantization_config", None)
-    if not quant:
-        return None
+MXFP4_PARTS = ("_blocks", "_scales")  # `X_blocks`, `X_scales` in place of `X`
+
+
+def _quantization(config) -> dict:
+    quant = getattr(config, "quantization_config", None) or {}
     quant = quant if isinstance(quant, dict) else quant.to_dict()
     method, block = quant.get("quant_method"), quant.get("weight_block_size")
-    if method != "fp8" or not block or len(block) != 2:
+    if quant and not (method == "mxfp4" or (method == "fp8" and block and len(block) == 2)):
         raise CheckpointError(
-            f"quantization_config {method!r} (weight_block_size={block}): only FP8 block "
-            "quantization is dequantized at conversion; convert a bf16 copy of the model"
+            f"quantization_config {method!r} (weight_block_size={block}): only FP8 block quantization and MXFP4 "
+            "are dequantized at conversion; convert a bf16 copy of the model"
         )
-    return int(block[0]), int(block[1])
+    return quant
+
+
+def is_quantized(config) -> bool:
+    """Whether conversion dequantizes the checkpoint's weights (to bf16 unless `--dtype` says otherwise)."""
+    return bool(_quantization(config))
+
+
+def fp8_blocks(config) -> tuple[int, int] | None:
+    """The (rows, cols) of a block of an FP8 block-quantized checkpoint, or None for any other."""
+    quant = _quantization(config)
+    return (
+        (int(quant["weight_block_size"][0]), int(quant["weight_block_size"][1]))
+        if quant.get("quant_method") == "fp8"
+        else None
+    )
+
+
+def is_mxfp4(config) -> bool:
+    return _quantization(config).get("quant_method") == "mxfp4"
+
+
+def hub_sources(hf_key: str, config, present) -> list[str]:
+    """The hub tensors that hold model tensor `hf_key` (`present`: the checkpoint's keys): itself, or its MXFP4
+    blocks and scales."""
+    if hf_key not in present and is_mxfp4(config) and hf_key + MXFP4_PARTS[0] in present:
+        return [hf_key + part for part in MXFP4_PARTS]
+    return [hf_key]
+
+
+def mxfp4_to_plain(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An MXFP4 expert tensor as transformers dequantizes it (x @ W layout)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    return convert_moe_packed_tensors(blocks, scales, dtype=dtype)
 
 
 def scale_key(weight_key: str) -> str:
@@ -39,7 +81,10 @@ def scale_key(weight_key: str) -> str:
 
 
 def is_scale(hf_key: str, config) -> bool:
-    """Whether `hf_key` is a block scale of an FP8 checkpoint's weight (consumed by `dequantize`)."""
+    """Whether `hf_key` is a block scale of an FP8 checkpoint's weight (consumed by `dequantize`) or a part of an
+    MXFP4 tensor (`mxfp4_to_plain`)."""
+    if is_mxfp4(config):
+        return hf_key.endswith(MXFP4_PARTS)
     return hf_key.endswith(".weight" + SCALE_SUFFIX) and fp8_blocks(config) is not None
 
 
@@ -53,3 +98,43 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
         )
     grid = scale.to(torch.float32).repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
     return (weight.to(torch.float32) * grid[..., :rows, :cols]).to(dtype)
+
+
+def _fp8_scales(hf_dir: str, weights: set[str]) -> dict[str, torch.Tensor]:
+    """{weight key: its block scales} of the FP8 weights among `weights` (scales are 1/16384 of their weights)."""
+    scales = {scale_key(w): w for w in weights}
+    present = set(scales) & set(validate(hf_dir))
+    return {scales[name]: scale.clone() for name, scale, _ in iter_tensors(hf_dir, present)}
+
+
+def plain_tensors(
+    hf_dir: str, config, wanted: set[str], dtype: torch.dtype, pool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(model key, tensor) of every key in `wanted`, read from `hf_dir` in shard order, quantized ones dequantized to
+    `dtype` as they arrive (`pool`: the conversion's BufferPool, which the reads take buffers from)."""
+    if not is_quantized(config):
+        for name, tensor, _ in iter_tensors(hf_dir, wanted, alloc=pool.take):
+            yield name, tensor
+        return
+    present = validate(hf_dir)
+    sources = {src: key for key in wanted for src in hub_sources(key, config, present)}
+    blocks = fp8_blocks(config)
+    scales = _fp8_scales(hf_dir, wanted) if blocks else {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4: a tensor's blocks or scales, until the other arrives
+    for name, tensor, _ in iter_tensors(hf_dir, set(sources), alloc=pool.take):
+        key = sources[name]
+        if name in scales:
+            plain = dequantize(tensor, scales.pop(name), blocks, dtype)
+        elif key != name:
+            parts.setdefault(key, {})[name.removeprefix(key)] = tensor
+            if len(parts[key]) < len(MXFP4_PARTS):
+                continue
+            held = parts.pop(key)
+            plain = mxfp4_to_plain(held["_blocks"], held["_scales"], dtype)
+            pool.give(held["_scales"])
+            tensor = held["_blocks"]
+        else:
+            yield key, tensor
+            continue
+        pool.give(tensor)
+        yield key, plain

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import threading
 
-from checkpoint.dequantize import is_scale
+from checkpoint.dequantize import hub_sources, is_scale
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import read_model_config, validate
 from models.config import ConfigFields, differing_field
@@ -55,6 +55,7 @@ def check_keys(hf_dir: str, config) -> dict[int, dict[str, str]]:
         except KeyError as e:
             raise CheckpointError(f"{os.path.join(hf_dir, shard_file)}: {e.args[0]}") from None
     missing = [hf for keys in expected.values() for hf in keys.values() if hf not in where]
+    missing = [hf for hf in missing if any(src not in where for src in hub_sources(hf, config, where))]
     if missing:
         raise CheckpointError(f"{hf_dir}: {len(missing)} tensors of the model missing, e.g. {missing[0]}")
     return expected

@@ -105,7 +105,9 @@ class ModelSettings:
     intermediate_size_mlp: int | None = None  # Llama 4: the dense layers' MLP width (intermediate_size: the experts')
     interleave_moe_layer_step: int | None = None  # Llama 4: every k-th decoder layer is sparse
     attention_chunk_size: int | None = None  # Llama 4: RoPE layers attend within chunks of this many positions
-    attn_implementation: AttnImplementation = AttnImplementation.sdpa
+    # sdpa, eager or flash_attention_2; unset: the family's default, SDPA, or eager where transformers runs the family
+    # without SDPA (gpt-oss: its attention sinks). A request the family's attention cannot honour is refused.
+    attn_implementation: AttnImplementation | None = None
     # How decoder blocks are split over stages: "parameters" (balanced by parameter count), "compute" (by the
     # parameters a token uses: a sparse block's top-k experts), "uniform", or blocks
     # per stage, e.g. [2, 3, 3, 2]. NOTE: Any because omegaconf has no unions.

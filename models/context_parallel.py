@@ -143,6 +143,28 @@ def tile_mlp(mlp: torch.nn.Module, tiles: int) -> None:
     mlp.forward = tiled
 
 
+class _HeadsOf:
+    """An attention module as a kernel sees it, with `sinks` cut to the heads this rank attends with."""
+
+    def __init__(self, module, sinks: torch.Tensor):
+        self._module, self.sinks = module, sinks
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _with_local_sinks(kernel, cp: ContextParallel):
+    """`kernel` (the family's eager attention, which adds `module.sinks` per head) on this CP rank's heads: Ulysses
+    hands rank r the r-th of C equal blocks of heads, so it sees the same block of sinks; each rank's gradient
+    reaches its block only, and the CP sum of gradients (`sum_over_context`'s scaling) makes the whole."""
+
+    def attend(module, query, *args, **kwargs):
+        heads = query.shape[1]
+        return kernel(_HeadsOf(module, module.sinks[cp.rank * heads : (cp.rank + 1) * heads]), query, *args, **kwargs)
+
+    return attend
+
+
 def attach(attention: torch.nn.Module, config, cp: ContextParallel, implementation: str) -> None:
     """Route `attention` (a family's transformers attention module, built from `config`: this TP rank's heads)
     through Ulysses over `cp.group`, around the kernel `implementation` would have used. Adds no parameter, buffer
@@ -154,6 +176,8 @@ def attach(attention: torch.nn.Module, config, cp: ContextParallel, implementati
         kernel = sys.modules[type(attention).__module__].eager_attention_forward
     else:
         kernel = ALL_ATTENTION_FUNCTIONS[implementation]
+    if hasattr(attention, "sinks"):  # gpt-oss: a sink logit per head; this rank attends with its heads only
+        kernel = _with_local_sinks(kernel, cp)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     head_dim = getattr(attention, "qk_head_dim", head_dim)  # MLA: query and key heads hold a nope and a rope part
     ulysses = ulysses_class()(

@@ -109,7 +109,8 @@ def dispatch_to_experts(block, config, ep: ExpertParallel) -> None:
     family = family_of(config)
     if family.moe.scaled_inputs:
         return _dispatch_scaled_inputs(block, config, ep)
-    block.gate = type(block.gate)(config)  # the router over every expert, as transformers builds it
+    name = family.moe.router  # the router over every expert, as transformers builds it
+    setattr(block, name, type(getattr(block, name))(config))
     experts = block.experts
     local_forward = experts.forward  # transformers' (its experts_implementation), on this rank's experts
     num_experts = getattr(config, family.moe.num_experts)

@@ -44,7 +44,15 @@ from models import context_parallel
 from models.attention_masks import attention_mask, flash_varlen_kwargs
 from models.context_parallel import ContextParallel
 from models.expert_parallel import ExpertParallel
-from models.families import FAMILIES, attention_chunk, family_of, hf_classes, is_sparse_layer, sliding_window
+from models.families import (
+    FAMILIES,
+    attention_chunk,
+    family_of,
+    hf_classes,
+    is_sparse_layer,
+    resolve_attention,
+    sliding_window,
+)
 from models.moe import (
     DEFAULT_EXPERTS_IMPLEMENTATION,
     add_stats,
@@ -193,7 +201,7 @@ class DecoderPipe:
             self.router_choice = family_of(config).moe.router_choice
             router_of(self.moe_block(), config).register_forward_hook(self._keep_router_logits)
             expert_keys(self, config, ep)
-        self.attn_implementation = config._attn_implementation or "sdpa"
+        self.attn_implementation = config._attn_implementation or resolve_attention(config, None)
         self.rotary_emb = rotary_class(family_of(config).model_type)(config)  # non-persistent buffers: no keys
         # A rotary embedding with tables per layer type (Gemma's) is called with this layer's type.
         takes_type = "layer_type" in inspect.signature(type(self.rotary_emb).forward).parameters

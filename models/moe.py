@@ -158,8 +158,8 @@ def expert_keys(layer: nn.Module, config, ep=None) -> None:
             state_dict[router] = state_dict.pop(prefix + router_mem)
         if gate_up_name in state_dict:
             gate_up, down_proj = state_dict.pop(gate_up_name), state_dict.pop(down_name)
-            gathered = getattr(module, "gathered_experts", None)
-            gate_up, down_proj = gathered or (gate_up, down_proj)
+            gathered = getattr(module, "gathered_experts", None)  # {parameter of the experts: all E}
+            gate_up, down_proj = (gathered["gate_up_proj"], gathered["down_proj"]) if gathered else (gate_up, down_proj)
             first = 0 if gathered else mine.start  # not gathered: this rank's experts under their own numbers
             half = gate_up.shape[1] // 2
             for e in range(gate_up.shape[0]):
@@ -191,15 +191,16 @@ def _fused_expert_keys(layer: nn.Module, config, mine: range) -> None:
     if len(mine) == num_experts(config):
         return
 
+    experts = family_of(config).moe.block + ".experts."
+
     def to_hub(module, state_dict, prefix, local_metadata):
         gathered = getattr(module, "gathered_experts", None)
-        if gathered is not None:
-            for name, whole in zip(_fused_names(config, prefix), gathered):
-                state_dict[name] = whole
+        for name, whole in (gathered or {}).items():
+            state_dict[prefix + experts + name] = whole
 
-    def from_hub(module, state_dict, prefix, *args):
-        for name in _fused_names(config, prefix):
-            if name in state_dict and state_dict[name].shape[0] == num_experts(config):
+    def from_hub(module, state_dict, prefix, *args):  # every tensor of the experts holds E along dim 0
+        for name in [k for k in state_dict if k.startswith(prefix + experts)]:
+            if state_dict[name].shape[0] == num_experts(config):
                 state_dict[name] = state_dict[name][mine.start : mine.stop]
 
     layer.register_state_dict_post_hook(to_hub)

@@ -15,6 +15,7 @@ import torch
 from data.dataset import TokenizedDataset
 from data.packing import BlockDataset, PackedDataset, arranged
 from data.sampling import TrainPlan
+from models.families import resolve_attention
 from models.lora import add_lora
 from models.loss import IGNORE_INDEX
 from training.config import TrainConfig
@@ -46,10 +47,12 @@ def global_batch(dataset, plan: TrainPlan, step: int, seed: int, seq_length: int
 def train_baseline(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, steps: int):
     """Returns (model, [loss per step], [grad norm per step]); `model.step_tokens` holds each step's tokens
     that are not padding (what the trainer's metrics call input_tokens)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
+    config = AutoConfig.from_pretrained(hf_dir)  # SDPA, or eager where transformers has no SDPA for it (gpt-oss)
+    attn = resolve_attention(config, None)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation=attn)
     model.train()
     if cfg.lora.enabled:  # the same per-layer seeded adapters as the pipeline (models/lora.py)
         lo = cfg.lora

@@ -87,11 +87,14 @@ MODEL_VARIANTS = {
     # GLM-4.5 with q/k norms and q/k/v biases, DeepSeek-V3 with multi-head latent attention.
     "glm4_moe": dict(model_type="glm4_moe", num_key_value_heads=2, use_qk_norm=True, attention_bias=True),
     "deepseek_v3": dict(model_type="deepseek_v3"),
+    # gpt-oss: attention sinks, sliding (window 4) and full layers, every bias, interleaved gate/up experts with
+    # biases, the clamped SwiGLU (clamping at 0.5), its load-balancing loss on.
+    "gpt_oss": dict(model_type="gpt_oss", num_key_value_heads=2, swiglu_limit=0.5) | MOE_AUX,
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
-NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3"]
+NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "gpt_oss"]
 CARRYING_VARIANTS = ("deepseek_v3",)  # with a multi-token-prediction layer (`add_mtp_layer`)
-MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "glm4_moe", "deepseek_v3")
+MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "glm4_moe", "deepseek_v3", "gpt_oss")
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
 FAMILY_VARIANTS += NEW_FAMILY_VARIANTS
 

@@ -67,4 +67,7 @@ LAYOUTS = {
     "deepseek_v3-pp2-tp2-balanced": ("deepseek_v3", "false", 2, 2, "", 0),
     "deepseek_v3-pp2-dp2-ep2-balanced": ("deepseek_v3", "false", 2, 1, "", 0),
     "glm4_moe-tp2-dp2-ep2": ("glm4_moe", "false", 1, 2, "", 0),
+    # gpt-oss (eager: its attention sinks), its experts with biases split over EP=2 across two stages, its
+    # load-balancing loss on.
+    "gpt_oss-pp2-dp2-ep2": ("gpt_oss", "false", 2, 1, "", 0),
 }

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models.config import ConfigFields, differing_field, load_hf_config, read_config_fields
-from models.families import FAMILIES, family_of, is_sparse_layer
+from models.families import FAMILIES, family_of, is_sparse_layer, resolve_attention
 from models.key_table import all_layer_keys
 from models.layers import DecoderOptions, build_layer, decoder_layer_class, split_stats, tied_lm_head_forward
 from models.pipe_layout import pipe_layers
@@ -59,6 +59,9 @@ FAMILY_CONFIGS = {
     "glm4_moe-qk-norm-biases": ("glm4_moe", dict(use_qk_norm=True, attention_bias=True)),
     "deepseek_v3-mla": ("deepseek_v3", dict(num_key_value_heads=4)),
     "deepseek_v3-mla-q-proj": ("deepseek_v3", dict(num_key_value_heads=4, q_lora_rank=None, rope_interleave=False)),
+    # gpt-oss: attention sinks (eager), sliding (window 4) and full layers, every bias, interleaved gate/up experts
+    # with biases, the router's bias, the clamped SwiGLU (limit 0.5 so it clamps at this size).
+    "gpt_oss-sinks-local": ("gpt_oss", dict(swiglu_limit=0.5)),
 }
 
 
@@ -68,7 +71,9 @@ def perturb(model) -> None:
     or read into the wrong place would show in the logits."""
     generator = torch.Generator().manual_seed(1)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_floating_point() and ("norm" in name or name.endswith(("bias", "e_score_correction_bias"))):
+        if tensor.is_floating_point() and (
+            "norm" in name or name.endswith(("bias", "e_score_correction_bias", "sinks"))
+        ):
             tensor.add_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * 0.2)
 
 
@@ -96,6 +101,10 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
 
     model_type, overrides = FAMILY_CONFIGS[name]
     config = tiny_config(model_type, num_hidden_layers=3, **{"num_key_value_heads": 2} | overrides)
+    if resolve_attention(config, None) != "sdpa" and attn == "sdpa":  # gpt-oss's sinks: transformers runs eager
+        with pytest.raises(ValueError, match=f"^model.attn_implementation=sdpa: transformers runs {model_type} "):
+            resolve_attention(config, attn)
+        return
     config._attn_implementation = attn
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config).eval()
@@ -136,10 +145,10 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
 
 
 def test_other_model_types_are_refused(tmp_path):
-    for model_type in ("qwen3_next", "gpt_oss"):  # what we do not build (linear attention, attention sinks)
+    for model_type in ("qwen3_next", "falcon_h1"):  # what we do not build (linear attention, Mamba layers)
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         supported = (
-            "supported: deepseek_v3, ernie4_5, gemma3, gemma3_text, glm4, glm4_moe, helium, llama, llama4, "
+            "supported: deepseek_v3, ernie4_5, gemma3, gemma3_text, glm4, glm4_moe, gpt_oss, helium, llama, llama4, "
             "llama4_text, ministral3, mistral, mixtral, olmo2, olmo3, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, "
             "seed_oss, smollm3"
         )
@@ -228,7 +237,8 @@ def test_tp_rules_agree_with_transformers_tp_plan(model_type):
     with torch.device("meta"):
         for block in range(config.num_hidden_layers):  # sparse and dense layers
             names |= dict(decoder_layer_class(model_type)(config, block).named_parameters())
-    plan = {k.removeprefix("layers.*."): v for k, v in config.base_model_tp_plan.items() if v != "moe_tp_experts"}
+    plan = config.base_model_tp_plan or {}  # gpt-oss has none
+    plan = {k.removeprefix("layers.*."): v for k, v in plan.items() if v != "moe_tp_experts"}
     dense_mlp = any(not is_sparse_layer(config, b) for b in range(config.num_hidden_layers))
     for module, style in plan.items():
         name = module if module in names else f"{module}.weight"

@@ -40,6 +40,7 @@ CASES = [
     ("olmo3", "eager-packed"),
     ("glm4_moe", "sdpa"),
     ("deepseek_v3", "eager-packed"),
+    ("gpt_oss", "eager-packed"),
 ]
 MOE = {f"{m}-{attn}" for m, attn in CASES if m in MOE_VARIANTS}
 NO_TP = {f"{m}-{attn}" for m, attn in CASES if MODEL_VARIANTS[m].get("model_type") in TP_NOT_BUILT}

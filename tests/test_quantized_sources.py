@@ -99,3 +99,59 @@ def test_fp8_blocks_are_dequantized_as_transformers_does(hf_models, tmp_path):
         k.endswith("_scale_inv")
         for k in torch.load(os.path.join(out, "global_step0", layer_file_name(2)), weights_only=True)
     )
+
+
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _to_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert tensor [E, rows, cols] (x @ W) as gpt-oss's checkpoints store it: per [E, cols, rows / 32] block of
+    32 values a power-of-two scale (exponent + 127, uint8) and 16 bytes of two e2m1 values each (low nibble first)."""
+    w = weight.float().transpose(1, 2)  # [E, cols, rows]: what transformers' routine transposes back
+    blocks = w.reshape(*w.shape[:2], -1, 32)
+    exponent = torch.ceil(torch.log2(blocks.abs().amax(-1).clamp_min(1e-30) / 6.0)).clamp(-127, 127)
+    scaled = blocks / torch.exp2(exponent)[..., None]
+    index = (scaled[..., None] - FP4).abs().argmin(-1)  # nearest e2m1 value (its sign bit included)
+    packed = (index[..., 0::2] | (index[..., 1::2] << 4)).to(torch.uint8)
+    return packed, (exponent + 127).to(torch.uint8)
+
+
+def test_mxfp4_experts_are_dequantized_as_transformers_loads_them(hf_models, tmp_path):
+    """gpt-oss's official checkpoints keep the experts in MXFP4 (`*_blocks`, `*_scales`). A copy of the gpt-oss test
+    model quantized so converts to the weights transformers itself loads from it (`from_pretrained`, which
+    dequantizes MXFP4 without its GPU kernels), bit for bit in bf16; every other tensor is the original's in bf16."""
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "mxfp4"
+    shutil.copytree(hf_models["gpt_oss"], src)
+    quantized = []
+    for shard in sorted(n for n in os.listdir(src) if n.endswith(".safetensors")):
+        state = load_file(src / shard)
+        for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            state[key + "_blocks"], state[key + "_scales"] = _to_mxfp4(state.pop(key))
+            quantized.append(key)
+        save_file(state, src / shard, metadata={"format": "pt"})
+    index_path = src / "model.safetensors.index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        for key in quantized:
+            shard = index["weight_map"].pop(key)
+            index["weight_map"] |= {key + "_blocks": shard, key + "_scales": shard}
+        index_path.write_text(json.dumps(index))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (src / "config.json").write_text(json.dumps(config))
+
+    out = str(tmp_path / "ckpt")
+    convert_hf_to_pipeline(str(src), out, log=lambda *_: None)
+    ours = load_hf_state_dict(out)
+    theirs = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16).state_dict()
+    assert len(quantized) == 2 * config["num_hidden_layers"] and set(ours) == set(theirs)
+    original = hf_state(hf_models["gpt_oss"])
+    for key, value in ours.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, theirs[key]), key
+        if key in quantized:  # the fixture's quantization, 4 bits a value: near the original weights as a whole
+            assert float((value.float() - original[key]).norm() / original[key].norm()) < 0.15, key
+        else:
+            assert torch.equal(value, original[key].to(torch.bfloat16)), key
+    assert "quantization_config" not in json.loads(open(os.path.join(out, "config.json")).read())

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from models.families import family_of
+from models.families import family_of, resolve_attention
 from tools.activation_bytes import deferred_weight_grad_bytes, stage_activation_bytes
 
 GIB = 1024**3
@@ -78,7 +78,7 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     b, s = cfg.micro_batch_size * sequences_per_sample(cfg), row // cp  # this rank's positions of each row
     every = checkpoint_every(cfg.model)
     act_bytes = 2 if precision != "fp32" else 4
-    attn = str(cfg.model.attn_implementation)
+    attn = resolve_attention(config, cfg.model.attn_implementation and str(cfg.model.attn_implementation))
     packed = cfg.data.documents_share_rows
     sp = sequence_parallel(cfg)
     routed = cfg.moe.routed_experts or cfg.expert_parallel_size > 1

@@ -19,7 +19,7 @@ from checkpoint.saves import clean_stale, read_tag
 from data.collator import CausalLMCollator
 from data.pair_dataset import PairCollator
 from models.config import check_preset, config_from_preset, load_hf_config
-from models.families import family_of
+from models.families import resolve_attention
 from models.lora import add_lora, parallelize_lora
 from models.loss import CausalLMLoss
 from models.moe import WithAuxLoss, default_aux_loss_coef, is_moe
@@ -69,7 +69,6 @@ def _user_error(e: Exception) -> RunError:
 def load_model_config(cfg: TrainConfig):
     """The model's transformers config: from `model_name_or_path` (checked against a preset named on the
     command line) or from the preset alone; attention implementation set. Raises RunError."""
-    impl = str(cfg.model.attn_implementation)
     try:
         if cfg.model_name_or_path:
             path = os.path.join(cfg.model_name_or_path, "config.json")
@@ -81,11 +80,10 @@ def load_model_config(cfg: TrainConfig):
             config = config_from_preset(cfg.model)
     except ValueError as e:
         raise _user_error(e) from None
-    if impl == "flash_attention_2" and not family_of(config).flash_attention:
-        raise RunError(
-            f"model.attn_implementation=flash_attention_2: transformers' {config.model_type} does not support it "
-            "(chunked attention needs a mask); use sdpa"
-        )
+    try:
+        impl = resolve_attention(config, cfg.model.attn_implementation and str(cfg.model.attn_implementation))
+    except ValueError as e:
+        raise _user_error(e) from None
     if impl == "flash_attention_2":
         try:
             import flash_attn  # noqa: F401

@@ -247,9 +247,8 @@ def _gathered_while_saving(module, layers: list, ep: ExpertParallel):
         dist.broadcast(t, first, group=ep.group)
         return int(t.item())
 
-    def gather(layer) -> tuple[torch.Tensor, torch.Tensor]:
-        experts = layer.moe_block().experts
-        return _gather(experts.gate_up_proj.detach(), ep), _gather(experts.down_proj.detach(), ep)
+    def gather(layer) -> dict[str, torch.Tensor]:  # every parameter of the experts (gpt-oss's biases too)
+        return {name: _gather(p.detach(), ep) for name, p in layer.moe_block().experts.named_parameters()}
 
     def before_state_dict(layer, *args):
         announce(layers.index(layer))

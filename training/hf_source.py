@@ -18,7 +18,7 @@ import os
 import shutil
 
 from checkpoint.convert import convert_layers
-from checkpoint.dequantize import fp8_blocks
+from checkpoint.dequantize import is_quantized
 from checkpoint.dtypes import dtype_name
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import list_shards, read_model_config, stored_dtype
@@ -64,7 +64,7 @@ def convert_on_load(
             os.makedirs(os.path.join(tmp, TAG))
     config = read_model_config(hf_dir)  # rank 0 has validated everything already
     expected = all_layer_keys(config)
-    cast = "bf16" if fp8_blocks(config) else None  # FP8 weights dequantized to bf16 (checkpoint/dequantize.py)
+    cast = "bf16" if is_quantized(config) else None  # FP8, MXFP4 weights dequantized to bf16 (dequantize.py)
     mine = [i for i in rank_layers(bounds, coords.num_stages)[coords.stage] if i in expected]  # DualPipeV: two stages
     with agreed():
         if coords.data_index == 0 and coords.tp_rank == 0 and mine:  # one writer per file (TP ranks slice at load)

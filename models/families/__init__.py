@@ -98,7 +98,9 @@ class Family:
     moe: MoeSpec | None = None  # a mixture-of-experts family
     package: str = ""  # transformers' models/<package> (default: the model type)
     dense_size: str = "intermediate_size"  # the config field with a dense layer's MLP width
-    flash_attention: bool = True  # transformers runs the family with flash-attn
+    # Why flash-attn cannot run the family's attention as transformers computes it ("" where it can); whether SDPA
+    # can is transformers' own `_supports_sdpa` (`resolve_attention`).
+    flash_refused: str = ""
     config_name: str = ""  # transformers' config class (default `<Prefix>Config`)
     # The decoder layer's RMSNorms, and those whose output enters a tensor-parallel split region (the input of
     # q/k/v or of gate/up): the others normalise whole (or, under sequence parallelism, sharded) activations. No
@@ -143,6 +145,36 @@ class Family:
     def initial_norm_weight(self) -> float:
         """What the family's RMSNorm initialises its weight to (1; Gemma's (1 + w) norms: 0)."""
         return float(self.hf_class("RMSNorm")(1).weight.detach()[0])
+
+
+def _pretrained_attr(module, name: str, default):
+    """An attribute of the modeling module's PreTrainedModel classes (the first that sets it)."""
+    for cls in [getattr(module, n) for n in dir(module) if n.endswith("PreTrainedModel")]:
+        if name in vars(cls):
+            return vars(cls)[name]
+    return default
+
+
+def resolve_attention(config, requested: str | None) -> str:
+    """The attention implementation a model of `config` runs: `requested`, or None for the family's default (SDPA, or
+    eager where transformers runs the family without SDPA, as its models fall back). ValueError, one line, for a
+    request the family's attention cannot honour (gpt-oss's sinks in SDPA, Llama 4's chunks in flash-attn)."""
+    family = family_of(config)
+    sdpa = _pretrained_attr(family.module(), "_supports_sdpa", True)
+    if requested is None:
+        return "sdpa" if sdpa else "eager"
+    if requested == "sdpa" and not sdpa:
+        raise ValueError(
+            f"model.attn_implementation=sdpa: transformers runs {family.model_type} without SDPA (its attention "
+            "adds what SDPA cannot); use eager, or leave it unset"
+        )
+    if requested == "flash_attention_2" and family.flash_refused:
+        default = "sdpa" if sdpa else "eager"
+        raise ValueError(
+            f"model.attn_implementation=flash_attention_2: transformers' {family.model_type} does not support it "
+            f"({family.flash_refused}); use {default}"
+        )
+    return requested
 
 
 @functools.cache

@@ -35,7 +35,7 @@ register(
         ),
         package="llama4",
         dense_size="intermediate_size_mlp",
-        flash_attention=False,
+        flash_refused="chunked attention needs a mask",
         # Experts and shared expert `intermediate_size` wide, dense layers `intermediate_size_mlp`; every 2nd layer
         # sparse, every 4th NoPE (full attention with temperature tuning), the others chunked.
         tiny=dict(

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from models.context_parallel import shard
+from models.families import FAMILIES
 from models.layers import split_stats
 from models.loss import IGNORE_INDEX
 from models.moe import WithAuxLoss, aux_loss, empty_stats, is_moe
@@ -45,7 +46,7 @@ EP_LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, True)]
 CP_LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (1, 2, True)]
 EP_CP_LAYOUTS = [(1, 1, False), (2, 1, False)]  # experts split over EP=2 ranks of the data axis under CP=2
 CP_NOT_BUILT: set[str] = set()  # model types that context parallelism refuses (training/validate.py)
-TP_NOT_BUILT: set[str] = set()  # model types that tensor parallelism refuses (`Family.tp_refused`)
+TP_NOT_BUILT = {name for name, family in FAMILIES.items() if family.tp_refused}  # (`Family.tp_refused`)
 FIRST_DOC = 10  # packed cases: documents of 10 and 14 tokens per row
 
 
