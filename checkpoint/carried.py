@@ -1,13 +1,13 @@
 """Hub tensors a model carries without training them: kept aside at conversion, written back at export.
 
 DeepSeek-V3's and GLM-4.5's checkpoints keep multi-token-prediction layers after the last decoder layer
-(`model.layers.{L}..{L + n - 1}.*`, n = `num_nextn_predict_layers`; models/key_table.py `is_carried`), which
-transformers' models do not run (they skip them at load) and this trainer does not train. Dropping them would make
-an export something other than the model that came in, so a pipeline checkpoint holds them as the hub stored them
-(names, dtypes, bytes; quantized ones with their scales) in one file at its root, `hub_extra.safetensors`, written
-tensor by tensor (memory: one tensor). Every way a checkpoint is made passes it on: conversion writes it,
-resharding, `--combine` and conversion at load copy it (`carry`), the trainer copies it into its output_dir beside
-config.json, and export appends its tensors to the shards (`carried_plan`, `iter_carried`).
+(`model.layers.{L}..{L + n - 1}.*`, n = `num_nextn_predict_layers`), Qwen3-Next's under `mtp.*` (models/key_table.py
+`is_carried`), which transformers' models do not run (they skip them at load) and this trainer does not train.
+Dropping them would make an export something other than the model that came in, so a pipeline checkpoint holds them
+as the hub stored them (names, dtypes, bytes; quantized ones with their scales) in one file at its root,
+`hub_extra.safetensors`, written tensor by tensor (memory: one tensor). Every way a checkpoint is made passes it on:
+conversion writes it, resharding, `--combine` and conversion at load copy it (`carry`), the trainer copies it into
+its output_dir beside config.json, and export appends its tensors to the shards (`carried_plan`, `iter_carried`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from checkpoint.dtypes import SAFETENSORS_DTYPES
 from checkpoint.hf_reader import is_hf_dir, iter_tensors, list_shards, read_model_config, read_safetensors_header
 from checkpoint.names import CARRIED_FILE
 from checkpoint.safetensors_writer import StreamingSafetensorsWriter
-from models.key_table import MTP_LAYERS_FIELD, is_carried
+from models.key_table import is_carried
 
 
 def _hub_specs(hf_dir: str, config) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -50,7 +50,7 @@ def carry(source: str, root: str, config=None) -> int:
         shutil.copy2(src, os.path.join(root, CARRIED_FILE))
         return len(read_safetensors_header(src)[1])
     config = config or read_model_config(source)
-    plan = _hub_specs(source, config) if getattr(config, MTP_LAYERS_FIELD, 0) else []
+    plan = _hub_specs(source, config)  # from the shards' headers: no tensor data read
     if plan:
         with StreamingSafetensorsWriter(os.path.join(root, CARRIED_FILE), plan, metadata={"format": "pt"}) as out:
             for name, tensor, _ in iter_tensors(source, {key for key, _, _ in plan}):

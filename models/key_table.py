@@ -142,11 +142,17 @@ MTP_LAYERS_FIELD = "num_nextn_predict_layers"
 
 
 def is_carried(hf_key: str, config) -> bool:
-    """Whether `hf_key` is a hub tensor the model carries without training it (a multi-token-prediction layer):
-    conversion keeps it aside as it is and export writes it back (checkpoint/carried.py)."""
+    """Whether `hf_key` is a hub tensor the model carries without training it: a multi-token-prediction layer after
+    the last decoder layer, or a tensor transformers' own model skips at load (`_keys_to_ignore_on_load_unexpected`
+    of the family's PreTrainedModel: Qwen3-Next's `mtp.*`). Conversion keeps it aside as it is and export writes it
+    back (checkpoint/carried.py)."""
     block = re.match(r"model\.layers\.(\d+)\.", hf_key)
     extra = getattr(config, MTP_LAYERS_FIELD, 0) or 0
-    return bool(block) and config.num_hidden_layers <= int(block.group(1)) < config.num_hidden_layers + extra
+    if block and config.num_hidden_layers <= int(block.group(1)) < config.num_hidden_layers + extra:
+        return True
+    if block:  # transformers' patterns name the released models' layer numbers; decoder layers are never carried
+        return False
+    return any(re.search(p, hf_key) for p in family_of(config).ignored_on_load())
 
 
 def hub_index(config) -> dict[str, tuple[int, str]]:

@@ -49,6 +49,7 @@ from models.families import (
     attention_chunk,
     family_of,
     hf_classes,
+    is_linear_attention,
     is_sparse_layer,
     resolve_attention,
     sliding_window,
@@ -192,7 +193,9 @@ class DecoderPipe:
         options = options or DecoderOptions()
         # `ep`: a models.expert_parallel.ExpertParallel (this rank's experts; tokens reach them by all-to-all).
         super().__init__(ep.local_config(config) if sparse and ep else config, layer_idx)
-        self.sparse = sparse
+        self.sparse, self.model_config = sparse, config
+        # Linear attention (Qwen3-Next's Gated DeltaNet) mixes tokens by a recurrence: no mask, no keys to attend.
+        self.linear = is_linear_attention(config, layer_idx)
         self.moe_block_name = family_of(config).moe.block if sparse else None
         if self.sparse:
             (ep or ExpertParallel()).split(self.moe_block(), config, options.routed_experts)
@@ -208,17 +211,17 @@ class DecoderPipe:
         self.rotary_args = (config.layer_types[layer_idx],) if takes_type else ()
         self.options = options
         self.recompute = self.options.recompute(layer_idx)
-        self.window = sliding_window(config, self.self_attn)
+        self.window = None if self.linear else sliding_window(config, self.self_attn)
         self.chunk = attention_chunk(config, layer_idx)
         self.cp = options.context
-        if self.cp.size > 1:
+        if self.cp.size > 1:  # (refused for linear attention: training/validate.py)
             context_parallel.attach(self.self_attn, self.self_attn.config, self.cp, self.attn_implementation)
         if options.mlp_tiles > 1 and not sparse:
             moe = family_of(config).moe
             context_parallel.tile_mlp(getattr(self, moe.block if moe else "mlp"), options.mlp_tiles)
 
     def _apply(self, fn, recurse=True):  # buffers transformers keeps fp32 in any dtype stay so (`Family.keeps_fp32`)
-        keep = family_of(self.self_attn.config).keeps_fp32
+        keep = family_of(self.model_config).keeps_fp32
         return apply_keeping_fp32(self, keep, lambda: super(DecoderPipe, self)._apply(fn, recurse))
 
     def moe_block(self) -> nn.Module:
@@ -272,7 +275,9 @@ class DecoderPipe:
             attn = self.self_attn
             if getattr(attn, "attn_temperature_tuning", False) and not attn.use_rope:  # Llama 4's NoPE layers
                 extra["past_key_values"] = context_parallel.ShardOffset(self.cp.rank * (seq // self.cp.size))
-        if self.attn_implementation == "flash_attention_2":
+        if self.linear:  # rows are right-padded: a causal recurrence never reads the padding into a real position
+            pass
+        elif self.attn_implementation == "flash_attention_2":
             extra.update(flash_varlen_kwargs(position_ids) if packed else {})
         elif packed or window is not None or chunk is not None or self.attn_implementation == "eager":
             mask = attention_mask(position_ids, packed, window, chunk)
@@ -283,6 +288,11 @@ class DecoderPipe:
         return super().forward(
             hidden, attention_mask=mask, position_ids=local_positions, position_embeddings=cos_sin, **extra
         )
+
+
+def block_index(layer: nn.Module) -> int:
+    """The decoder block number of a decoder layer, ours or transformers' own (its token mixer knows it)."""
+    return (getattr(layer, "self_attn", None) or layer.linear_attn).layer_idx
 
 
 @functools.cache

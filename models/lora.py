@@ -16,6 +16,7 @@ from torch import nn
 
 from models.families import family_of, hf_classes
 from models.key_table import linear_modules
+from models.layers import block_index
 from models.pipe_layout import DECODER
 from models.sharding import ROW, shard
 from models.tensor_parallel import TensorParallel, TPDecoderPipe, leave_tp, sum_grad_over_tp
@@ -81,7 +82,7 @@ def add_lora(
 
 @torch.no_grad()
 def _init_adapters(layer: nn.Module, seed: int, tp_rank: int, tp_size: int) -> None:
-    block = layer.self_attn.layer_idx
+    block = block_index(layer)
     for i, name in enumerate(linear_modules()):
         try:
             target = layer.get_submodule(name)

@@ -15,7 +15,7 @@ from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
 from models.context_parallel import ContextParallel
 from models.expert_parallel import ExpertParallel
-from models.layers import DecoderOptions
+from models.layers import DecoderOptions, block_index
 from models.moe import file_keys_of, num_experts
 from models.pipe_layout import TIED_KEY, pipe_layers
 from models.tensor_parallel import TensorParallel, tp_layer_class_and_args, tp_tied_head_forward
@@ -70,7 +70,7 @@ class PipelineStageModule(PipelineModule):
         names = super()._get_frozen_parameter_names(layer)
         if not getattr(layer, "sparse", False):
             return names
-        block, held = layer.self_attn.layer_idx, self._ep.local_experts(num_experts(self.model_config))
+        block, held = block_index(layer), self._ep.local_experts(num_experts(self.model_config))
         return [key for name in names for key in file_keys_of(self.model_config, block, name, held)]
 
     def local_layer_indices(self) -> list[int]:

@@ -90,11 +90,14 @@ MODEL_VARIANTS = {
     # gpt-oss: attention sinks, sliding (window 4) and full layers, every bias, interleaved gate/up experts with
     # biases, the clamped SwiGLU (clamping at 0.5), its load-balancing loss on.
     "gpt_oss": dict(model_type="gpt_oss", num_key_value_heads=2, swiglu_limit=0.5) | MOE_AUX,
+    # Qwen3-Next: Gated DeltaNet linear attention in layers 0-2 and gated full attention in 3, sparse blocks with a
+    # gated shared expert, its load-balancing loss on; `mtp.*` weights carried.
+    "qwen3_next": dict(model_type="qwen3_next", num_key_value_heads=2) | MOE_AUX,
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
-NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "gpt_oss"]
-CARRYING_VARIANTS = ("deepseek_v3",)  # with a multi-token-prediction layer (`add_mtp_layer`)
-MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "glm4_moe", "deepseek_v3", "gpt_oss")
+NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "gpt_oss", "qwen3_next"]
+CARRYING_VARIANTS = {"deepseek_v3": "layers", "qwen3_next": "mtp"}  # with a multi-token-prediction layer
+MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "glm4_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
 FAMILY_VARIANTS += NEW_FAMILY_VARIANTS
 
@@ -113,19 +116,24 @@ def hf_state(hf_dir: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def add_mtp_layer(hf_dir: str) -> list[str]:
-    """Give an HF directory a multi-token-prediction layer after its last decoder layer, as DeepSeek-V3's and
-    GLM-4.5's hub checkpoints keep one (transformers builds none and skips it at load): the last decoder layer's
+def add_mtp_layer(hf_dir: str, under: str = "layers") -> list[str]:
+    """Give an HF directory a multi-token-prediction layer, as the hub checkpoints keep one (transformers builds none
+    and skips it at load): after the last decoder layer as DeepSeek-V3's and GLM-4.5's (`under="layers"`; config.json
+    counts it, `num_nextn_predict_layers`), or under `mtp.` as Qwen3-Next's (`under="mtp"`): the last decoder layer's
     tensors again, its own norms, projection and head, one tensor FP8 with its scale, in a shard of its own listed
-    in the index; config.json counts it (`num_nextn_predict_layers`). Returns its keys."""
+    in the index. Returns its keys."""
     from safetensors.torch import save_file
 
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = json.load(f)
     last = config["num_hidden_layers"] - 1
-    mtp = f"model.layers.{last + 1}."
+    mtp = f"model.layers.{last + 1}." if under == "layers" else "mtp.layers.0."
     state = hf_state(hf_dir)
-    extra = {mtp + k.removeprefix(f"model.layers.{last}."): v.clone() for k, v in state.items() if f".{last}." in k}
+    extra = {
+        mtp + k.removeprefix(f"model.layers.{last}."): v.clone()
+        for k, v in state.items()
+        if k.startswith(f"model.layers.{last}.")
+    }
     hidden = config["hidden_size"]
     generator = torch.Generator().manual_seed(3)
     extra |= {
@@ -146,7 +154,8 @@ def add_mtp_layer(hf_dir: str) -> list[str]:
     index["weight_map"] |= {k: "model-mtp.safetensors" for k in extra}
     with open(index_path, "w") as f:
         json.dump(index, f, indent=2)
-    config["num_nextn_predict_layers"] = 1
+    if under == "layers":
+        config["num_nextn_predict_layers"] = 1
     with open(os.path.join(hf_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return sorted(extra)
@@ -376,7 +385,7 @@ def hf_models(workdir, tokenizer_dir) -> dict[str, str]:
         for i, (name, overrides) in enumerate(MODEL_VARIANTS.items()):
             make_hf_model(out[name], tiny_config(**overrides), seed=i, tokenizer_dir=tokenizer_dir)
             if name in CARRYING_VARIANTS:
-                add_mtp_layer(out[name])
+                add_mtp_layer(out[name], CARRYING_VARIANTS[name])
 
     built_once(workdir / "hf_models", build)
     return out

@@ -62,6 +62,9 @@ FAMILY_CONFIGS = {
     # gpt-oss: attention sinks (eager), sliding (window 4) and full layers, every bias, interleaved gate/up experts
     # with biases, the router's bias, the clamped SwiGLU (limit 0.5 so it clamps at this size).
     "gpt_oss-sinks-local": ("gpt_oss", dict(swiglu_limit=0.5)),
+    # Qwen3-Next: Gated DeltaNet linear attention (layers 0-2) and gated full attention (3), (1 + w) norms, sparse
+    # blocks with a gated shared expert; rows of 12 tokens run the recurrence in chunks of 64 (transformers' own).
+    "qwen3_next-hybrid": ("qwen3_next", dict(num_hidden_layers=4)),
 }
 
 
@@ -100,7 +103,7 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model_type, overrides = FAMILY_CONFIGS[name]
-    config = tiny_config(model_type, num_hidden_layers=3, **{"num_key_value_heads": 2} | overrides)
+    config = tiny_config(model_type, **{"num_hidden_layers": 3, "num_key_value_heads": 2} | overrides)
     if resolve_attention(config, None) != "sdpa" and attn == "sdpa":  # gpt-oss's sinks: transformers runs eager
         with pytest.raises(ValueError, match=f"^model.attn_implementation=sdpa: transformers runs {model_type} "):
             resolve_attention(config, attn)
@@ -145,12 +148,12 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
 
 
 def test_other_model_types_are_refused(tmp_path):
-    for model_type in ("qwen3_next", "falcon_h1"):  # what we do not build (linear attention, Mamba layers)
+    for model_type in ("kimi_linear", "falcon_h1"):  # what we do not build (its linear attention, Mamba layers)
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         supported = (
             "supported: deepseek_v3, ernie4_5, gemma3, gemma3_text, glm4, glm4_moe, gpt_oss, helium, llama, llama4, "
             "llama4_text, ministral3, mistral, mixtral, olmo2, olmo3, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, "
-            "seed_oss, smollm3"
+            "qwen3_next, seed_oss, smollm3"
         )
         with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported \\({supported}\\)"):
             load_hf_config(str(tmp_path))

@@ -330,3 +330,24 @@ def test_llama4_routed_experts_equal_transformers_dense_block():
     grads = dict(hf.named_parameters())
     for name, p in ours.named_parameters():
         close(p.grad, grads[name].grad)
+
+
+@pytest.mark.parametrize(
+    "model_type,extra,message",
+    [
+        ("qwen3_next", ["data.packing=true"], "data.packing/concatenate: qwen3_next's linear-attention layers carry"),
+        ("qwen3_next", ["context_parallel_size=2"], "context_parallel_size=2: qwen3_next's linear-attention layers"),
+        ("qwen3_next", ["tensor_parallel_size=2"], "tensor_parallel_size=2: model_type='qwen3_next' is not split"),
+        ("gpt_oss", ["tensor_parallel_size=2"], "tensor_parallel_size=2: model_type='gpt_oss' is not split"),
+        ("gpt_oss", ["model.attn_implementation=sdpa"], "model.attn_implementation=sdpa: transformers runs gpt_oss"),
+    ],
+)
+def test_what_a_family_cannot_run_is_refused_in_one_line(model_type, extra, message, tmp_path):
+    """Qwen3-Next's recurrence runs along the whole row (no packed documents, no context parallelism); gpt-oss's and
+    Qwen3-Next's tensor-parallel splits are not built; gpt-oss's sinks have no SDPA. One line naming the key."""
+    from tests.catalogue import config_error
+
+    tiny_config(model_type).save_pretrained(tmp_path / "m")
+    base = [f"train_file={tmp_path}/t.jsonl", f"output_dir={tmp_path}/out", "seq_length=64", "deepspeed=fp32"]
+    got = config_error([*base, f"model_name_or_path={tmp_path}/m", *extra], world_size=4)
+    assert got.startswith(message) and "\n" not in got, got

@@ -26,5 +26,5 @@ def balance_experts(module, rate: float, data_group, cp_size: int) -> None:
     dist.all_reduce(counts, group=data_group)
     counts /= cp_size  # each CP rank counted its group's whole rows (integers: exact)
     for layer, layer_counts in zip(layers, counts):
-        balance(router_of(layer.moe_block(), layer.self_attn.config), layer_counts, rate)
+        balance(router_of(layer.moe_block(), layer.model_config), layer_counts, rate)
         layer.expert_counts = None

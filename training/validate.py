@@ -11,7 +11,7 @@ import math
 import re
 
 from models.config import checkpoint_every
-from models.families import FAMILIES, family_of, tp_refusal
+from models.families import FAMILIES, family_of, linear_attention_refusal, tp_refusal
 from models.lora import check_target_modules
 from models.moe import is_moe, num_experts
 from models.sharding import tp_indivisible
@@ -213,6 +213,10 @@ def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
         check_target_modules(cfg.lora.target_modules, model_config)
     validate_context_parallel(cfg, model_config)
     validate_expert_parallel(cfg, world_size, model_config)
+    cp, shared = cfg.context_parallel_size, cfg.data.documents_share_rows
+    for what, on in ((f"context_parallel_size={cp}", cp > 1), ("data.packing/concatenate", shared)):
+        refusal = linear_attention_refusal(model_config, what) if on else None
+        _need(refusal is None, refusal or "")
     if is_moe(model_config):
         validate_experts(cfg, model_config)
     else:

@@ -142,14 +142,25 @@ class Family:
         (`_keep_in_fp32_modules_strict` of the family's PreTrainedModel: DeepSeek's `e_score_correction_bias`)."""
         return any(name in key.split(".") for name in _fp32_names(self.module()))
 
+    def ignored_on_load(self) -> tuple[str, ...]:
+        """The patterns of hub keys transformers' model of the family skips at load (its multi-token-prediction
+        weights: `_keys_to_ignore_on_load_unexpected`)."""
+        return tuple(_pretrained_attr(self.module(), "_keys_to_ignore_on_load_unexpected", None) or ())
+
     def initial_norm_weight(self) -> float:
         """What the family's RMSNorm initialises its weight to (1; Gemma's (1 + w) norms: 0)."""
         return float(self.hf_class("RMSNorm")(1).weight.detach()[0])
 
 
+def _pretrained_classes(module) -> list[type]:
+    """The modeling module's own PreTrainedModel classes (not transformers' base class it imports)."""
+    classes = [getattr(module, n) for n in dir(module) if n.endswith("PreTrainedModel")]
+    return [cls for cls in classes if isinstance(cls, type) and cls.__module__ == module.__name__]
+
+
 def _pretrained_attr(module, name: str, default):
     """An attribute of the modeling module's PreTrainedModel classes (the first that sets it)."""
-    for cls in [getattr(module, n) for n in dir(module) if n.endswith("PreTrainedModel")]:
+    for cls in _pretrained_classes(module):
         if name in vars(cls):
             return vars(cls)[name]
     return default
@@ -180,7 +191,7 @@ def resolve_attention(config, requested: str | None) -> str:
 @functools.cache
 def _fp32_names(module) -> frozenset[str]:
     """`_keep_in_fp32_modules_strict` of every PreTrainedModel class of a transformers modeling module."""
-    classes = [getattr(module, name) for name in dir(module) if name.endswith("PreTrainedModel")]
+    classes = _pretrained_classes(module)
     return frozenset(n for cls in classes for n in getattr(cls, "_keep_in_fp32_modules_strict", None) or ())
 
 
@@ -254,6 +265,23 @@ def attention_chunk(config, block: int) -> int | None:
     if types and types[block] == "chunked_attention":
         return config.attention_chunk_size
     return None
+
+
+def is_linear_attention(config, block: int) -> bool:
+    """Whether decoder block `block` mixes tokens by linear attention (a recurrence: Qwen3-Next's Gated DeltaNet,
+    "linear_attention" in `config.layer_types`) instead of attention over keys."""
+    types = getattr(config, "layer_types", None)
+    return bool(types) and types[block] == "linear_attention"
+
+
+def linear_attention_refusal(config, what: str) -> str | None:
+    """Why `what` (packed rows, context parallelism) cannot run a model with linear-attention layers, or None."""
+    if not any(is_linear_attention(config, b) for b in range(config.num_hidden_layers)):
+        return None
+    return (
+        f"{what}: {config.model_type}'s linear-attention layers carry a recurrent state along the whole row, which "
+        "transformers' torch path neither resets per packed document nor splits over ranks"
+    )
 
 
 def is_sparse_layer(config, block: int) -> bool:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from models.context_parallel import shard
-from models.families import FAMILIES
+from models.families import FAMILIES, linear_attention_refusal
 from models.layers import split_stats
 from models.loss import IGNORE_INDEX
 from models.moe import WithAuxLoss, aux_loss, empty_stats, is_moe
@@ -45,7 +45,12 @@ EP_LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, True)]
 # Context parallelism C=2 (Ulysses): CP=2 (DP=2), PP=2 x CP=2, TP=2 x CP=2 without and with SP; dense models.
 CP_LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (1, 2, True)]
 EP_CP_LAYOUTS = [(1, 1, False), (2, 1, False)]  # experts split over EP=2 ranks of the data axis under CP=2
-CP_NOT_BUILT: set[str] = set()  # model types that context parallelism refuses (training/validate.py)
+
+
+def cp_refused(config) -> bool:  # what context parallelism refuses (training/validate.py): linear attention
+    return linear_attention_refusal(config, "") is not None
+
+
 TP_NOT_BUILT = {name for name, family in FAMILIES.items() if family.tp_refused}  # (`Family.tp_refused`)
 FIRST_DOC = 10  # packed cases: documents of 10 and 14 tokens per row
 
@@ -127,8 +132,8 @@ def main():
         model_config = AutoConfig.from_pretrained(case["ckpt_dir"])
         experts = is_moe(model_config)
         layouts = [(*x, 1, 1) for x in LAYOUTS] + [(*x, 2, 1) for x in EP_LAYOUTS if experts]
-        layouts += [(*x, 1, 2) for x in CP_LAYOUTS if model_config.model_type not in CP_NOT_BUILT]
-        layouts += [(*x, 2, 2) for x in EP_CP_LAYOUTS if experts]
+        layouts += [(*x, 1, 2) for x in CP_LAYOUTS if not cp_refused(model_config)]
+        layouts += [(*x, 2, 2) for x in EP_CP_LAYOUTS if experts and not cp_refused(model_config)]
         if "--pp2-tp2-cp2" in sys.argv[3:]:
             layouts = [(2, 2, False, 1, 2), (2, 2, True, 1, 2)]
         if model_config.model_type in TP_NOT_BUILT:
