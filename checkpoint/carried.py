@@ -19,23 +19,37 @@ from collections.abc import Iterator
 import torch
 
 from checkpoint.dtypes import SAFETENSORS_DTYPES
-from checkpoint.hf_reader import is_hf_dir, iter_tensors, list_shards, read_model_config, read_safetensors_header
+from checkpoint.hf_reader import (
+    container_of,
+    is_hf_dir,
+    iter_tensors,
+    list_shards,
+    read_model_config,
+    read_safetensors_header,
+)
 from checkpoint.names import CARRIED_FILE
 from checkpoint.safetensors_writer import StreamingSafetensorsWriter
 from models.key_table import is_carried
 
 
 def _hub_specs(hf_dir: str, config) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(key, shape, dtype) of the carried tensors of an HF directory, from its safetensors headers, in the order
-    `iter_tensors` reads them (shard by shard, by offset)."""
+    """(hub key, shape, dtype) of the carried tensors of an HF directory, from its safetensors headers, in the order
+    `iter_tensors` reads them (shard by shard, by offset): the text model's untrained tensors, and a multimodal
+    container's other towers (`container_of`: its vision tower, Qwen3.5's `mtp.*`)."""
     shards, _ = list_shards(hf_dir)
+    container = container_of(hf_dir)
+
+    def carried(key: str) -> bool:
+        text = key if container is None else container.text_key(key)
+        return text is None or is_carried(text, config)
+
     specs = []
     for shard in shards:
         if not shard.endswith(".safetensors"):
             continue
         _, header = read_safetensors_header(os.path.join(hf_dir, shard))
         for key, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-            if is_carried(key, config):
+            if carried(key):
                 specs.append((key, tuple(entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]]))
     return specs
 
@@ -53,7 +67,7 @@ def carry(source: str, root: str, config=None) -> int:
     plan = _hub_specs(source, config)  # from the shards' headers: no tensor data read
     if plan:
         with StreamingSafetensorsWriter(os.path.join(root, CARRIED_FILE), plan, metadata={"format": "pt"}) as out:
-            for name, tensor, _ in iter_tensors(source, {key for key, _, _ in plan}):
+            for name, tensor, _ in iter_tensors(source, {key for key, _, _ in plan}, raw=True):
                 out.write(name, tensor)
     return len(plan)
 

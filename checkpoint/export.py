@@ -26,11 +26,51 @@ from checkpoint.carried import carried_plan, iter_carried
 from checkpoint.dtypes import DTYPES, element_size
 from checkpoint.errors import CheckpointError
 from checkpoint.lora_merge import adapters_from_checkpoint, adapters_from_peft
+from checkpoint.names import CONTAINER_CONFIG
 from checkpoint.outputs import HF_EXPORT, check_output
 from checkpoint.pipeline_reader import PipelineCheckpoint
 from checkpoint.safetensors_writer import StreamingSafetensorsWriter
 from checkpoint.staging import staged_directory
 from checkpoint.writer import ConvertStats, copy_side_files
+
+
+def _container(ckpt_dir: str) -> dict | None:
+    path = os.path.join(ckpt_dir, CONTAINER_CONFIG)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def hub_layout(ckpt_dir: str):
+    """key -> the key the export writes: a checkpoint converted from a multimodal container (it keeps the container's
+    config.json beside, `CONTAINER_CONFIG`) is exported in the container's own layout (Qwen3.5's text keys under
+    `model.language_model.`, Gemma 3's and Llama 4's under `language_model.`), its other towers carried back
+    (checkpoint/carried.py); any other checkpoint as the text model it is."""
+    from models.families import CONTAINERS
+
+    conf = _container(ckpt_dir)
+    return CONTAINERS[conf["model_type"]].hub_key if conf else (lambda key: key)
+
+
+def write_container_config(out_dir: str) -> None:
+    """An export of a container checkpoint: config.json is the container's again, its text model's part the
+    checkpoint's config (a cast dtype included); the copy kept beside goes."""
+    from models.families import CONTAINERS
+
+    conf = _container(out_dir)
+    if conf is None:
+        return
+    with open(os.path.join(out_dir, "config.json")) as f:
+        text = json.load(f)
+    container = CONTAINERS[conf["model_type"]]
+    text.pop("architectures", None)
+    conf[container.config_key] = {**(conf.get(container.config_key) or {}), **text}
+    if "dtype" in text:
+        conf["dtype"] = text["dtype"]
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(conf, f, indent=2)
+    os.remove(os.path.join(out_dir, CONTAINER_CONFIG))
 
 
 def parse_size(text: str) -> int:
@@ -87,8 +127,9 @@ def export_pipeline_to_hf(
         adapters = adapters_from_peft(merge_lora, ckpt.config)
     limit = parse_size(max_shard_size)
     # Plan every shard before reading any data: names, shapes and dtypes from memory-mapped layer files.
+    hub = hub_layout(ckpt_dir)  # a multimodal source's own key names, else the text model's
     plan = [
-        (key, shape, DTYPES[dtype] if dtype and stored.is_floating_point else stored)
+        (hub(key), shape, DTYPES[dtype] if dtype and stored.is_floating_point else stored)
         for key, shape, stored in weights.plan_hf_tensors()
     ]
     plan += carried_plan(ckpt_dir)  # as the hub stored them, whatever --dtype says (checkpoint/carried.py)
@@ -110,7 +151,8 @@ def export_pipeline_to_hf(
     base = weights.ckpt_dir if merge_lora is True else None
     sources = [p for p in (recorded_input or ckpt_dir, base, adapter_dir) if p]
     with staged_directory(out_dir, force, HF_EXPORT, command, sorted(set(sources))) as tmp:
-        tensors = itertools.chain(weights.iter_hf_tensors(adapters), iter_carried(ckpt_dir))
+        model = ((hub(key), tensor) for key, tensor in weights.iter_hf_tensors(adapters))
+        tensors = itertools.chain(model, iter_carried(ckpt_dir))
         for name, shard in zip(names, shards):
             with StreamingSafetensorsWriter(os.path.join(tmp, name), shard, metadata={"format": "pt"}) as writer:
                 for _, _, want in shard:
@@ -123,6 +165,7 @@ def export_pipeline_to_hf(
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)
         copy_side_files(ckpt_dir, tmp, dtype, model_files_only=True)
+        write_container_config(tmp)
     stats.seconds = time.perf_counter() - start
     log(
         f"exported {ckpt.step_dir} -> {out_dir}: {len(stats.files)} shards, {stats.tensors} tensors, "

@@ -36,25 +36,24 @@ def read_model_config(path: str):
         raise CheckpointError(str(e)) from None
 
 
-def text_prefix(hf_dir: str) -> str:
-    """What a container checkpoint (a multimodal model, models/families.py `CONTAINERS`) puts before its text
-    model's keys; "" for a text model. Every function here names tensors by the text model's keys and skips the
-    other towers' tensors."""
+def container_of(hf_dir: str):
+    """The container a multimodal checkpoint is (models/families `CONTAINERS`: where its text model's keys sit), or
+    None for a text model. Every function here names tensors by the text model's keys and skips the other towers'
+    tensors (which checkpoint/carried.py keeps aside), unless asked for the hub's own names (`raw`)."""
     from models.families import CONTAINERS
 
     try:
         with open(os.path.join(hf_dir, "config.json")) as f:
-            container = CONTAINERS.get(json.load(f).get("model_type"))
+            return CONTAINERS.get(json.load(f).get("model_type"))
     except (OSError, ValueError, AttributeError):
-        return ""
-    return container.prefix if container else ""
+        return None
 
 
-def _text_keys(mapping: dict[str, str], prefix: str) -> dict[str, str]:
+def _text_keys(mapping: dict[str, str], container) -> dict[str, str]:
     """`mapping` {file key: value} as {text model key: value}, the other towers' keys left out."""
-    if not prefix:
+    if container is None:
         return mapping
-    return {k.removeprefix(prefix): v for k, v in mapping.items() if k.startswith(prefix)}
+    return {text: v for k, v in mapping.items() if (text := container.text_key(k)) is not None}
 
 
 def is_hf_dir(path: str) -> bool:
@@ -157,8 +156,9 @@ def iter_safetensors(
             yield name, buf.view(dtype).reshape(entry["shape"])
 
 
-def validate(hf_dir: str) -> dict[str, str]:
-    """Check that every shard is present and complete. Returns {tensor name: shard file}."""
+def validate(hf_dir: str, raw: bool = False) -> dict[str, str]:
+    """Check that every shard is present and complete. Returns {tensor name: shard file} (the hub's own names with
+    `raw`, else the text model's: `container_of`)."""
     shards, weight_map = list_shards(hf_dir)
     found: dict[str, str] = {}
     for shard in shards:
@@ -172,12 +172,12 @@ def validate(hf_dir: str) -> dict[str, str]:
             found.update({k: shard for k in _load_bin(path)})
     if weight_map is not None:
         if not shards[0].endswith(".safetensors"):
-            return _text_keys(dict(weight_map), text_prefix(hf_dir))
+            return _text_keys(dict(weight_map), None if raw else container_of(hf_dir))
         missing = [k for k, shard in weight_map.items() if found.get(k) != shard]
         if missing:
             shard = os.path.join(hf_dir, weight_map[missing[0]])
             raise CheckpointError(f"{shard}: tensor {missing[0]} listed in the index is not in the shard")
-    return _text_keys(found, text_prefix(hf_dir))
+    return _text_keys(found, None if raw else container_of(hf_dir))
 
 
 def _load_bin(path: str) -> dict[str, torch.Tensor]:
@@ -189,7 +189,7 @@ def _load_bin(path: str) -> dict[str, torch.Tensor]:
 
 
 def iter_tensors(
-    hf_dir: str, names: set[str] | None = None, alloc: Callable[[int], torch.Tensor] | None = None
+    hf_dir: str, names: set[str] | None = None, alloc: Callable[[int], torch.Tensor] | None = None, raw: bool = False
 ) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Yield (name, tensor, shard file) in shard order; only one shard is open at a time.
 
@@ -197,28 +197,30 @@ def iter_tensors(
         hf_dir: the HF model directory.
         names: read only these tensors (and skip shards that hold none of them); None reads all.
         alloc: where safetensors data is read into (see `iter_safetensors`).
+        raw: names are the hub's own, every tower's (else the text model's: `container_of`).
     """
     shards, weight_map = list_shards(hf_dir)
-    prefix = text_prefix(hf_dir)  # names are the text model's keys (a container's other towers are skipped)
-    names = {prefix + n for n in names} if names is not None else None
+    container = None if raw else container_of(hf_dir)
 
-    def wanted(name: str) -> bool:
-        return name in names if names is not None else name.startswith(prefix)
+    def text(name: str) -> str | None:  # the text model's name of a file key (a container's other towers: None)
+        return name if container is None else container.text_key(name)
 
+    if names is not None and container is not None:
+        names = {container.hub_key(n) for n in names}
     for shard in shards:
         if names is not None and weight_map is not None and not any(weight_map.get(n) == shard for n in names):
             continue
         path = os.path.join(hf_dir, shard)
         if shard.endswith(".safetensors"):
             for name, tensor in iter_safetensors(path, names, alloc):
-                if wanted(name):
-                    yield name.removeprefix(prefix), tensor, shard
+                if text(name) is not None:
+                    yield text(name), tensor, shard
         else:
             state = _load_bin(path)
             for name in list(state):
                 tensor = state.pop(name)
-                if wanted(name):
-                    yield name.removeprefix(prefix), tensor, shard
+                if (names is None or name in names) and text(name) is not None:
+                    yield text(name), tensor, shard
             del state
 
 

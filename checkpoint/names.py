@@ -23,6 +23,7 @@ CONVERTED_DIR = "hf_converted"  # conversion at load time: output_dir/hf_convert
 REFERENCE_CONVERTED_DIR = "hf_converted_reference"  # the same, of an HF dpo.reference_model
 CONVERTED_TAG = "global_step0"  # the one tag of a converted checkpoint
 CARRIED_FILE = "hub_extra.safetensors"  # hub tensors carried untrained (checkpoint/carried.py)
+CONTAINER_CONFIG = "container_config.json"  # a multimodal source's own config.json, for exports in its layout
 WRITER_FILE = ".convert2ckpt.json"  # which convert2ckpt command wrote a directory (checkpoint/outputs.py)
 
 # Files that make a directory loadable with AutoModelForCausalLM / AutoTokenizer (weights aside).
@@ -35,6 +36,7 @@ MODEL_SIDE_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
     "chat_template.json",
+    CONTAINER_CONFIG,
 )
 
 STAGING_PREFIX = ".saving-"

@@ -18,7 +18,15 @@ from checkpoint.dtypes import DTYPES, dtype_name
 from checkpoint.errors import CheckpointError
 from checkpoint.layer_files import layer_path, save_layer_state
 from checkpoint.manifest import build_manifest, write_manifest
-from checkpoint.names import CONVERSION_RECORD, CONVERTED_TAG, LATEST, MODEL_SIDE_FILES, PIECE_FILE, engine_file
+from checkpoint.names import (
+    CONTAINER_CONFIG,
+    CONVERSION_RECORD,
+    CONVERTED_TAG,
+    LATEST,
+    MODEL_SIDE_FILES,
+    PIECE_FILE,
+    engine_file,
+)
 from models.families import tp_refusal
 from models.pipe_layout import PipeLayer
 from models.sharding import shard, tp_indivisible
@@ -71,7 +79,9 @@ def text_model_config(config_path: str) -> None:
     with open(config_path) as f:
         conf = json.load(f)
     text = text_config_json(conf)
-    if text is not conf:
+    if text is not conf:  # the container's own config kept beside: exports write the hub's layout back
+        with open(os.path.join(os.path.dirname(config_path), CONTAINER_CONFIG), "w") as f:
+            json.dump(conf, f, indent=2)
         with open(config_path, "w") as f:
             json.dump(text, f, indent=2)
 

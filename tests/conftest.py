@@ -93,9 +93,11 @@ MODEL_VARIANTS = {
     # Qwen3-Next: Gated DeltaNet linear attention in layers 0-2 and gated full attention in 3, sparse blocks with a
     # gated shared expert, its load-balancing loss on; `mtp.*` weights carried.
     "qwen3_next": dict(model_type="qwen3_next", num_key_value_heads=2) | MOE_AUX,
+    # Qwen3.5's text model: the same hybrid with dense MLPs.
+    "qwen3_5": dict(model_type="qwen3_5_text", num_key_value_heads=2),
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
-NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "gpt_oss", "qwen3_next"]
+NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "qwen3_5"]
 CARRYING_VARIANTS = {"deepseek_v3": "layers", "qwen3_next": "mtp"}  # with a multi-token-prediction layer
 MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "glm4_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
@@ -126,15 +128,13 @@ def add_mtp_layer(hf_dir: str, under: str = "layers") -> list[str]:
 
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = json.load(f)
-    last = config["num_hidden_layers"] - 1
+    text = config.get("text_config", config)  # a multimodal container's text model (Qwen3.5's)
+    last = text["num_hidden_layers"] - 1
     mtp = f"model.layers.{last + 1}." if under == "layers" else "mtp.layers.0."
+    layer = f"model.language_model.layers.{last}." if text is not config else f"model.layers.{last}."
     state = hf_state(hf_dir)
-    extra = {
-        mtp + k.removeprefix(f"model.layers.{last}."): v.clone()
-        for k, v in state.items()
-        if k.startswith(f"model.layers.{last}.")
-    }
-    hidden = config["hidden_size"]
+    extra = {mtp + k.removeprefix(layer): v.clone() for k, v in state.items() if k.startswith(layer)}
+    hidden = text["hidden_size"]
     generator = torch.Generator().manual_seed(3)
     extra |= {
         mtp + "enorm.weight": torch.rand(hidden, generator=generator),

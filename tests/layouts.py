@@ -73,4 +73,5 @@ LAYOUTS = {
     # Qwen3-Next: Gated DeltaNet linear attention on both stages, gated full attention, a gated shared expert, its
     # experts split over EP=2, every block recomputed.
     "qwen3_next-pp2-dp2-ep2-recompute": ("qwen3_next", "true", 2, 1, "", 0),
+    "qwen3_5-pp2-dp2": ("qwen3_5", "false", 2, 1, "", 0),
 }

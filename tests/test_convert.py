@@ -381,6 +381,12 @@ def _multimodal(family: str):
         text = tiny_config("llama4_text", num_key_value_heads=2).to_dict()
         config = transformers.Llama4Config(text_config=text, vision_config=vision)
         return transformers.Llama4ForConditionalGeneration(config), "vision_model.", "llama4_text", "Llama4ForCausalLM"
+    if family == "qwen3_5":
+        text = tiny_config("qwen3_5_text", num_key_value_heads=2).to_dict()
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8)
+        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+        model = transformers.Qwen3_5ForConditionalGeneration(config)
+        return model, "model.visual.", "qwen3_5_text", "Qwen3_5ForCausalLM"
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32)
     # No logit soft-cap, as the hub's Gemma 3 configs: Gemma3ForConditionalGeneration's forward applies none even when
     # set, where Gemma3ForCausalLM (the text model we convert to) applies it.
@@ -392,18 +398,21 @@ def _multimodal(family: str):
     return transformers.Gemma3ForConditionalGeneration(config), "vision_tower.", "gemma3_text", "Gemma3ForCausalLM"
 
 
-@pytest.mark.parametrize("family", ["llama4", "gemma3"])
+@pytest.mark.parametrize("family", ["llama4", "gemma3", "qwen3_5"])
 def test_multimodal_checkpoint_converts_its_text_model(family, tmp_path):
-    """A Llama4ForConditionalGeneration checkpoint (the hub's Llama 4 Scout and Maverick) or a
-    Gemma3ForConditionalGeneration one (Gemma 3 4B-27B): conversion takes the text model (keys under
-    `language_model.`, config.json's `text_config`), skips the vision tower, and gives the text model's checkpoint;
+    """A Llama4ForConditionalGeneration checkpoint (the hub's Llama 4 Scout and Maverick), a
+    Gemma3ForConditionalGeneration one (Gemma 3 4B-27B) or a Qwen3_5ForConditionalGeneration one (every Qwen3.5, with
+    its `mtp.*` weights): conversion takes the text model (config.json's `text_config`, its keys under
+    `language_model.`, Qwen3.5's under `model.language_model.`) and keeps the vision tower and the rest aside;
     `--verify --against` the multimodal directory finds transformers' text logits (max difference 0), and the export
-    is the text model's ForCausalLM with the same tensors, bit for bit."""
-    from tests.conftest import convert_in_process
+    is the multimodal checkpoint again, in its own layout, every tensor bit for bit, loaded by its own class."""
+    from tests.conftest import add_mtp_layer, convert_in_process
 
     torch.manual_seed(0)
     model, vision_keys, text_type, architecture = _multimodal(family)
     model.save_pretrained(tmp_path / "mm")
+    if family == "qwen3_5":
+        add_mtp_layer(str(tmp_path / "mm"), "mtp")
     source = hf_state(str(tmp_path / "mm"))
     assert any(k.startswith(vision_keys) for k in source)
     ckpt, export = tmp_path / "ckpt", tmp_path / "export"
@@ -415,6 +424,8 @@ def test_multimodal_checkpoint_converts_its_text_model(family, tmp_path):
     assert verified.stdout.strip().endswith(": 0"), verified.stdout
     assert convert_in_process(["--to-hf", "--input", str(ckpt), "--output", str(export)]).returncode == 0
     exported = hf_state(str(export))
-    text_keys = {k.removeprefix("language_model."): v for k, v in source.items() if k.startswith("language_model.")}
-    assert set(exported) == set(text_keys)
-    assert all(torch.equal(exported[k], v) for k, v in text_keys.items())
+    assert set(exported) == set(source)
+    assert all(torch.equal(exported[k].view(torch.uint8), v.view(torch.uint8)) for k, v in source.items())
+    original = json.loads((tmp_path / "mm" / "config.json").read_text())
+    assert json.loads((export / "config.json").read_text())["model_type"] == original["model_type"]
+    type(model).from_pretrained(str(export))  # transformers loads it as the multimodal model it came from

@@ -65,6 +65,8 @@ FAMILY_CONFIGS = {
     # Qwen3-Next: Gated DeltaNet linear attention (layers 0-2) and gated full attention (3), (1 + w) norms, sparse
     # blocks with a gated shared expert; rows of 12 tokens run the recurrence in chunks of 64 (transformers' own).
     "qwen3_next-hybrid": ("qwen3_next", dict(num_hidden_layers=4)),
+    "qwen3_5-hybrid": ("qwen3_5_text", dict(num_hidden_layers=4)),
+    "qwen3_5_moe-hybrid": ("qwen3_5_moe_text", dict(num_hidden_layers=4)),
 }
 
 
@@ -152,8 +154,8 @@ def test_other_model_types_are_refused(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         supported = (
             "supported: deepseek_v3, ernie4_5, gemma3, gemma3_text, glm4, glm4_moe, gpt_oss, helium, llama, llama4, "
-            "llama4_text, ministral3, mistral, mixtral, olmo2, olmo3, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, "
-            "qwen3_next, seed_oss, smollm3"
+            "llama4_text, ministral3, mistral, mixtral, olmo2, olmo3, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, "
+            "qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next, seed_oss, smollm3"
         )
         with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported \\({supported}\\)"):
             load_hf_config(str(tmp_path))

@@ -14,7 +14,7 @@ import os
 import torch.distributed as dist
 
 from checkpoint.hf_reader import is_hf_dir
-from checkpoint.names import CARRIED_FILE, LORA_FILE
+from checkpoint.names import CARRIED_FILE, CONTAINER_CONFIG, LORA_FILE
 from checkpoint.saves import clean_stale, read_tag
 from data.collator import CausalLMCollator
 from data.pair_dataset import PairCollator
@@ -273,7 +273,8 @@ def write_run_files(run: Run) -> None:
     generation = os.path.join(source, "generation_config.json") if source else ""
     if generation and os.path.exists(generation) and not os.path.exists(target):
         shutil.copy2(generation, target)
-    carried = os.path.join(run.lora_base or "", CARRIED_FILE)  # hub tensors carried untrained (checkpoint/carried.py)
-    if run.lora_base and os.path.exists(carried) and not os.path.exists(os.path.join(cfg.output_dir, CARRIED_FILE)):
-        shutil.copy2(carried, cfg.output_dir)
+    for name in (CARRIED_FILE, CONTAINER_CONFIG):  # hub tensors carried untrained, a container's layout (exports)
+        kept = os.path.join(run.lora_base or "", name)
+        if run.lora_base and os.path.exists(kept) and not os.path.exists(os.path.join(cfg.output_dir, name)):
+            shutil.copy2(kept, cfg.output_dir)
     write_data_report(run)

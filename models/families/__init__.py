@@ -102,6 +102,9 @@ class Family:
     # can is transformers' own `_supports_sdpa` (`resolve_attention`).
     flash_refused: str = ""
     config_name: str = ""  # transformers' config class (default `<Prefix>Config`)
+    # The classes' names after the prefix where they differ from `<Prefix>RotaryEmbedding` (Qwen3.5's text model:
+    # `TextRotaryEmbedding`).
+    class_names: dict = field(default_factory=dict, compare=False)
     # The decoder layer's RMSNorms, and those whose output enters a tensor-parallel split region (the input of
     # q/k/v or of gate/up): the others normalise whole (or, under sequence parallelism, sharded) activations. No
     # entry norms (OLMo's layer normalises after each sublayer only): the split regions start at the attention's
@@ -131,7 +134,7 @@ class Family:
 
     def hf_class(self, suffix: str):
         """transformers' `<Prefix><suffix>` of this family, e.g. DecoderLayer, RMSNorm, RotaryEmbedding."""
-        return getattr(self.module(), self.prefix + suffix)
+        return getattr(self.module(), self.prefix + self.class_names.get(suffix, suffix))
 
     @property
     def config_class(self) -> str:
@@ -204,6 +207,24 @@ class Container:
     config_key: str
     prefix: str
     text_architecture: str
+    # Where the text model's keys sit when it is not one prefix before all of them: (hub prefix, text model prefix)
+    # pairs (Qwen3.5's `model.language_model.layers.0...` is the text model's `model.layers.0...`, its `lm_head.` the
+    # same); empty: `prefix` before every text key.
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def text_key(self, hub_key: str) -> str | None:
+        """The text model's key of a hub key, or None for another tower's (kept aside: checkpoint/carried.py)."""
+        for hub, text in self.renames or ((self.prefix, ""),):
+            if hub_key.startswith(hub):
+                return text + hub_key[len(hub) :]
+        return None
+
+    def hub_key(self, text_key: str) -> str:
+        """The hub key of a text model's key (`text_key` inverted)."""
+        for hub, text in self.renames or ((self.prefix, ""),):
+            if text_key.startswith(text):
+                return hub + text_key[len(text) :]
+        raise KeyError(f"{text_key}: not a key of the text model")
 
 
 FAMILIES: dict[str, Family] = {}

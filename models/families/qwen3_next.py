@@ -7,7 +7,19 @@ packed rows and context parallelism are refused for it in one line (`linear_atte
 parallelism (its projections interleave the heads' q, k, v and gates) until its split is built. Its hub checkpoints'
 multi-token-prediction weights (`mtp.*`) are carried to the export (checkpoint/carried.py)."""
 
-from models.families import Family, MoeSpec, register
+from models.families import Family, register
+from models.families.qwen2_moe import QWEN_SHARED_MOE
+
+# The tiny test model's linear attention: 2 key and 4 value heads of 16; layers 0-2 linear, 3 full (Qwen3.5's too).
+HYBRID_TINY = dict(
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    full_attention_interval=4,
+    shared_expert_intermediate_size=96,
+)
 
 register(
     Family(
@@ -16,27 +28,9 @@ register(
         qkv_bias="attention_bias",
         o_bias="attention_bias",
         qk_norm=True,
-        moe=MoeSpec(
-            "mlp",
-            ("gate_proj", "up_proj", "down_proj"),
-            "num_experts",
-            "moe_intermediate_size",
-            every_layer=False,
-            shared_expert=True,
-        ),
+        moe=QWEN_SHARED_MOE,
         tp_refused="its linear-attention projections interleave each head group's q, k, v and gates",
         # Layers 0-2 linear attention, 3 full; 4 experts, top-2, a shared expert; 2 key and 4 value heads of 16.
-        tiny=dict(
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            shared_expert_intermediate_size=96,
-            head_dim=16,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            full_attention_interval=4,
-        ),
+        tiny=HYBRID_TINY | dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
     )
 )
