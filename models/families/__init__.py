@@ -9,10 +9,15 @@ family module calls `register(Family(...))` with what is particular to it, as da
 - its decoder layer's norms (`norms`) and which of them feed a tensor-parallel region (`tp_entry_norms`), whether its
   embeddings are scaled (`scaled_embedding`); the head's `final_logit_softcapping` and a rotary embedding that takes
   the layer's type (`config.layer_types`) are read from transformers' config and classes, not declared;
-- which optional weights its decoder layer has (`qkv_bias`, `o_bias`, `mlp_bias`: always, never, or as a config field
-  says; `qk_norm`), where its sliding window applies (`window_everywhere`), its dense MLP's width field (`dense_size`);
-  tests/test_families.py holds the keys this gives to the keys of transformers' own layer built on the meta device;
+- which config fields switch its biases (`qkv_bias`, `o_bias`, `mlp_bias`: what conversion's quick reading of
+  config.json checks against transformers'), whether it has per-head q/k norms (`qk_norm`: tensor parallelism sums
+  their gradients), where its sliding window applies (`window_everywhere`), its dense MLP's width field
+  (`dense_size`). A layer's keys are not declared: models/key_table.py takes them from transformers' own layer built
+  on the meta device;
 - a mixture-of-experts family's `MoeSpec`: hub key layout, router, shared expert, which layers are sparse;
+- what transformers already says is read, not declared: SDPA support (`resolve_attention`), tensors kept fp32
+  (`keeps_fp32`), hub keys its model skips at load (`ignored_on_load`: carried by conversion), linear-attention
+  layers (`is_linear_attention`);
 - `tiny`: the config overrides of the family's tiny test model (tools/tiny_models.py);
 - a multimodal checkpoint whose text model it is (`register_container`).
 
