@@ -15,18 +15,28 @@ from tests.conftest import check, launch, read_jsonl, torchrun
 from tests.test_training import STEPS, interrupted_copy, layout_args, layout_run, parity_cfg
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
+GPT_OSS_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 
-def test_expert_parallel_checkpoint_resumes_with_any_ep(converted, sft_data, tmp_path, tmp_path_factory):
-    """Mixtral saved at step 2 of 4 with its experts split over EP=2 (the parity layout's run, PP=2 x DP=2): the
-    layer files hold every expert (the hub's 4 per layer) and the optimizer state every expert's Adam moments, so
-    resuming with EP=2 continues the run's losses and grad norms bit for bit, and with EP=1 within 1e-6."""
-    layout = "mixtral-pp2-dp2-ep2-recompute"
+@pytest.mark.parametrize(
+    "layout", ["mixtral-pp2-dp2-ep2-recompute", "gpt_oss-pp2-dp2-ep2", "deepseek_v3-pp2-dp2-ep2-balanced"]
+)
+def test_expert_parallel_checkpoint_resumes_with_any_ep(layout, converted, sft_data, tmp_path, tmp_path_factory):
+    """A run saved at step 2 of 4 with its experts split over EP=2 (the parity layout's, PP=2 x DP=2): Mixtral;
+    gpt-oss (experts fused on the hub, with biases); DeepSeek-V3 with its score biases balanced every step (the
+    biases saved with the weights, the step's counts not). The layer files hold every expert (the hub's 4 per layer,
+    biases included) and the optimizer state every expert's Adam moments, so resuming with EP=2 continues the run's
+    losses and grad norms bit for bit, and with EP=1 within 1e-6."""
     full = Path(layout_run(layout, converted, sft_data, tmp_path_factory))
-    layer = load_pt(str(full / "global_step2" / "layer_01-model_00-model_states.pt"))
-    assert {k for k in layer if ".experts." in k} == {
-        f"block_sparse_moe.experts.{e}.{w}.weight" for e in range(4) for w in ("w1", "w2", "w3")
-    }
+    layer = load_pt(str(full / "global_step2" / "layer_02-model_00-model_states.pt"))  # block 1: sparse in all three
+    experts = {k: v for k, v in layer.items() if ".experts." in k}
+    if layout.startswith("mixtral"):
+        names = ("w1", "w2", "w3")
+        assert set(experts) == {f"block_sparse_moe.experts.{e}.{w}.weight" for e in range(4) for w in names}
+    elif layout.startswith("gpt_oss"):  # fused as on the hub: E along dim 0 of each, biases too
+        assert {k: v.shape[0] for k, v in experts.items()} == {f"mlp.experts.{n}": 4 for n in GPT_OSS_EXPERTS}
+    else:
+        assert {k.split(".")[2] for k in experts} == {"0", "1", "2", "3"}
     expected = read_jsonl(full / "metrics.jsonl")
     for ep in (1, 2):
         part = tmp_path / f"ep{ep}"
