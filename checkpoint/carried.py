@@ -22,6 +22,7 @@ from checkpoint.dtypes import SAFETENSORS_DTYPES
 from checkpoint.hf_reader import (
     container_of,
     is_hf_dir,
+    iter_safetensors,
     iter_tensors,
     list_shards,
     read_model_config,
@@ -78,16 +79,13 @@ def carried_plan(ckpt_dir: str) -> list[tuple[str, tuple[int, ...], torch.dtype]
     if not os.path.exists(path):
         return []
     _, header = read_safetensors_header(path)
-    return [(key, tuple(e["shape"]), SAFETENSORS_DTYPES[e["dtype"]]) for key, e in header.items()]
+    by_offset = sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])  # `iter_carried`'s order
+    return [(key, tuple(e["shape"]), SAFETENSORS_DTYPES[e["dtype"]]) for key, e in by_offset]
 
 
 def iter_carried(ckpt_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """The carried tensors one at a time, in `carried_plan` order."""
-    from safetensors import safe_open
-
+    """The carried tensors one at a time, in `carried_plan` order (plain reads: no memory map of the whole file)."""
     path = os.path.join(ckpt_dir, CARRIED_FILE)
     if not os.path.exists(path):
         return
-    with safe_open(path, framework="pt") as f:
-        for key, _, _ in carried_plan(ckpt_dir):
-            yield key, f.get_tensor(key)
+    yield from iter_safetensors(path)  # by offset: the order the file was written in, `carried_plan`'s

@@ -102,7 +102,7 @@ def universal_info(config, tp_size: int = 1) -> dict:
 
     from deepspeed.checkpoint import constants as c
 
-    from models.key_table import layer_keys
+    from models.key_table import decoder_buffers, layer_keys
     from models.moe import param_name_of
     from models.pipe_layout import DECODER, TIED_PARAM, pipe_layers
     from models.sharding import REPLICA, ROW, VOCAB, parts_rule
@@ -110,10 +110,11 @@ def universal_info(config, tp_size: int = 1) -> dict:
 
     rules = {}
     for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):
+        buffers = decoder_buffers(config, layer.block) if layer.kind == DECODER else set()  # no optimizer state
         for key in layer_keys(layer, config):
             tied = config.tie_word_embeddings and layer.index == 0
             name = param_name_of(config, key) if layer.kind == DECODER else key
-            if name is not None:
+            if name is not None and key not in buffers:
                 rules[TIED_PARAM if tied else f"{layer.index}.{name}"] = tp_split(layer.kind, key, config)
 
     def patterns(rule: str) -> list[str]:

@@ -127,6 +127,16 @@ def decoder_keys(config, block: int) -> list[str]:
     return _hub_names(config, list(layer.state_dict()), is_sparse_layer(config, block))
 
 
+def decoder_buffers(config, block: int) -> set[str]:
+    """The keys of decoder block `block` that are saved buffers, not parameters (DeepSeek's router score bias): no
+    optimizer state, so layout moves of optimizer state leave them out."""
+    import torch
+
+    with torch.device("meta"):
+        layer = family_of(config).hf_class("DecoderLayer")(config, block)
+    return {name for name, _ in layer.named_buffers()}
+
+
 def layer_keys(layer: PipeLayer, config) -> dict[str, str]:
     """{our key: HF key} for one layer file, given a transformers config of a supported family."""
     if not layer.has_file:

@@ -340,6 +340,13 @@ def test_llama4_routed_experts_equal_transformers_dense_block():
         ("qwen3_next", ["tensor_parallel_size=2"], "tensor_parallel_size=2: model_type='qwen3_next' is not split"),
         ("gpt_oss", ["tensor_parallel_size=2"], "tensor_parallel_size=2: model_type='gpt_oss' is not split"),
         ("gpt_oss", ["model.attn_implementation=sdpa"], "model.attn_implementation=sdpa: transformers runs gpt_oss"),
+        ("deepseek_v3", ["lora.enabled=true"], "lora.enabled: LoRA training of deepseek_v3 is not supported yet"),
+        ("qwen3_next", ["lora.enabled=true"], "lora.enabled: LoRA training of qwen3_next is not supported yet"),
+        (
+            "glm4_moe",
+            ["lora.enabled=true", "moe.bias_update_rate=0.001"],
+            "moe.bias_update_rate=0.001 with lora.enabled=true: --merge-lora exports the base model's score biases",
+        ),
     ],
 )
 def test_what_a_family_cannot_run_is_refused_in_one_line(model_type, extra, message, tmp_path):

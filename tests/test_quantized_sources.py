@@ -155,3 +155,19 @@ def test_mxfp4_experts_are_dequantized_as_transformers_loads_them(hf_models, tmp
         else:
             assert torch.equal(value, original[key].to(torch.bfloat16)), key
     assert "quantization_config" not in json.loads(open(os.path.join(out, "config.json")).read())
+
+
+def test_a_run_from_a_quantized_hub_directory_has_a_plain_model_config(tmp_path):
+    """Training straight from an FP8 hub directory (converted at load, dequantized) builds, saves and exports a plain
+    model: its config keeps no `quantization_config`."""
+    from tools.tiny_models import tiny_config
+    from training.assembly import load_model_config
+    from training.cli import compose_config
+
+    config = tiny_config("deepseek_v3")
+    config.quantization_config = {"quant_method": "fp8", "weight_block_size": [16, 16]}
+    config.save_pretrained(tmp_path / "fp8")
+    cfg = compose_config([f"model_name_or_path={tmp_path}/fp8", f"train_file={tmp_path}/t.jsonl", "seq_length=16"])
+    loaded = load_model_config(cfg)
+    loaded.save_pretrained(tmp_path / "run")
+    assert "quantization_config" not in json.loads((tmp_path / "run" / "config.json").read_text())

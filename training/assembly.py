@@ -13,6 +13,7 @@ import os
 
 import torch.distributed as dist
 
+from checkpoint.dequantize import is_quantized
 from checkpoint.hf_reader import is_hf_dir
 from checkpoint.names import CARRIED_FILE, CONTAINER_CONFIG, LORA_FILE
 from checkpoint.saves import clean_stale, read_tag
@@ -80,6 +81,9 @@ def load_model_config(cfg: TrainConfig):
             config = config_from_preset(cfg.model)
     except ValueError as e:
         raise _user_error(e) from None
+    if is_quantized(config):  # FP8 / MXFP4 hub weights load dequantized: the run's model (and its export) is plain
+        config.quantization_config = None
+        del config.quantization_config
     try:
         impl = resolve_attention(config, cfg.model.attn_implementation and str(cfg.model.attn_implementation))
     except ValueError as e:
@@ -276,5 +280,7 @@ def write_run_files(run: Run) -> None:
     for name in (CARRIED_FILE, CONTAINER_CONFIG):  # hub tensors carried untrained, a container's layout (exports)
         kept = os.path.join(run.lora_base or "", name)
         if run.lora_base and os.path.exists(kept) and not os.path.exists(os.path.join(cfg.output_dir, name)):
-            shutil.copy2(kept, cfg.output_dir)
+            partial = os.path.join(cfg.output_dir, f".{name}.partial")  # a kill mid-copy leaves no truncated file
+            shutil.copy2(kept, partial)
+            os.replace(partial, os.path.join(cfg.output_dir, name))
     write_data_report(run)

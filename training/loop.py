@@ -102,8 +102,9 @@ class Trainer:
             lr = r.engine.get_lr()[0]
             start = time.perf_counter()
             loss = self._train_step(data_iter)
-            if cfg.moe.bias_update_rate and math.isfinite(loss):
-                balance_experts(r.engine.module, cfg.moe.bias_update_rate, r.dp_group(), c.cp)
+            if cfg.moe.bias_update_rate:  # a skipped step (non-finite loss) balances nothing and forgets its loads
+                rate = cfg.moe.bias_update_rate if math.isfinite(loss) else 0.0
+                balance_experts(r.engine.module, rate, r.dp_group(), c.cp)
             seconds = time.perf_counter() - start
             r.step += 1
             extra = self._router_metrics() if c.is_last else {}

@@ -313,6 +313,11 @@ def validate_experts(cfg: TrainConfig, model_config) -> None:
     rate = cfg.moe.bias_update_rate
     _need(rate >= 0, f"moe.bias_update_rate={rate} must be >= 0")
     _need(
+        not (rate and cfg.lora.enabled),
+        f"moe.bias_update_rate={rate} with lora.enabled=true: --merge-lora exports the base model's score biases, "
+        "not the balanced ones; balance without LoRA",
+    )
+    _need(
         not rate or family_of(model_config).moe.router_choice,
         f"moe.bias_update_rate={rate}: {model_config.model_type}'s router has no score bias to balance with "
         f"(a router that chooses by scores plus e_score_correction_bias: {', '.join(balanced_families())}); leave it 0",
