@@ -100,11 +100,12 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     return (weight.to(torch.float32) * grid[..., :rows, :cols]).to(dtype)
 
 
-def _fp8_scales(hf_dir: str, weights: set[str]) -> dict[str, torch.Tensor]:
-    """{weight key: its block scales} of the FP8 weights among `weights` (scales are 1/16384 of their weights)."""
+def _fp8_scales(hf_dir: str, weights: set[str], present) -> dict[str, torch.Tensor]:
+    """{weight key: its block scales} of the FP8 weights among `weights` (scales are 1/16384 of their weights;
+    `present`: the checkpoint's keys)."""
     scales = {scale_key(w): w for w in weights}
-    present = set(scales) & set(validate(hf_dir))
-    return {scales[name]: scale.clone() for name, scale, _ in iter_tensors(hf_dir, present)}
+    wanted = set(scales) & set(present)
+    return {scales[name]: scale.clone() for name, scale, _ in iter_tensors(hf_dir, wanted)}
 
 
 def plain_tensors(
@@ -119,7 +120,7 @@ def plain_tensors(
     present = validate(hf_dir)
     sources = {src: key for key in wanted for src in hub_sources(key, config, present)}
     blocks = fp8_blocks(config)
-    scales = _fp8_scales(hf_dir, wanted) if blocks else {}
+    scales = _fp8_scales(hf_dir, wanted, present) if blocks else {}
     parts: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4: a tensor's blocks or scales, until the other arrives
     for name, tensor, _ in iter_tensors(hf_dir, set(sources), alloc=pool.take):
         key = sources[name]
