@@ -19,7 +19,7 @@ echo "== 2/4 converting the Hugging Face checkpoint to pipeline layer files"
 python convert2ckpt.py --input "$OUT/hf_model" --output "$OUT/ckpt"
 
 echo "== 3/4 fine-tuning: deepspeed --num_gpus $RANKS trainer.py experiment=demo (PP=2 x DP=$((RANKS / 2)))"
-deepspeed --num_gpus "$RANKS" trainer.py experiment=demo \
+deepspeed --num_gpus "$RANKS" --master_port "${MASTER_PORT:-$(python -m tools.free_port)}" trainer.py experiment=demo \
   model_name_or_path="$OUT/ckpt" output_dir="$OUT/run" \
   train_file="$OUT/data/train.jsonl" eval_file="$OUT/data/eval.jsonl" "$@" 2>&1 \
   | grep --line-buffered -E '^\[rank|^output_dir|^  [a-z_.]+: |[Ee]rror|Traceback' || true

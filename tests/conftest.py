@@ -5,9 +5,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import random
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +19,7 @@ sys.path.insert(0, str(REPO))
 from data.sources import write_jsonl  # noqa: E402
 from demo.arithmetic import addition_rows  # noqa: E402, F401 - the demo's task, shared with the tests
 from tests.zygote import Zygote  # noqa: E402
+from tools.free_port import free_port  # noqa: E402, F401 - the tests' launches use it
 from tools.tiny_models import make_hf_model, make_sp_tokenizer, tiny_config  # noqa: E402
 
 # Llama 3.1's RoPE scaling, with the original context shrunk so short test sequences reach the scaled band.
@@ -170,26 +169,6 @@ def one_error_line(proc: subprocess.CompletedProcess, fragment: str, prefix: str
     assert lines and all(line == lines[0] for line in lines), proc.stderr[-3000:]
     assert lines[0].startswith(prefix), lines[0]
     return lines[0]
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range. A port the kernel hands out for port 0 can be handed out
-    again to a peer job's gloo socket before the launcher binds it (EADDRINUSE, seen in CI with two workers)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.Random()  # not the tests' seeded global RNG
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port found below the ephemeral range")
 
 
 def ensure_packages(packages: dict[str, str]) -> None:

@@ -136,7 +136,7 @@ def _weights_source(run: Run, plan: checkpointing.ResumePlan) -> str | None:
 
 def assemble(cfg: TrainConfig) -> Run:
     """Build this rank's part of the run described by `cfg`. Collective; raises RunError (same on every rank)."""
-    rank, world = init_distributed(cfg.dist_timeout_minutes)
+    rank, world = init_distributed(cfg.dist_timeout_minutes, cfg.output_dir, cfg.dist_init_timeout_minutes)
     coords = Coords(
         rank,
         world,

@@ -173,6 +173,7 @@ class TrainConfig:
     progress_bar: bool = True  # one tqdm bar on the reporting rank, when stderr is a terminal
     report_to: list[str] = field(default_factory=list)  # also send metrics to: tensorboard, wandb
     dist_timeout_minutes: float = 30.0  # a collective waiting this long for a failed/hung rank errors out
+    dist_init_timeout_minutes: float = 5.0  # start-up: every rank must reach the job's rendezvous within this
     model: ModelSettings = field(default_factory=ModelSettings)
     data: DataConfig = field(default_factory=DataConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)

@@ -24,6 +24,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from training.errors import USER_ERRORS, RunError
 from training.launch_env import resolve_launch
+from training.rendezvous import rendezvous
 
 log = logging.getLogger("trainer")
 _CONTROL: list = []  # the gloo group for small CPU collectives (made once per process group)
@@ -36,14 +37,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int]:
+def init_distributed(
+    timeout_minutes: float = 30.0, job_dir: str = ".", init_timeout_minutes: float = 5.0
+) -> tuple[int, int]:
     """Join the process group started by `deepspeed`/`torchrun` or `srun` (training/launch_env.py), or make a
     one-rank group for `python`. `LAUNCH[0]` says where the ranks came from (the run's first log line).
+
+    The ranks meet through the job's own rendezvous (training/rendezvous.py, keyed by `job_dir`, the run's
+    output_dir), within `init_timeout_minutes`; collectives then time out after `timeout_minutes`.
 
     Returns:
         (global rank, world size).
     Raises:
-        RunError: a SLURM environment that cannot be read.
+        RunError: a SLURM environment that cannot be read; a port that belongs to another job; a rank missing.
     """
     import deepspeed
 
@@ -63,7 +69,14 @@ def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int]:
     if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
         c10d.default_pg_nccl_timeout = timeout
     if not dist.is_initialized():
-        deepspeed.init_distributed(timeout=timeout, verbose=False)
+        from deepspeed.accelerator import get_accelerator
+
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = rendezvous(rank, world, job_dir, init_timeout_minutes)
+        store.set_timeout(timeout)
+        backend = get_accelerator().communication_backend_name()
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        deepspeed.init_distributed(timeout=timeout, verbose=False)  # DeepSpeed's side of the group made above
         release_shm_buffers()
         _CONTROL[:] = [dist.new_group(backend="gloo")]
     if torch.cuda.is_available():

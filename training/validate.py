@@ -52,6 +52,7 @@ def validate_numbers(cfg: TrainConfig) -> None:
     _finite(o.min_lr_ratio, "optim.min_lr_ratio", 0, 1)
     _need(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
     _finite(cfg.dist_timeout_minutes, "dist_timeout_minutes", 0, low_open=True)
+    _finite(cfg.dist_init_timeout_minutes, "dist_init_timeout_minutes", 0, low_open=True)
     _need(cfg.max_steps >= -1, f"max_steps={cfg.max_steps} must be -1 (use num_train_epochs) or a step count")
     _need(cfg.num_train_epochs >= 1 or cfg.max_steps > 0, f"num_train_epochs={cfg.num_train_epochs} must be >= 1")
     for key in ("save_steps", "eval_steps"):

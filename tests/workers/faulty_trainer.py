@@ -10,6 +10,9 @@ Kinds (the trainer code itself is unchanged; the fault is patched in from outsid
     kill_write:step=S      the whole job is SIGKILLed while rank 0's background writer writes step S's second file
     kill_commit:step=S     the whole job is SIGKILLed while step S commits: renamed, `latest` not yet moved
     slow_write:ms=M        each file of a save takes M ms more to write (a slow disk), for SIGTERM mid-write
+    hold_rendezvous:rank=R rank 0 writes $HOOK_DIR/hosting once it hosts the store; rank R waits for $HOOK_DIR/go
+                           before it joins; after the rendezvous rank 0 writes $HOOK_DIR/joined and waits for
+                           $HOOK_DIR/go2 (another job can then try the port mid-rendezvous and mid-run)
 """
 
 import errno
@@ -105,6 +108,37 @@ elif kind in ("kill_write", "kill_commit", "slow_write"):
             _write(path, state)
 
         background_writer.write_durably = slow_write
+
+elif kind == "hold_rendezvous":
+    from training import assembly, rendezvous
+
+    hook_dir, rank = os.environ["HOOK_DIR"], int(os.environ["RANK"])
+
+    def wait_for(name: str) -> None:
+        while not os.path.exists(os.path.join(hook_dir, name)):
+            time.sleep(0.05)
+
+    def touch(name: str) -> None:
+        open(os.path.join(hook_dir, name), "w").close()
+
+    _open, _init = rendezvous._open_store, assembly.init_distributed
+
+    def held_open(rank_, *args):
+        if rank_ == opts["rank"]:
+            wait_for("go")
+        store = _open(rank_, *args)
+        if rank_ == 0:
+            touch("hosting")
+        return store
+
+    def held_init(*args):
+        result = _init(*args)
+        if rank == 0:
+            touch("joined")
+            wait_for("go2")
+        return result
+
+    rendezvous._open_store, assembly.init_distributed = held_open, held_init
 
 else:
     raise SystemExit(f"faulty_trainer: unknown FAULT kind {kind!r}")
