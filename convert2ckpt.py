@@ -1,6 +1,8 @@
 """Convert LLaMA checkpoints between Hugging Face and DeepSpeed pipeline layouts.
 
     python convert2ckpt.py --input HF_DIR --output CKPT_DIR [--dtype bf16|fp16|fp32] [--workers N] [--force] [--tp T]
+    python convert2ckpt.py --input ORG/NAME [--revision REV] --output CKPT_DIR   (a Hugging Face Hub id: its cache,
+                                                                                  HF_HUB_OFFLINE, HF_TOKEN)
     python convert2ckpt.py --input CKPT_DIR --output CKPT2_DIR --tp T          (any pipeline checkpoint, any TP)
     python convert2ckpt.py --input HF_DIR --output PIECE_DIR --layers 0-20       (or --stages 0,1 --num-stages 4,
                                                                                   or --tp 8 --tp-ranks 0,1,2,3)
@@ -25,16 +27,20 @@ from checkpoint.dtypes import DTYPES
 from checkpoint.errors import CheckpointError
 from checkpoint.layer_files import FORMATS
 from checkpoint.names import LATEST
+from models.hub import HubError, resolve
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", help="HF model directory, or a pipeline checkpoint with --to-hf")
+    p.add_argument("--input", help="HF model directory or Hub id (ORG/NAME), or a pipeline checkpoint with --to-hf")
+    p.add_argument("--revision", help="with a Hub id for --input or --against: a branch, tag or commit")
     p.add_argument("--output", help="directory to create")
     p.add_argument("--inspect", metavar="CKPT_DIR", help="print a pipeline checkpoint's layout and exit")
     p.add_argument("--json", action="store_true", help="with --inspect: machine-readable output")
     p.add_argument("--verify", metavar="CKPT_DIR", help="check a checkpoint against its manifest and exit")
-    p.add_argument("--against", metavar="HF_DIR", help="with --verify: also compare logits with this HF model")
+    p.add_argument(
+        "--against", metavar="HF_DIR", help="with --verify: also compare logits with this HF model (or Hub id)"
+    )
     p.add_argument("--to-hf", action="store_true", help="export a pipeline checkpoint (converted or trained) to HF")
     p.add_argument("--tag", default=None, help="with --to-hf: checkpoint tag to export (default: the one in 'latest')")
     p.add_argument(
@@ -172,6 +178,9 @@ def verify(ckpt_dir: str, tag: str | None, against: str | None) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        args.against = resolve(args.against, "--against", args.revision)
+        if not args.to_hf:
+            args.input = resolve(args.input, "--input", args.revision)
         if args.verify:
             return verify(args.verify, args.tag, args.against)
         if args.combine:
@@ -213,7 +222,7 @@ def main(argv=None) -> int:
                 tp_size=args.tp,
                 tp_ranks=tp_ranks(args),
             )
-    except CheckpointError as e:
+    except (CheckpointError, HubError) as e:
         print(f"convert2ckpt: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -1,5 +1,10 @@
-"""Where rows come from, streamed: JSONL, JSON and Parquet files, directories of such shards, and directories
-saved with Hugging Face `datasets` (`Dataset.save_to_disk`), alone or several mixed with weights.
+"""Where rows come from, streamed: JSONL, JSON and Parquet files, directories of such shards, directories
+saved with Hugging Face `datasets` (`Dataset.save_to_disk`) and Hub datasets (`hf://datasets/ORG/NAME`, with an
+optional `:CONFIG` and `@SPLIT`, default the `train` split), alone or several mixed with weights.
+
+A Hub dataset's repository is fetched by `huggingface_hub` (its cache, HF_HUB_OFFLINE and HF_TOKEN; every file but
+code and pickles) and read by `datasets.load_dataset` from that snapshot (its Arrow cache), so the cache answers
+offline; its rows then take the same path as a local file's (format detection, the tokenized store).
 
 Rows are read one chunk at a time (JSONL line by line, Parquet and `datasets` by record batches), so a corpus
 larger than RAM is tokenized shard by shard; only a `.json` file (one JSON list) is parsed whole.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -35,6 +41,37 @@ def paths_of(spec) -> list[str]:
     return paths
 
 
+HUB_DATASET = re.compile(r"hf://datasets/([\w.-]+/[\w.-]+)(?::([\w.-]+))?(?:@([\w.-]+))?")
+_HUB_LOADED: dict = {}  # spec -> datasets.Dataset, once per process
+
+
+def is_hub_dataset(path: str) -> bool:
+    return path.startswith("hf://")
+
+
+def hub_dataset(spec: str):
+    """The `datasets.Dataset` of a Hub dataset spec (module docstring). Raises DataError (one line)."""
+    if spec in _HUB_LOADED:
+        return _HUB_LOADED[spec]
+    m = HUB_DATASET.fullmatch(spec)
+    if m is None:
+        raise DataError(f"{spec}: a Hub dataset is hf://datasets/ORG/NAME, optionally :CONFIG and @SPLIT")
+    import datasets
+
+    from models.hub import HubError, datasets_cache_dir, snapshot
+
+    try:
+        local = snapshot(m[1], "dataset", repo_type="dataset")
+    except HubError as e:
+        raise DataError(f"{spec}: {e}") from None
+    try:
+        ds = datasets.load_dataset(local, m[2], split=m[3] or "train", cache_dir=datasets_cache_dir())
+    except Exception as e:  # noqa: BLE001 - datasets raises many types (unknown split or config, bad files)
+        raise DataError(f"{spec}: datasets cannot load it ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    _HUB_LOADED[spec] = ds
+    return ds
+
+
 def _is_datasets_dir(path: str) -> bool:
     return any(os.path.exists(os.path.join(path, n)) for n in ("dataset_info.json", "state.json"))
 
@@ -45,6 +82,8 @@ def shard_files(path: str) -> list[str]:
     Raises:
         DataError: an unknown format, a missing file, a DatasetDict, a directory without data files.
     """
+    if is_hub_dataset(path):
+        return [f["filename"] for f in hub_dataset(path).cache_files]
     if os.path.isdir(path):
         names = sorted(os.listdir(path))
         if _is_datasets_dir(path):
@@ -130,10 +169,13 @@ def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
 def _datasets_rows(path: str) -> Iterator[tuple[str, dict]]:
     import datasets
 
-    try:
-        ds = datasets.load_from_disk(path)  # memory-mapped Arrow
-    except Exception as e:  # noqa: BLE001 - datasets raises several types
-        raise DataError(f"{path}: not a dataset saved with datasets.save_to_disk ({type(e).__name__})") from None
+    if is_hub_dataset(path):
+        ds = hub_dataset(path)
+    else:
+        try:
+            ds = datasets.load_from_disk(path)  # memory-mapped Arrow
+        except Exception as e:  # noqa: BLE001 - datasets raises several types
+            raise DataError(f"{path}: not a dataset saved with datasets.save_to_disk ({type(e).__name__})") from None
     if not isinstance(ds, datasets.Dataset):
         raise DataError(f"{path}: a DatasetDict; name one split's directory (e.g. {path}/train)")
     first = 0
@@ -165,7 +207,7 @@ class JsonlLines:
 def iter_chunks(path: str, size: int) -> Iterator[list[tuple[str, dict]] | JsonlLines]:
     """The rows of one source in chunks of `size` rows (the last chunk of each file may be shorter): JSONL files
     as raw lines (`JsonlLines`), other formats as parsed (location, row) pairs."""
-    if os.path.isdir(path) and _is_datasets_dir(path):
+    if is_hub_dataset(path) or (os.path.isdir(path) and _is_datasets_dir(path)):
         yield from _chunked(_datasets_rows(path), size)
         return
     for file in shard_files(path):
@@ -206,6 +248,8 @@ def iter_rows(path: str) -> Iterator[tuple[str, dict]]:
 
 def count_source(path: str) -> int:
     """Row count of one source, cheaply: JSONL lines, Parquet metadata, the datasets' own count."""
+    if is_hub_dataset(path):
+        return hub_dataset(path).num_rows
     if os.path.isdir(path) and _is_datasets_dir(path):
         import datasets
 

@@ -21,6 +21,7 @@ from data.collator import CausalLMCollator
 from data.pair_dataset import PairCollator
 from models.config import check_preset, config_from_preset, load_hf_config
 from models.families import resolve_attention
+from models.hub import is_hub_id, resolve_once
 from models.lora import add_lora, parallelize_lora
 from models.loss import CausalLMLoss
 from models.moe import WithAuxLoss, default_aux_loss_coef, is_moe
@@ -30,14 +31,15 @@ from models.tensor_parallel import TensorParallel, token_cross_entropy_for, voca
 from models.tokenizer import check_tokenizer_fits, configured_tokenizer
 from models.vocab_parallel_loss import vocab_parallel_cross_entropy
 from training import checkpointing
-from training.config import TrainConfig, model_stages, padded_seq_length, sequence_parallel
+from training.config import TrainConfig, model_stages, padded_seq_length, sequence_parallel, tokenizer_sources
 from training.data_setup import data_state, load_data, pad_id, write_data_report
-from training.distributed import LAUNCH, agreed, init_distributed
+from training.distributed import LAUNCH, agreed, init_distributed, ranks_work
 from training.engine import build_module, describe_auto_precision, initialize_engine
 from training.errors import RunError
 from training.logs import configure_logging, log_to_file
 from training.precision import resolve_precision
 from training.reference_logps import attach_reference, needs_reference
+from training.rendezvous import job_key
 from training.run_dir import check_paths, prepare_output_dir, roll_back
 from training.run_state import Run
 from training.topology import Coords
@@ -134,6 +136,31 @@ def _weights_source(run: Run, plan: checkpointing.ResumePlan) -> str | None:
     return os.path.join(path, tag)
 
 
+def resolve_hub_ids(cfg: TrainConfig) -> None:
+    """Hub ids in `model_name_or_path`, `tokenizer_name_or_path` and `dpo.reference_model` become their snapshot
+    directories (checkpoint/hub.py): per cache, the first rank downloads and the others wait for it. Collective."""
+    named = [(k, v) for k, v in _hub_keys(cfg) if is_hub_id(v)]
+    if not named:
+        return
+    found = {}
+
+    def work() -> None:
+        for key, value in named:
+            weights = key != "tokenizer_name_or_path"
+            found[key] = resolve_once(value, key, job_key(cfg.output_dir, os.environ), cfg.model_revision, weights)
+
+    ranks_work(work)
+    for key, value in named:
+        log.info("%s %s: %s", key, value, found[key])
+    cfg.model_name_or_path = found.get("model_name_or_path", cfg.model_name_or_path)
+    cfg.tokenizer_name_or_path = found.get("tokenizer_name_or_path", cfg.tokenizer_name_or_path)
+    cfg.dpo.reference_model = found.get("dpo.reference_model", cfg.dpo.reference_model)
+
+
+def _hub_keys(cfg: TrainConfig) -> list[tuple[str, str | None]]:
+    return [*tokenizer_sources(cfg), ("dpo.reference_model", cfg.dpo.reference_model)]
+
+
 def assemble(cfg: TrainConfig) -> Run:
     """Build this rank's part of the run described by `cfg`. Collective; raises RunError (same on every rank)."""
     rank, world = init_distributed(cfg.dist_timeout_minutes, cfg.output_dir, cfg.dist_init_timeout_minutes)
@@ -166,6 +193,7 @@ def assemble(cfg: TrainConfig) -> Run:
             raise RunError(f"output_dir {cfg.output_dir}: cannot create ({e.strerror})") from None
         if not os.access(cfg.output_dir, os.W_OK):
             raise RunError(f"output_dir {cfg.output_dir}: not writable")
+    resolve_hub_ids(cfg)
     checkpointing.seed_everything(cfg.seed)
     if rank == 0:
         for name in clean_stale(cfg.output_dir):

@@ -127,8 +127,10 @@ class CheckpointConfig:
 
 @dataclass
 class TrainConfig:
-    model_name_or_path: str | None = None  # a converted pipeline checkpoint (convert2ckpt.py) or an HF directory
-    tokenizer_name_or_path: str | None = None  # default: model_name_or_path
+    # a converted pipeline checkpoint (convert2ckpt.py), an HF directory, or a Hub id (ORG/NAME, converted at load)
+    model_name_or_path: str | None = None
+    tokenizer_name_or_path: str | None = None  # a directory or Hub id; default: model_name_or_path
+    model_revision: str | None = None  # the branch, tag or commit of Hub ids in model/tokenizer/reference paths
     output_dir: str = "outputs/run"  # checkpoints, metrics.jsonl, logs, the resolved train_config.yaml
     num_stages: int = 1  # pipeline stages (PP); world = PP x TP x CP x DP
     # 1f1b (DeepSpeed's), zero_bubble (weight gradients deferred into the bubble), dualpipev (two stages per rank
@@ -191,6 +193,11 @@ def register_configs() -> None:
     cs.store(group="model", name="model_schema", node=ModelSettings)
     cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(group="deepspeed", name="deepspeed_schema", node=DeepSpeedConfig)
+
+
+def tokenizer_sources(cfg: TrainConfig) -> list[tuple[str, str | None]]:
+    """(key, value) of `tokenizer_name_or_path` and `model_name_or_path`, in the order the tokenizer is looked for."""
+    return [("tokenizer_name_or_path", cfg.tokenizer_name_or_path), ("model_name_or_path", cfg.model_name_or_path)]
 
 
 def resume_mode(cfg: TrainConfig) -> str:

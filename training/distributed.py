@@ -14,6 +14,7 @@ import glob
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -152,6 +153,27 @@ def _pulse(state: int) -> int:
     flag = torch.tensor([state], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control_group())
     return int(flag.item())
+
+
+def ranks_work(work: Callable[[], None], interval: float = 5.0) -> None:
+    """Every rank runs `work()` (however long: a download) in a thread while the ranks pulse short collectives, so
+    no wait runs into `dist_timeout_minutes`; a one-line failure reaches every rank as with `agreed()`."""
+    outcome: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, name="ranks-work", daemon=True)
+    thread.start()
+    while _pulse(int(thread.is_alive())):
+        thread.join(interval)
+    error = outcome.get("error")
+    if error is not None and not isinstance(error, USER_ERRORS):
+        raise error
+    agree(str(error) if error else None)
 
 
 def rank0_works(work: Callable[[Callable[[], None]], None], waiting: str, interval: float = 5.0) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from checkpoint.errors import CheckpointError
 from data.errors import DataError
+from models.hub import HubError
 
 
 class RunError(Exception):
@@ -11,4 +12,4 @@ class RunError(Exception):
 
 
 # Raised by our own code with a one-line message naming the file or key; anything else is a bug (traceback).
-USER_ERRORS = (RunError, DataError, CheckpointError)
+USER_ERRORS = (RunError, DataError, CheckpointError, HubError)

@@ -18,9 +18,10 @@ import sys
 from data.dataset import cache_root
 from data.errors import DataError
 from data.pair_dataset import PairDataset
+from models.hub import HubError, resolve
 from models.tokenizer import configured_tokenizer
 from training.cli import compose_config
-from training.config import evaluating
+from training.config import evaluating, tokenizer_sources
 from training.data_setup import open_dataset
 from training.validate import validate
 
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         if d.cache_dir == "":
             raise ValueError("data.cache_dir='' keeps tokenized data only for one run: nothing to prepare")
         cache, _ = cache_root(d.cache_dir, cfg.output_dir)
-        tokenizer, _ = configured_tokenizer(cfg.tokenizer_name_or_path, cfg.model_name_or_path)
+        names = [resolve(p, k, cfg.model_revision, weights=False) for k, p in tokenizer_sources(cfg)]
+        tokenizer, _ = configured_tokenizer(*names)
         files = [(cfg.train_file, True)] if cfg.do_train else []
         files += [(cfg.eval_file, False)] if evaluating(cfg) else []
         if not files:
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{', '.join(ds.store_dirs)}",
                 flush=True,
             )
-    except (DataError, ValueError) as e:
+    except (DataError, ValueError, HubError) as e:
         print(f"data.prepare: error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0

@@ -1,0 +1,159 @@
+"""Hugging Face Hub ids wherever a model, checkpoint or tokenizer directory is taken.
+
+`convert2ckpt.py --input Qwen/Qwen3-8B`, `--against`, `model_name_or_path=`, `tokenizer_name_or_path=` and
+`dpo.reference_model=` accept `ORG/NAME` where no such local path exists (a local directory always wins, as in
+transformers). The id is resolved by `huggingface_hub` itself: its cache (`HF_HOME`, `HF_HUB_CACHE`), offline mode
+(`HF_HUB_OFFLINE=1`: the cache only), token (`HF_TOKEN`, `hf auth login`), a revision, and its progress bars. Only
+what conversion and tokenizers read is fetched: JSON, safetensors, tokenizer models and vocabularies, chat
+templates; never pickled weights (`*.bin`, `*.pt`) and never code. A repository without safetensors weights, a
+gated, private or missing one, and an id not in the cache offline are one line naming the id.
+
+A training run resolves each id once per node: the first rank of each node downloads, the others then read the
+cache (training/assembly.py). Dataset ids (`hf://datasets/...`) are read in data/sources.py.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+import re
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")  # ORG/NAME, as the Hub names repositories
+FETCHED = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "tokenizer*", "vocab*", "merges*"]
+PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+class HubError(Exception):
+    """An id the Hub or its cache cannot give: one line naming it."""
+
+
+def is_hub_id(value: str | None) -> bool:
+    """`ORG/NAME` that names no local path."""
+    return bool(value) and HUB_ID.fullmatch(value) is not None and not os.path.exists(value)
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _home() -> str:
+    return os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
+
+
+def _cache_dir() -> str:
+    """The hub cache as huggingface_hub computes it, read when called (not when the library was imported)."""
+    return os.environ.get("HF_HUB_CACHE") or os.path.join(_home(), "hub")
+
+
+def datasets_cache_dir() -> str:
+    """The `datasets` Arrow cache as that library computes it, read when called."""
+    return os.environ.get("HF_DATASETS_CACHE") or os.path.join(_home(), "datasets")
+
+
+def resolve(value: str | None, what: str, revision: str | None = None, weights: bool = True, cached: bool = False):
+    """The local directory of `value`: itself, or the Hub snapshot of the id `value` (downloaded if needed).
+
+    Args:
+        what: the key or flag that named it, for messages (`model_name_or_path`, `--input`).
+        weights: fetch safetensors weights and require them (a model); False: the tokenizer and configs only.
+        cached: read the cache only (the ranks that wait for their node's download).
+    Raises:
+        HubError: one line naming the id (missing, gated, offline and not cached, pickled weights only).
+    """
+    if not is_hub_id(value):
+        return value
+    patterns = FETCHED if weights else [p for p in FETCHED if p != "*.safetensors"]
+    path = snapshot(value, what, revision, allow=patterns, cached=cached)
+    if weights and not _has(path, "*.safetensors"):
+        at = f"{what} {value}" + (f"@{revision}" if revision else "")
+        pickled = _pickled_weights(value, revision) if not (cached or _offline()) else []
+        found = f" (it has {', '.join(pickled[:3])}: pickled weights are never loaded)" if pickled else ""
+        raise HubError(f"{at}: no safetensors weights in the repository{found}")
+    return path
+
+
+def snapshot(
+    repo: str, what: str, revision: str | None = None, allow=None, cached: bool = False, repo_type: str = "model"
+) -> str:
+    """The local snapshot directory of Hub repository `repo` (`huggingface_hub.snapshot_download`): `allow`ed
+    files only (None: every file but code and pickles). Raises HubError (one line naming the id)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    at = f"{what} {repo}" + (f"@{revision}" if revision else "")
+    try:
+        return snapshot_download(
+            repo,
+            repo_type=repo_type,
+            revision=revision,
+            cache_dir=_cache_dir(),
+            local_files_only=cached or _offline(),
+            allow_patterns=allow,
+            ignore_patterns=None if allow else ["*.py", *PICKLES],
+        )
+    except GatedRepoError:
+        raise HubError(
+            f"{at}: a gated repository; accept its terms on huggingface.co and log in (hf auth login, or HF_TOKEN)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise HubError(
+            f"{at}: no such repository on the Hugging Face Hub (a private one needs HF_TOKEN), and no local path"
+        ) from None
+    except RevisionNotFoundError:
+        raise HubError(f"{at}: no such revision on the Hugging Face Hub") from None
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE=1" if _offline() else "the Hub could not be reached"
+        raise HubError(
+            f"{at}: not in the Hugging Face cache ({_cache_dir()}) and {why}: download it once online, "
+            "or name a local directory"
+        ) from None
+    except (HfHubHTTPError, OSError) as e:
+        raise HubError(f"{at}: cannot download from the Hugging Face Hub ({str(e).splitlines()[0]})") from None
+
+
+def resolve_once(value: str | None, what: str, job: str, revision: str | None = None, weights: bool = True):
+    """`resolve()` for the ranks of one job (`job`: its key): the first rank to take the cache's lock for the id
+    resolves it (downloading), the others wait on the lock and reuse its answer, so a node downloads once."""
+    if not is_hub_id(value):
+        return value
+    from filelock import FileLock
+
+    locks = os.path.join(_cache_dir(), ".locks")
+    os.makedirs(locks, exist_ok=True)
+    name = hashlib.sha256(f"{job}\0{value}\0{revision}".encode()).hexdigest()[:16]
+    marker = os.path.join(locks, f"trainer-{name}.resolved")
+    with FileLock(marker + ".lock"):
+        if os.path.exists(marker):
+            with open(marker) as f:
+                path = f.read()
+            if os.path.isdir(path):
+                return path
+        path = resolve(value, what, revision, weights)
+        with open(marker + ".tmp", "w") as f:
+            f.write(path)
+        os.replace(marker + ".tmp", marker)
+    return path
+
+
+def _has(path: str, pattern: str) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for _, _, names in os.walk(path) for name in names)
+
+
+def _pickled_weights(repo: str, revision: str | None) -> list[str]:
+    """The repository's pickled weight files (to say why it is refused); empty where the Hub cannot be asked."""
+    try:
+        from huggingface_hub import list_repo_files
+
+        files = list_repo_files(repo, revision=revision)
+    except Exception:  # noqa: BLE001 - only for the message
+        return []
+    return [f for f in files if any(fnmatch.fnmatch(f, p) for p in PICKLES)]

@@ -1,0 +1,114 @@
+"""Hugging Face Hub ids for models, tokenizers and datasets (models/hub.py, data/sources.py), without network: each
+test writes a hub cache in huggingface_hub's own layout (blobs, snapshots of links, refs/main) and runs offline."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from checkpoint.layer_files import load_layer_state
+from tests.conftest import check, launch, read_jsonl, run_cmd
+from tests.test_training import layout_args, layout_run
+
+
+def write_hub_cache(home: Path, repo: str, files: dict[str, bytes], repo_type: str = "model") -> str:
+    """`files` (name -> bytes) as huggingface_hub caches a download of `repo` under HF_HOME=`home`; returns the
+    snapshot directory."""
+    root = home / "hub" / f"{repo_type}s--{repo.replace('/', '--')}"
+    commit = hashlib.sha1(repo.encode()).hexdigest()
+    for name, data in files.items():
+        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = root / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+    return str(root / "snapshots" / commit)
+
+
+def directory_files(path: str) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in Path(path).iterdir() if p.is_file()}
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch, hf_models) -> Path:
+    """HF_HOME with `org/tiny` (the gqa test model with its tokenizer) in its cache; HF_HUB_OFFLINE=1."""
+    home = tmp_path / "hf_home"
+    write_hub_cache(home, "org/tiny", directory_files(hf_models["gqa"]))
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    return home
+
+
+def layer_tensors(ckpt: str) -> dict:
+    step = Path(ckpt) / (Path(ckpt) / "latest").read_text().strip()
+    return {f"{f.name}:{k}": v for f in sorted(step.glob("layer_*")) for k, v in load_layer_state(str(f)).items()}
+
+
+def test_a_hub_id_converts_and_verifies_like_its_directory(offline_hub, converted, tmp_path):
+    out = tmp_path / "from_hub"
+    check(run_cmd([sys.executable, "convert2ckpt.py", "--input", "org/tiny", "--output", str(out)]))
+    hub, local = layer_tensors(str(out)), layer_tensors(converted["gqa"])
+    assert hub.keys() == local.keys() and all((hub[k] == local[k]).all() for k in hub)
+    verify = check(run_cmd([sys.executable, "convert2ckpt.py", "--verify", str(out), "--against", "org/tiny"]))
+    assert "max |logit difference| against" in verify.stdout and verify.stdout.rstrip().endswith(": 0")
+
+
+def test_an_id_not_in_the_cache_offline_or_without_safetensors_is_one_line(offline_hub, hf_models, tmp_path):
+    proc = run_cmd([sys.executable, "convert2ckpt.py", "--input", "org/absent", "--output", str(tmp_path / "x")])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("convert2ckpt: error: --input org/absent: not in the Hugging Face cache (")
+    assert "HF_HUB_OFFLINE=1" in lines[0] and not (tmp_path / "x").exists()
+    pickled = {n: b for n, b in directory_files(hf_models["gqa"]).items() if not n.startswith("model")}
+    write_hub_cache(offline_hub, "org/pickled", {**pickled, "pytorch_model.bin": b"not loaded"})
+    proc = run_cmd([sys.executable, "convert2ckpt.py", "--input", "org/pickled", "--output", str(tmp_path / "y")])
+    assert proc.returncode == 2 and "--input org/pickled: no safetensors weights in the repository" in proc.stderr
+
+
+def test_tokenizer_and_dataset_ids_in_data_prepare(offline_hub, hf_models, sft_data, tmp_path):
+    """`python -m data.prepare` with a tokenizer id and a dataset id builds the store that the local tokenizer
+    directory and the same rows as a local file build: the same arrays, byte for byte."""
+    from training.prepare import main
+
+    write_hub_cache(offline_hub, "org/adds", {"train.jsonl": Path(sft_data[0]).read_bytes()}, repo_type="dataset")
+    stores = {}
+    for name, tok, data in (
+        ("hub", "org/tiny", "hf://datasets/org/adds@train"),
+        ("local", hf_models["gqa"], sft_data[0]),
+    ):
+        cache = tmp_path / f"cache_{name}"
+        args = [f"model_name_or_path={tok}", f"train_file={data}", f"data.cache_dir={cache}", "seq_length=16"]
+        assert main(args) == 0
+        stores[name] = {p.name: p.read_bytes() for p in cache.rglob("*") if p.suffix in (".bin", ".npy")}
+    assert "tokens.bin" in stores["hub"] and stores["hub"] == stores["local"]
+    with pytest.raises(Exception, match="hf://datasets/org/adds@test: datasets cannot load it"):
+        from data.sources import count_source
+
+        count_source("hf://datasets/org/adds@test")
+
+
+@pytest.mark.slow
+def test_hub_ids_train_like_local_directories(offline_hub, converted, sft_data, tmp_path, tmp_path_factory):
+    """PP=2 x DP=2 with model_name_or_path=org/tiny (converted at load; its tokenizer) and
+    train_file=hf://datasets/org/adds: every step and the evaluation equal the run from convert2ckpt.py's checkpoint
+    of the same model on the same rows as a local file (test_training.py's gqa-pp2-dp2 layout run)."""
+    write_hub_cache(offline_hub, "org/adds", {"train.jsonl": Path(sft_data[0]).read_bytes()}, repo_type="dataset")
+    direct, out = Path(layout_run("gqa-pp2-dp2", converted, sft_data, tmp_path_factory)), tmp_path / "hub"
+    more = {"model_name_or_path": "org/tiny", "train_file": "hf://datasets/org/adds"}
+    proc = check(launch(4, *layout_args("gqa-pp2-dp2", converted, sft_data, str(out), **more)))
+    assert "model_name_or_path org/tiny: " in proc.stderr and (out / "hf_converted" / "conversion.json").exists()
+    timing = ("tokens_per_second", "padded_tokens_per_second", "step_seconds", "save_seconds")
+    a, b = read_jsonl(direct / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
+    assert a and [{k: v for k, v in m.items() if k not in timing} for m in a] == [
+        {k: v for k, v in m.items() if k not in timing} for m in b
+    ]
+    assert json.load(open(direct / "eval_results.json")) == json.load(open(out / "eval_results.json"))
