@@ -27,7 +27,7 @@ from checkpoint.dtypes import DTYPES
 from checkpoint.errors import CheckpointError
 from checkpoint.layer_files import FORMATS
 from checkpoint.names import LATEST
-from models.hub import HubError, resolve
+from common.hub import HubError, resolve
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -160,7 +160,7 @@ def verify(ckpt_dir: str, tag: str | None, against: str | None) -> int:
     from checkpoint.pipeline_reader import PipelineCheckpoint
 
     ckpt = PipelineCheckpoint(ckpt_dir, tag, scan=False)  # the scan below reports every unsafe file, as data
-    problems = verify_manifest(ckpt.step_dir)
+    problems = verify_manifest(ckpt.step_dir, progress=True)
     problems += ckpt.unsafe_files(skip={p.path for p in problems})
     for problem in problems:
         print(f"convert2ckpt: verify: {problem}", file=sys.stderr)

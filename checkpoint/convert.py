@@ -34,6 +34,7 @@ from checkpoint.outputs import PIPELINE, check_output
 from checkpoint.source_checks import SourceCheck, check_keys
 from checkpoint.staging import staged_directory
 from checkpoint.writer import TAG, ConvertStats, check_tp, finish_converted, finish_piece, own_storage, write_layer
+from common.progress import Progress
 from models.config import read_config_fields
 from models.families import family_of
 from models.key_table import all_layer_keys, hf_key_to_layer, hub_index
@@ -49,11 +50,12 @@ def convert_layers(
     tp_size: int = 1,
     tp_ranks: list[int] | None = None,
     config=None,
-    between_layers: Callable[[], None] | None = None,
+    between_layers: Callable[[int, int], None] | None = None,
 ) -> ConvertStats:
     """Write the layer files of `todo` (pipeline layer indices), reading only the tensors they need; with
     `tp_size` > 1 each layer is split the moment it is complete (TP ranks `tp_ranks`, default all).
-    `config`: the model's (default: read from hf_dir); `between_layers` runs after each layer (it may raise)."""
+    `config`: the model's (default: read from hf_dir); `between_layers(1, bytes written)` runs after each layer
+    (it may raise)."""
     config = config or read_model_config(hf_dir)
     layers = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings)
     expected = all_layer_keys(config)
@@ -84,14 +86,15 @@ def convert_layers(
                 pending_bytes -= sum(t.numel() * t.element_size() for t in layer.values())
                 for t in layer.values():
                     pool.give(t)
-                stats.bytes_written += sum(os.path.getsize(path) for path in paths)
+                nbytes = sum(os.path.getsize(path) for path in paths)
+                stats.bytes_written += nbytes
                 stats.layers_written += 1
                 stats.files += [os.path.basename(path) for path in paths]
                 for path in paths:
                     describer.add(path)
                 del layer
                 if between_layers:
-                    between_layers()
+                    between_layers(1, nbytes)
     stats.manifest = describer.entries()
     if pending:  # duplicates across shards or a key listed twice would land here
         raise CheckpointError(f"{hf_dir}: layers {sorted(pending)} incomplete after reading every shard")
@@ -120,8 +123,9 @@ def _run_workers(
     tp_size: int = 1,
     tp_ranks: list[int] | None = None,
     config=None,
-    between_layers: Callable[[], None] | None = None,
+    between_layers: Callable[[int, int], None] | None = None,
 ) -> ConvertStats:
+    """`convert_layers` in `workers` processes; `between_layers(layers, bytes)` runs as each group finishes."""
     if workers <= 1:
         return convert_layers(hf_dir, step_dir, todo, dtype, fmt, tp_size, tp_ranks, config, between_layers)
     import multiprocessing as mp
@@ -139,6 +143,8 @@ def _run_workers(
             stats.peak_pending_bytes += part.peak_pending_bytes  # workers hold their layers at the same time
             stats.files += part.files
             stats.manifest.update(part.manifest)
+            if between_layers:
+                between_layers(part.layers_written, part.bytes_written)
     return stats
 
 
@@ -215,9 +221,13 @@ def convert_hf_to_pipeline(
         os.makedirs(step_dir)
         if workers > 1:  # worker processes: the checks first (the parent only waits for them)
             source.result(light)
-        stats = _run_workers(
-            hf_dir, step_dir, todo, dtype, workers, fmt, tp_size, tp_ranks, config, source.raise_if_failed
-        )
+        with Progress("converting", len(todo)) as progress:
+
+            def after(layers: int, nbytes: int) -> None:
+                source.raise_if_failed()
+                progress.update(layers, nbytes)
+
+            stats = _run_workers(hf_dir, step_dir, todo, dtype, workers, fmt, tp_size, tp_ranks, config, after)
         source.result(light)  # before anything is published
         if whole:
             finish_converted(tmp, hf_dir, out_dtype, dtype, known=stats.manifest)

@@ -32,6 +32,7 @@ from checkpoint.pipeline_reader import PipelineCheckpoint
 from checkpoint.safetensors_writer import StreamingSafetensorsWriter
 from checkpoint.staging import staged_directory
 from checkpoint.writer import ConvertStats, copy_side_files
+from common.progress import Progress
 
 
 def _container(ckpt_dir: str) -> dict | None:
@@ -153,14 +154,17 @@ def export_pipeline_to_hf(
     with staged_directory(out_dir, force, HF_EXPORT, command, sorted(set(sources))) as tmp:
         model = ((hub(key), tensor) for key, tensor in weights.iter_hf_tensors(adapters))
         tensors = itertools.chain(model, iter_carried(ckpt_dir))
+        progress = Progress("exporting", len(plan), unit="tensors")
         for name, shard in zip(names, shards):
             with StreamingSafetensorsWriter(os.path.join(tmp, name), shard, metadata={"format": "pt"}) as writer:
                 for _, _, want in shard:
                     got_key, tensor = next(tensors)
                     writer.write(got_key, tensor.to(want) if tensor.dtype != want else tensor)
                     stats.tensors += 1
+                    progress.update(1, tensor.numel() * want.itemsize)
             stats.files.append(name)
             stats.bytes_written += os.path.getsize(os.path.join(tmp, name))
+        progress.close()
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)

@@ -21,6 +21,7 @@ from checkpoint.errors import CheckpointError, Problem
 from checkpoint.layer_files import is_layer_file, layer_tensor_specs
 from checkpoint.names import MANIFEST
 from checkpoint.staging import write_text_atomic
+from common.progress import Progress
 
 CHUNK = 16 * 2**20
 
@@ -118,8 +119,9 @@ def copy_verified(src: str, dst_dir: str, entry: dict) -> None:
         raise CheckpointError(f"{src}: contents changed (size or sha256 differs from its manifest)")
 
 
-def verify_manifest(step_dir: str) -> list[Problem]:
-    """Problems found (`Problem`: the file and the reason); empty when the checkpoint matches its manifest."""
+def verify_manifest(step_dir: str, progress: bool = False) -> list[Problem]:
+    """Problems found (`Problem`: the file and the reason); empty when the checkpoint matches its manifest.
+    `progress`: show the hashing's progress (common/progress.py)."""
     path = os.path.join(step_dir, MANIFEST)
     try:
         listed = read_manifest(step_dir)
@@ -130,6 +132,7 @@ def verify_manifest(step_dir: str) -> list[Problem]:
     ):
         return [Problem(path, "not a manifest (entries without size and sha256)")]
     problems = []
+    shown = Progress("verifying", len(listed) if progress else 0, unit="files")
     for name, want in listed.items():
         file = os.path.join(step_dir, name)
         if not os.path.exists(file):
@@ -140,6 +143,8 @@ def verify_manifest(step_dir: str) -> list[Problem]:
             problems.append(Problem(file, f"size {size} but the manifest says {want['size']}"))
         elif sha256_file(file) != want["sha256"]:
             problems.append(Problem(file, "contents changed (sha256 differs from the manifest)"))
+        shown.update(1, size)
+    shown.close()
     for name in checkpoint_files(step_dir):
         if name not in listed and not name.startswith("."):
             problems.append(Problem(os.path.join(step_dir, name), "not listed in the manifest"))

@@ -22,6 +22,7 @@ from checkpoint.outputs import PIPELINE, check_output
 from checkpoint.pipeline_reader import PipelineCheckpoint
 from checkpoint.staging import staged_directory
 from checkpoint.writer import TAG, ConvertStats, check_tp, finish_converted, finish_piece, write_layer
+from common.progress import Progress
 
 
 def reshard_checkpoint(
@@ -59,7 +60,7 @@ def reshard_checkpoint(
     with staged_directory(out_dir, force, PIPELINE, "--tp", [ckpt_dir]) as tmp:
         out_step = os.path.join(tmp, TAG)
         os.makedirs(out_step)
-        describer = BackgroundDescriber()
+        describer, progress = BackgroundDescriber(), Progress("resharding", len(todo))
         for layer in todo:
             state = ckpt.load_whole(layer)
             dtype = dtype or dtype_name(next(iter(state.values())).dtype)
@@ -71,7 +72,9 @@ def reshard_checkpoint(
             stats.tensors += len(state)
             stats.bytes_written += sum(os.path.getsize(p) for p in paths)
             stats.files += [os.path.basename(p) for p in paths]
+            progress.update(1, sum(os.path.getsize(p) for p in paths))
             del state
+        progress.close()
         known = describer.entries()
         if whole:
             finish_converted(tmp, ckpt_dir, dtype, known=known)

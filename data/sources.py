@@ -58,7 +58,7 @@ def hub_dataset(spec: str):
         raise DataError(f"{spec}: a Hub dataset is hf://datasets/ORG/NAME, optionally :CONFIG and @SPLIT")
     import datasets
 
-    from models.hub import HubError, datasets_cache_dir, snapshot
+    from common.hub import HubError, datasets_cache_dir, snapshot
 
     try:
         local = snapshot(m[1], "dataset", repo_type="dataset")

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from common.progress import Progress
 from data import store as fmt
 from data.config import DataConfig
 from data.encode import encode_rows, lossy_tokenizer
@@ -110,40 +111,6 @@ def _read_summary(partial: str, index: int) -> dict | None:
             return json.load(f)
     except (OSError, ValueError):
         return None
-
-
-class Progress:
-    """Rows/s and tokens/s of a build: a tqdm bar on a terminal, else a log line every 30 s."""
-
-    def __init__(self, what: str, log: Callable[[str], None]):
-        import sys
-
-        self.what, self.log, self.start, self.last = what, log, time.perf_counter(), 0.0
-        self.rows = self.tokens = 0
-        self.bar = None
-        if sys.stderr.isatty():  # the total is counted (one more read of the files) only for a bar
-            from tqdm import tqdm
-
-            total = count_source(what)
-            self.bar = tqdm(total=total, unit="rows", desc=f"tokenizing {os.path.basename(what)}", mininterval=1.0)
-
-    def update(self, rows: int, tokens: int) -> None:
-        self.rows, self.tokens = self.rows + rows, self.tokens + tokens
-        seconds = max(time.perf_counter() - self.start, 1e-9)
-        if self.bar is not None:
-            self.bar.update(rows)
-            self.bar.set_postfix(tokens_s=f"{self.tokens / seconds:,.0f}", refresh=False)
-        elif seconds - self.last >= 30:
-            self.last = seconds
-            self.log(
-                f"tokenizing {self.what}: {self.rows:,} rows, {self.rows / seconds:,.0f} rows/s, "
-                f"{self.tokens / seconds:,.0f} tokens/s"
-            )
-
-    def close(self) -> float:
-        if self.bar is not None:
-            self.bar.close()
-        return time.perf_counter() - self.start
 
 
 def _build_parts(path: str, partial: str, workers: int, beat: Callable[[], None], progress: Progress) -> int:
@@ -368,7 +335,9 @@ def _build(path, final, key, tokenizer, cfg, truncate, concat, workers, beat, lo
         lossy=lossy_tokenizer(tokenizer),
     )
     start = time.perf_counter()
-    progress = Progress(path, log)
+    # (counting the rows first costs one more read of the files: a line per tenth of the build needs the total)
+    what = f"tokenizing {os.path.basename(path)}"
+    progress = Progress(what, count_source(path), unit="rows", amount="tokens", log=log)
     try:
         parts = _build_parts(path, partial, workers, beat, progress)
     except WorkerDied:

@@ -1,4 +1,4 @@
-"""Hugging Face Hub ids for models, tokenizers and datasets (models/hub.py, data/sources.py), without network: each
+"""Hugging Face Hub ids for models, tokenizers and datasets (common/hub.py, data/sources.py), without network: each
 test writes a hub cache in huggingface_hub's own layout (blobs, snapshots of links, refs/main) and runs offline."""
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from pathlib import Path
 from tests.conftest import REPO, subprocess_env
 
 LAYERS = {
+    "common": 0,
     "models": 0,
     "checkpoint": 1,
     "data": 1,

@@ -208,6 +208,7 @@ def context_for(cfg, config, world_size: int, gpu_gib: float) -> str:
 
 
 def main(argv: list[str]) -> int:
+    from common.hub import HubError, resolve
     from training.assembly import load_model_config
     from training.cli import compose_config
     from training.config import sequence_parallel, sequences_per_sample
@@ -221,10 +222,11 @@ def main(argv: list[str]) -> int:
         cfg = compose_config(overrides)
         if cfg.model_name_or_path is None and cfg.model.hidden_size is None:
             raise ValueError("name a model preset (model=...) or an experiment")
+        cfg.model_name_or_path = resolve(cfg.model_name_or_path, "model_name_or_path", cfg.model_revision, False)
         config = load_model_config(cfg)
         world_size = world_size or cfg.num_stages * cfg.tensor_parallel_size * cfg.context_parallel_size
         rows = estimate(cfg, config, world_size)
-    except (ValueError, RunError) as e:  # e.g. dualpipev with fewer than 2 x num_stages micro-batches
+    except (ValueError, RunError, HubError) as e:  # e.g. dualpipev with fewer than 2 x num_stages micro-batches
         print(f"memory_estimate: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     cp = cfg.context_parallel_size

@@ -17,11 +17,11 @@ from checkpoint.dequantize import is_quantized
 from checkpoint.hf_reader import is_hf_dir
 from checkpoint.names import CARRIED_FILE, CONTAINER_CONFIG, LORA_FILE
 from checkpoint.saves import clean_stale, read_tag
+from common.hub import is_hub_id, resolve_once
 from data.collator import CausalLMCollator
 from data.pair_dataset import PairCollator
 from models.config import check_preset, config_from_preset, load_hf_config
 from models.families import resolve_attention
-from models.hub import is_hub_id, resolve_once
 from models.lora import add_lora, parallelize_lora
 from models.loss import CausalLMLoss
 from models.moe import WithAuxLoss, default_aux_loss_coef, is_moe

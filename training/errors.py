@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from checkpoint.errors import CheckpointError
+from common.hub import HubError
 from data.errors import DataError
-from models.hub import HubError
 
 
 class RunError(Exception):

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import sys
 
+from common.hub import HubError, resolve
 from data.dataset import cache_root
 from data.errors import DataError
 from data.pair_dataset import PairDataset
-from models.hub import HubError, resolve
 from models.tokenizer import configured_tokenizer
 from training.cli import compose_config
 from training.config import evaluating, tokenizer_sources
