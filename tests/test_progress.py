@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from common.progress import Progress
-from tests.conftest import REPO, subprocess_env
+from tests.conftest import REPO, run_cmd, subprocess_env
 from tools.tiny_models import make_hf_model, tiny_config
 
 LINE = re.compile(r"^converting: (\d+)% \((\d+)/19 layers, [\d.]+ [KMG]?B, [\d.]+ [KMG]?B/s, \d+ s left\)$")
@@ -42,9 +42,7 @@ def test_converter_progress_on_a_pipe_and_on_a_terminal(deep_model, tmp_path):
     """A 16-layer model: on a pipe at most a dozen progress lines, no carriage return; on a pseudo-terminal the
     bar (tqdm's carriage-return redraws, 19/19 pipeline layers)."""
     cmd = [sys.executable, "convert2ckpt.py", "--input", deep_model]
-    piped = subprocess.run(
-        [*cmd, "--output", str(tmp_path / "a")], cwd=REPO, env=subprocess_env(), capture_output=True, text=True
-    )
+    piped = run_cmd([*cmd, "--output", str(tmp_path / "a")])  # in this process, its stderr captured (not a terminal)
     assert piped.returncode == 0, piped.stderr[-2000:]
     lines = [line for line in piped.stderr.splitlines() if line.startswith("converting:")]
     assert 1 <= len(lines) <= 12 and all(LINE.match(line) for line in lines), lines

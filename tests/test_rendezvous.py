@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from tests.conftest import LAUNCHER, NODES_RUN, REPO, free_port, small_run, subprocess_env
+from tests.conftest import LAUNCHER, NODES_RUN, REPO, forked, free_port, small_run, subprocess_env
 from tests.test_faults import assert_same_run, start_job_cmd, wait
 from training.errors import RunError
 from training.rendezvous import JOB_KEY, job_key, rendezvous
@@ -65,11 +65,15 @@ def test_missing_ranks_and_a_taken_port_stop_in_one_line_within_the_init_timeout
 @pytest.mark.slow
 def test_a_trainer_rank_whose_rendezvous_never_completes_stops_within_the_init_timeout(tmp_path):
     """`python trainer.py` as rank 1 of 2 with no rank 0: one line, exit 2, within the init timeout (3 s)."""
-    cmd = [sys.executable, "trainer.py", f"output_dir={tmp_path}", "dist_init_timeout_minutes=0.05"]
-    start = time.monotonic()
-    proc = subprocess.run(
-        cmd, cwd=REPO, env={**subprocess_env(), **env(free_port(), 1)}, capture_output=True, text=True, timeout=120
-    )
+    args = [f"output_dir={tmp_path}", "dist_init_timeout_minutes=0.05"]
+    start, environ = time.monotonic(), {**subprocess_env(), **env(free_port(), 1)}
+    zygote = forked()
+    if zygote is not None:  # forked from the tests' fork server: the trainer without its imports
+        proc = zygote.run("trainer.py", args, 1, ranks=False, env=environ, timeout=120)
+    else:
+        proc = subprocess.run(
+            [sys.executable, "trainer.py", *args], cwd=REPO, env=environ, capture_output=True, text=True, timeout=120
+        )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("trainer: error: nothing answers at 127.0.0.1:")
     assert time.monotonic() - start < 60
@@ -84,9 +88,9 @@ def refused(proc, log: Path, port: int, within: float = 90) -> None:
     assert all(f"{port}" in line and "--master_port" in line for line in errors), errors
 
 
-def job(port: int, out: Path, args: list[str], log: Path, hook_dir: Path | None = None):
+def job(port: int, out: Path, args: list[str], log: Path, hook_dir: Path | None = None, ranks: int = 4):
     script = "tests/workers/faulty_trainer.py" if hook_dir else "trainer.py"
-    cmd = [LAUNCHER, "--num_gpus", "4", "--master_port", str(port), script, *args]
+    cmd = [LAUNCHER, "--num_gpus", str(ranks), "--master_port", str(port), script, *args]
     extra = {"FAULT": "hold_rendezvous:rank=1", "HOOK_DIR": str(hook_dir)} if hook_dir else {}
     return start_job_cmd(cmd, log, extra)
 
@@ -103,19 +107,20 @@ def test_second_jobs_on_the_port_mid_rendezvous_and_mid_run_leave_the_first_alon
     converted, sft_data, single_node_run, tmp_path
 ):
     """Job A (4 ranks) hosts the port; its rank 1 is held before joining (tests/workers/faulty_trainer.py): job B
-    starts then, in the middle of A's rendezvous. After A's rendezvous, A's rank 0 is held and job C starts. B and C
-    each stop in one line naming the port; A then trains to the losses and weights of the same run alone."""
+    starts then, in the middle of A's rendezvous. After A's rendezvous, A's rank 0 is held and job C starts (B and C:
+    2 ranks each, PP=2). B and C each stop in one line naming the port; A then trains to the losses and weights of
+    the same run alone."""
     port, hooks = free_port(), tmp_path / "hooks"
     hooks.mkdir()
     args = {name: small_run(converted["gqa"], tmp_path / name, sft_data[0], **NODES_RUN) for name in "abc"}
     a = job(port, tmp_path / "a", args["a"], tmp_path / "a.log", hooks)
     try:
         wait_for(hooks / "hosting", a)
-        b = job(port, tmp_path / "b", args["b"], tmp_path / "b.log")
+        b = job(port, tmp_path / "b", args["b"], tmp_path / "b.log", ranks=2)
         refused(b, tmp_path / "b.log", port)
         (hooks / "go").touch()
         wait_for(hooks / "joined", a)
-        c = job(port, tmp_path / "c", args["c"], tmp_path / "c.log")
+        c = job(port, tmp_path / "c", args["c"], tmp_path / "c.log", ranks=2)
         refused(c, tmp_path / "c.log", port)
         (hooks / "go2").touch()
         assert wait(a, 300) == 0, (tmp_path / "a.log").read_text()[-3000:]
