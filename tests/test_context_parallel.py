@@ -84,7 +84,7 @@ def test_resume_across_a_change_of_context_parallel_size(converted, sft_data, tm
     from transformers import AutoConfig
 
     from checkpoint.pipeline_reader import load_hf_state_dict
-    from tests.test_training import STEPS, interrupted_copy, layout_args, layout_config, layout_run
+    from tests.test_training import STEPS, interrupted_copy, layout_args, layout_run
 
     for layout, ranks, more in [
         ("gqa-pp2-cp2-packed-recompute-chunked-tiled", 2, {"context_parallel_size": 1}),
@@ -105,8 +105,8 @@ def test_resume_across_a_change_of_context_parallel_size(converted, sft_data, tm
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (layout, a, b)
         final, moved = load_hf_state_dict(str(full), config), load_hf_state_dict(str(part), config)
         worst = max(float((moved[k] - v).abs().max()) for k, v in final.items())
-        assert worst < 0.01 * layout_config(layout, sft_data).learning_rate, (layout, worst)
         print(f"CP move {layout} -> {more}: max |weight diff| after {STEPS} steps vs unmoved = {worst:.3g}")
+        assert worst < 5e-7, (layout, worst)  # measured 5.96e-8 (CP=2 -> 1) and 9.31e-9 (1 -> 2)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -35,6 +35,7 @@ def slug(heading: str) -> str:
 def test_readme_is_short_and_links_every_page():
     readme = (REPO / "README.md").read_text()
     assert len(readme.splitlines()) <= 300
+    assert {p.stem for p in (REPO / "docs").glob("*.md")} == set(PAGES)  # a new page is listed, so linked
     for page in PAGES:
         assert (REPO / "docs" / f"{page}.md").exists(), page
         assert f"(docs/{page}.md)" in readme, page

@@ -12,7 +12,7 @@ import pytest
 from checkpoint.pipeline_reader import load_hf_state_dict
 from checkpoint.safe_load import load_pt
 from tests.conftest import check, launch, read_jsonl, torchrun
-from tests.test_training import STEPS, interrupted_copy, layout_args, layout_run, parity_cfg
+from tests.test_training import STEPS, interrupted_copy, layout_args, layout_run
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 GPT_OSS_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
@@ -51,6 +51,25 @@ def test_expert_parallel_checkpoint_resumes_with_any_ep(layout, converted, sft_d
                 assert b["loss"] == pytest.approx(a["loss"], rel=1e-6) and b["grad_norm"] == pytest.approx(
                     a["grad_norm"], rel=1e-6
                 ), (a, b)
+
+
+# Max |weight difference| after 4 steps, held at about 5x what each run measured (docs/measured.md, moe.md):
+# ZeRO-1 runs against fp32 ZeRO-0 at EP=2 (5.11e-7, 1.09e-6, 2.18e-7, 1.23e-7, 2.12e-7) and the optimizer-state moves
+# against the unmoved run (8.47e-9, 2.13e-8, 1.93e-7, 5.96e-8; bf16 E 2 -> 1 1.16e-3).
+FP32_WEIGHT_BOUNDS = {
+    "fp32_zero1": 3e-6,
+    "fp32_zero1_tp2": 6e-6,
+    "fp32_zero1_llama4": 1e-6,
+    "fp32_zero1_dp4": 1e-6,
+    "fp32_zero1_cp2": 1e-6,
+}
+MOVE_BOUNDS = {
+    "fp32_zero1_dp4": 1e-7,
+    "fp32_zero1": 2e-7,
+    "fp32_zero1_tp2": 2e-6,
+    "fp32_zero1_llama4": 5e-7,
+    "bf16_zero1": 5e-3,
+}
 
 
 def test_expert_parallel_under_zero1_and_bf16(converted, sft_data, tmp_path, tmp_path_factory):
@@ -99,8 +118,8 @@ def test_expert_parallel_under_zero1_and_bf16(converted, sft_data, tmp_path, tmp
         reference, ours = load_hf_state_dict(str(fp32), config), load_hf_state_dict(str(out), config)
         worst = max(float((ours[k].float() - v).abs().max()) for k, v in reference.items())
         print(f"{name} vs fp32 ZeRO-0 (EP=2) after {STEPS} steps: max |weight diff| {worst:.3g}")
-        if exact:  # an Adam step is about lr whatever the gradient: 1% of lr, as against the reference
-            assert worst < 0.01 * parity_cfg(sft_data[0]).learning_rate
+        # About 5x the figure each run measured (docs/measured.md); bf16 rounds weights every step (0.0119-0.0134).
+        assert worst < (FP32_WEIGHT_BOUNDS[name] if exact else 0.03), (name, worst)
         if name == "fp32_zero1":  # saved at step 2 (the resume tests' layout): ZeRO-1 shards on every rank
             files = set(os.listdir(out / "global_step2"))
             assert {f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for d in range(2) for s in range(2)} <= files
@@ -162,8 +181,7 @@ def test_expert_parallel_under_zero1_and_bf16(converted, sft_data, tmp_path, tmp
         unmoved, ours = load_hf_state_dict(str(full), config), load_hf_state_dict(str(part), config)
         worst = max(float((ours[k].float() - v.float()).abs().max()) for k, v in unmoved.items())
         print(f"moved {what}: max |weight diff| after {STEPS} steps vs unmoved {worst:.3g}")
-        if exact:
-            assert worst < 0.01 * parity_cfg(sft_data[0]).learning_rate, (what, worst)
+        assert worst < MOVE_BOUNDS[name], (what, worst)  # about 5-10x each move's measured figure
 
 
 def test_saves_gather_one_sparse_layer_at_a_time(converted, sft_data, tmp_path):

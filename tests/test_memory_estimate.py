@@ -114,7 +114,9 @@ def test_activation_and_parameter_estimates_match_measurement(layout):
     print(
         f"{layout}: predicted {kept / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB ({kept / measured - 1:+.1%})"
     )
-    assert abs(kept / measured - 1) <= 0.05
+    # measured: the dense layouts +0.0% or +0.1%, Mixtral -0.3%, Qwen2-MoE -0.2%, Llama 4 -0.7%, routed -4.3%
+    tolerance = {"mixtral-pp2-stage1": 0.01, "qwen2_moe-sparse-step-bf16": 0.01, "llama4-pp2-stage1": 0.02}
+    assert abs(kept / measured - 1) <= tolerance.get(layout, 0.05 if routed else 0.005)
     assert params == sum(layer_param_counts(config)[bounds[stage] : bounds[stage + 1]])
 
 
@@ -157,7 +159,7 @@ def test_deferred_weight_gradient_bytes_match_measurement(lora):
     targets = ["q_proj", "v_proj", "down_proj"] if lora else []
     predicted = deferred_weight_grad_bytes(config, b, s, 1, 4, targets, 4 if lora else 0)
     print(f"lora={lora}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
-    assert abs(predicted / measured - 1) <= 0.05
+    assert predicted == measured  # to the byte (docs/training.md)
 
 
 def test_planner_follows_each_schedules_micro_batches_in_flight():
@@ -281,7 +283,8 @@ def test_tp_and_sequence_parallel_activation_estimates_match_measurement(tmp_pat
                 f"TP=2 {name} sp={sp}: predicted {kept / 2**20:.3f} MiB, measured {measured / 2**20:.3f} MiB "
                 f"({kept / measured - 1:+.1%})"
             )
-            assert abs(kept / measured - 1) <= 0.05, (name, sp)
+            # measured +0.0% on every stage but the eager one (-3.1% / -3.6%: the planner's attention bytes)
+            assert abs(kept / measured - 1) <= (0.05 if "eager" in name else 0.005), (name, sp)
         assert ranks[0][f"{name}-sp1"] < ranks[0][f"{name}-sp0"]
 
 
@@ -331,4 +334,4 @@ def test_one_32k_token_row_through_sequence_and_context_parallelism(tmp_path):
             f"32k row, {mode}, rank {r['rank']} (stage {r['stage']}): peak saved {measured / 2**20:.2f} MiB, planner "
             f"{kept / 2**20:.2f} MiB ({kept / measured - 1:+.1%}); + the recomputed block {live / 2**20:.2f} MiB"
         )
-        assert abs(kept / measured - 1) <= 0.05, (r, kept)
+        assert abs(kept / measured - 1) <= 0.002, (r, kept)  # measured +0.0% on every rank

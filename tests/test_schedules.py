@@ -209,9 +209,9 @@ SCHEDULE_CASES += [("dualpipev", "gqa-pp2-cp2-packed-recompute-chunked-tiled"), 
 @pytest.mark.parametrize("schedule,layout", SCHEDULE_CASES)
 def test_schedule_trains_as_1f1b_and_the_reference(schedule, layout, hf_models, converted, sft_data, tmp_path_factory):
     """4 AdamW steps with clipping active: losses and grad norms within 1e-6 relative of 1F1B on the same batches,
-    weights within 1e-6, evaluation equal; and the single-process HF reference as for 1F1B (tied embeddings, TP=2,
-    packing, recompute and the chunked loss across the three layouts; Mixtral's experts with the load-balancing
-    loss)."""
+    weights within 1e-6 (1e-5 with Mixtral's experts), evaluation within 1e-6; and the single-process HF reference
+    as for 1F1B (tied embeddings, TP=2, packing, recompute and the chunked loss across the three layouts; Mixtral's
+    experts with the load-balancing loss)."""
     from tests.test_training import LAYOUTS, STEPS, assert_matches_reference, layout_config, layout_run
 
     gas = 4 if schedule == "dualpipev" else None  # DualPipeV needs 2 x PP micro-batches; others: the layout's
@@ -232,7 +232,7 @@ def test_schedule_trains_as_1f1b_and_the_reference(schedule, layout, hf_models, 
     wa, wb = load_hf_state_dict(base), load_hf_state_dict(ours)
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
     # NOTE: with experts, DualPipeV's other micro-batch order sums each expert's gradient in another order, and
-    # Adam turns those fp32 rounding differences of near-zero gradients into steps of about lr (3e-3): 2.6e-6 here.
+    # Adam turns those fp32 rounding differences of near-zero gradients into steps of about lr (3e-3): 2.15e-6 here.
     bound = 1e-5 if "mixtral" in layout else 1e-6
     assert wa.keys() == wb.keys() and worst <= bound, worst
     variant, _, stages, tp, _, _ = LAYOUTS[layout]

@@ -46,7 +46,6 @@ def test_resume_moves_across_tp_and_pp(precision, variant, converted, sft_data, 
     if variant == "qwen3_moe":
         layout = "qwen3_moe-pp2-tp2-chunked"
         full, at = Path(layout_run(layout, converted, sft_data, tmp_path_factory)), 2
-        lr = layout_config(layout, sft_data).learning_rate
 
         def args_for(out: str, **more) -> list[str]:
             return layout_args(layout, converted, sft_data, out, **more)
@@ -54,7 +53,7 @@ def test_resume_moves_across_tp_and_pp(precision, variant, converted, sft_data, 
     else:
         cfg = parity_cfg(sft_data[0])
         cfg.max_steps = 6
-        full, at, lr = tmp_path / "full", 3, cfg.learning_rate
+        full, at = tmp_path / "full", 3
 
         def args_for(out: str, **more) -> list[str]:
             stages = more.pop("num_stages", 2)
@@ -83,8 +82,8 @@ def test_resume_moves_across_tp_and_pp(precision, variant, converted, sft_data, 
         if precision == "fp32":  # without the Adam moments the first moved step would differ by about lr
             moved = load_hf_state_dict(str(part), config)
             worst = max(float((moved[k] - v).abs().max()) for k, v in final.items())
-            assert worst < 0.01 * lr, (name, worst)
             print(f"PP=2 x TP=2 -> {name}: max |weight diff| after {len(expected)} steps vs unmoved = {worst:.3g}")
+            assert worst < 1e-6, (name, worst)  # measured 0 to 1.19e-7 (tied, Qwen3-MoE; Phi-3 5.4e-8)
 
 
 @pytest.mark.parametrize("variant", ["gqa", "phi3"])

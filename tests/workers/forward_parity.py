@@ -210,14 +210,15 @@ def main():
                     loss_sum, tokens = float(sums[0]), int(sums[1])
                 err, key = None, (case["name"], pp, coords.dp_rank, coords.tp_rank)
                 try:
+                    # TP and CP: max 5.07e-7 over every family's checks (docs/measured.md); held at 2e-6, no rtol
                     if cp > 1:  # attention over the whole row after the all-to-all; the same kernel, other strides
-                        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+                        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-6)
                     elif ep > 1:  # the experts' matmuls on other sets of rows: fp32 rounding of another blocking
                         torch.testing.assert_close(logits, ref_logits, rtol=1e-6, atol=1e-6)
                     elif tp_size == 1 and not packed:  # bit-identical (README and docs/architecture.md say so)
                         assert torch.equal(logits, ref_logits), f"max |logit diff| {(logits - ref_logits).abs().max()}"
                     else:  # row-parallel sums add the same terms in another order
-                        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+                        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-6)
                     if sp and ep == cp == 1:  # the same sums as without SP, reduce-scattered instead of all-reduced
                         torch.testing.assert_close(logits, without_sp[key], rtol=1e-6, atol=1e-6)
                     elif tp_size > 1 and ep == cp == 1:
