@@ -179,6 +179,24 @@ def test_training_matches_single_process_reference(layout, hf_models, converted,
     )
 
 
+# Max |weight difference| against the single-process reference after 4 steps, as docs/measured.md quotes it, for the
+# layouts where 10x that figure is well below the shared bound (1% of lr = 3e-5): they are held at 10x.
+MEASURED_WEIGHT_DIFF = {
+    "llama4-pp2-dp2-ep2": 1.86e-7,
+    "ministral3-pp2-dp2": 6.11e-7,
+    "gqa-pp2-cp2-packed-recompute-chunked-tiled": 6.92e-7,
+    "qwen3_5-pp2-dp2": 7.04e-7,
+    "mixtral-dp4-ep2": 7.4e-7,
+    "phi3-pp2-dp2": 9.02e-7,
+    "ernie4_5-pp2-dp2": 1.01e-6,
+    "seed_oss-pp2-tp2": 1.14e-6,
+    "llama4-pp2-cp2": 1.25e-6,
+    "gqa-pp2-dp2-packed-recompute2-chunked": 1.44e-6,
+    "mixtral-pp2-cp2-ep2-recompute": 1.49e-6,
+    "smollm3-pp2-dp2": 1.52e-6,
+}
+
+
 def assert_matches_reference(out: str, cfg: TrainConfig, hf_dir: str, sft_data, dp: int, layout: str):
     """The run in `out` against the single-process HF reference: losses, grad norms, tokens, eval, weights.
     Returns (its weights in HF names, the largest difference from the reference's)."""
@@ -231,13 +249,15 @@ def assert_matches_reference(out: str, cfg: TrainConfig, hf_dir: str, sft_data, 
     # 2.08% of 4096, GLM-4.5 (TP x EP) 1.58% of an expert's 4096; losses and grad norms within the bounds above.
     # TP gradients are held to the whole block's in tests/test_tensor_parallel.py.
     wider = {"qwen3-pp2-tp2": 0.02, "phi3-pp2-tp2": 0.03, "glm4_moe-tp2-dp2-ep2": 0.02}
-    atol = wider.get(layout, 0.01) * cfg.learning_rate
+    atol, rtol = wider.get(layout, 0.01) * cfg.learning_rate, 1e-5
+    if layout in MEASURED_WEIGHT_DIFF:  # held at 10x what it measured, no relative term
+        atol, rtol = 10 * MEASURED_WEIGHT_DIFF[layout], 0.0
     biases = [k for k in ref if k.endswith("e_score_correction_bias")]  # moved only by the balancing, in +-rate steps
     assert all(torch.equal(ours[key], ref[key]) for key in biases)
     assert any(ref[key].any() for key in biases) == bool(cfg.moe.bias_update_rate)
     worst = 0.0
     for key, value in ref.items():
-        torch.testing.assert_close(ours[key], value, rtol=1e-5, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(ours[key], value, rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
         worst = max(worst, float((ours[key] - value).abs().max()))
     return ours, worst
 
