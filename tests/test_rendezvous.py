@@ -81,7 +81,9 @@ def test_a_trainer_rank_whose_rendezvous_never_completes_stops_within_the_init_t
 
 def refused(proc, log: Path, port: int, within: float = 90) -> None:
     """The launch exited non-zero within `within` s, with no traceback, every error line naming the port."""
+    start = time.monotonic()
     code = wait(proc, within)
+    print(f"{log.name}: stopped {time.monotonic() - start:.1f} s after the test began waiting for it")
     text = log.read_text()
     errors = [line for line in text.splitlines() if "trainer: error:" in line]
     assert code != 0 and errors and "Traceback" not in text, text[-3000:]
@@ -150,5 +152,6 @@ def test_two_jobs_started_at_the_same_moment_on_one_port(converted, sft_data, si
     text = (tmp_path / f"{loser}.log").read_text()
     errors = [line for line in text.splitlines() if "trainer: error:" in line]
     assert errors and "Traceback" not in text and all(f"{port}" in line for line in errors), text[-3000:]
+    print(f"same moment: {winners[0]} owns the port, {loser} stopped {ended[loser]:.1f} s after both started")
     assert ended[loser] < 90
     assert_same_run(single_node_run, tmp_path / winners[0])
