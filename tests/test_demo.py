@@ -25,7 +25,8 @@ def test_demo_script_end_to_end(tmp_path):
     results = json.load(open(out / "run" / "eval_results.json"))
     assert results["eval_rows"] == 1000 and results["eval_loss"] < 0.5
     match = re.search(r"exact match on (\d+) held-out sums \(greedy\): (\d+)/", proc.stdout)
-    assert match and int(match.group(2)) >= 0.5 * int(match.group(1)), proc.stdout[-2000:]
+    # the README quotes 193/200 (96.5%) for the demo's fixed seeds
+    assert match and int(match.group(2)) >= 0.9 * int(match.group(1)), proc.stdout[-2000:]
     assert os.path.isdir(out / "run" / "global_step1000")
     assert (out / "run" / "plots" / "overview.png").stat().st_size > 10_000
     assert "generate: 12+34=" in proc.stdout

@@ -44,6 +44,7 @@ def assert_matches_peft(run, cfg, hf_dir: str, tokenizer_dir: str, dp: int) -> d
 
     ref_model, ref_losses, ref_norms = train_baseline(hf_dir, tokenizer_dir, cfg, dp=dp, steps=cfg.max_steps)
     metrics = read_jsonl(run / "metrics.jsonl")
+    assert any(n > cfg.optim.max_grad_norm > 0 for n in ref_norms), ("clipping never engaged", ref_norms)
     torch.testing.assert_close(
         torch.tensor([m["loss"] for m in metrics]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6
     )

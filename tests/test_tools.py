@@ -52,8 +52,12 @@ def test_plots_from_metrics(tmp_path):
         "throughput.png",
         "overview.png",
     ]
+    from matplotlib import image
+
     for p in paths:
         assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+        pixels = image.imread(p)  # a drawn figure: not empty, not one colour
+        assert pixels.shape[0] >= 300 and pixels.shape[1] >= 400 and float(pixels[..., :3].std()) > 0.05, p
     bad = run_cmd([sys.executable, "-m", "tools.plot_metrics", str(tmp_path / "nothing")])
     assert bad.returncode == 2 and "metrics.jsonl: missing" in bad.stderr
 
