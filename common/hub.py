@@ -8,8 +8,8 @@ what conversion and tokenizers read is fetched: JSON, safetensors, tokenizer mod
 templates; never pickled weights (`*.bin`, `*.pt`) and never code. A repository without safetensors weights, a
 gated, private or missing one, and an id not in the cache offline are one line naming the id.
 
-A training run resolves each id once per node: the first rank of each node downloads, the others then read the
-cache (training/assembly.py). Dataset ids (`hf://datasets/...`) are read in data/sources.py.
+A training run resolves each id once per hub cache: the first rank to take the cache's lock downloads, the others
+then reuse its answer (training/assembly.py). Dataset ids (`hf://datasets/...`) are read in data/sources.py.
 """
 
 from __future__ import annotations
@@ -33,19 +33,20 @@ def is_hub_id(value: str | None) -> bool:
     return bool(value) and HUB_ID.fullmatch(value) is not None and not os.path.exists(value)
 
 
-def _offline() -> bool:
+def offline() -> bool:
+    """HF_HUB_OFFLINE, read when called."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
 def _home() -> str:
-    return os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
-    )
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return os.path.expanduser(os.path.expandvars(home))
 
 
 def _cache_dir() -> str:
     """The hub cache as huggingface_hub computes it, read when called (not when the library was imported)."""
-    return os.environ.get("HF_HUB_CACHE") or os.path.join(_home(), "hub")
+    path = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or os.path.join(_home(), "hub")
+    return os.path.expanduser(os.path.expandvars(path))
 
 
 def datasets_cache_dir() -> str:
@@ -69,7 +70,7 @@ def resolve(value: str | None, what: str, revision: str | None = None, weights: 
     path = snapshot(value, what, revision, allow=patterns, cached=cached)
     if weights and not _has(path, "*.safetensors"):
         at = f"{what} {value}" + (f"@{revision}" if revision else "")
-        pickled = _pickled_weights(value, revision) if not (cached or _offline()) else []
+        pickled = _pickled_weights(value, revision) if not (cached or offline()) else []
         found = f" (it has {', '.join(pickled[:3])}: pickled weights are never loaded)" if pickled else ""
         raise HubError(f"{at}: no safetensors weights in the repository{found}")
     return path
@@ -83,7 +84,6 @@ def snapshot(
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
-        HfHubHTTPError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -96,9 +96,10 @@ def snapshot(
             repo_type=repo_type,
             revision=revision,
             cache_dir=_cache_dir(),
-            local_files_only=cached or _offline(),
+            local_files_only=cached or offline(),
             allow_patterns=allow,
-            ignore_patterns=None if allow else ["*.py", *PICKLES],
+            # (a consolidated copy of the sharded weights, e.g. Mistral's, and originals beside them: not read)
+            ignore_patterns=["consolidated*", "original/*"] if allow else ["*.py", *PICKLES],
         )
     except GatedRepoError:
         raise HubError(
@@ -111,13 +112,14 @@ def snapshot(
     except RevisionNotFoundError:
         raise HubError(f"{at}: no such revision on the Hugging Face Hub") from None
     except LocalEntryNotFoundError:
-        why = "HF_HUB_OFFLINE=1" if _offline() else "the Hub could not be reached"
+        why = "HF_HUB_OFFLINE=1" if offline() else "the Hub could not be reached"
         raise HubError(
             f"{at}: not in the Hugging Face cache ({_cache_dir()}) and {why}: download it once online, "
             "or name a local directory"
         ) from None
-    except (HfHubHTTPError, OSError) as e:
-        raise HubError(f"{at}: cannot download from the Hugging Face Hub ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # noqa: BLE001 - HfHubHTTPError, OSError and the HTTP client's own transport errors
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise HubError(f"{at}: cannot download from the Hugging Face Hub ({type(e).__name__}: {why})") from None
 
 
 def resolve_once(value: str | None, what: str, job: str, revision: str | None = None, weights: bool = True):
@@ -128,20 +130,27 @@ def resolve_once(value: str | None, what: str, job: str, revision: str | None = 
     from filelock import FileLock
 
     locks = os.path.join(_cache_dir(), ".locks")
-    os.makedirs(locks, exist_ok=True)
-    name = hashlib.sha256(f"{job}\0{value}\0{revision}".encode()).hexdigest()[:16]
+    name = hashlib.sha256(f"{job}\0{value}\0{revision}\0{weights}".encode()).hexdigest()[:16]
     marker = os.path.join(locks, f"trainer-{name}.resolved")
-    with FileLock(marker + ".lock"):
+    try:
+        os.makedirs(locks, exist_ok=True)
+        lock = FileLock(marker + ".lock")
+        lock.acquire()
+    except OSError:  # a read-only cache (filled beforehand, HF_HUB_OFFLINE=1): every rank reads it itself
+        return resolve(value, what, revision, weights)
+    try:
         if os.path.exists(marker):
             with open(marker) as f:
                 path = f.read()
-            if os.path.isdir(path):
+            if os.path.isdir(path) and (not weights or _has(path, "*.safetensors")):
                 return path
         path = resolve(value, what, revision, weights)
         with open(marker + ".tmp", "w") as f:
             f.write(path)
         os.replace(marker + ".tmp", marker)
-    return path
+        return path
+    finally:
+        lock.release()
 
 
 def _has(path: str, pattern: str) -> bool:

@@ -36,6 +36,7 @@ class Progress:
         total: units of the whole task (0: nothing is shown).
         unit: their name (`layers`, `files`, `rows`).
         amount: what the second argument of `update` counts (`B`: bytes; or e.g. `tokens`).
+        every: without a total, a line every this many seconds (0: none).
         log: where lines go when there is no terminal (default: stderr).
         bar: force the bar on or off (default: stderr is a terminal).
     """
@@ -47,9 +48,11 @@ class Progress:
         unit: str = "layers",
         amount: str = "B",
         log: Callable[[str], None] | None = None,
+        every: float = 0.0,
         bar: bool | None = None,
     ):
-        self.what, self.total, self.unit, self.amount = what, total, unit, amount
+        self.what, self.total, self.unit, self.amount, self.every = what, total, unit, amount, every
+        self.last = 0.0
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.done = self.nbytes = self.tenths = 0
         self.start = time.perf_counter()
@@ -80,7 +83,12 @@ class Progress:
             if self.nbytes:
                 self.bar.set_postfix_str(rate, refresh=False)
             return
-        tenths = min(10, self.done * 10 // self.total) if self.total > 0 else 0
+        if self.total <= 0:
+            if self.every and seconds - self.last >= self.every:
+                self.last = seconds
+                self.log(f"{self.what}: {self.done:,} {self.unit}, {rate}")
+            return
+        tenths = min(10, self.done * 10 // self.total)
         if tenths > self.tenths:
             self.tenths = tenths
             left = seconds * (self.total - self.done) / self.done if self.done < self.total else 0.0

@@ -58,16 +58,25 @@ def hub_dataset(spec: str):
         raise DataError(f"{spec}: a Hub dataset is hf://datasets/ORG/NAME, optionally :CONFIG and @SPLIT")
     import datasets
 
-    from common.hub import HubError, datasets_cache_dir, snapshot
+    from common.hub import HubError, datasets_cache_dir, offline, snapshot
 
-    try:
-        local = snapshot(m[1], "dataset", repo_type="dataset")
-    except HubError as e:
-        raise DataError(f"{spec}: {e}") from None
-    try:
-        ds = datasets.load_dataset(local, m[2], split=m[3] or "train", cache_dir=datasets_cache_dir())
-    except Exception as e:  # noqa: BLE001 - datasets raises many types (unknown split or config, bad files)
-        raise DataError(f"{spec}: datasets cannot load it ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    config, split = m[2], m[3] or "train"
+    ds = None
+    if not offline():  # online: datasets fetches only the files of this config and split
+        try:
+            ds = datasets.load_dataset(m[1], config, split=split, cache_dir=datasets_cache_dir())
+        except Exception:  # noqa: BLE001 - unreachable Hub and the like: the hub cache below, or its one line
+            ds = None
+    if ds is None:
+        try:
+            local = snapshot(m[1], "dataset", repo_type="dataset")
+        except HubError as e:
+            raise DataError(f"{spec}: {e}") from None
+        try:
+            ds = datasets.load_dataset(local, config, split=split, cache_dir=datasets_cache_dir())
+        except Exception as e:  # noqa: BLE001 - datasets raises many types (unknown split or config, bad files)
+            why = (str(e).splitlines() or [""])[0]
+            raise DataError(f"{spec}: datasets cannot load it ({type(e).__name__}: {why})") from None
     _HUB_LOADED[spec] = ds
     return ds
 

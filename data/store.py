@@ -30,7 +30,7 @@ import os
 import numpy as np
 
 from data.config import DataConfig
-from data.sources import shard_files
+from data.sources import hub_dataset, is_hub_dataset, shard_files
 
 # The settings of data/formats.py: how alpaca and ShareGPT rows become our rows.
 FORMAT_KEYS = (
@@ -82,11 +82,14 @@ def store_key(
     path: str, tokenizer, cfg: DataConfig, truncate: int | None, concat: bool, pairs: bool = False
 ) -> tuple[str, dict]:
     """(name, description) of the store for `path` tokenized with these settings (`pairs`: as preference pairs)."""
-    files = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in shard_files(path)]
+    if is_hub_dataset(path):  # the same on every node and in every directory: datasets' own content identity
+        files = [hub_dataset(path)._fingerprint]
+    else:
+        files = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in shard_files(path)]
     key = {
         "version": VERSION,
         "chunk_rows": CHUNK_ROWS,
-        "source": os.path.abspath(path),
+        "source": path if is_hub_dataset(path) else os.path.abspath(path),
         "files": files,
         "data": {
             k: getattr(cfg, k)

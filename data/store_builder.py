@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 
@@ -335,9 +336,10 @@ def _build(path, final, key, tokenizer, cfg, truncate, concat, workers, beat, lo
         lossy=lossy_tokenizer(tokenizer),
     )
     start = time.perf_counter()
-    # (counting the rows first costs one more read of the files: a line per tenth of the build needs the total)
+    # The rows are counted (one more read of the files) only for a terminal's bar; a log gets a line every 30 s.
     what = f"tokenizing {os.path.basename(path)}"
-    progress = Progress(what, count_source(path), unit="rows", amount="tokens", log=log)
+    total = count_source(path) if sys.stderr.isatty() else 0
+    progress = Progress(what, total, unit="rows", amount="tokens", log=log, every=30.0)
     try:
         parts = _build_parts(path, partial, workers, beat, progress)
     except WorkerDied:

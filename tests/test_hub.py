@@ -112,3 +112,16 @@ def test_hub_ids_train_like_local_directories(offline_hub, converted, sft_data, 
         {k: v for k, v in m.items() if k not in timing} for m in b
     ]
     assert json.load(open(direct / "eval_results.json")) == json.load(open(out / "eval_results.json"))
+
+
+def test_one_id_as_tokenizer_and_model_is_fetched_with_its_weights(offline_hub, hf_models):
+    """The resolution a job records for a tokenizer (no weights fetched) is not reused for the same id as a model:
+    a cached snapshot without safetensors is refused for the model, with its one line."""
+    from common.hub import HubError, resolve_once
+
+    tokenizer_only = {n: b for n, b in directory_files(hf_models["gqa"]).items() if not n.startswith("model")}
+    snapshot = write_hub_cache(offline_hub, "org/tok", tokenizer_only)
+    assert resolve_once("org/tok", "tokenizer_name_or_path", "job", weights=False) == snapshot
+    with pytest.raises(HubError, match="model_name_or_path org/tok: no safetensors weights in the repository"):
+        resolve_once("org/tok", "model_name_or_path", "job", weights=True)
+    assert resolve_once("org/tiny", "model_name_or_path", "job") == resolve_once("org/tiny", "x", "job", weights=False)

@@ -29,7 +29,10 @@ def test_job_key_is_the_output_dir_and_the_scheduler_ids(tmp_path):
     a, b = env(1, 0), env(1, 1)
     assert job_key(str(tmp_path / "x"), a) == job_key(str(tmp_path / "x"), b)  # every rank of one job
     assert job_key(str(tmp_path / "x"), a) != job_key(str(tmp_path / "y"), a)
-    assert job_key(str(tmp_path / "x"), a) != job_key(str(tmp_path / "x"), {**a, "SLURM_JOB_ID": "7"})
+    step = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
+    assert job_key(str(tmp_path / "x"), a) != job_key(str(tmp_path / "x"), {**a, **step})  # two srun steps
+    # outside an srun step (an ssh-started node of an allocation may lack them) SLURM's variables do not count
+    assert job_key(str(tmp_path / "x"), a) == job_key(str(tmp_path / "x"), {**a, "SLURM_JOB_ID": "7"})
 
 
 def test_a_rank_of_another_job_or_a_second_copy_of_a_rank_is_refused(tmp_path):
@@ -40,7 +43,7 @@ def test_a_rank_of_another_job_or_a_second_copy_of_a_rank_is_refused(tmp_path):
     host.set(JOB_KEY, job_key(str(tmp_path / "a"), env(port, 0)))
     with pytest.raises(RunError, match=f"port {port} on 127.0.0.1 belongs to another job.*--master_port"):
         rendezvous(1, 2, str(tmp_path / "b"), 0.05, env(port, 1))
-    prefix = f"{JOB_KEY}/{job_key(str(tmp_path / 'a'), env(port, 0))}/0/"
+    prefix = f"{JOB_KEY}/{job_key(str(tmp_path / 'a'), env(port, 0))}/"
     host.add(f"{prefix}rank1", 1)  # job A's own rank 1 arrived
     with pytest.raises(RunError, match=f"rank 1 of this job is already at 127.0.0.1:{port}"):
         rendezvous(1, 2, str(tmp_path / "a"), 0.05, env(port, 1))
@@ -155,3 +158,22 @@ def test_two_jobs_started_at_the_same_moment_on_one_port(converted, sft_data, si
     print(f"same moment: {winners[0]} owns the port, {loser} stopped {ended[loser]:.1f} s after both started")
     assert ended[loser] < 90
     assert_same_run(single_node_run, tmp_path / winners[0])
+
+
+def test_a_rank_whose_host_stops_mid_rendezvous_gets_one_line(tmp_path):
+    """Rank 1 of 3 waits for rank 2; rank 0 (the host) stops: rank 1's next look at the store is one line, not
+    torch's network error with its C++ stack."""
+    import gc
+    import threading
+
+    port = free_port()
+    hosts = [TCPStore("127.0.0.1", port, 3, True, wait_for_workers=False)]
+    hosts[0].set(JOB_KEY, job_key(str(tmp_path), env(port, 0, 3)))
+
+    def stop_the_host() -> None:
+        hosts.clear()
+        gc.collect()
+
+    threading.Timer(1.0, stop_the_host).start()
+    with pytest.raises(RunError, match=f"lost the rendezvous at 127.0.0.1:{port}: rank 0 stopped"):
+        rendezvous(1, 3, str(tmp_path), 0.5, env(port, 1, 3))

@@ -20,6 +20,7 @@ from checkpoint.saves import clean_stale, read_tag
 from common.hub import is_hub_id, resolve_once
 from data.collator import CausalLMCollator
 from data.pair_dataset import PairCollator
+from data.sources import hub_dataset, is_hub_dataset, paths_of
 from models.config import check_preset, config_from_preset, load_hf_config
 from models.families import resolve_attention
 from models.lora import add_lora, parallelize_lora
@@ -140,14 +141,17 @@ def resolve_hub_ids(cfg: TrainConfig) -> None:
     """Hub ids in `model_name_or_path`, `tokenizer_name_or_path` and `dpo.reference_model` become their snapshot
     directories (checkpoint/hub.py): per cache, the first rank downloads and the others wait for it. Collective."""
     named = [(k, v) for k, v in _hub_keys(cfg) if is_hub_id(v)]
-    if not named:
+    datasets = [p for spec in (cfg.train_file, cfg.eval_file) for p in paths_of(spec) if is_hub_dataset(p)]
+    if not named and not datasets:
         return
-    found = {}
+    found, job = {}, job_key(cfg.output_dir, os.environ)
 
     def work() -> None:
-        for key, value in named:
-            weights = key != "tokenizer_name_or_path"
-            found[key] = resolve_once(value, key, job_key(cfg.output_dir, os.environ), cfg.model_revision, weights)
+        for key, value in named:  # an id named twice is fetched once, with weights if any key needs them
+            weights = any(v == value and k != "tokenizer_name_or_path" for k, v in named)
+            found[key] = resolve_once(value, key, job, cfg.model_revision, weights)
+        for spec in datasets:  # downloaded and converted to Arrow now, under the pulses (data/sources.py)
+            hub_dataset(spec)
 
     ranks_work(work)
     for key, value in named:

@@ -8,11 +8,12 @@ by peer" or waits forever. Here the start-up is ours (then `init_process_group(s
 - rank 0 hosts the store (a client too under torchrun, whose agent hosts it); a port already taken is one line
   naming the address and port and how to choose another;
 - every rank claims the store for its job (`compare_set` of JOB_KEY to the job's key: a hash of the real path of
-  `output_dir`, which no two live runs share, and SLURM's job and step ids or torchrun's run id when set); a rank
+  `output_dir`, which no two live runs share, and inside an srun step SLURM's job and step ids); a rank
   that finds another job's key there stops with the same kind of line; so does a second rank with the same number
   (another launch of the same job on the same port);
-- each job works under its own prefix of the store (key and, under torchrun, the restart count), so nothing of
-  another job's is ever read;
+- each job works under its own prefix of the store, so nothing of another job's is ever read;
+- under torchrun the agent binds the port and meets the ranks (a new store each restart round): its store is used
+  as torch's env:// start-up uses it;
 - every rank waits until all have arrived, at most `dist_init_timeout_minutes` (a rank that never arrives: one
   line), before the process group is built with the collective timeout (`dist_timeout_minutes`).
 """
@@ -28,6 +29,7 @@ from datetime import timedelta
 from torch.distributed import DistError, HashStore, PrefixStore, Store, TCPStore
 
 from training.errors import RunError
+from training.launch_env import slurm_step
 
 JOB_KEY = "trainer-rendezvous/job"  # the store's owner: set once by the first rank of a job to arrive
 HOW = "choose another port with `deepspeed --master_port N`, or MASTER_PORT=N under torchrun/SLURM"
@@ -36,7 +38,8 @@ HOW = "choose another port with `deepspeed --master_port N`, or MASTER_PORT=N un
 def job_key(output_dir: str, environ) -> str:
     """What every rank of one job shares and no two live jobs share (see the module docstring)."""
     parts = [os.path.realpath(output_dir), environ.get("WORLD_SIZE", "")]
-    parts += [environ.get(k, "") for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID")]
+    if slurm_step(environ):  # (nodes an ssh launcher starts inside an allocation may lack SLURM's variables)
+        parts += [environ.get(k, "") for k in ("SLURM_JOB_ID", "SLURM_STEP_ID")]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -104,19 +107,26 @@ def rendezvous(rank: int, world: int, output_dir: str, minutes: float, environ=o
         return HashStore()
     addr, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
     store = _open_store(rank, world, addr, port, minutes, environ)
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent bound the port and met the ranks already; it makes a new store for each restart round,
+        # as torch's own env:// start-up assumes: nothing to claim.
+        return store
+    try:
+        return _meet(store, rank, world, addr, port, minutes, output_dir, environ)
+    except DistError:  # the host (rank 0) stopped: its own line names the cause
+        raise RunError(f"lost the rendezvous at {addr}:{port}: rank 0 stopped (its error names the cause)") from None
+
+
+def _meet(store: Store, rank: int, world: int, addr: str, port: int, minutes: float, output_dir: str, environ):
     deadline = time.monotonic() + minutes * 60
     key = job_key(output_dir, environ)
-    # Only the host claims its store (a foreign rank connecting first must not); under torchrun the agent's store
-    # is the job's own, and its first rank claims it.
-    if _hosts(rank, environ):
+    if _hosts(rank, environ):  # only the host claims its store (a foreign rank connecting first must not)
         store.set(JOB_KEY, key)
-    elif environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        store.compare_set(JOB_KEY, "", key)
     elif not _appears(store, JOB_KEY, deadline):
         raise RunError(f"{addr}:{port} is not a rendezvous of this trainer (no job claims it): {HOW}")
     if store.get(JOB_KEY).decode() != key:
         raise RunError(f"port {port} on {addr} belongs to another job (the rendezvous of another output_dir): {HOW}")
-    prefix = f"{JOB_KEY}/{key}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    prefix = f"{JOB_KEY}/{key}/"
     if store.add(f"{prefix}rank{rank}", 1) > 1:
         raise RunError(
             f"rank {rank} of this job is already at {addr}:{port}: another launch of the same run (same output_dir) "
