@@ -51,34 +51,33 @@ def _cache_dir() -> str:
 
 def datasets_cache_dir() -> str:
     """The `datasets` Arrow cache as that library computes it, read when called."""
-    return os.environ.get("HF_DATASETS_CACHE") or os.path.join(_home(), "datasets")
+    return os.path.expanduser(
+        os.path.expandvars(os.environ.get("HF_DATASETS_CACHE") or os.path.join(_home(), "datasets"))
+    )
 
 
-def resolve(value: str | None, what: str, revision: str | None = None, weights: bool = True, cached: bool = False):
+def resolve(value: str | None, what: str, revision: str | None = None, weights: bool = True):
     """The local directory of `value`: itself, or the Hub snapshot of the id `value` (downloaded if needed).
 
     Args:
         what: the key or flag that named it, for messages (`model_name_or_path`, `--input`).
         weights: fetch safetensors weights and require them (a model); False: the tokenizer and configs only.
-        cached: read the cache only (the ranks that wait for their node's download).
     Raises:
         HubError: one line naming the id (missing, gated, offline and not cached, pickled weights only).
     """
     if not is_hub_id(value):
         return value
     patterns = FETCHED if weights else [p for p in FETCHED if p != "*.safetensors"]
-    path = snapshot(value, what, revision, allow=patterns, cached=cached)
+    path = snapshot(value, what, revision, allow=patterns)
     if weights and not _has(path, "*.safetensors"):
         at = f"{what} {value}" + (f"@{revision}" if revision else "")
-        pickled = _pickled_weights(value, revision) if not (cached or offline()) else []
+        pickled = [] if offline() else _pickled_weights(value, revision)
         found = f" (it has {', '.join(pickled[:3])}: pickled weights are never loaded)" if pickled else ""
         raise HubError(f"{at}: no safetensors weights in the repository{found}")
     return path
 
 
-def snapshot(
-    repo: str, what: str, revision: str | None = None, allow=None, cached: bool = False, repo_type: str = "model"
-) -> str:
+def snapshot(repo: str, what: str, revision: str | None = None, allow=None, repo_type: str = "model") -> str:
     """The local snapshot directory of Hub repository `repo` (`huggingface_hub.snapshot_download`): `allow`ed
     files only (None: every file but code and pickles). Raises HubError (one line naming the id)."""
     from huggingface_hub import snapshot_download
@@ -96,7 +95,7 @@ def snapshot(
             repo_type=repo_type,
             revision=revision,
             cache_dir=_cache_dir(),
-            local_files_only=cached or offline(),
+            local_files_only=offline(),
             allow_patterns=allow,
             # (a consolidated copy of the sharded weights, e.g. Mistral's, and originals beside them: not read)
             ignore_patterns=["consolidated*", "original/*"] if allow else ["*.py", *PICKLES],

@@ -2,9 +2,10 @@
 saved with Hugging Face `datasets` (`Dataset.save_to_disk`) and Hub datasets (`hf://datasets/ORG/NAME`, with an
 optional `:CONFIG` and `@SPLIT`, default the `train` split), alone or several mixed with weights.
 
-A Hub dataset's repository is fetched by `huggingface_hub` (its cache, HF_HUB_OFFLINE and HF_TOKEN; every file but
-code and pickles) and read by `datasets.load_dataset` from that snapshot (its Arrow cache), so the cache answers
-offline; its rows then take the same path as a local file's (format detection, the tokenized store).
+A Hub dataset is read by `datasets.load_dataset(ORG/NAME, CONFIG, split=SPLIT)` online (only that config's files are
+fetched); offline, or when the Hub cannot be reached, from the repository's snapshot in the hub cache
+(`huggingface_hub`: HF_HUB_OFFLINE, HF_TOKEN; every file but code and pickles). Its rows then take the same path as a
+local file's (format detection, the tokenized store, keyed by the id and datasets' fingerprint).
 
 Rows are read one chunk at a time (JSONL line by line, Parquet and `datasets` by record batches), so a corpus
 larger than RAM is tokenized shard by shard; only a `.json` file (one JSON list) is parsed whole.
@@ -91,8 +92,6 @@ def shard_files(path: str) -> list[str]:
     Raises:
         DataError: an unknown format, a missing file, a DatasetDict, a directory without data files.
     """
-    if is_hub_dataset(path):
-        return [f["filename"] for f in hub_dataset(path).cache_files]
     if os.path.isdir(path):
         names = sorted(os.listdir(path))
         if _is_datasets_dir(path):

@@ -137,12 +137,14 @@ def _weights_source(run: Run, plan: checkpointing.ResumePlan) -> str | None:
     return os.path.join(path, tag)
 
 
-def resolve_hub_ids(cfg: TrainConfig) -> None:
+def resolve_hub_ids(cfg: TrainConfig, has_data: bool) -> None:
     """Hub ids in `model_name_or_path`, `tokenizer_name_or_path` and `dpo.reference_model` become their snapshot
-    directories (checkpoint/hub.py): per cache, the first rank downloads and the others wait for it. Collective."""
+    directories (common/hub.py): per cache, the first rank downloads and the others wait for it; the ranks that read
+    data fetch its Hub datasets. Collective."""
     named = [(k, v) for k, v in _hub_keys(cfg) if is_hub_id(v)]
-    datasets = [p for spec in (cfg.train_file, cfg.eval_file) for p in paths_of(spec) if is_hub_dataset(p)]
-    if not named and not datasets:
+    specs = [p for spec in (cfg.train_file, cfg.eval_file) for p in paths_of(spec) if is_hub_dataset(p)]
+    datasets = specs if has_data else []
+    if not named and not specs:  # (the same on every rank: ranks without data still pulse)
         return
     found, job = {}, job_key(cfg.output_dir, os.environ)
 
@@ -197,7 +199,7 @@ def assemble(cfg: TrainConfig) -> Run:
             raise RunError(f"output_dir {cfg.output_dir}: cannot create ({e.strerror})") from None
         if not os.access(cfg.output_dir, os.W_OK):
             raise RunError(f"output_dir {cfg.output_dir}: not writable")
-    resolve_hub_ids(cfg)
+    resolve_hub_ids(cfg, coords.has_data)
     checkpointing.seed_everything(cfg.seed)
     if rank == 0:
         for name in clean_stale(cfg.output_dir):

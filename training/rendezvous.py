@@ -31,7 +31,7 @@ from torch.distributed import DistError, HashStore, PrefixStore, Store, TCPStore
 from training.errors import RunError
 from training.launch_env import slurm_step
 
-JOB_KEY = "trainer-rendezvous/job"  # the store's owner: set once by the first rank of a job to arrive
+JOB_KEY = "trainer-rendezvous/job"  # the store's owner: the job key its host (rank 0) sets
 HOW = "choose another port with `deepspeed --master_port N`, or MASTER_PORT=N under torchrun/SLURM"
 
 
@@ -65,8 +65,7 @@ def _hosts(rank: int, environ) -> bool:
     return rank == 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
 
 
-def _open_store(rank: int, world: int, addr: str, port: int, minutes: float, environ) -> Store:
-    deadline = time.monotonic() + minutes * 60
+def _open_store(rank: int, world: int, addr: str, port: int, minutes: float, deadline: float, environ) -> Store:
     timeout = timedelta(minutes=minutes)
     if _hosts(rank, environ):
         try:
@@ -106,21 +105,23 @@ def rendezvous(rank: int, world: int, output_dir: str, minutes: float, environ=o
     if world == 1:
         return HashStore()
     addr, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
-    store = _open_store(rank, world, addr, port, minutes, environ)
+    deadline = time.monotonic() + minutes * 60  # for the whole start-up: connecting, claiming, every rank arriving
+    store = _open_store(rank, world, addr, port, minutes, deadline, environ)
     if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent bound the port and met the ranks already; it makes a new store for each restart round,
         # as torch's own env:// start-up assumes: nothing to claim.
         return store
     try:
-        return _meet(store, rank, world, addr, port, minutes, output_dir, environ)
+        return _meet(store, rank, world, addr, port, minutes, deadline, output_dir, environ)
     except DistError:  # the host (rank 0) stopped: its own line names the cause
         raise RunError(f"lost the rendezvous at {addr}:{port}: rank 0 stopped (its error names the cause)") from None
 
 
-def _meet(store: Store, rank: int, world: int, addr: str, port: int, minutes: float, output_dir: str, environ):
-    deadline = time.monotonic() + minutes * 60
+def _meet(
+    store: Store, rank: int, world: int, addr: str, port: int, minutes: float, deadline: float, output_dir: str, environ
+):
     key = job_key(output_dir, environ)
-    if _hosts(rank, environ):  # only the host claims its store (a foreign rank connecting first must not)
+    if rank == 0:  # only the host claims its store (a foreign rank connecting first must not)
         store.set(JOB_KEY, key)
     elif not _appears(store, JOB_KEY, deadline):
         raise RunError(f"{addr}:{port} is not a rendezvous of this trainer (no job claims it): {HOW}")
