@@ -1,14 +1,23 @@
 """Single-process reference: train the transformers model (AutoModelForCausalLM) on the same global batches.
 
-Independent of the pipeline code: HF computes the loss (its own label shift, mean over every
-target token of the global batch) and torch clips and steps. Only the choice of rows per step
-(`TrainPlan`) and the optimizer recipe (`make_optimizer`) are shared with the trainer. `train_dpo_reference` is
-the same for preference pairs (TRL's losses, tests/test_dpo.py).
+Independent of the pipeline code: transformers' model computes the forward and the loss (its own label shift, mean
+over every target token of the global batch, its load-balancing loss) and torch clips and steps. What it shares with
+the trainer, each part proven on its own elsewhere:
+- the rows: `TokenizedDataset` (tokens and targets held to transformers' chat templates and LLaMA-Factory's formats
+  in tests/test_data.py and tests/test_formats.py), `PackedDataset` / `BlockDataset` / `arranged` (unpacked here
+  into rows of their own, so packing itself is what the parity tests prove), `IGNORE_INDEX`;
+- which rows each step takes (`TrainPlan`: tests/test_data.py) and the optimizer recipe (`make_optimizer`, torch's
+  AdamW and the warmup-cosine schedule: tests/test_engine_config.py);
+- the attention implementation a family gets (`resolve_attention`), LoRA's seeded adapters (`add_lora`, held to
+  PEFT's in tests/test_lora.py);
+- for `train_dpo_reference`: `PairDataset` and the preference and sft losses (`preference_losses`, `sft_loss`,
+  equal to TRL's in tests/test_preference.py).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -44,9 +53,11 @@ def global_batch(dataset, plan: TrainPlan, step: int, seed: int, seq_length: int
     return ids, mask, labels
 
 
-def train_baseline(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, steps: int):
+def train_baseline(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, steps: int, cp_split: int = 0):
     """Returns (model, [loss per step], [grad norm per step]); `model.step_tokens` holds each step's tokens
-    that are not padding (what the trainer's metrics call input_tokens)."""
+    that are not padding (what the trainer's metrics call input_tokens). With experts and `cp_split`,
+    `model.router_control` holds the negative control of the router statistics under CP on the first step
+    (`_router_control`): (aux's largest relative change over its micro-batches, the loss's change, fewest tokens)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
@@ -68,11 +79,12 @@ def train_baseline(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, s
     losses, norms, step_tokens = [], [], []
     experts = getattr(model.config, "num_experts_per_tok", None) is not None
     loads = _expert_loads(model) if cfg.moe.bias_update_rate else None
+    model.router_control = None
     for step in range(steps):
         ids, mask, labels = global_batch(dataset, plan, step, cfg.seed, cfg.seq_length, pad_id)
         step_tokens.append(int(mask.sum()))
         if experts:
-            loss = _micro_batch_steps(model, ids, mask, labels, cfg)
+            loss = _micro_batch_steps(model, ids, mask, labels, cfg, cp_split if step == 0 else 0)
         else:
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss.backward()
@@ -110,7 +122,7 @@ def _expert_loads(model) -> dict:
     return loads
 
 
-def _micro_batch_steps(model, ids, mask, labels, cfg: TrainConfig) -> torch.Tensor:
+def _micro_batch_steps(model, ids, mask, labels, cfg: TrainConfig, cp_split: int = 0) -> torch.Tensor:
     """A model with experts: transformers' load-balancing loss is a function of the micro-batch (its expert
     shares over the micro-batch's tokens), so each micro-batch (in the order DP ranks and gradient accumulation
     take the rows) runs on its own, as gradient accumulation over transformers' model does: the step's loss is
@@ -126,6 +138,11 @@ def _micro_batch_steps(model, ids, mask, labels, cfg: TrainConfig) -> torch.Tens
         rows = slice(start, start + cfg.micro_batch_size)
         model.real_tokens = mask[rows]
         out = model(input_ids=ids[rows], attention_mask=mask[rows], output_router_logits=True)
+        if cp_split and coef:  # over the step's micro-batches: the largest relative change of aux, the loss's
+            change, tokens = _router_control(model, out, mask[rows], cp_split)
+            relative, moved, fewest = model.router_control or (0.0, 0.0, tokens)
+            relative = max(relative, abs(change) / float(out.aux_loss.detach()))
+            model.router_control = (relative, moved + coef * change / len(chunks), min(fewest, tokens))
         logits = out.logits[:, :-1].float()
         ce = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), labels[rows, 1:].reshape(-1), reduction="sum"
@@ -134,6 +151,28 @@ def _micro_batch_steps(model, ids, mask, labels, cfg: TrainConfig) -> torch.Tens
         loss.backward()
         total += loss.detach()
     return total
+
+
+@torch.no_grad()
+def _router_control(model, out, mask, split: int) -> tuple[float, int]:
+    """The negative control of the router statistics under context parallelism, on one micro-batch: the change of
+    transformers' load-balancing loss if each of 2 CP ranks computed it from the routing of its own positions only
+    (no sum of the statistics over the ranks), averaged over the ranks; and the fewer real tokens of the two sides
+    of `split` (the control shows nothing unless both hold some)."""
+    balance = sys.modules[type(model).__module__].load_balancing_loss_func
+    rows, width = mask.shape
+    gates = [g.reshape(rows, width, -1) for g in out.router_logits]
+    shards = (slice(split), slice(split, None))
+    each = [
+        balance(
+            tuple(g[:, s].reshape(-1, g.shape[-1]) for g in gates),
+            model.num_experts,
+            model.num_experts_per_tok,
+            mask[:, s],
+        )
+        for s in shards
+    ]
+    return float(sum(each) / len(each) - out.aux_loss), min(int(mask[:, s].sum()) for s in shards)
 
 
 @torch.no_grad()
@@ -179,29 +218,58 @@ def hub_state_dict(model) -> dict[str, torch.Tensor]:
     return state
 
 
-def hf_sequence_logps(model, sequences) -> tuple[torch.Tensor, torch.Tensor]:
+def hf_sequence_logps(model, sequences, positions: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-prob of each sequence's completion tokens, their count) with the HF model, right-padded rows
-    in one batch, with autograd (the single-process reference trains through it)."""
+    in one batch, with autograd (the single-process reference trains through it). `positions`: only the tokens
+    predicted at those positions (one context-parallel rank's share of the row)."""
     width = max(len(ids) for ids, _ in sequences)
     ids = torch.stack([torch.nn.functional.pad(i, (0, width - len(i))) for i, _ in sequences])
     targets = torch.stack([torch.nn.functional.pad(t, (0, width - len(t))) for _, t in sequences])
     logits = model(input_ids=ids).logits[:, :-1].float()
     per_token = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    mask = targets[:, 1:]
+    mask = torch.zeros_like(targets[:, 1:])
+    mask[:, positions] = targets[:, 1:][:, positions]
     return (per_token * mask).sum(-1), mask.sum(-1)
 
 
-def train_dpo_reference(policy_dir: str, reference_dir: str, cfg: TrainConfig, dp: int) -> tuple:
+def dpo_step_loss(settings, model, reference, sequences, n: int, positions: slice = slice(None)) -> tuple:
+    """TRL's loss over the step's pairs (chosen rows first, then the rejected) plus the sft term: (loss, chosen
+    rewards, rejected rewards, completion tokens per sequence)."""
+    from models.preference import preference_losses, sft_loss
+
+    logps, tokens = hf_sequence_logps(model, sequences, positions)
+    with torch.no_grad():
+        ref, _ = hf_sequence_logps(reference.eval(), sequences, positions)
+    per_pair, chosen, rejected = preference_losses(
+        settings, logps[:n], logps[n:], tokens[:n], tokens[n:], ref[:n], ref[n:]
+    )
+    return per_pair.mean() + settings.sft_weight * sft_loss(logps[:n], tokens[:n]), chosen, rejected, tokens
+
+
+@torch.no_grad()
+def without_context_sum(settings, model, reference, sequences, n: int, split: int) -> tuple[float, int]:
+    """The negative control of DPO under context parallelism: the loss if each of 2 CP ranks scored only its own
+    positions (no sum of the log-probs over the ranks), averaged over them; and how many sequences have completion
+    tokens on both sides of `split` (with none, the sum changes nothing and the control proves nothing)."""
+    with torch.random.fork_rng():  # no draw of the reference's training is consumed
+        halves = [
+            dpo_step_loss(settings, model, reference, sequences, n, p) for p in (slice(split), slice(split, None))
+        ]
+    crossing = int(((halves[0][3] > 0) & (halves[1][3] > 0)).sum())
+    return float(sum(h[0] for h in halves) / 2), crossing
+
+
+def train_dpo_reference(policy_dir: str, reference_dir: str, cfg: TrainConfig, dp: int, cp_split: int = 0) -> tuple:
     """The single-process reference: the HF policy (with `cfg.lora`: PEFT adapters seeded as the pipeline seeds
     them) trained on the same global batches of pairs with TRL's loss (our `preference_losses`, equal to TRL's in
     tests/test_preference.py) over every pair of the step, plus `sft_weight` x the step's chosen tokens' mean NLL;
-    the reference's log-probs from the HF reference model. Returns (model, losses, grad norms, reward margins)."""
+    the reference's log-probs from the HF reference model. Returns (model, losses, grad norms, reward margins,
+    and with `cp_split` the second step's `without_context_sum`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data.pair_dataset import PairDataset
     from data.sampling import TrainPlan
     from models.lora import add_lora
-    from models.preference import preference_losses, sft_loss
     from training.engine import make_optimizer
 
     torch.manual_seed(0)
@@ -217,21 +285,16 @@ def train_dpo_reference(policy_dir: str, reference_dir: str, cfg: TrainConfig, d
     plan = TrainPlan(len(pairs), dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
     optimizer, scheduler = make_optimizer(cfg, model.named_parameters(), plan.total_steps(cfg.max_steps, 1))
     settings = cfg.dpo.settings()
-    losses, norms, margins = [], [], []
+    losses, norms, margins, control = [], [], [], None
     for step in range(cfg.max_steps):
         epoch, skip = plan.position(step)
         batch = [
             pairs[int(i)] for r in range(dp) for i in plan.epoch_indices(epoch, r, cfg.seed, skip)[: plan.rows_per_step]
         ]
         sequences = [(p[0], p[1]) for p in batch] + [(p[2], p[3]) for p in batch]
-        logps, tokens = hf_sequence_logps(model, sequences)
-        with torch.no_grad():
-            ref, _ = hf_sequence_logps(reference.eval(), sequences)
-        n = len(batch)
-        per_pair, chosen, rejected = preference_losses(
-            settings, logps[:n], logps[n:], tokens[:n], tokens[n:], ref[:n], ref[n:]
-        )
-        loss = per_pair.mean() + settings.sft_weight * sft_loss(logps[:n], tokens[:n])
+        if step == 1 and cp_split:  # the second step: at the first, a policy that is its reference scores ln 2 anyway
+            control = without_context_sum(settings, model, reference, sequences, len(batch), cp_split)
+        loss, chosen, rejected, _ = dpo_step_loss(settings, model, reference, sequences, len(batch))
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)))
         optimizer.step()
@@ -239,4 +302,4 @@ def train_dpo_reference(policy_dir: str, reference_dir: str, cfg: TrainConfig, d
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
         margins.append(float((chosen - rejected).mean()))
-    return model, losses, norms, margins
+    return model, losses, norms, margins, control

@@ -84,7 +84,8 @@ def test_resume_across_a_change_of_context_parallel_size(converted, sft_data, tm
     from transformers import AutoConfig
 
     from checkpoint.pipeline_reader import load_hf_state_dict
-    from tests.test_training import STEPS, interrupted_copy, layout_args, layout_run
+    from tests.resumes import interrupted_copy
+    from tests.test_training import STEPS, layout_args, layout_run
 
     for layout, ranks, more in [
         ("gqa-pp2-cp2-packed-recompute-chunked-tiled", 2, {"context_parallel_size": 1}),

@@ -19,6 +19,7 @@ PAGES = (
     "moe",
     "measured",
     "configuration",
+    "claims",
 )
 
 

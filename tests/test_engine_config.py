@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.partition import layer_param_counts, stage_bounds
-from models.tensor_parallel import TensorParallel
+from models.partition import stage_bounds
 from training.cli import compose_config
 from training.config import TrainConfig
 from training.engine import WarmupDecay, deepspeed_config
@@ -40,6 +39,21 @@ def test_presets_give_the_documented_engine_configs():
         )
 
 
+def stage0_parameters(config, layers: int) -> tuple[int, int]:
+    """(parameters but the routed experts', the routed experts') of the embedding and the first `layers` decoder
+    layers of transformers' model for `config`, built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    dense, experts = model.get_input_embeddings().weight.numel(), 0
+    for layer in model.model.layers[:layers]:
+        for name, p in layer.named_parameters():
+            routed = ".experts." in name and "shared" not in name
+            experts, dense = experts + routed * p.numel(), dense + (not routed) * p.numel()
+    return dense, experts
+
+
 @pytest.mark.parametrize(
     "name,stages,world,precision,max_gib",
     [
@@ -67,12 +81,16 @@ def test_experiment_recipes_resolve_and_fit_80gb(name, stages, world, precision,
     assert busiest < max_gib <= 72, busiest  # 72: 80 GB less CUDA context and fragmentation headroom
     stage0 = rows[0]
     assert stage0.weights == stage0.params * 2 and stage0.params > 0  # bf16/fp16 weights: 2 bytes each
-    dp, ep = world // (stages * cfg.tensor_parallel_size), cfg.expert_parallel_size
-    # fp32 master weights and Adam's moments sharded over DP, an EP rank's experts over the DP / ep holding them.
-    shard = TensorParallel(cfg.tensor_parallel_size, 0, cfg.model.vocab_pad_multiple)
-    experts = layer_param_counts(load_model_config(cfg), shard, ep=ep, experts_only=True)
-    bounds = stage_bounds(load_model_config(cfg), stages, cfg.model.partition)
-    held = sum(experts[: bounds[1]])
+    dp, ep, tp = world // (stages * cfg.tensor_parallel_size), cfg.expert_parallel_size, cfg.tensor_parallel_size
+    # Stage 0's parameters counted on transformers' own model (not the planner's arithmetic): the embedding and
+    # the decoder layers before the second stage; an EP rank holds 1/ep of the routed experts, a TP rank 1/tp of
+    # the rest (norms replicated, the vocabulary padded: within 1% there).
+    model_config = load_model_config(cfg)
+    dense, experts = stage0_parameters(model_config, stage_bounds(model_config, stages, cfg.model.partition)[1] - 1)
+    held = experts // ep // tp
+    assert stage0.params == pytest.approx(dense / tp + held, rel=0 if tp == 1 else 1e-2)
+    # fp32 master weights and Adam's moments (12 bytes) sharded over DP; an EP rank's experts over the DP / ep ranks
+    # holding them.
     optimizer = (stage0.params - held) * 12 / dp + held * 12 * ep / dp
     assert stage0.optimizer == pytest.approx(0 if cfg.deepspeed.offload_optimizer else optimizer, rel=1e-12)
 

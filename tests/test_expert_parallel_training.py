@@ -12,7 +12,8 @@ import pytest
 from checkpoint.pipeline_reader import load_hf_state_dict
 from checkpoint.safe_load import load_pt
 from tests.conftest import check, launch, read_jsonl, torchrun
-from tests.test_training import STEPS, interrupted_copy, layout_args, layout_run
+from tests.resumes import assert_resumed_exactly, interrupted_copy
+from tests.test_training import STEPS, layout_args, layout_run
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 GPT_OSS_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
@@ -45,9 +46,10 @@ def test_expert_parallel_checkpoint_resumes_with_any_ep(layout, converted, sft_d
         check(launch(4, *args))
         got = read_jsonl(part / "metrics.jsonl")
         if ep == 2:  # as saved: bit for bit
-            assert [(m["loss"], m["grad_norm"]) for m in got] == [(m["loss"], m["grad_norm"]) for m in expected]
+            assert_resumed_exactly(full, part, 2)
         else:  # the experts' gradients now summed in another order (DP all-reduce instead of all-to-all)
-            for a, b in zip(expected, got, strict=True):
+            assert [m["step"] for m in got] == [m["step"] for m in expected]
+            for a, b in zip(expected[2:], got[2:], strict=True):
                 assert b["loss"] == pytest.approx(a["loss"], rel=1e-6) and b["grad_norm"] == pytest.approx(
                     a["grad_norm"], rel=1e-6
                 ), (a, b)
@@ -64,9 +66,9 @@ FP32_WEIGHT_BOUNDS = {
     "fp32_zero1_cp2": 1e-6,
 }
 MOVE_BOUNDS = {
-    "fp32_zero1_dp4": 1e-7,
+    "fp32_zero1_dp4": 5e-8,
     "fp32_zero1": 2e-7,
-    "fp32_zero1_tp2": 2e-6,
+    "fp32_zero1_tp2": 1.5e-6,
     "fp32_zero1_llama4": 5e-7,
     "bf16_zero1": 5e-3,
 }
@@ -131,8 +133,7 @@ def test_expert_parallel_under_zero1_and_bf16(converted, sft_data, tmp_path, tmp
     part = tmp_path / "bf16_resumed"
     interrupted_copy(bf16, part, 2)
     check(launch(4, *layout_args(mixtral, converted, sft_data, str(part), resume="true", deepspeed="bf16_zero1")))
-    got = read_jsonl(part / "metrics.jsonl")
-    assert [(m["loss"], m["grad_norm"], m["lr"]) for m in got] == [(m["loss"], m["grad_norm"], m["lr"]) for m in full]
+    assert_resumed_exactly(bf16, part, 2)
 
     # Moves: each rank's shard of its experts' state assembled over EP and read into another E, PP and TP
     # (checkpoint/expert_universal.py), continuing the unmoved run's curve: in fp32 to reduction-order noise (and

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from checkpoint.layer_files import load_layer_state
 from tests.conftest import check, launch, read_jsonl, run_cmd
@@ -57,7 +58,7 @@ def test_a_hub_id_converts_and_verifies_like_its_directory(offline_hub, converte
     out = tmp_path / "from_hub"
     check(run_cmd([sys.executable, "convert2ckpt.py", "--input", "org/tiny", "--output", str(out)]))
     hub, local = layer_tensors(str(out)), layer_tensors(converted["gqa"])
-    assert hub.keys() == local.keys() and all((hub[k] == local[k]).all() for k in hub)
+    assert hub.keys() == local.keys() and all(torch.equal(hub[k], local[k]) for k in hub)
     verify = check(run_cmd([sys.executable, "convert2ckpt.py", "--verify", str(out), "--against", "org/tiny"]))
     assert "max |logit difference| against" in verify.stdout and verify.stdout.rstrip().endswith(": 0")
 

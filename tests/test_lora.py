@@ -12,7 +12,8 @@ from checkpoint.layer_files import find_layer_file, load_layer_state
 from models.config import LoraSettings
 from tests.baseline import train_baseline
 from tests.conftest import FAMILY_VARIANTS, MOE_VARIANTS, check, launch, read_jsonl, run_cmd
-from tests.test_training import interrupted_copy, overrides, parity_cfg
+from tests.resumes import assert_resumed_exactly, interrupted_copy
+from tests.test_training import overrides, parity_cfg
 
 LORA = LoraSettings(enabled=True, r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
 
@@ -34,6 +35,22 @@ def adapter_state(run_dir, config) -> dict[str, torch.Tensor]:
             step_dir, layer, config.vocab_size, checkpoint_tp_size(step_dir), config
         ).items():
             out[f"base_model.model.model.layers.{layer.block}.{key}"] = value
+    return out
+
+
+def adam_moments(step_dir) -> dict[str, torch.Tensor]:
+    """{"name:exp_avg" / "name:exp_avg_sq": tensor} over every engine file of a ZeRO-0 checkpoint, by the parameter
+    names saved beside the optimizer state (the pipeline's global layer indices: the same in any layout)."""
+    from checkpoint.safe_load import load_pt
+
+    out = {}
+    for path in sorted(step_dir.glob("mp_rank_*_model_states.pt")):
+        saved = load_pt(str(path))
+        optim = saved["optimizer"]
+        for group, names in zip(optim["param_groups"], saved["optimizer_param_names"], strict=True):
+            for index, name in zip(group["params"], names, strict=True):
+                for moment in ("exp_avg", "exp_avg_sq"):
+                    out.setdefault(f"{name}:{moment}", optim["state"][index][moment])
     return out
 
 
@@ -76,7 +93,7 @@ def peft_model(hf_dir: str, adapters: dict[str, torch.Tensor] | None = None, tar
 def test_lora_pipeline_training_matches_peft_reference_and_merges(
     hf_models, converted, tokenizer_dir, sft_data, tmp_path
 ):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = parity_cfg(sft_data[0])
     cfg.lora = LORA
@@ -107,7 +124,7 @@ def test_lora_pipeline_training_matches_peft_reference_and_merges(
     part = tmp_path / "part"
     interrupted_copy(run, part, 2)
     check(launch(4, *overrides(cfg, converted["gqa"], str(part), 2, save_steps=2, resume="true"), *lora_overrides()))
-    assert [m["loss"] for m in read_jsonl(part / "metrics.jsonl")] == [m["loss"] for m in metrics]
+    assert_resumed_exactly(run, part, 2)  # the steps it trained, the adapters and their Adam moments
     # ... and in another layout (PP=1 x DP=2): adapter and its Adam moments reshaped by name.
     moved = tmp_path / "moved"
     interrupted_copy(run, moved, 2)
@@ -117,6 +134,16 @@ def test_lora_pipeline_training_matches_peft_reference_and_merges(
     assert [m["step"] for m in got] == [m["step"] for m in metrics]
     for a, b in zip(metrics[2:], got[2:], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and a["lr"] == b["lr"], (a, b)
+    # The adapters and their Adam moments after the moved run's own steps, against the unmoved run's.
+    config = AutoConfig.from_pretrained(run)
+    want, have = adapter_state(run, config), adapter_state(moved, config)
+    moments, moved_moments = adam_moments(run / "global_step4"), adam_moments(moved / "global_step4")
+    assert want.keys() == have.keys() and moments.keys() == moved_moments.keys() and len(moments) == 2 * len(want)
+    adapters = max(float((want[k] - have[k]).abs().max()) for k in want)
+    first = max(float((moments[k] - moved_moments[k]).abs().max()) for k in moments if k.endswith(":exp_avg"))
+    second = max(float((moments[k] - moved_moments[k]).abs().max()) for k in moments if k.endswith("_sq"))
+    print(f"LoRA moved PP=2 -> PP=1: adapters {adapters:.3g}, exp_avg {first:.3g}, exp_avg_sq {second:.3g} apart")
+    assert adapters < 1e-7 and first < 2e-8 and second < 3e-9  # measured 7.45e-9, 1.86e-9, 2.33e-10
 
 
 @pytest.mark.slow
@@ -157,7 +184,7 @@ def test_lora_on_a_model_with_experts_matches_peft(hf_models, converted, tokeniz
     more = dict(expert_parallel_size=2, deepspeed="bf16_zero1")
     check(launch(4, *overrides(cfg, converted["mixtral"], str(bf16), 2, **more), *lora))
     for a, b in zip(read_jsonl(run / "metrics.jsonl"), read_jsonl(bf16 / "metrics.jsonl"), strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=3e-3) and b["grad_norm"] == pytest.approx(
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-3) and b["grad_norm"] == pytest.approx(
             a["grad_norm"], rel=2e-2
         ), (a, b)
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from tests.conftest import MODEL_VARIANTS, MOE_VARIANTS, check, torchrun
 from tests.workers.forward_parity import CP_LAYOUTS, EP_CP_LAYOUTS, EP_LAYOUTS, LAYOUTS, SEQ, TP_NOT_BUILT
@@ -49,7 +50,7 @@ NO_CP = {f"{m}-{attn}" for m, attn in CASES if m == "qwen3_next"}  # linear atte
 
 
 def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
-    """PP = 1, 2, 4 (bit-identical logits) and PP x TP = 1 x 2, 2 x 2 (within 1e-5) against transformers; the TP
+    """PP = 1, 2, 4 (bit-identical logits) and PP x TP = 1 x 2, 2 x 2 (within 2e-6) against transformers; the TP
     layouts with sequence parallelism also against themselves without it (within 1e-6); models with experts also at
     EP=2, PP=2 x EP=2 and TP=2 x EP=2 with SP (within 1e-6). Every family, sliding
     windows (Mistral's 6 < 24 positions) and packed rows (two documents per row, against transformers on each).
@@ -91,6 +92,15 @@ def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
     print(f"forward parity EP=2: {sum(r['ep'] == 2 for r in records)} checks, max |logit diff| = {worst:.3g}")
     worst = max(r["max_abs_logit_diff"] for r in records if r["cp"] == 2)
     print(f"forward parity CP=2: {sum(r['cp'] == 2 for r in records)} checks, max |logit diff| = {worst:.3g}")
+    # Negative control: Llama 4's NoPE layers scale queries by floor((p + 1) / floor_scale) of the row's position p;
+    # without the shard's offset CP rank 1 counts its 12 positions from 0, and only rank 1 changes.
+    assert AutoConfig.from_pretrained(hf_models["llama4"]).floor_scale < SEQ // 2
+    control = [r for r in records if "no_offset_diff" in r]
+    assert {r["cp_rank"] for r in control} == {0, 1}
+    assert all(r["no_offset_diff"] == r["max_abs_logit_diff"] for r in control if r["cp_rank"] == 0)
+    off = min(r["no_offset_diff"] for r in control if r["cp_rank"] == 1)
+    print(f"Llama 4 under CP without the shard's offset: CP rank 1's logits at least {off:.3g} off")
+    assert off > 50 * 2e-6  # measured 3.58e-4: far outside the CP logits' bound
     # Stage-to-stage traffic of one micro-batch [B, S, H], counted on DeepSpeed's p2p.send, per rank of stage 0:
     # PP=2 alone sends it whole; TP=2 without sequence parallelism sends 1/T of it (DeepSpeed's partitioning, after
     # which stage 1 all-gathers the whole [B, S, H] on every TP rank), with it each rank's own S/T positions (and
@@ -121,7 +131,7 @@ def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
 
 def test_forward_parity_pp2_tp2_cp2(hf_models, converted, tmp_path):
     """PP=2 x TP=2 x CP=2 on 8 ranks, without and with sequence parallelism (the row cut into C x T = 4 pieces):
-    logits within 1e-5 of transformers' on each rank's positions, for packed rows, a sliding window with eager
+    logits within 2e-6 of transformers' on each rank's positions, for packed rows, a sliding window with eager
     attention and Qwen3's q/k norms with KV heads replicated (1 per TP rank, C=2)."""
     names = [("gqa", "sdpa-packed"), ("mistral", "eager"), ("qwen3", "sdpa")]
     cases = [

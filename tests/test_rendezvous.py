@@ -79,10 +79,10 @@ def test_a_trainer_rank_whose_rendezvous_never_completes_stops_within_the_init_t
         )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("trainer: error: nothing answers at 127.0.0.1:")
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 30  # the 3-s timeout, and the start-up of a forked (or fresh) trainer
 
 
-def refused(proc, log: Path, port: int, within: float = 90) -> None:
+def refused(proc, log: Path, port: int, within: float = 60) -> None:
     """The launch exited non-zero within `within` s, with no traceback, every error line naming the port."""
     start = time.monotonic()
     code = wait(proc, within)
@@ -156,7 +156,7 @@ def test_two_jobs_started_at_the_same_moment_on_one_port(converted, sft_data, si
     errors = [line for line in text.splitlines() if "trainer: error:" in line]
     assert errors and "Traceback" not in text and all(f"{port}" in line for line in errors), text[-3000:]
     print(f"same moment: {winners[0]} owns the port, {loser} stopped {ended[loser]:.1f} s after both started")
-    assert ended[loser] < 90
+    assert ended[loser] < 60
     assert_same_run(single_node_run, tmp_path / winners[0])
 
 

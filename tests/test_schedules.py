@@ -246,7 +246,8 @@ def test_resume_across_schedule_changes_continues_the_curve(converted, sft_data,
     """A 1f1b run saved at step 2 resumes with zero_bubble (same stages: the engine state loads as saved), and
     that run's step 4 with dualpipev (its V puts other layers on each rank: the optimizer state moves by
     parameter name): both continue the unmoved 1f1b run's loss curve to step 6."""
-    from tests.test_training import interrupted_copy, overrides, parity_cfg
+    from tests.resumes import interrupted_copy
+    from tests.test_training import overrides, parity_cfg
 
     cfg = parity_cfg(sft_data[0])
     cfg.max_steps = 6

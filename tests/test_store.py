@@ -218,10 +218,13 @@ def test_store_is_found_again_and_rebuilt_when_its_inputs_change(tokenizer_dir, 
     assert os.path.exists(os.path.join(first.store_dirs[0], "meta.json"))
 
 
-def test_a_killed_build_leaves_nothing_complete_and_the_next_one_continues(tokenizer_dir, tmp_path):
+def test_a_killed_build_leaves_nothing_complete_and_the_next_one_continues(tokenizer_dir, tmp_path, monkeypatch):
     """SIGKILL `python -m data.prepare` once some parts are written: no store looks complete; the next build
-    reuses the finished parts and ends with the same store as an uninterrupted build."""
+    encodes only the parts that were not finished (the others are reused) and ends with the same store as an
+    uninterrupted build."""
     from transformers import AutoTokenizer
+
+    from data import store_builder
 
     rows = [{"text": f"row {i} " + "the quick brown fox jumps over the lazy dog " * (i % 9)} for i in range(60_000)]
     path = write_jsonl(str(tmp_path / "big.jsonl"), rows)
@@ -245,15 +248,17 @@ def test_a_killed_build_leaves_nothing_complete_and_the_next_one_continues(token
     names = os.listdir(cache)
     assert not [n for n in names if n.startswith("store-") and not n.endswith((".partial", ".lock"))], names
     (partial,) = cache.glob("*.partial")
-    done = len(list(partial.glob("part-*")))
-    assert 3 <= done < 15, done  # 15 parts in all (60,000 rows / 4,096)
-    again = subprocess.run(args, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert "built" in again.stdout and not list(cache.glob("*.partial"))
+    finished = {i for i in range(15) if store_builder._read_summary(str(partial), i)}  # 60,000 rows / 4,096
+    assert 3 <= len(finished) < 15, finished
+    encoded, encode = [], store_builder._encode_part
+    monkeypatch.setattr(store_builder, "_encode_part", lambda p, i, c: encoded.append(i) or encode(p, i, c))
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    resumed = TokenizedDataset(path, tok, 64, DataConfig(), cache_dir=str(cache), workers=1)  # data.prepare's key
+    assert not resumed.from_cache and sorted(encoded) == sorted(set(range(15)) - finished), (encoded, finished)
+    assert not list(cache.glob("*.partial"))
+    monkeypatch.undo()
     fresh = TokenizedDataset(path, tok, 64, DataConfig(), cache_dir=str(tmp_path / "fresh"))
-    resumed = TokenizedDataset(path, tok, 64, DataConfig(), cache_dir=str(cache))
-    assert resumed.from_cache and resumed.fingerprint() == fresh.fingerprint() and len(resumed) == 60_000
+    assert resumed.fingerprint() == fresh.fingerprint() and len(resumed) == 60_000
     for name in ("tokens.bin", "targets.bin", "offsets.npy", "lengths.npy"):
         a, b = (open(os.path.join(d.store_dirs[0], name), "rb").read() for d in (resumed, fresh))
         assert a == b, name

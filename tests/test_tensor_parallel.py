@@ -215,6 +215,7 @@ def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tm
     assert (model_type == "qwen2_moe") == ("mlp.shared_expert_gate.weight" in keys)
     assert (model_type in MLP_BIAS) == ("mlp.down_proj.bias" in keys)
     assert (model_type == "gemma3_text") == ("pre_feedforward_layernorm.weight" in keys)
+    worst = 0.0  # the parameter gradients' largest difference, relative to each gradient's scale (at least 1)
     for sp in (False, True):
         got_y = [r[sp]["y"] for r in ranks]
         got_x_grad = [r[sp]["x_grad"] for r in ranks]
@@ -232,6 +233,9 @@ def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tm
         for key, p in keys.items():
             rule = tp_split(DECODER, key, config)
             got = merge([r[sp]["grads"][key] for r in ranks], rule)
-            torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, k=key, q=sp: f"sp={q} {k}: {m}")
+            assert got.shape == p.grad.shape, (sp, key)
+            worst = max(worst, float((got - p.grad).abs().max()) / max(1.0, float(p.grad.abs().max())))
             if rule == REPLICA:
                 assert torch.equal(ranks[0][sp]["grads"][key], ranks[1][sp]["grads"][key]), (sp, key)
+    print(f"TP=2 block ({model_type}): parameter gradients within {worst:.3g} of the whole block's (relative)")
+    assert worst < 1e-5

@@ -116,6 +116,20 @@ def reuse_process_groups() -> None:
     dist.new_group = cached
 
 
+def without_shard_offset(engine, batch) -> torch.Tensor:
+    """The negative control of Llama 4's NoPE temperature under CP: the logits when each CP rank counts its positions
+    from 0, as if the layer passed no `ShardOffset` (models/layers.py looks it up on the module at call time)."""
+    from models import context_parallel
+
+    original = context_parallel.ShardOffset
+    context_parallel.ShardOffset = lambda offset: original(0)
+    try:
+        _, outputs = engine.eval_batch(iter([batch]), return_logits=True, num_micro_batches=1)
+    finally:
+        context_parallel.ShardOffset = original
+    return split_stats(outputs)[0]
+
+
 def main():
     cases_path, out_dir = sys.argv[1], sys.argv[2]
     rank, world = init_distributed()
@@ -239,12 +253,16 @@ def main():
                         "cp": cp,
                         "dp_rank": coords.dp_rank,
                         "tp_rank": coords.tp_rank,
+                        "cp_rank": coords.cp_rank,
                         "max_abs_logit_diff": float((logits - ref_logits).abs().max()),
                         "loss": loss_sum / tokens,
                         "hf_loss": float(ref_loss),
                         "error": err,
                     }
                 )
+            if cp > 1 and pp == tp_size == ep == 1 and getattr(config, "attn_temperature_tuning", False):
+                control = without_shard_offset(engine, ((mine[0], pos), (mine[1], scale)))
+                records[-1]["no_offset_diff"] = float((control - ref_logits).abs().max())
             del engine, module
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"records": records, "traffic": traffic}, f)

@@ -1,0 +1,67 @@
+from tests.claims.kinds import Claim
+
+CLAIMS = (
+    Claim(
+        says="an id converts to the same layer files as its directory, bit for bit",
+        test="tests/test_hub.py::test_a_hub_id_converts_and_verifies_like_its_directory",
+        holds="hub.keys() == local.keys() and all(torch.equal(hub[k], local[k]) for k in hub)",
+        bound=0,
+        figure=None,
+    ),
+    Claim(
+        says="`--verify --against` the id gives 0",
+        test="tests/test_hub.py::test_a_hub_id_converts_and_verifies_like_its_directory",
+        holds='verify.stdout.rstrip().endswith(": 0")',
+        bound=0,
+        figure=0.0,
+    ),
+    Claim(
+        says="the missing and pickled-only cases are one line",
+        test="tests/test_hub.py::test_an_id_not_in_the_cache_offline_or_without_safetensors_is_one_line",
+        holds="proc.returncode == 2 and len(lines) == 1",
+        bound=None,
+        figure=None,
+    ),
+    Claim(
+        says="at most a dozen progress lines, the last at 100%",
+        test="tests/test_progress.py::test_converter_progress_on_a_pipe_and_on_a_terminal",
+        holds='LINE.match(lines[-1])[1] == "100"',
+        bound=None,
+        figure=None,
+    ),
+    Claim(
+        says="(the bar, 19/19 pipeline layers)",
+        test="tests/test_progress.py::test_converter_progress_on_a_pipe_and_on_a_terminal",
+        holds='"\\r" in text and "19/19" in text',
+        bound=None,
+        figure=None,
+    ),
+    Claim(
+        says="refuses, in one line and before touching anything",
+        test="tests/catalogue.py::run_case",
+        holds="line = one_error_line(proc, fragment)",
+        bound=None,
+        figure=None,
+    ),
+    Claim(
+        says="`--input H --output H --force` and `--to-hf --input RUN --output RUN --force` leave H and RUN byte-identical",
+        test="tests/catalogue.py::run_case",
+        holds='assert digest(inputs) == before, "inputs changed"',
+        bound=None,
+        figure=None,
+    ),
+    Claim(
+        says="HF -> pipeline -> HF gives bit-identical tensors, tied embeddings included (`tests/test_export.py`)",
+        test="tests/test_export.py::test_round_trip_is_bit_identical",
+        holds="torch.equal( exported[key].view(torch.uint8), value.view(torch.uint8) )",
+        bound=0,
+        figure=None,
+    ),
+    Claim(
+        says="a model trained with PP=2 x DP=2 exports to exactly the weights the trainer saved (`tests/test_training.py`)",
+        test="tests/test_training.py::test_training_matches_single_process_reference",
+        holds="torch.equal(exported[key].view(torch.uint8), ours[key].view(torch.uint8))",
+        bound=0,
+        figure=None,
+    ),
+)

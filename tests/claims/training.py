@@ -1,0 +1,144 @@
+from tests.claims.kinds import Claim, NotAClaim
+
+CLAIMS = (
+    # 1
+    Claim(
+        says="PP=2 x DP=2, and gets the single-node run's losses bit for bit",
+        test="tests/test_multinode.py::test_hostfile_launch_over_ssh_equals_a_single_node_run",
+        holds='assert [(m["loss"], m["grad_norm"], m["lr"]) for m in a] == [(m["loss"], m["grad_norm"], m["lr"]) for m in b]',
+        bound=0,
+    ),
+    # 2
+    Claim(
+        says="every step and the evaluation equal the run from the converted directory and the local file",
+        test="tests/test_hub.py::test_hub_ids_train_like_local_directories",
+        holds='assert json.load(open(direct / "eval_results.json")) == json.load(open(out / "eval_results.json"))',
+        bound=0,
+    ),
+    # 3
+    Claim(
+        says="`python -m data.prepare` builds the same store, byte for byte, from the ids",
+        test="tests/test_hub.py::test_tokenizer_and_dataset_ids_in_data_prepare",
+        holds='assert "tokens.bin" in stores["hub"] and stores["hub"] == stores["local"]',
+        bound=None,
+    ),
+    # 4
+    Claim(
+        says="the other job stops within 60 s (6.3 s",
+        test="tests/test_rendezvous.py::refused",
+        holds="within: float = 60",
+        bound=60,
+        figure=6.3,
+    ),
+    Claim(
+        says="15.2 s measured",
+        test="tests/test_rendezvous.py::test_two_jobs_started_at_the_same_moment_on_one_port",
+        holds="assert ended[loser] < 60",
+        bound=60,
+        figure=15.2,
+    ),
+    Claim(
+        says="the first (or winning) job's losses and weights equal the same run's launched alone, bit for bit",
+        test="tests/test_faults.py::assert_same_run",
+        holds="all(torch.equal(a[k], b[k]) for k in a)",
+        bound=0,
+    ),
+    # 5
+    Claim(
+        says="`srun -n 4` of PP=2 x DP=2 gets the deepspeed launcher's losses bit for bit",
+        test="tests/test_slurm.py::test_srun_launch_equals_the_deepspeed_launcher",
+        holds='assert [(m["loss"], m["grad_norm"], m["lr"]) for m in a] == [(m["loss"], m["grad_norm"], m["lr"]) for m in b]',
+        bound=0,
+    ),
+    Claim(
+        says="runs every step once and ends with an uninterrupted run's losses and weights",
+        test="tests/test_slurm.py::test_requeued_batch_job_runs_every_step_once",
+        holds="assert_same_run(reference, out)",
+        bound=0,
+    ),
+    # 6
+    Claim(
+        says="Each such row gives exactly the tokens and targets of the same conversation written as `messages`",
+        test="tests/test_formats.py::test_rows_equal_the_same_conversations_written_as_messages",
+        holds="assert samples(ours) == samples(expected) and len(ours) == len(rows)",
+        bound=0,
+    ),
+    Claim(
+        says="(or as a conversational pair)",
+        test="tests/test_formats.py::test_ranking_rows_equal_conversational_pairs",
+        holds="assert samples(ours) == samples(theirs) and len(ours) == 1",
+        bound=0,
+    ),
+    # 7
+    Claim(
+        says="losses bit-identical in fp32 in `tests/test_packing.py`",
+        test="tests/test_packing.py::test_packed_rows_give_the_losses_and_gradients_of_unpacked_rows",
+        holds="assert torch.equal(losses[0], losses[1])",
+        bound=0,
+    ),
+    Claim(
+        says="matches the single-process HF reference trained on the same rows unpacked, eval loss and token count included",
+        test="tests/test_training.py::assert_matches_reference",
+        holds='torch.tensor([m["loss"] for m in metrics]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6',
+        bound=1e-6,
+    ),
+    # 8
+    Claim(
+        says="packing put 3.0 rows in each row",
+        test="tests/test_training.py::assert_matches_reference",
+        holds='assert report["rows_per_packed_row"] == pytest.approx(3.01, abs=5e-3)',
+        bound=5e-3,
+    ),
+    Claim(
+        says="cut padding from 69% to 8%",
+        test="tests/test_training.py::assert_matches_reference",
+        holds='assert report["padding_share_unpacked"] == pytest.approx(0.693, abs=5e-4)',
+        bound=5e-4,
+    ),
+    # 9
+    Claim(
+        says="a batch of blocks gives each piece's per-token losses run as a row of its own (within 1e-6",
+        test="tests/test_store.py::test_concatenated_blocks_cover_the_stream_and_equal_unpacked_documents",
+        holds="torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)",
+        bound=1e-6,
+    ),
+    # 10
+    Claim(
+        says="checks its logits and tokens equal transformers' own on the HF original",
+        test="tests/test_tools.py::test_generation_from_pipeline_checkpoint_matches_hf",
+        holds="torch.testing.assert_close(ours(ids).logits, reference(ids).logits, rtol=0, atol=0)",
+        bound=0,
+    ),
+    # 11
+    NotAClaim(
+        says="add 10-20% for the CUDA context and fragmentation",
+        why="advice on headroom over the estimate (the CUDA context and allocator are not modelled), not a result",
+    ),
+    # 12
+    Claim(
+        says="the prediction is within 0.5% (measured: 0.0% to +0.1%",
+        test="tests/test_memory_estimate.py::test_activation_and_parameter_estimates_match_measurement",
+        holds="assert abs(kept / measured - 1) <= tolerance.get(layout, 0.05 if routed else 0.005)",
+        bound=0.005,
+        figure=0.001,
+    ),
+    # 13
+    Claim(
+        says="experts' layouts within 1-5%",
+        test="tests/test_memory_estimate.py::test_activation_and_parameter_estimates_match_measurement",
+        holds="assert abs(kept / measured - 1) <= tolerance.get(layout, 0.05 if routed else 0.005)",
+        bound=0.05,
+    ),
+    # 14
+    NotAClaim(
+        says="(1F1B bubble at most 20%)",
+        why="describes the planner's rule (micro-batch count m >= 4(p-1), so (p-1)/(m+p-1) <= 20%), not a measured result",
+    ),
+    # 15
+    Claim(
+        says="equal to the byte for a block with and without LoRA",
+        test="tests/test_memory_estimate.py::test_deferred_weight_gradient_bytes_match_measurement",
+        holds="assert predicted == measured",
+        bound=0,
+    ),
+)
