@@ -82,6 +82,7 @@ def main() -> None:
                 f"losses bit-identical: {same}",
                 flush=True,
             )
+            assert same, "saving changed the losses"  # the figure is reported; this one is held
 
 
 if __name__ == "__main__":

@@ -196,6 +196,7 @@ MEASURED_WEIGHT_DIFF = {
     "tied-pp2-dp2": 1.9e-6,
     "olmo3-pp2-dp2": 2.02e-6,
     "deepseek_v3-pp2-dp2-ep2-balanced": 2.43e-6,
+    "gpt_oss-pp2-dp2-ep2": 2.49e-6,
 }
 
 

@@ -33,7 +33,7 @@ CLAIMS = (
         says="a decoder block sharded over TP=2 with and without it equals the whole block",
         test=TP_BLOCK,
         holds="torch.testing.assert_close(got_y[r], y.detach(), rtol=1e-5, atol=1e-6)",
-        bound=1e-6,
+        bound=1e-5,
     ),
     # 5
     Claim(
@@ -90,7 +90,7 @@ CLAIMS = (
     ),
     # 8
     Claim(
-        says="the planner counts it, measured equal on a tiled stage",
+        says="the planner counts it, measured +0.0% on a tiled stage, held at 0.5%",
         test="tests/test_memory_estimate.py::test_activation_and_parameter_estimates_match_measurement",
         holds="assert abs(kept / measured - 1) <= tolerance.get(layout, 0.05 if routed else 0.005)",
         bound=0.005,
@@ -103,11 +103,11 @@ CLAIMS = (
         bound=1e-6,
     ),
     Claim(
-        says="210 checks, max logit difference 2.98e-7",
+        says="454 checks, max logit difference 5.07e-7",
         test=FP,
         holds="torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-6)",
         bound=2e-6,
-        figure=2.98e-7,
+        figure=5.07e-7,
     ),
     Claim(
         says="the loss over the row equal to transformers' within 1e-6",
@@ -159,7 +159,7 @@ CLAIMS = (
         bound=1e-5,
     ),
     Claim(
-        says="each rank's bytes saved for backward equal the planner's (`-k 32k`)",
+        says="each rank's bytes saved for backward the planner's within 0.2%",
         test="tests/test_memory_estimate.py::test_one_32k_token_row_through_sequence_and_context_parallelism",
         holds="assert abs(kept / measured - 1) <= 0.002",
         bound=0.002,
@@ -175,13 +175,13 @@ CLAIMS = (
     ),
     # 16
     Claim(
-        says="PP=2 x CP=2 training, the reference pass and the evaluation equal the single-process reference",
+        says="pass and the evaluation match the single-process reference (losses within 1e-5",
         test="tests/test_dpo.py::assert_matches_dpo_reference",
         holds='torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]), torch.tensor(losses), rtol=1e-5, atol=1e-6)',
-        bound=1e-6,
+        bound=1e-5,
     ),
     Claim(
-        says="the evaluation equal the single-process reference",
+        says="the evaluation 1e-4)",
         test="tests/test_dpo.py::test_dpo_training_matches_single_process_reference",
         holds='assert got[f"eval_{key}"] == pytest.approx(expected[key], rel=1e-4, abs=1e-6)',
         bound=1e-4,
