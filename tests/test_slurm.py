@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import NODES_RUN, REPO, ensure_packages, free_port, read_jsonl, small_run, subprocess_env
@@ -198,13 +199,32 @@ def test_requeued_batch_job_runs_every_step_once(slurm, converted, sft_data, tmp
     assert slurm.run(["scontrol", "requeue", job_id]).returncode == 0
     slurm.release(job_id)
     after(first, job_id)
-    # 3. The time limit's USR1 to the batch script: it stops the ranks (they save) and requeues the job itself.
-    slurm.run(["scancel", "--batch", "--signal=USR1", job_id])
+    # 3. The time limit near, signalled by SLURM itself: the job's limit is cut to what it has run plus 4-5 minutes,
+    # so slurmctld sends the file's `--signal=B:USR1@300` to the batch script at its next time-limit check (every
+    # 30 s). The ranks are held (SIGSTOP) until the script has it, or the 64 small steps would end first; the trap
+    # stops them (they save at the next step) and requeues the job. The limit is 30 minutes again for the third launch.
+    ranks = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if (p.info["cmdline"] or [])[1:2] == ["trainer.py"] and f"output_dir={out}" in p.info["cmdline"]  # not srun
+    ]
+    assert len(ranks) == 4, ranks
+    for p in ranks:
+        p.suspend()
+    ran = sum(int(x) * 60**i for i, x in enumerate(reversed(slurm.job(job_id)["RunTime"].split(":"))))
+    assert slurm.run(["scontrol", "update", f"jobid={job_id}", f"TimeLimit={(ran + 300) // 60}"]).returncode == 0
+    deadline = time.time() + 120
+    while "train.sbatch: time limit near" not in log.read_text():
+        assert time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    for p in ranks:
+        p.resume()
     deadline = time.time() + 300
     while int(slurm.job(job_id).get("Restarts", 0)) < 2:
         assert time.time() < deadline, log.read_text()[-3000:]
         time.sleep(0.2)
     second = steps()
+    assert slurm.run(["scontrol", "update", f"jobid={job_id}", "TimeLimit=30"]).returncode == 0
     slurm.release(job_id)
     assert slurm.wait_state(job_id, ("COMPLETED", "FAILED", "CANCELLED")) == "COMPLETED", log.read_text()[-3000:]
     text = log.read_text()
