@@ -1,4 +1,5 @@
-"""On a CUDA GPU only (skipped elsewhere; CI has none): each family's pipeline layers in bf16 with SDPA against
+"""On a CUDA GPU only (skipped elsewhere; CI has none): each family's pipeline layers in bf16 with SDPA (eager for
+gpt-oss, which transformers runs only so) against
 transformers' own model in bf16 on the same GPU. On CPU the same cases are bit-identical in fp32
 (tests/test_families.py); here the kernels are cuBLAS's and SDPA's flash/efficient ones, in bf16.
 
@@ -20,12 +21,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_family_layers_match_transformers_in_bf16_on_gpu(name, tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from models.families import resolve_attention
+
     model_type, overrides = FAMILY_CONFIGS[name]
-    config = tiny_config(model_type, num_hidden_layers=3, num_key_value_heads=2, **overrides)
-    config._attn_implementation = "sdpa"
+    config = tiny_config(model_type, **{"num_hidden_layers": 3, "num_key_value_heads": 2} | overrides)
+    attn = resolve_attention(config, None)  # SDPA, or eager where transformers has none for the family (gpt-oss)
+    config._attn_implementation = attn
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, attn_implementation=attn)
     hf = hf.cuda().eval()
     state = {k: v.to(torch.bfloat16) for k, v in hf_state(str(tmp_path)).items()}
     ids = torch.randint(0, config.vocab_size, (2, 12), device="cuda")
