@@ -105,6 +105,16 @@ def test_layer_modules_match_hf_at_preset_shapes(preset_name):
         "phi4": 14.66,  # its card: 14B
     }
     assert round(total / 1e9, 2) == expected[preset_name]
+    if preset_name in ("qwen3_30b_a3b", "mixtral_8x7b", "llama4_scout"):  # per token: k of E routed experts
+        from models.moe import num_experts
+        from models.partition import layer_param_counts
+
+        routed = sum(math.prod(shape) for key, shape in hf.items() if ".experts." in key)
+        active = total - routed * (1 - config.num_experts_per_tok / num_experts(config))
+        assert (
+            round(active / 1e9, 2) == {"qwen3_30b_a3b": 3.35, "mixtral_8x7b": 12.88, "llama4_scout": 17.17}[preset_name]
+        )
+        assert sum(layer_param_counts(config, active=True)) == active  # what tools.memory_estimate prints
 
 
 def hub_shapes(model) -> dict[str, tuple[int, ...]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -201,6 +202,9 @@ def test_planner_follows_each_schedules_micro_batches_in_flight():
     assert sum(r.params for r in one) - sum(r.params for r in dual) == tied.vocab_size * tied.hidden_size
     lines = suggest(cfg, config, 4, gpu_gib=1.0)
     assert {line.split()[0] for line in lines} == {f"pipeline_schedule={s}" for s in rows}, lines
+    # Each suggested micro-batch count keeps the 1F1B bubble (p - 1) / (m + p - 1) at or under 20% (docs/training.md).
+    for m in (int(re.search(r"gradient_accumulation_steps=(\d+)", line).group(1)) for line in lines):
+        assert 3 / (m + 3) <= 0.2, lines
 
 
 def test_planner_counts_context_parallelism_and_finds_the_c_a_row_needs():

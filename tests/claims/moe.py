@@ -107,6 +107,12 @@ CLAIMS = (
         holds='"mixtral_8x7b": 46.7,',
         bound=None,
     ),
+    Claim(
+        says="both held by `tests/test_convert.py`, counted on transformers' model",
+        test="tests/test_convert.py::test_layer_modules_match_hf_at_preset_shapes",
+        holds='== {"qwen3_30b_a3b": 3.35, "mixtral_8x7b": 12.88, "llama4_scout": 17.17}[preset_name]',
+        bound=None,
+    ),
     # 11
     Claim(
         says="weights after 4 steps within 8.5e-9",
