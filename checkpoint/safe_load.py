@@ -43,6 +43,13 @@ DEEPSPEED_DATA_GLOBALS = (
 )
 
 
+def deepspeed_data_classes() -> list:
+    """The classes `DEEPSPEED_DATA_GLOBALS` names (imports DeepSpeed), for a `torch.load` of its ZeRO shards."""
+    import importlib
+
+    return [getattr(importlib.import_module(m), n) for m, _, n in (g.rpartition(".") for g in DEEPSPEED_DATA_GLOBALS)]
+
+
 def _allowed_names() -> set[str]:
     return {f"{g.__module__}.{g.__qualname__}" for g in safe_globals()} | set(DEEPSPEED_DATA_GLOBALS)
 

@@ -37,15 +37,9 @@ def tensors(obj, path: str = "") -> dict[str, torch.Tensor]:
 def load_checkpoint_file(path: str):
     """A checkpoint file of our runs, DeepSpeed's ZeRO shards included (its plain-data types allowed, as a resume
     allows them: training/expert_parallel.py)."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+    from checkpoint.safe_load import deepspeed_data_classes, safe_globals
 
-    from checkpoint.safe_load import safe_globals
-
-    with torch.serialization.safe_globals(
-        [*safe_globals(), LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-    ):
+    with torch.serialization.safe_globals([*safe_globals(), *deepspeed_data_classes()]):
         return torch.load(path, map_location="cpu", weights_only=True)
 
 

@@ -171,10 +171,11 @@ def ranks_work(work: Callable[[], None], interval: float = 5.0) -> None:
     while _pulse(int(thread.is_alive())):
         thread.join(interval)
     error = outcome.get("error")
+    line = str(error) if error is not None else None
     if error is not None and not isinstance(error, USER_ERRORS):  # a bug or an I/O error: every rank stops too
         log.error("rank %d: unexpected error", dist.get_rank(), exc_info=error)
-        agree(f"rank {dist.get_rank()}: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}")
-    agree(str(error) if error else None)
+        line = f"rank {dist.get_rank()}: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+    agree(line)
 
 
 def rank0_works(work: Callable[[Callable[[], None]], None], waiting: str, interval: float = 5.0) -> None:

@@ -304,16 +304,16 @@ def universal_load_by_name(engine):
     rank's experts, TP shard and DP fragment), keeps its own settings, and the scheduler's per-group lists are fitted
     to this run's groups (one schedule drives them all)."""
     from deepspeed.runtime.base_optimizer import _get_universal_checkpoint_ep_info
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.utils import bwc_tensor_model_parallel_rank
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address, map_to_flat_opt_states
+    from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
+
+    from checkpoint.safe_load import deepspeed_data_classes
 
     optimizer, scheduler = engine.optimizer, engine.lr_scheduler
 
     def load(lp_groups_name: str, checkpoint_dir: str) -> None:
         folder = os.path.join(checkpoint_dir, "zero")
-        with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
+        with torch.serialization.safe_globals(deepspeed_data_classes()):
             optimizer._load_global_state(torch.load(os.path.join(folder, "optimizer_state.pt"), weights_only=True))
         tp_rank = bwc_tensor_model_parallel_rank(mpu=optimizer.mpu)
         tp_size = optimizer.mpu.get_slice_parallel_world_size()

@@ -1,3 +1,4 @@
+from tests.claims.held import SAME_RUN
 from tests.claims.kinds import Claim
 
 CLAIMS = (
@@ -10,7 +11,7 @@ CLAIMS = (
     ),
     Claim(
         says="the run pieced together from all the launches equals an uninterrupted one bit for bit",
-        test="tests/test_faults.py::assert_same_run",
+        test=SAME_RUN,
         holds="all(torch.equal(a[k], b[k]) for k in a)",
         bound=0,
     ),

@@ -1,3 +1,4 @@
+from tests.claims.held import ROUND_TRIP, ROUND_TRIP_EXACT
 from tests.claims.kinds import Claim
 
 CLAIMS = (
@@ -52,8 +53,8 @@ CLAIMS = (
     ),
     Claim(
         says="HF -> pipeline -> HF gives bit-identical tensors, tied embeddings included (`tests/test_export.py`)",
-        test="tests/test_export.py::test_round_trip_is_bit_identical",
-        holds="torch.equal( exported[key].view(torch.uint8), value.view(torch.uint8) )",
+        test=ROUND_TRIP,
+        holds=ROUND_TRIP_EXACT,
         bound=0,
         figure=None,
     ),

@@ -1,3 +1,4 @@
+from tests.claims.held import DPO_REFERENCE, PEFT
 from tests.claims.kinds import Claim
 
 CLAIMS = (
@@ -10,21 +11,21 @@ CLAIMS = (
     ),
     Claim(
         says="losses to 1e-5",
-        test="tests/test_lora.py::assert_matches_peft",
+        test=PEFT,
         holds='torch.tensor([m["loss"] for m in metrics]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6',
         bound=1e-5,
         figure=None,
     ),
     Claim(
         says="grad norms to 1e-4",
-        test="tests/test_lora.py::assert_matches_peft",
+        test=PEFT,
         holds='torch.tensor([m["grad_norm"] for m in metrics]), torch.tensor(ref_norms), rtol=1e-4, atol=1e-6',
         bound=1e-4,
         figure=None,
     ),
     Claim(
         says="adapter weights to 1% of one step's lr",
-        test="tests/test_lora.py::assert_matches_peft",
+        test=PEFT,
         holds="torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=0.01 * cfg.learning_rate)",
         bound=3e-5,  # 0.01 x learning_rate 3e-3 (parity_cfg)
         figure=None,
@@ -73,7 +74,7 @@ CLAIMS = (
     ),
     Claim(
         says="Training (4 AdamW steps, clipping active) equals a single-process reference",
-        test="tests/test_dpo.py::assert_matches_dpo_reference",
+        test=DPO_REFERENCE,
         holds="torch.testing.assert_close(ours[key], value, rtol=rtol, atol=atol",
         bound=1.5e-5,
         figure=None,
@@ -87,21 +88,21 @@ CLAIMS = (
     ),
     Claim(
         says="losses 1e-5",
-        test="tests/test_dpo.py::assert_matches_dpo_reference",
+        test=DPO_REFERENCE,
         holds='torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]), torch.tensor(losses), rtol=1e-5, atol=1e-6)',
         bound=1e-5,
         figure=None,
     ),
     Claim(
         says="grad norms 1e-4",
-        test="tests/test_dpo.py::assert_matches_dpo_reference",
+        test=DPO_REFERENCE,
         holds='torch.tensor([m["grad_norm"] for m in metrics]), torch.tensor(norms), rtol=1e-4, atol=1e-6',
         bound=1e-4,
         figure=None,
     ),
     Claim(
         says="reward margins 1e-4",
-        test="tests/test_dpo.py::assert_matches_dpo_reference",
+        test=DPO_REFERENCE,
         holds='torch.tensor([m["rewards/margins"] for m in metrics]), torch.tensor(margins), rtol=1e-4, atol=1e-6',
         bound=1e-4,
         figure=None,
@@ -115,7 +116,7 @@ CLAIMS = (
     ),
     Claim(
         says="Mixtral's 1.15e-5 at 1% of lr",
-        test="tests/test_dpo.py::assert_matches_dpo_reference",
+        test=DPO_REFERENCE,
         holds="atol, rtol = (weights, 0.0) if weights else (0.01 * cfg.learning_rate, 1e-5)",
         bound=3e-5,  # 0.01 x learning_rate 3e-3 (train_config), for test_dpo_with_experts_matches_single_process_reference
         figure=1.15e-5,

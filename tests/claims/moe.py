@@ -1,8 +1,21 @@
+from tests.claims.held import (
+    DPO_REFERENCE,
+    FAMILIES,
+    FAMILIES_EXACT,
+    ONE_PCT_OF_LR,
+    PARITY,
+    PARITY_2E6,
+    PARITY_EP,
+    PEFT,
+    PLANNER,
+    REFERENCE,
+    ROUND_TRIP,
+    ROUND_TRIP_EXACT,
+    TP_BLOCK,
+)
 from tests.claims.kinds import Benchmark, Claim, NotAClaim
 
 EP = "tests/test_expert_parallel_training.py"
-FP = "tests/workers/forward_parity.py"
-REF = "tests/test_training.py::assert_matches_reference"
 
 CLAIMS = (
     # 1
@@ -18,8 +31,8 @@ CLAIMS = (
     # 3
     Claim(
         says="By default we run that block as it is (bit-identical logits)",
-        test="tests/test_families.py::test_family_layers_equal_transformers_bit_for_bit",
-        holds="assert torch.equal(pipeline_logits(config, state, ids), reference)",
+        test=FAMILIES,
+        holds=FAMILIES_EXACT,
         bound=0,
     ),
     # 4
@@ -32,7 +45,7 @@ CLAIMS = (
     Benchmark(says="5.5x faster for one Scout-shaped block on this machine", by="benchmarks/moe.py"),
     Claim(
         says="measured within 5% on both forms",
-        test="tests/test_memory_estimate.py::test_activation_and_parameter_estimates_match_measurement",
+        test=PLANNER,
         holds="assert abs(kept / measured - 1) <= tolerance.get(layout, 0.05 if routed else 0.005)",
         bound=0.05,
     ),
@@ -44,7 +57,7 @@ CLAIMS = (
     # 6
     Claim(
         says="The saved bias equals a single process's on the same batches",
-        test=REF,
+        test=REFERENCE,
         holds="assert all(torch.equal(ours[key], ref[key]) for key in biases)",
         bound=0,
     ),
@@ -57,8 +70,8 @@ CLAIMS = (
     # 7
     Claim(
         says="every export of it, trained or not, holds it byte for byte",
-        test="tests/test_export.py::test_round_trip_is_bit_identical",
-        holds="torch.equal( exported[key].view(torch.uint8), value.view(torch.uint8) )",
+        test=ROUND_TRIP,
+        holds=ROUND_TRIP_EXACT,
         bound=0,
     ),
     Claim(
@@ -77,8 +90,8 @@ CLAIMS = (
     # 9
     Claim(
         says="bit-identical both ways",
-        test="tests/test_export.py::test_round_trip_is_bit_identical",
-        holds="torch.equal( exported[key].view(torch.uint8), value.view(torch.uint8) )",
+        test=ROUND_TRIP,
+        holds=ROUND_TRIP_EXACT,
         bound=0,
     ),
     Claim(
@@ -90,7 +103,7 @@ CLAIMS = (
     # 10
     Claim(
         says="measured within 0.3% on Mixtral and Qwen2-MoE blocks",
-        test="tests/test_memory_estimate.py::test_activation_and_parameter_estimates_match_measurement",
+        test=PLANNER,
         holds='tolerance = {"mixtral-pp2-stage1": 0.01, "qwen2_moe-sparse-step-bf16": 0.01',
         bound=0.01,
         figure=0.003,
@@ -124,8 +137,8 @@ CLAIMS = (
     # 12
     Claim(
         says="itself equal to the single-process reference",
-        test=REF,
-        holds="atol, rtol = wider.get(layout, 0.01) * cfg.learning_rate, 1e-5",
+        test=REFERENCE,
+        holds=ONE_PCT_OF_LR,
         bound=3e-5,
     ),
     Claim(
@@ -149,7 +162,7 @@ CLAIMS = (
     ),
     Claim(
         says="the fp32 ZeRO-0 run there within 7.4e-7 of the reference's weights",
-        test=REF,
+        test=REFERENCE,
         holds="atol, rtol = 10 * MEASURED_WEIGHT_DIFF[layout], 0.0",
         bound=10 * 7.4e-7,
         figure=7.4e-7,
@@ -216,7 +229,7 @@ CLAIMS = (
     ),
     Claim(
         says="which equals PEFT",
-        test="tests/test_lora.py::assert_matches_peft",
+        test=PEFT,
         holds="torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=0.01 * cfg.learning_rate)",
         bound=3e-5,
     ),
@@ -236,40 +249,40 @@ CLAIMS = (
     ),
     Claim(
         says="which equals the single-process reference, `tests/test_dpo.py`",
-        test="tests/test_dpo.py::assert_matches_dpo_reference",
+        test=DPO_REFERENCE,
         holds="atol, rtol = (weights, 0.0) if weights else (0.01 * cfg.learning_rate, 1e-5)",
         bound=3e-5,
     ),
     # 19
     Claim(
         says="Logits bit-identical to transformers at PP=1, 2 and 4",
-        test=FP,
+        test=PARITY,
         holds='assert torch.equal(logits, ref_logits), f"max |logit diff| {(logits - ref_logits).abs().max()}"',
         bound=0,
     ),
     Claim(
         says="within 2e-6 at TP=2 with and without sequence parallelism",
-        test=FP,
-        holds="torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-6)",
+        test=PARITY,
+        holds=PARITY_2E6,
         bound=2e-6,
     ),
     Claim(
         says="transformers' load-balancing loss within 1e-6",
-        test=FP,
+        test=PARITY,
         holds="torch.testing.assert_close(aux_loss(stats), ref_aux, rtol=1e-6, atol=1e-6)",
         bound=1e-6,
     ),
     # 20
     Claim(
         says="Logits within 1e-6 of transformers at EP=2, PP=2 x EP=2 and TP=2 x EP=2 with SP for every family",
-        test=FP,
+        test=PARITY,
         holds="elif ep > 1: # the experts' matmuls on other sets of rows: fp32 rounding of another blocking "
         "torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-6)",
         bound=1e-6,
     ),
     Claim(
         says="within 2e-6 at EP=2 x CP=2 and PP=2 x EP=2 x CP=2 (max 2.68e-7 over 64 checks",
-        test=FP,
+        test=PARITY,
         holds="if cp > 1: # attention over the whole row after the all-to-all; the same kernel, other strides "
         "torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-6)",
         bound=2e-6,
@@ -278,7 +291,7 @@ CLAIMS = (
     # 21
     Claim(
         says="A TP=2 block (with and without SP)",
-        test="tests/test_tensor_parallel.py::test_tp_block_equals_the_whole_block_with_biases_and_qk_norms",
+        test=TP_BLOCK,
         holds="assert worst < 1e-5",
         bound=1e-5,
         figure=1.1e-6,
@@ -291,60 +304,60 @@ CLAIMS = (
     ),
     Claim(
         says="and under TP the router statistics",
-        test="tests/test_tensor_parallel.py::test_tp_block_equals_the_whole_block_with_biases_and_qk_norms",
+        test=TP_BLOCK,
         holds='torch.testing.assert_close(ranks[r][sp]["stats"], stats, rtol=1e-5, atol=1e-6)',
         bound=1e-5,
     ),
     # 22
     Claim(
         says="4 AdamW steps with clipping and the load-balancing loss on (coefficient 0.1) equal transformers trained per micro-batch",
-        test=REF,
-        holds="atol, rtol = wider.get(layout, 0.01) * cfg.learning_rate, 1e-5",
+        test=REFERENCE,
+        holds=ONE_PCT_OF_LR,
         bound=3e-5,
     ),
     # 23
     Claim(
         says="the score bias shown to change the logits",
-        test="tests/test_families.py::test_family_layers_equal_transformers_bit_for_bit",
+        test=FAMILIES,
         holds="assert not torch.equal(pipeline_logits(config, unbiased, ids), reference)",
         bound=None,
     ),
     Claim(
         says="logits bit-identical to transformers single-process (SDPA and eager",
-        test="tests/test_families.py::test_family_layers_equal_transformers_bit_for_bit",
-        holds="assert torch.equal(pipeline_logits(config, state, ids), reference)",
+        test=FAMILIES,
+        holds=FAMILIES_EXACT,
         bound=0,
     ),
     # 24
     Claim(
         says="within 2e-6 at TP=2, PP=2 x TP=2 with and without SP, EP=2, CP=2 and EP=2 x CP=2",
-        test=FP,
-        holds="torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-6)",
+        test=PARITY,
+        holds=PARITY_2E6,
         bound=2e-6,
     ),
     # 25
     Claim(
         says="a TP=2 MLA block equals the whole one in output and every gradient",
-        test="tests/test_tensor_parallel.py::test_tp_block_equals_the_whole_block_with_biases_and_qk_norms",
+        test=TP_BLOCK,
         holds="assert worst < 1e-5",
         bound=1e-5,
         figure=1.1e-6,
     ),
     Claim(
         says="4 AdamW steps with clipping against the single-process transformers reference: DeepSeek-V3 PP=2 x TP=2",
-        test=REF,
-        holds="atol, rtol = wider.get(layout, 0.01) * cfg.learning_rate, 1e-5",
+        test=REFERENCE,
+        holds=ONE_PCT_OF_LR,
         bound=3e-5,
     ),
     Claim(
         says="every score bias equal to the reference's",
-        test=REF,
+        test=REFERENCE,
         holds="assert all(torch.equal(ours[key], ref[key]) for key in biases)",
         bound=0,
     ),
     Claim(
         says="GLM-4.5 TP=2 x DP=2 x EP=2 with SP",
-        test=REF,
+        test=REFERENCE,
         holds='wider = {"qwen3-pp2-tp2": 0.02, "phi3-pp2-tp2": 0.03, "glm4_moe-tp2-dp2-ep2": 0.02}',
         bound=6e-5,
     ),
@@ -364,19 +377,19 @@ CLAIMS = (
     # 27
     Claim(
         says="logits bit-identical to transformers' eager single process",
-        test="tests/test_families.py::test_family_layers_equal_transformers_bit_for_bit",
-        holds="assert torch.equal(pipeline_logits(config, state, ids), reference)",
+        test=FAMILIES,
+        holds=FAMILIES_EXACT,
         bound=0,
     ),
     Claim(
         says="DeepSeek-V3's packed rows within 2e-6",
-        test=FP,
-        holds="torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-6)",
+        test=PARITY,
+        holds=PARITY_2E6,
         bound=2e-6,
     ),
     Claim(
         says="within 2e-6 at PP=1, 2, 4 on packed rows (the suite's case), CP=2 and EP=2 x CP=2",
-        test=FP,
+        test=PARITY,
         holds="else: # row-parallel sums add the same terms in another order "
         "torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-6)",
         bound=2e-6,
@@ -384,21 +397,21 @@ CLAIMS = (
     # 28
     Claim(
         says="within 1e-6 at EP=2;",
-        test=FP,
-        holds="torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-6)",
+        test=PARITY,
+        holds=PARITY_EP,
         bound=1e-6,
     ),
     Claim(
         says="its load-balancing loss at PP=2 x DP=2 x EP=2 equal the single-process reference",
-        test=REF,
-        holds="atol, rtol = wider.get(layout, 0.01) * cfg.learning_rate, 1e-5",
+        test=REFERENCE,
+        holds=ONE_PCT_OF_LR,
         bound=3e-5,
     ),
     # 29
     Claim(
         says="HF -> pipeline -> HF bit-identical in the hub's key layout for each family",
-        test="tests/test_export.py::test_round_trip_is_bit_identical",
-        holds="torch.equal( exported[key].view(torch.uint8), value.view(torch.uint8) )",
+        test=ROUND_TRIP,
+        holds=ROUND_TRIP_EXACT,
         bound=0,
     ),
     # 30

@@ -1,9 +1,6 @@
+from tests.claims.held import DPO_REFERENCE, ONE_PCT_OF_LR, PARITY, PARITY_2E6, PEFT, PLANNER, REFERENCE, TP_BLOCK
 from tests.claims.kinds import Benchmark, Claim
 
-FP = "tests/workers/forward_parity.py"
-TP_BLOCK = "tests/test_tensor_parallel.py::test_tp_block_equals_the_whole_block_with_biases_and_qk_norms"
-REF = "tests/test_training.py::assert_matches_reference"
-REF_HOLDS = "atol, rtol = wider.get(layout, 0.01) * cfg.learning_rate, 1e-5"
 SP_TRAIN = "tests/test_tp_training.py::test_sequence_parallel_training_equals_tp_without_it"
 SCHED = "tests/test_schedules.py::test_schedule_trains_as_1f1b_and_the_reference"
 
@@ -24,8 +21,8 @@ CLAIMS = (
     # 3
     Claim(
         says="trains `seq_length=15` at TP=2 and equals the single-process reference",
-        test=REF,
-        holds=REF_HOLDS,
+        test=REFERENCE,
+        holds=ONE_PCT_OF_LR,
         bound=3e-5,
     ),
     # 4
@@ -38,21 +35,21 @@ CLAIMS = (
     # 5
     Claim(
         says="logits equal the same layout's without it within 1e-6",
-        test=FP,
+        test=PARITY,
         holds="torch.testing.assert_close(logits, without_sp[key], rtol=1e-6, atol=1e-6)",
         bound=1e-6,
     ),
     Claim(
         says="and transformers' within 2e-6",
-        test=FP,
-        holds="torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-6)",
+        test=PARITY,
+        holds=PARITY_2E6,
         bound=2e-6,
     ),
     # 6
     Claim(
         says="matches the single-process reference in every TP layout",
-        test=REF,
-        holds=REF_HOLDS,
+        test=REFERENCE,
+        holds=ONE_PCT_OF_LR,
         bound=3e-5,
     ),
     Claim(
@@ -91,34 +88,34 @@ CLAIMS = (
     # 8
     Claim(
         says="the planner counts it, measured +0.0% on a tiled stage, held at 0.5%",
-        test="tests/test_memory_estimate.py::test_activation_and_parameter_estimates_match_measurement",
+        test=PLANNER,
         holds="assert abs(kept / measured - 1) <= tolerance.get(layout, 0.05 if routed else 0.005)",
         bound=0.005,
     ),
     # 9
     Claim(
         says="load-balancing loss within 1e-6 of transformers'",
-        test=FP,
+        test=PARITY,
         holds="torch.testing.assert_close(aux_loss(stats), ref_aux, rtol=1e-6, atol=1e-6)",
         bound=1e-6,
     ),
     Claim(
         says="454 checks, max logit difference 5.07e-7",
-        test=FP,
-        holds="torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-6)",
+        test=PARITY,
+        holds=PARITY_2E6,
         bound=2e-6,
         figure=5.07e-7,
     ),
     Claim(
         says="the loss over the row equal to transformers' within 1e-6",
-        test=FP,
+        test=PARITY,
         holds="torch.testing.assert_close(torch.tensor(loss_sum / tokens), ref_loss, rtol=1e-6, atol=1e-6)",
         bound=1e-6,
     ),
     # 10
     Claim(
         says="LoRA under PP=2 x CP=2, converted from a Hugging Face directory at load, equals PEFT's training",
-        test="tests/test_lora.py::assert_matches_peft",
+        test=PEFT,
         holds="torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=0.01 * cfg.learning_rate)",
         bound=3e-5,
     ),
@@ -132,8 +129,8 @@ CLAIMS = (
     ),
     Claim(
         says='and as the reference (`-k "schedule and cp2"`)',
-        test=REF,
-        holds=REF_HOLDS,
+        test=REFERENCE,
+        holds=ONE_PCT_OF_LR,
         bound=3e-5,
     ),
     # 12
@@ -176,7 +173,7 @@ CLAIMS = (
     # 16
     Claim(
         says="pass and the evaluation match the single-process reference (losses within 1e-5",
-        test="tests/test_dpo.py::assert_matches_dpo_reference",
+        test=DPO_REFERENCE,
         holds='torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]), torch.tensor(losses), rtol=1e-5, atol=1e-6)',
         bound=1e-5,
     ),
@@ -210,15 +207,15 @@ CLAIMS = (
     # 18
     Claim(
         says="so every rank carries the whole rows' statistics and the loss equals transformers'",
-        test=FP,
+        test=PARITY,
         holds="torch.testing.assert_close(aux_loss(stats), ref_aux, rtol=1e-6, atol=1e-6)",
         bound=1e-6,
     ),
     # 19
     Claim(
         says="Proven against 1F1B on the same batches and against the single-process reference",
-        test=REF,
-        holds=REF_HOLDS,
+        test=REFERENCE,
+        holds=ONE_PCT_OF_LR,
         bound=3e-5,
     ),
     Claim(

@@ -1,10 +1,11 @@
+from tests.claims.held import FAMILIES, FAMILIES_EXACT
 from tests.claims.kinds import Benchmark, Claim
 
 CLAIMS = (
     Claim(
         says="its logits equal the transformers model's to the bit",
-        test="tests/test_families.py::test_family_layers_equal_transformers_bit_for_bit",
-        holds="assert torch.equal(pipeline_logits(config, state, ids), reference)",
+        test=FAMILIES,
+        holds=FAMILIES_EXACT,
         bound=0,
     ),
     Claim(

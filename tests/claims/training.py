@@ -1,3 +1,4 @@
+from tests.claims.held import PLANNER, REFERENCE, SAME_RUN
 from tests.claims.kinds import Claim, NotAClaim
 
 CLAIMS = (
@@ -39,7 +40,7 @@ CLAIMS = (
     ),
     Claim(
         says="the first (or winning) job's losses and weights equal the same run's launched alone, bit for bit",
-        test="tests/test_faults.py::assert_same_run",
+        test=SAME_RUN,
         holds="all(torch.equal(a[k], b[k]) for k in a)",
         bound=0,
     ),
@@ -78,20 +79,20 @@ CLAIMS = (
     ),
     Claim(
         says="matches the single-process HF reference trained on the same rows unpacked, eval loss and token count included",
-        test="tests/test_training.py::assert_matches_reference",
+        test=REFERENCE,
         holds='torch.tensor([m["loss"] for m in metrics]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6',
         bound=1e-5,
     ),
     # 8
     Claim(
         says="packing put 3.0 rows in each row",
-        test="tests/test_training.py::assert_matches_reference",
+        test=REFERENCE,
         holds='assert report["rows_per_packed_row"] == pytest.approx(3.01, abs=5e-3)',
         bound=5e-3,
     ),
     Claim(
         says="cut padding from 69% to 8%",
-        test="tests/test_training.py::assert_matches_reference",
+        test=REFERENCE,
         holds='assert report["padding_share_unpacked"] == pytest.approx(0.693, abs=5e-4)',
         bound=5e-4,
     ),
@@ -117,7 +118,7 @@ CLAIMS = (
     # 12
     Claim(
         says="the prediction is within 0.5% (measured: 0.0% to +0.1%",
-        test="tests/test_memory_estimate.py::test_activation_and_parameter_estimates_match_measurement",
+        test=PLANNER,
         holds="assert abs(kept / measured - 1) <= tolerance.get(layout, 0.05 if routed else 0.005)",
         bound=0.005,
         figure=0.001,
@@ -125,7 +126,7 @@ CLAIMS = (
     # 13
     Claim(
         says="experts' layouts within 1-5%",
-        test="tests/test_memory_estimate.py::test_activation_and_parameter_estimates_match_measurement",
+        test=PLANNER,
         holds="assert abs(kept / measured - 1) <= tolerance.get(layout, 0.05 if routed else 0.005)",
         bound=0.05,
     ),
