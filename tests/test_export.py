@@ -139,3 +139,33 @@ def test_verify_manifest_and_logits(converted, hf_models, tmp_path):
     assert "layer_02-model_00-model_states.pt: contents changed" in bad.stderr
     assert "layer_04-model_00-model_states.pt: missing" in bad.stderr
     assert "stray.pt: not listed in the manifest" in bad.stderr
+
+
+def test_manifests_written_with_sha256_still_verify(converted, tmp_path):
+    """Manifests hash with xxh3-128 now; one written before (sha256) verifies as it is and still catches a flipped bit,
+    also when a piece is copied (`--combine`'s copy_verified)."""
+    import hashlib
+
+    from checkpoint.errors import CheckpointError
+    from checkpoint.manifest import HASH, copy_verified, verify_manifest
+
+    step = tmp_path / "ckpt" / "global_step0"
+    shutil.copytree(converted["gqa"], tmp_path / "ckpt")
+    listed = json.loads((step / "manifest.json").read_text())
+    assert HASH == "xxh3_128" and all(set(e) >= {"size", HASH} for e in listed["files"].values())
+    for name, entry in listed["files"].items():
+        entry.pop(HASH)
+        entry["sha256"] = hashlib.sha256((step / name).read_bytes()).hexdigest()
+    (step / "manifest.json").write_text(json.dumps(listed))
+    layer = step / "layer_02-model_00-model_states.pt"
+    (tmp_path / "copy").mkdir()
+    copy_verified(str(layer), str(tmp_path / "copy"), listed["files"][layer.name])
+    assert verify_manifest(str(step)) == []
+    data = bytearray(layer.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    layer.write_bytes(bytes(data))
+    assert [(p.path, p.reason) for p in verify_manifest(str(step))] == [
+        (str(layer), "contents changed (sha256 differs from the manifest)")
+    ]
+    with pytest.raises(CheckpointError, match="contents changed \\(size or sha256 differs"):
+        copy_verified(str(layer), str(tmp_path / "copy"), listed["files"][layer.name])

@@ -6,7 +6,6 @@ manifest is updated to match the planted file, so only a safe load can catch it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import sys
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from checkpoint.layer_files import load_layer_state
+from checkpoint.manifest import HASH, file_hash
 from tests.conftest import check, launch, run_cmd, small_run
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ def plant(path: Path, obj) -> None:
     manifest = path.parent / "manifest.json"
     listed = json.loads(manifest.read_text())
     entry = listed["files"][path.name]
-    entry.update(size=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    entry.update({"size": path.stat().st_size, HASH: file_hash(str(path))})
     manifest.write_text(json.dumps(listed))
 
 

@@ -161,7 +161,7 @@ class TrainConfig:
     learning_rate: float = 2e-5  # peak learning rate (AdamW)
     seed: int = 42  # the data order, the mixture and initial weights (from-scratch runs, LoRA adapters)
     save_steps: int = 0  # 0: save only at the end
-    save_manifest: bool = True  # sizes, sha256 and tensor shapes of every saved file (convert2ckpt.py --verify)
+    save_manifest: bool = True  # sizes, hashes and tensor shapes of every saved file (convert2ckpt.py --verify)
     eval_steps: int = 0  # 0: evaluate only at the end
     # false: a fresh run; true: continue from the newest checkpoint in output_dir; auto: if there is one.
     # NOTE: a string, not an Enum: omegaconf reads `resume=true` as a boolean before an Enum could see it.
