@@ -86,6 +86,7 @@ def convert_layers(
                 pending_bytes -= sum(t.numel() * t.element_size() for t in layer.values())
                 for t in layer.values():
                     pool.give(t)
+                del t  # NOTE: else it holds the layer's last tensor (an embedding: 750 MB) until the next is written
                 nbytes = sum(os.path.getsize(path) for path in paths)
                 stats.bytes_written += nbytes
                 stats.layers_written += 1
@@ -207,7 +208,7 @@ def convert_hf_to_pipeline(
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     source = SourceCheck(hf_dir)
-    config = source.result(light)  # the layer files' keys come from transformers' own layers (models/key_table.py)
+    config = source.result(light, tokenizer=False)  # the layer files' keys come from transformers' own layers
     expected = check_keys(hf_dir, config)
     check_tp(config, tp_size, tp_ranks)
     whole = layers is None and (tp_ranks is None or sorted(tp_ranks) == list(range(tp_size)))

@@ -8,7 +8,6 @@ checkpoint fails before anything is written.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import struct
@@ -19,9 +18,9 @@ import torch
 from checkpoint.dtypes import SAFETENSORS_DTYPES
 from checkpoint.errors import CheckpointError
 from checkpoint.names import LATEST
+from checkpoint.read_ahead import ReadAhead, whole_files
 from checkpoint.safe_load import load_pt
 
-READ_AHEAD = 256 * 2**20  # bytes of a shard asked from the disk ahead of the tensor being read (page cache)
 SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
 BIN_INDEX, BIN_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
 
@@ -119,6 +118,13 @@ def check_safetensors(path: str) -> list[str]:
     return list(read_safetensors_header(path)[1])
 
 
+def _planned_reads(path: str, names: set[str] | None) -> tuple[int, list[tuple[str, dict]]]:
+    """(data start, [(name, header entry)] in file order) of the tensors of a shard `iter_safetensors` reads."""
+    data_start, header = read_safetensors_header(path)
+    entries = sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
+    return data_start, [(name, entry) for name, entry in entries if names is None or name in names]
+
+
 def iter_safetensors(
     path: str, names: set[str] | None = None, alloc: Callable[[int], torch.Tensor] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -131,17 +137,10 @@ def iter_safetensors(
     process's resident set until the shard is closed (1.6 GB of a 3.5 GB model in our benchmark).
     Plain reads keep resident memory to the tensors actually held.
     """
-    data_start, header = read_safetensors_header(path)
+    data_start, reads = _planned_reads(path, names)
     with open(path, "rb", buffering=0) as f:
-        asked = 0  # the page cache is being filled up to this offset
-        for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-            if names is not None and name not in names:
-                continue
+        for name, entry in reads:
             begin, end = entry["data_offsets"]
-            if data_start + end + READ_AHEAD // 2 > asked:  # the disk reads on while the caller writes this one
-                first, asked = max(asked, data_start + begin), data_start + end + READ_AHEAD
-                with contextlib.suppress(AttributeError, OSError):  # advice only (not on every OS)
-                    os.posix_fadvise(f.fileno(), first, asked - first, os.POSIX_FADV_WILLNEED)
             dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
             if dtype is None:
                 raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {entry['dtype']}")
@@ -207,21 +206,33 @@ def iter_tensors(
 
     if names is not None and container is not None:
         names = {container.hub_key(n) for n in names}
+    shards = [s for s in shards if names is None or weight_map is None or any(weight_map.get(n) == s for n in names)]
+    ranges, first = [], []  # what is read, in order (ReadAhead's ranges); the index of each shard's first range
     for shard in shards:
-        if names is not None and weight_map is not None and not any(weight_map.get(n) == shard for n in names):
-            continue
         path = os.path.join(hf_dir, shard)
-        if shard.endswith(".safetensors"):
-            for name, tensor in iter_safetensors(path, names, alloc):
-                if text(name) is not None:
-                    yield text(name), tensor, shard
+        first.append(len(ranges))
+        if path.endswith(".safetensors"):
+            start, reads = _planned_reads(path, names)
+            ranges += [(path, start + e["data_offsets"][0], start + e["data_offsets"][1]) for _, e in reads]
         else:
-            state = _load_bin(path)
-            for name in list(state):
-                tensor = state.pop(name)
-                if (names is None or name in names) and text(name) is not None:
-                    yield text(name), tensor, shard
-            del state
+            ranges += whole_files([path])
+    with ReadAhead(ranges) as ahead:  # the disk reads on while the caller writes what it was given
+        for shard, index in zip(shards, first):
+            path = os.path.join(hf_dir, shard)
+            if path.endswith(".safetensors"):
+                for name, tensor in iter_safetensors(path, names, alloc):
+                    index += 1
+                    ahead.reached(index)
+                    if text(name) is not None:
+                        yield text(name), tensor, shard
+            else:
+                state = _load_bin(path)
+                for name in list(state):
+                    tensor = state.pop(name)
+                    if (names is None or name in names) and text(name) is not None:
+                        yield text(name), tensor, shard
+                del state
+                ahead.reached(index + 1)
 
 
 def stored_dtype(hf_dir: str) -> torch.dtype | None:

@@ -25,6 +25,7 @@ from checkpoint.layer_files import (
     load_layer_whole,
 )
 from checkpoint.names import engine_files, layer_file_name
+from checkpoint.read_ahead import ReadAhead, whole_files
 from checkpoint.safe_load import check_pickles
 from checkpoint.saves import read_tag
 from models.key_table import KEY_TABLE, all_layer_keys
@@ -133,11 +134,15 @@ class PipelineCheckpoint:
 
     def iter_layer_states(self) -> Iterator[tuple[int, dict[str, str], dict[str, torch.Tensor]]]:
         """(layer index, {our key: HF key}, {our key: whole tensor}) one layer at a time."""
-        for layer in self.layers:
-            self.layer_files(layer.index)  # every shard is there, else the missing one named
-            state = self.load_whole(layer)
-            self._check_keys(layer.index, state)
-            yield layer.index, self.keys[layer.index], state
+        files = [self.layer_files(layer.index) for layer in self.layers]  # every shard is there, else one named
+        with ReadAhead(whole_files([f for group in files for f in group])) as ahead:  # the disk reads on meanwhile
+            first = 0
+            for layer, group in zip(self.layers, files):
+                ahead.reached(first)
+                first += len(group)
+                state = self.load_whole(layer)
+                self._check_keys(layer.index, state)
+                yield layer.index, self.keys[layer.index], state
 
     def iter_hf_tensors(self, adapters: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF key, tensor) of every weight, one layer in memory at a time; `adapters` ({layer index: {module:

@@ -1,8 +1,8 @@
 """Checks of a Hugging Face directory before and while it is converted.
 
 `plan_conversion` runs every check before anything is written (the trainer's conversion at load);
-`SourceCheck` runs transformers' reading of config.json and the tokenizer check in a thread, so that
-`convert2ckpt.py` writes layers meanwhile from the few numbers of config.json it needs.
+`SourceCheck` runs transformers' reading of config.json and then the tokenizer check in a thread, so that
+`convert2ckpt.py` writes layers while the tokenizer is checked.
 """
 
 from __future__ import annotations
@@ -62,36 +62,44 @@ def check_keys(hf_dir: str, config) -> dict[int, dict[str, str]]:
 
 
 class SourceCheck:
-    """transformers' reading of config.json and the tokenizer check, in a thread while the layers are written.
+    """transformers' reading of config.json, then the tokenizer check, in a thread.
 
-    Importing transformers takes 2-3 s, and the layer files need only a few numbers of config.json
-    (`ConfigFields`, read at once). The thread's result gates publishing: a tokenizer that does not fit
-    or a config transformers refuses stops the conversion (checked after every layer), and a field read
-    differently from transformers would be refused by name, so nothing is ever published on a reading
-    of config.json that transformers does not share.
+    Importing transformers takes 2-3 s; the layer files' key names come from transformers' own layers, so the
+    layers wait for the config (`result(tokenizer=False)`), not for the tokenizer, which is checked while they are
+    written. The thread's result gates publishing: a tokenizer that does not fit or a config transformers refuses
+    stops the conversion (checked after every layer), and a field read differently from transformers
+    (`ConfigFields`, read at once) is refused by name, so nothing is ever published on a reading of config.json that
+    transformers does not share.
     """
 
     def __init__(self, hf_dir: str):
         self.hf_dir, self.config, self.error = hf_dir, None, None
+        self.config_read = threading.Event()  # set once the config is read (or failed), before the tokenizer check
         self.thread = threading.Thread(target=self._run, name="source-check", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         try:
             self.config = read_model_config(self.hf_dir)
+            self.config_read.set()
             check_tokenizer(self.hf_dir, self.config.vocab_size)
         except CheckpointError as e:
             self.error = e
         except Exception as e:  # noqa: BLE001 - re-raised in the caller's thread
             self.error = CheckpointError(f"{self.hf_dir}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        finally:
+            self.config_read.set()
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
             raise self.error
 
-    def result(self, light: ConfigFields | None = None):
-        """transformers' config, once the checks passed; `light` must read the file the same way."""
-        self.thread.join()
+    def result(self, light: ConfigFields | None = None, tokenizer: bool = True):
+        """transformers' config, once the checks passed (`tokenizer=False`: once it is read, the tokenizer's check
+        still running); `light` must read the file the same way."""
+        if tokenizer:
+            self.thread.join()
+        self.config_read.wait()
         self.raise_if_failed()
         differs = light and differing_field(light, self.config)
         if differs:

@@ -87,10 +87,6 @@ CLAIMS = (
         holds="assert samples(ours) == samples(theirs) and len(ours) == 1",
         bound=0,
     ),
-    # 82: conversion speed
-    Benchmark(
-        says="On a 7B model from disk this puts conversion within 1.5x of `cp`", by="benchmarks/convert_memory.py"
-    ),
     # 83-93: measured on a GPU
     Claim(
         says="**bit-identical in all 25** (0 of 1,536 logits differ in each",
