@@ -6,6 +6,9 @@ memory) and through the Hugging Face model loaded whole, in fp32 with eager atte
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 from checkpoint.errors import CheckpointError
@@ -35,10 +38,27 @@ def probe_logits_streamed(ckpt: PipelineCheckpoint, input_ids: torch.Tensor) -> 
     return split_stats(x)[0]
 
 
+def _hf_reference(hf_dir: str, hf_config):
+    """transformers' model of `hf_dir` in fp32 (eager attention): its causal LM; for a model type transformers maps to
+    none, the class config.json names (Kimi K2.5's container), and for another name of a family's architecture
+    (Kimi K2's `kimi_k2`) with the family's config, whose model_type picks transformers' weight renames."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from models.families import ALIASES
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        conf = json.load(f)
+    kwargs = dict(dtype=torch.float32, attn_implementation="eager")
+    if conf.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **kwargs)
+    if conf.get("model_type") in ALIASES:
+        kwargs["config"] = hf_config
+    return getattr(transformers, conf["architectures"][0]).from_pretrained(hf_dir, **kwargs)
+
+
 def compare_with_hf(ckpt_dir: str, tag: str, hf_dir: str, seq_len: int = 16) -> float:
     """Max |logit difference| between the checkpoint and the HF model on a fixed probe batch (fp32)."""
-    from transformers import AutoModelForCausalLM
-
     ckpt = PipelineCheckpoint(ckpt_dir, tag)
     config = ckpt.config
     hf_config = read_model_config(hf_dir)
@@ -47,7 +67,7 @@ def compare_with_hf(ckpt_dir: str, tag: str, hf_dir: str, seq_len: int = 16) -> 
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (2, seq_len), generator=generator)
     ours = probe_logits_streamed(ckpt, ids)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    model = _hf_reference(hf_dir, hf_config)
     with torch.inference_mode():
         ref = model(ids).logits
     return float((ours.float() - ref).abs().max())

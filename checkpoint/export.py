@@ -69,6 +69,8 @@ def write_container_config(out_dir: str) -> None:
     conf[container.config_key] = {**(conf.get(container.config_key) or {}), **text}
     if "dtype" in text:
         conf["dtype"] = text["dtype"]
+    if "quantization_config" not in text:  # dequantized at conversion (checkpoint/dequantize.py): plain weights now
+        conf.pop("quantization_config", None)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(conf, f, indent=2)
     os.remove(os.path.join(out_dir, CONTAINER_CONFIG))

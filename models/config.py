@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from models.families import CONTAINERS, DEFAULT_MODEL_TYPE, FAMILIES
+from models.families import ALIASES, CONTAINERS, DEFAULT_MODEL_TYPE, FAMILIES
 
 
 class Choice(str, Enum):
@@ -71,7 +71,7 @@ def config_field(model_type: str | None, key: str) -> str:
     return family.moe.num_experts if key == "num_experts" and family is not None and family.moe else key
 
 
-SUPPORTED_MODEL_TYPES = tuple(sorted([*FAMILIES, *CONTAINERS]))  # the registry's (models/families/)
+SUPPORTED_MODEL_TYPES = tuple(sorted([*FAMILIES, *CONTAINERS, *ALIASES]))  # the registry's (models/families/)
 
 
 @dataclass
@@ -155,18 +155,20 @@ def _read_config_json(path: str) -> dict:
         model_type = raw.get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise ValueError(f"{file}: not valid JSON ({e})") from None
-    family = FAMILIES.get(model_type)
-    for key, why in (family.refused_fields if family else {}).items():
-        if raw.get(key) not in (None, False):
-            raise ValueError(f"{file}: model_type={model_type!r} with {key}={raw[key]}: {why}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"{file}: model_type={model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     if model_type in CONTAINERS:  # the text model's config (the other towers are not read)
         raw = text_config_json(raw)
-        if raw.get("model_type") not in FAMILIES:
-            raise ValueError(f"{file}: the text model's model_type={raw.get('model_type')!r} is not supported")
+    text_type = raw.get("model_type")
+    raw = {**raw, "model_type": ALIASES.get(text_type, text_type)}  # read as the architecture it is (`kimi_k2`)
+    family = FAMILIES.get(raw["model_type"])
+    if family is None:
+        raise ValueError(f"{file}: the text model's model_type={text_type!r} is not supported")
+    for key, why in family.refused_fields.items():
+        if raw.get(key) not in (None, False):
+            raise ValueError(f"{file}: model_type={text_type!r} with {key}={raw[key]}: {why}")
     return raw
 
 
@@ -178,7 +180,7 @@ def text_config_json(raw: dict) -> dict:
         return raw
     text = dict(raw.get(container.config_key) or {})
     text["architectures"] = [container.text_architecture]
-    for key in ("dtype", "transformers_version"):
+    for key in ("dtype", "transformers_version", "quantization_config"):  # a quantized container's: its text's too
         if key in raw:
             text.setdefault(key, raw[key])
     return text
@@ -197,7 +199,7 @@ def load_hf_config(path: str):
     # auto-mapping (seconds per process, and conversion runs one process per command).
     config_class = getattr(transformers, FAMILIES[raw["model_type"]].config_class)
     with open(os.path.join(path, "config.json")) as f:
-        if json.load(f).get("model_type") in CONTAINERS:  # the text model's part of the file
+        if json.load(f).get("model_type") in {*CONTAINERS, *ALIASES}:  # the text model's part, or another name
             return config_class.from_dict(raw)
     return config_class.from_pretrained(path)
 

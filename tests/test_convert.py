@@ -195,49 +195,6 @@ def test_buffer_pool_reuses_only_its_own_buffers_within_the_peak():
     assert pool.free_bytes + pool.lent_bytes <= pool.peak_lent_bytes and d.numel() == 1200
 
 
-def test_read_ahead_reads_the_ranges_in_order_within_its_distance(tmp_path, hf_models, monkeypatch):
-    """The thread stops `ahead` bytes (whole ranges of at most a chunk here) past the range the caller reached, goes
-    on when told, stops quietly at a missing file; conversion's reader asks it for exactly the tensors it reads."""
-    import time
-
-    import checkpoint.hf_reader as hf_reader
-    from checkpoint.read_ahead import ReadAhead, whole_files
-
-    mib = 2**20
-    paths = [str(tmp_path / f"f{i}") for i in range(4)]
-    for path in paths:
-        Path(path).write_bytes(b"x" * 3 * mib)
-
-    def settled(ahead, want):
-        for _ in range(500):
-            if ahead._position == want:
-                return time.sleep(0.05) or ahead._position
-            time.sleep(0.01)
-        return ahead._position
-
-    with ReadAhead(whole_files(paths + [str(tmp_path / "missing"), paths[0]]), ahead=4 * mib) as ahead:
-        assert settled(ahead, 6 * mib) == 6 * mib  # range 1 began before 4 MiB, none after it
-        ahead.reached(2)
-        assert settled(ahead, 12 * mib) == 12 * mib  # then the missing file: stopped, nothing raised
-    seen, reached = [], []
-
-    class Spy(ReadAhead):
-        def __init__(self, ranges, *args):
-            seen.extend(ranges)
-            super().__init__(ranges, *args)
-
-        def reached(self, index):
-            reached.append(index)
-
-    monkeypatch.setattr(hf_reader, "ReadAhead", Spy)
-    want = []
-    for name, _, shard in hf_reader.iter_tensors(hf_models["gqa"]):
-        path = os.path.join(hf_models["gqa"], shard)
-        start, header = hf_reader.read_safetensors_header(path)
-        want.append((path, *(start + offset for offset in header[name]["data_offsets"])))
-    assert seen == want and reached == list(range(1, len(want) + 1))
-
-
 def test_a_config_reading_transformers_does_not_share_is_never_published(tmp_path, hf_models, monkeypatch):
     """Conversion writes from config.json fields read without transformers and checks them against transformers'
     reading before publishing: a difference (a wrong default, say) is refused by name and nothing is written."""
@@ -434,6 +391,17 @@ def _multimodal(family: str):
         text = tiny_config("llama4_text", num_key_value_heads=2).to_dict()
         config = transformers.Llama4Config(text_config=text, vision_config=vision)
         return transformers.Llama4ForConditionalGeneration(config), "vision_model.", "llama4_text", "Llama4ForCausalLM"
+    if family == "kimi_k25":  # Kimi K2.5: DeepSeek-V3's text model, the hub's remote-code text type `kimi_k2`
+        text = tiny_config("deepseek_v3", num_key_value_heads=4).to_dict() | {"model_type": "kimi_k2"}
+        vision = dict(
+            patch_size=14, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
+            num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+        )  # fmt: skip
+        config = transformers.Kimi_K25Config(
+            text_config=text, vision_config=vision, projection_hidden_size=32, tie_word_embeddings=False
+        )
+        model = transformers.Kimi_K25ForConditionalGeneration(config)
+        return model, "vision_tower.", "kimi_k2", "DeepseekV3ForCausalLM"
     if family == "qwen3_5":
         text = tiny_config("qwen3_5_text", num_key_value_heads=2).to_dict()
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8)
@@ -451,7 +419,7 @@ def _multimodal(family: str):
     return transformers.Gemma3ForConditionalGeneration(config), "vision_tower.", "gemma3_text", "Gemma3ForCausalLM"
 
 
-@pytest.mark.parametrize("family", ["llama4", "gemma3", "qwen3_5"])
+@pytest.mark.parametrize("family", ["llama4", "gemma3", "qwen3_5", "kimi_k25"])
 def test_multimodal_checkpoint_converts_its_text_model(family, tmp_path):
     """A Llama4ForConditionalGeneration checkpoint (the hub's Llama 4 Scout and Maverick), a
     Gemma3ForConditionalGeneration one (Gemma 3 4B-27B) or a Qwen3_5ForConditionalGeneration one (every Qwen3.5, with
@@ -466,6 +434,16 @@ def test_multimodal_checkpoint_converts_its_text_model(family, tmp_path):
     model.save_pretrained(tmp_path / "mm")
     if family == "qwen3_5":
         add_mtp_layer(str(tmp_path / "mm"), "mtp")
+    if family == "kimi_k25":  # the hub's text layers are `layers`; transformers 5.23 saves them as `blocks` (its
+        # vision tower's `blocks` -> `layers` rename, reversed on save, reaches the text model too)
+        from safetensors.torch import load_file, save_file
+
+        path = tmp_path / "mm" / "model.safetensors"
+        hub = {k.replace(".model.blocks.", ".model.layers."): v for k, v in load_file(path).items()}
+        save_file(hub, path, metadata={"format": "pt"})
+        conf = json.loads((tmp_path / "mm" / "config.json").read_text())  # and its text model's type, `kimi_k2`
+        conf["text_config"]["model_type"] = "kimi_k2"
+        (tmp_path / "mm" / "config.json").write_text(json.dumps(conf))
     source = hf_state(str(tmp_path / "mm"))
     assert any(k.startswith(vision_keys) for k in source)
     ckpt, export = tmp_path / "ckpt", tmp_path / "export"

@@ -171,3 +171,39 @@ def test_a_run_from_a_quantized_hub_directory_has_a_plain_model_config(tmp_path)
     loaded = load_model_config(cfg)
     loaded.save_pretrained(tmp_path / "run")
     assert "quantization_config" not in json.loads((tmp_path / "run" / "config.json").read_text())
+
+
+def test_kimi_k2_reads_as_deepseek_v3_and_int4_weights_are_refused(tmp_path, hf_models, converted):
+    """Kimi K2's config.json says `kimi_k2` for DeepSeek-V3's architecture: it converts to the same layer files,
+    verifies against its directory (transformers' DeepseekV3ForCausalLM, the class it names) and exports with its own
+    model_type. Kimi K2.5's hub weights are INT4 (compressed-tensors), its `quantization_config` at the container's
+    top level: the text model's config carries it, and conversion refuses it in one line."""
+    from models.config import text_config_json
+    from tests.conftest import convert_in_process, one_error_line
+
+    kimi = tmp_path / "kimi"
+    shutil.copytree(hf_models["deepseek_v3"], kimi)
+    config = json.loads((kimi / "config.json").read_text())
+    (kimi / "config.json").write_text(json.dumps(config | {"model_type": "kimi_k2"}))
+    assert convert_in_process(["--input", str(kimi), "--output", str(tmp_path / "ckpt")]).returncode == 0
+    ours, theirs = load_hf_state_dict(str(tmp_path / "ckpt")), load_hf_state_dict(converted["deepseek_v3"])
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    verified = convert_in_process(["--verify", str(tmp_path / "ckpt"), "--against", str(kimi)])
+    assert verified.returncode == 0 and verified.stdout.strip().endswith(": 0"), verified.stdout + verified.stderr
+    assert (
+        convert_in_process(["--to-hf", "--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]).returncode
+        == 0
+    )
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "kimi_k2"
+
+    int4 = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    container = {
+        "model_type": "kimi_k25",
+        "text_config": config | {"model_type": "kimi_k2"},
+        "quantization_config": int4,
+    }
+    assert text_config_json(container)["quantization_config"] == int4
+    (kimi / "config.json").write_text(json.dumps(config | {"model_type": "kimi_k2", "quantization_config": int4}))
+    refused = convert_in_process(["--input", str(kimi), "--output", str(tmp_path / "int4")])
+    line = one_error_line(refused, "quantization_config 'compressed-tensors'")
+    assert "convert a bf16 copy" in line and not (tmp_path / "int4").exists()

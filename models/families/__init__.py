@@ -234,6 +234,7 @@ class Container:
 
 FAMILIES: dict[str, Family] = {}
 CONTAINERS: dict[str, Container] = {}
+ALIASES: dict[str, str] = {}  # a model_type some checkpoints write for a registered family's architecture
 
 
 def register(family: Family) -> Family:
@@ -249,6 +250,12 @@ def register(family: Family) -> Family:
 def register_container(model_type: str, container: Container) -> None:
     """Add a multimodal checkpoint type whose text model is a registered family."""
     CONTAINERS[model_type] = container
+
+
+def register_alias(model_type: str, family_type: str) -> None:
+    """Read config.json files of `model_type` as `family_type`'s (Kimi K2's `kimi_k2` is DeepSeek-V3's architecture,
+    as transformers' own Kimi K2.5 config reads it); the file keeps its own model_type."""
+    ALIASES[model_type] = family_type
 
 
 def _load_family_modules() -> None:

@@ -6,9 +6,14 @@ heads; interleaved RoPE with `rope_interleave`), dense MLPs in the first `first_
 blocks with the sigmoid router (`e_score_correction_bias`, group-limited top-k, `routed_scaling_factor`) and
 shared experts. Under tensor parallelism MLA splits by heads (`q_b_proj`, `kv_b_proj` by rows, `o_proj` by
 columns); its low-rank projections and their norms are replicated. The multi-token-prediction layer past the last
-decoder layer is carried unchanged (`num_nextn_predict_layers`)."""
+decoder layer is carried unchanged (`num_nextn_predict_layers`).
 
-from models.families import Family, MoeSpec, register
+Kimi K2's checkpoints (`model_type: kimi_k2`) are this architecture and are read as it; Kimi K2.5's (`kimi_k25`,
+Kimi_K25ForConditionalGeneration) hold it as their text model: `text_config`, weights under `language_model.` (the
+vision tower and projector carried). Their hub weights are INT4 (compressed-tensors), which conversion refuses in one
+line (checkpoint/dequantize.py): convert a bf16 copy."""
+
+from models.families import Container, Family, MoeSpec, register, register_alias, register_container
 
 # DeepSeek's sparse blocks (GLM-4.5's too): experts one key each, the sigmoid router choosing its own experts,
 # ungated shared experts, dense first layers; transformers adds no load-balancing loss.
@@ -47,3 +52,5 @@ register(
         | dict(q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12),
     )
 )
+register_alias("kimi_k2", "deepseek_v3")
+register_container("kimi_k25", Container("text_config", "language_model.", "DeepseekV3ForCausalLM"))
