@@ -4,7 +4,7 @@
 touches: buffers kept from one save to the next (pinned when the tensors live on a GPU, where the copies run
 asynchronously until `ready()`), so a steady run allocates them once. `BackgroundWriter` takes the files of one save
 (`write(jobs)`), writes them in order on one thread with `torch.save`, flushes each to disk and describes it for the
-manifest (size, sha256, tensor shapes: checkpoint/manifest.py) while the training thread goes on. Python objects in a
+manifest (size, hash, tensor shapes: checkpoint/manifest.py) while the training thread goes on. Python objects in a
 state are copied too (containers rebuilt, other objects deep-copied; numbers, strings and enums kept as they are).
 
 No process group here: agreeing that every rank's files are durable, and publishing, is the trainer's

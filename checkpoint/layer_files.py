@@ -174,7 +174,7 @@ def layer_tensor_specs(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtyp
 @contextlib.contextmanager
 def unchecked_zip_records():
     """torch.save without a CRC-32 per zip record (torch.serialization.set_crc32_options): a third of
-    torch.save's time on large tensors. What guards the files instead is the manifest's sha256 of each
+    torch.save's time on large tensors. What guards the files instead is the manifest's hash of each
     whole file (`--verify`); torch.load and DeepSpeed read such files as any other."""
     from torch.serialization import get_crc32_options, set_crc32_options
 
