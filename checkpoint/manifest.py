@@ -9,7 +9,7 @@ Every conversion and every trainer save writes `manifest.json` into the tag dire
 altered or unlisted, and refuses any `.pt` file that holds more than plain data (checkpoint/safe_load.py);
 `--against HF_DIR` is checkpoint/compare.py.
 
-The hash is xxh3-128 (10 GB/s here, against sha256's 1.4 GB/s with the CPU's SHA instructions: on 2 cores the
+The hash is xxh3-128 (timed by hand: 10 GB/s here, against sha256's 1.4 GB/s with SHA instructions; on 2 cores the
 hash of a 6.8 GB conversion cost 5 s of CPU that the reads and writes needed). It detects damage: bit rot, a
 truncated or partial copy, a file of another checkpoint. It is not a signature, and sha256 was not one either:
 whoever can change a file can rewrite the manifest beside it; what makes a checkpoint from someone else safe to

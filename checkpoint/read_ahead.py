@@ -36,6 +36,11 @@ class ReadAhead:
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="read-ahead", daemon=True)
 
+    @property
+    def position(self) -> int:
+        """Bytes the thread has read so far."""
+        return self._position
+
     def reached(self, index: int) -> None:
         if index < len(self._starts):
             with self._cond:

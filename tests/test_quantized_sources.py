@@ -207,3 +207,19 @@ def test_kimi_k2_reads_as_deepseek_v3_and_int4_weights_are_refused(tmp_path, hf_
     refused = convert_in_process(["--input", str(kimi), "--output", str(tmp_path / "int4")])
     line = one_error_line(refused, "quantization_config 'compressed-tensors'")
     assert "convert a bf16 copy" in line and not (tmp_path / "int4").exists()
+
+
+def test_an_fp8_container_exports_a_plain_config(tmp_path):
+    """A container checkpoint quantized at its top level (DeepSeek-style FP8) converts to plain bf16 weights: its
+    export's config.json is the container's again, without the `quantization_config` its weights no longer have."""
+    from checkpoint.export import write_container_config
+    from checkpoint.names import CONTAINER_CONFIG
+
+    fp8 = {"quant_method": "fp8", "weight_block_size": [16, 16]}
+    container = {"model_type": "kimi_k25", "text_config": {"model_type": "kimi_k2"}, "quantization_config": fp8}
+    (tmp_path / CONTAINER_CONFIG).write_text(json.dumps(container))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k2", "dtype": "bfloat16"}))
+    write_container_config(str(tmp_path))
+    exported = json.loads((tmp_path / "config.json").read_text())
+    assert "quantization_config" not in exported and exported["dtype"] == "bfloat16"
+    assert exported["text_config"]["model_type"] == "kimi_k2" and not (tmp_path / CONTAINER_CONFIG).exists()

@@ -21,10 +21,10 @@ def test_read_ahead_reads_the_ranges_in_order_within_its_distance(tmp_path, hf_m
 
     def settled(ahead, want):
         for _ in range(500):
-            if ahead._position == want:
-                return time.sleep(0.05) or ahead._position
+            if ahead.position == want:
+                return time.sleep(0.05) or ahead.position
             time.sleep(0.01)
-        return ahead._position
+        return ahead.position
 
     with ReadAhead(whole_files(paths + [str(tmp_path / "missing"), paths[0]]), ahead=4 * mib) as ahead:
         assert settled(ahead, 6 * mib) == 6 * mib  # range 1 began before 4 MiB, none after it
