@@ -5,13 +5,13 @@
 DeepSpeed's converter (`deepspeed.checkpoint.ds_to_universal`) concatenates every DP rank's fragments of a
 parameter. Experts split over E ranks (training/expert_parallel.py) are different tensors on each EP rank: the DP
 ranks `r, r + E, r + 2E, ...` of a stage hold EP rank r's experts, sharded among themselves. So this runs DeepSpeed's
-own steps for every other parameter and assembles the fused experts here: per saved TP rank, each EP rank's
-fragments in DP order, the EP ranks along dim 0; then the TP shards merged by our rule (models/sharding.py). Each
-expert state is saved whole ([E, ...]) with what DeepSpeed's loader needs to take a rank's share in any layout: its
-experts (EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS: dim 0 narrowed by the new EP rank), then its TP shard (CAT_DIM and
-PARAM_N_SUB_PARAMS: gate and up halves split apart), then its DP fragment (deepspeed/checkpoint/
-universal_checkpoint.py `load_hp_checkpoint_state`). Without experts split (E = 1) the same holds with one EP rank:
-fused experts then also move between TP degrees, which DeepSpeed's default (dim 0) could not.
+own steps for every other parameter and assembles the fused experts here (their biases too: gpt-oss): per saved TP
+rank, each EP rank's fragments in DP order, the EP ranks along dim 0; then the TP shards merged by our rule
+(models/sharding.py). Each expert state is saved whole ([E, ...]) with what DeepSpeed's loader needs to take a
+rank's share in any layout: its experts (EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS: dim 0 narrowed by the new EP rank), then
+its TP shard (CAT_DIM and PARAM_N_SUB_PARAMS: gate and up halves split apart), then its DP fragment
+(deepspeed/checkpoint/universal_checkpoint.py `load_hp_checkpoint_state`). Without experts split (E = 1) the same
+holds with one EP rank: fused experts then also move between TP degrees, which DeepSpeed's default (dim 0) could not.
 
 Run as a subprocess by checkpoint/universal.py `ensure_universal`, as DeepSpeed's converter is.
 """
@@ -21,22 +21,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 
 import torch
 
 from checkpoint.names import LAYOUT_FILE
-from models.sharding import EXPERT_IN, EXPERT_ROW, GATE_UP, GATE_UP_OUT, merge
+from models.sharding import EXPERT_IN, EXPERT_ROW, GATE_UP, GATE_UP_OUT, REPLICA, merge
 from models.tp_rules import param_tp_split
 
-EXPERT_RULES = {GATE_UP: (1, 2), EXPERT_ROW: (2, 1), GATE_UP_OUT: (2, 2), EXPERT_IN: (1, 1)}  # rule: (CAT_DIM, halves)
+# rule: (CAT_DIM, halves). REPLICA: a fused experts tensor every TP rank holds whole (gpt-oss's expert biases).
+EXPERT_RULES = {GATE_UP: (1, 2), EXPERT_ROW: (2, 1), GATE_UP_OUT: (2, 2), EXPERT_IN: (1, 1), REPLICA: (0, 1)}
+_FUSED_EXPERTS = re.compile(r"\d+\..+\.experts\.[a-z_]+")  # transformers' fused experts: [E, ...], E split over EP
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
 def expert_names(names, num_hidden_layers: int, tie_word_embeddings: bool) -> dict[str, str]:
     """{parameter name: TP rule} of the fused expert parameters among `names` (the optimizer's)."""
     rules = {n: param_tp_split(n, num_hidden_layers, tie_word_embeddings) for n in names}
-    return {n: r for n, r in rules.items() if r in EXPERT_RULES}
+    return {n: r for n, r in rules.items() if r in EXPERT_RULES and (r != REPLICA or _FUSED_EXPERTS.fullmatch(n))}
 
 
 def _fragments(temp: str, name: str, tp: int, state: str, dps) -> list:
@@ -102,6 +105,10 @@ def convert(input_folder: str, output_folder: str, ep: int, num_experts: int, la
     temp = os.path.join(output_folder, "tmp")
     dsu._extract_zero_shard_files(args, ds, temp)
     info = ds.get_checkpoint_info(UNIVERSAL_CHECKPOINT_INFO)
+    for key, value in info.items():  # the experts are assembled here, not merged by DeepSpeed (saves made before
+        # universal_info left them out declared gpt-oss's expert biases averaged: their patterns go)
+        if isinstance(value, list) and all(isinstance(p, str) for p in value):
+            info[key] = [p for p in value if not any(re.fullmatch(p, name) for name in experts)]
     dsu._merge_tp_slice_files(args, info, ds.tp_degree, slice_shapes, temp, exclude_param_names=set(experts))
     for name, rule in sorted(experts.items()):
         assemble(temp, name, rule, slice_shapes[name], ds.dp_degree, ep, num_experts, output_folder)
