@@ -57,11 +57,13 @@ def config_error(overrides: list[str], world_size: int = 1) -> str:
     from training.cli import compose_config
     from training.config import model_stages
     from training.errors import RunError
+    from training.precision import resolve
     from training.validate import validate, validate_layout
 
     try:
         cfg = compose_config(overrides)
         validate(cfg)
+        resolve(cfg)  # as training/assembly.py does
         model_config = load_model_config(cfg)
         validate_layout(cfg, world_size, model_config)
         stage_bounds(model_config, model_stages(cfg.pipeline_schedule, cfg.num_stages), cfg.model.partition)

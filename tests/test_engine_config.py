@@ -9,6 +9,7 @@ from models.partition import stage_bounds
 from training.cli import compose_config
 from training.config import TrainConfig
 from training.engine import WarmupDecay, deepspeed_config
+from training.precision import resolve
 from training.topology import Coords
 from training.validate import validate
 
@@ -19,7 +20,10 @@ def dp(size: int) -> Coords:
 
 
 def load(*overrides: str) -> TrainConfig:
-    return compose_config(list(overrides))
+    """The config as the trainer holds it: composed, its precision and ZeRO stage resolved (training/precision.py)."""
+    cfg = compose_config(list(overrides))
+    resolve(cfg)
+    return cfg
 
 
 def test_presets_give_the_documented_engine_configs():

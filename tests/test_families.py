@@ -190,20 +190,22 @@ def test_tensor_parallelism_is_refused_in_one_line_where_its_split_is_not_built(
     from checkpoint.errors import CheckpointError
     from checkpoint.writer import check_tp
     from training.config import TrainConfig
+    from training.precision import resolved
     from training.validate import validate_layout
 
     model_type = "olmo2"
     monkeypatch.setitem(FAMILIES, model_type, dataclasses.replace(FAMILIES[model_type], tp_refused="a reason"))
     config = tiny_config(model_type, num_key_value_heads=2)
+    ds = resolved(TrainConfig().deepspeed)  # as the trainer holds it (training/precision.py)
     line = (
         rf"model_type='{model_type}' is not split over tensor-parallel ranks \([^)]+\); use pipeline, context and data"
     )
     with pytest.raises(CheckpointError, match=rf"^--tp 2: {line} parallelism$"):
         check_tp(config, 2, None)
     with pytest.raises(ValueError, match=rf"^tensor_parallel_size=2: {line} parallelism$"):
-        validate_layout(TrainConfig(num_stages=2, tensor_parallel_size=2), 4, config)
+        validate_layout(TrainConfig(num_stages=2, tensor_parallel_size=2, deepspeed=ds), 4, config)
     check_tp(config, 1, None)
-    validate_layout(TrainConfig(num_stages=2, tensor_parallel_size=1), 4, config)
+    validate_layout(TrainConfig(num_stages=2, tensor_parallel_size=1, deepspeed=ds), 4, config)
 
 
 def test_lora_targets_are_the_familys_own_linear_layers():

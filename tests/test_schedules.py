@@ -119,6 +119,7 @@ def test_timeline_figures_and_dualpipev_needs_2p_micro_batches(tmp_path):
 def test_schedule_settings_that_cannot_run_are_refused_in_one_line(settings, message):
     from tools.tiny_models import tiny_config
     from training.config import TrainConfig
+    from training.precision import resolve
     from training.validate import validate, validate_layout
 
     cfg = TrainConfig(model_name_or_path="m", train_file="a.jsonl", num_stages=2)
@@ -128,6 +129,7 @@ def test_schedule_settings_that_cannot_run_are_refused_in_one_line(settings, mes
         setattr(getattr(cfg, owner) if owner else cfg, name, value)
     with pytest.raises(ValueError) as e:
         validate(cfg)
+        resolve(cfg)
         validate_layout(cfg, 2 * cfg.num_stages, tiny_config(num_hidden_layers=4))
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 

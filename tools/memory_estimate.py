@@ -39,6 +39,18 @@ class Estimate:
         return self.weights + self.gradients + self.optimizer + self.activations + self.logits
 
 
+def for_gpu(cfg):
+    """A copy of `cfg` with its precision and ZeRO stage resolved as on a bf16 GPU: what the planner plans for
+    (training/precision.py)."""
+    import copy
+
+    from training.precision import resolved
+
+    cfg = copy.deepcopy(cfg)
+    cfg.deepspeed = resolved(cfg.deepspeed, auto="bf16", gpu=True)
+    return cfg
+
+
 def estimate(cfg, config, world_size: int) -> list[Estimate]:
     """Bytes per GPU for every pipeline rank of `cfg` (a TrainConfig) on a model `config` (a LlamaConfig).
 
@@ -51,14 +63,13 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     from models.sharding import padded_vocab
     from models.tensor_parallel import TensorParallel
     from training.config import model_stages, padded_seq_length, sequence_parallel, sequences_per_sample
-    from training.precision import resolve_precision, resolve_zero_stage
     from training.schedules import memory_states
 
     pp, tp, cp, schedule = cfg.num_stages, cfg.tensor_parallel_size, cfg.context_parallel_size, cfg.pipeline_schedule
     dual = schedule == "dualpipev"
     dp = max(1, world_size // (pp * tp * cp))
-    precision = resolve_precision(cfg.deepspeed.precision, auto="bf16")  # planning for a bf16 GPU
-    zero = resolve_zero_stage(cfg.deepspeed.zero_stage, gpu=True)
+    ds = for_gpu(cfg).deepspeed  # planning for a bf16 GPU
+    precision, zero = str(ds.precision), ds.zero_stage
     weight_bytes = 4 if precision == "fp32" else 2
     accum = cfg.deepspeed.grad_accum_dtype or ("fp32" if precision in ("bf16", "fp32") else "fp16")
     grad_bytes = 4 if accum == "fp32" else 2
@@ -140,8 +151,6 @@ def suggest(cfg, config, world_size: int, gpu_gib: float) -> list[str]:
     """Per pipeline schedule, the largest micro-batch size (and partition) that fits `gpu_gib` per GPU (10% kept
     free), with the micro-batch count that keeps the 1F1B bubble (p-1)/(m+p-1) at or under 20% (at least
     2p for dualpipev), and each schedule's theoretical bubble from its instruction lists; smallest bubble first."""
-    import copy
-
     from training.config import min_micro_batches
     from training.schedules import timeline
     from training.validate import validate_layout
@@ -152,7 +161,7 @@ def suggest(cfg, config, world_size: int, gpu_gib: float) -> list[str]:
         best = None  # (micro-batch size, line): the largest that fits, either partition
         for partition in ("parameters", "uniform"):
             for mbs in (16, 8, 4, 2, 1):
-                trial = copy.deepcopy(cfg)
+                trial = for_gpu(cfg)
                 trial.pipeline_schedule, trial.model.partition, trial.micro_batch_size = schedule, partition, mbs
                 m = max(4 * (pp - 1), -(-tokens // mbs), min_micro_batches(schedule, pp))
                 trial.gradient_accumulation_steps = m
@@ -183,15 +192,13 @@ def suggest(cfg, config, world_size: int, gpu_gib: float) -> list[str]:
 def context_for(cfg, config, world_size: int, gpu_gib: float) -> str:
     """The smallest context_parallel_size whose busiest stage fits `gpu_gib` per GPU (10% kept free) at this
     seq_length, keeping PP, TP and DP: the world grows by C. C must divide the heads per TP rank (Ulysses)."""
-    import copy
-
     from training.validate import validate_layout
 
     pp, tp = cfg.num_stages, cfg.tensor_parallel_size
     dp = max(1, world_size // (pp * tp * cfg.context_parallel_size))
     heads = config.num_attention_heads // tp
     for c in [c for c in range(1, heads + 1) if heads % c == 0]:
-        trial = copy.deepcopy(cfg)
+        trial = for_gpu(cfg)
         trial.context_parallel_size = c
         world = pp * tp * c * dp
         try:
@@ -219,7 +226,7 @@ def main(argv: list[str]) -> int:
     overrides = [a for a in argv if not a.startswith(("world_size=", "gpu_memory_gib="))]
     world_size = int(world[-1].split("=", 1)[1]) if world else None
     try:
-        cfg = compose_config(overrides)
+        cfg = for_gpu(compose_config(overrides))
         if cfg.model_name_or_path is None and cfg.model.hidden_size is None:
             raise ValueError("name a model preset (model=...) or an experiment")
         cfg.model_name_or_path = resolve(cfg.model_name_or_path, "model_name_or_path", cfg.model_revision, False)

@@ -38,7 +38,7 @@ from training.distributed import LAUNCH, agreed, init_distributed, ranks_work
 from training.engine import build_module, describe_auto_precision, initialize_engine
 from training.errors import RunError
 from training.logs import configure_logging, log_to_file
-from training.precision import resolve_precision
+from training.precision import resolve
 from training.reference_logps import attach_reference, needs_reference
 from training.rendezvous import job_key
 from training.run_dir import check_paths, prepare_output_dir, roll_back
@@ -183,6 +183,8 @@ def assemble(cfg: TrainConfig) -> Run:
     with agreed():
         try:
             validate(cfg)
+            auto = cfg.deepspeed.precision == "auto"
+            resolve(cfg)  # the run's precision and ZeRO stage, once: read as they are from here on
         except ValueError as e:
             raise _user_error(e) from None
         check_paths(cfg)
@@ -204,8 +206,8 @@ def assemble(cfg: TrainConfig) -> Run:
     if rank == 0:
         for name in clean_stale(cfg.output_dir):
             log.warning("removed %s, left by an interrupted save", os.path.join(cfg.output_dir, name))
-        if cfg.deepspeed.precision == "auto":
-            log.info(describe_auto_precision(resolve_precision("auto")))
+        if auto:
+            log.info(describe_auto_precision(str(cfg.deepspeed.precision)))
     log_to_file(cfg.output_dir, rank)
     with agreed():
         model_config = load_model_config(cfg)

@@ -50,7 +50,6 @@ from training.expert_parallel import (
     keep_own_experts,
     universal_load_by_name,
 )
-from training.precision import resolve_precision, resolve_zero_stage
 from training.run_dir import check_resume_from
 from training.topology import Coords
 
@@ -96,8 +95,8 @@ def saved_layout(cfg: TrainConfig, coords: Coords, model_config, bounds: list[in
         "rank_layers": rank_layers(bounds, cfg.num_stages),  # the pipeline layers each pipeline rank holds
         "global_batch_size": coords.global_batch(cfg.micro_batch_size, cfg.gradient_accumulation_steps),
         "num_hidden_layers": model_config.num_hidden_layers,
-        "precision": resolve_precision(cfg.deepspeed.precision),
-        "zero_stage": resolve_zero_stage(cfg.deepspeed.zero_stage),
+        "precision": str(cfg.deepspeed.precision),  # resolved once (training/precision.py)
+        "zero_stage": cfg.deepspeed.zero_stage,
         "expert_parallel_size": cfg.expert_parallel_size,
         "context_parallel_size": cfg.context_parallel_size,
     }

@@ -29,7 +29,7 @@ from training.expert_parallel import (
     keep_from_broadcast,
     register,
 )
-from training.precision import resolve_precision, resolve_zero_stage
+from training.precision import is_resolved
 from training.topology import Coords
 
 
@@ -53,8 +53,9 @@ def deepspeed_config(cfg: TrainConfig, coords: Coords, load_universal: bool = Fa
         experts: the model has experts (its stages send router statistics that take a gradient).
     """
     ds = cfg.deepspeed
-    precision = resolve_precision(ds.precision)
-    zero_stage = resolve_zero_stage(ds.zero_stage)
+    if not is_resolved(ds):
+        raise ValueError("deepspeed_config builds from the resolved config (training.precision.resolve)")
+    precision, zero_stage = str(ds.precision), ds.zero_stage
     conf = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
@@ -267,9 +268,7 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
         split = param_tp_split(name, config.num_hidden_layers, config.tie_word_embeddings, config) != REPLICA
         p.model_parallel = not getattr(p, "ds_pipe_replicated", False) and (coords.tp_rank == 0 or split)
     ep = module._ep
-    deepspeed_experts = ep.size > 1 and deepspeed_owns_experts(
-        resolve_precision(cfg.deepspeed.precision), resolve_zero_stage(cfg.deepspeed.zero_stage)
-    )
+    deepspeed_experts = ep.size > 1 and deepspeed_owns_experts(cfg.deepspeed.precision, cfg.deepspeed.zero_stage)
     if deepspeed_experts:  # DeepSpeed's MoE bookkeeping reduces, shards and broadcasts them (expert-data group)
         register(module, ep, coords.tp)
     elif ep.size > 1:  # each rank's own experts: DeepSpeed must not broadcast DP rank 0's over them

@@ -38,7 +38,6 @@ from training.config import TrainConfig, eval_micro_batch_size
 from training.distributed import agreed, broadcast_object, control_group
 from training.errors import RunError
 from training.hf_source import source_record
-from training.precision import resolve_precision
 
 log = logging.getLogger("trainer")
 
@@ -120,7 +119,7 @@ def cache_file(cfg: TrainConfig, fingerprint: str, identity: dict) -> str:
     key = {
         "pairs": fingerprint,
         "reference": identity,
-        "precision": resolve_precision(cfg.deepspeed.precision),
+        "precision": str(cfg.deepspeed.precision),  # resolved (training/precision.py)
         "attn_implementation": str(cfg.model.attn_implementation),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]

@@ -17,11 +17,12 @@ from models.moe import is_moe, num_experts
 from models.sharding import tp_indivisible
 from training.config import (
     RESUME_MODES,
+    DeepSpeedConfig,
     TrainConfig,
     min_micro_batches,
     model_stages,
 )
-from training.precision import resolve_precision, resolve_zero_stage
+from training.precision import is_resolved, resolved
 from training.reporting import check_reporters
 
 
@@ -111,9 +112,10 @@ def validate(cfg: TrainConfig, training_here: bool = True) -> None:
     need(cfg.micro_batch_size >= 1, f"micro_batch_size={cfg.micro_batch_size} must be >= 1")
     need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
     need(cfg.deepspeed.zero_stage in (None, 0, 1), "deepspeed.zero_stage must be 0 or 1 with pipeline parallelism")
-    if training_here:
-        validate_offload(cfg)
-        validate_bf16_gradients(cfg)
+    if training_here:  # the config as this machine will resolve it (training/precision.py)
+        ds = resolved(cfg.deepspeed)
+        validate_offload(ds)
+        validate_bf16_gradients(ds)
     need(
         cfg.tokenizer_name_or_path is not None or cfg.model_name_or_path is not None,
         "tokenizer_name_or_path (or model_name_or_path) is not set",
@@ -166,9 +168,12 @@ def validate_dpo(cfg: TrainConfig) -> None:
 
 
 def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
-    """The PP x TP x DP layout against the model and the launch. Raises ValueError naming the key."""
+    """The PP x TP x DP layout against the model and the launch (`cfg` resolved: training/precision.py). Raises
+    ValueError naming the key."""
+    if not is_resolved(cfg.deepspeed):
+        raise ValueError("validate_layout checks the resolved config (training.precision.resolve)")
     if cfg.pipeline_schedule == "zero_bubble":
-        precision, zero = resolve_precision(cfg.deepspeed.precision), resolve_zero_stage(cfg.deepspeed.zero_stage)
+        precision, zero = cfg.deepspeed.precision, cfg.deepspeed.zero_stage
         _need(
             (precision, zero) == ("fp32", 0) or precision == "bf16",
             f"pipeline_schedule=zero_bubble runs with fp32 (ZeRO-0) or bf16 (ZeRO-0/1), not {precision} with "
@@ -279,7 +284,7 @@ def validate_expert_parallel(cfg: TrainConfig, world_size: int, model_config) ->
     _need((dp * cp) % ep == 0, f"expert_parallel_size={ep} does not divide the {ranks} of each stage")
     experts = num_experts(model_config)
     _need(experts % ep == 0, f"expert_parallel_size={ep} does not divide the model's {experts} experts")
-    precision = resolve_precision(cfg.deepspeed.precision)
+    precision = cfg.deepspeed.precision
     _need(
         precision != "fp16",
         f"expert_parallel_size={ep} runs with fp32 or bf16, not fp16: DeepSpeed's fp16 optimizer with experts is "
@@ -341,27 +346,23 @@ def validate_experts(cfg: TrainConfig, model_config) -> None:
     )
 
 
-def validate_bf16_gradients(cfg: TrainConfig) -> None:
+def validate_bf16_gradients(ds: DeepSpeedConfig) -> None:
     """bf16 weights with fp32 gradients: only DeepSpeed's ZeRO-1 path keeps them (0.19.8,
-    `DeepSpeedEngine._do_optimizer_sanity_check`, a NotImplementedError traceback otherwise)."""
-    ds = cfg.deepspeed
+    `DeepSpeedEngine._do_optimizer_sanity_check`, a NotImplementedError traceback otherwise). `ds`: resolved."""
     _need(
-        resolve_precision(ds.precision) != "bf16"
-        or resolve_zero_stage(ds.zero_stage) >= 1
-        or ds.grad_accum_dtype == "bf16",
+        ds.precision != "bf16" or ds.zero_stage >= 1 or ds.grad_accum_dtype == "bf16",
         f"deepspeed.zero_stage=0 with bf16 needs deepspeed.grad_accum_dtype=bf16, not {ds.grad_accum_dtype or 'fp32'}: "
         "DeepSpeed keeps fp32 gradients for bf16 weights only with ZeRO-1 (deepspeed=bf16_zero1)",
     )
 
 
-def validate_offload(cfg: TrainConfig) -> None:
-    """Optimizer offload under the pipeline engine, with the precision and ZeRO stage this machine resolves."""
-    ds = cfg.deepspeed
+def validate_offload(ds: DeepSpeedConfig) -> None:
+    """Optimizer offload under the pipeline engine, with the precision and ZeRO stage this machine resolves (`ds`)."""
     if not ds.offload_optimizer:
         return
     _need(
-        resolve_precision(ds.precision) != "bf16",
+        ds.precision != "bf16",
         "deepspeed.offload_optimizer=true with bf16 is not supported by DeepSpeed's pipeline engine "
         "(DeepSpeed issue 3866); use deepspeed=fp16_offload",
     )
-    _need(resolve_zero_stage(ds.zero_stage) >= 1, "deepspeed.offload_optimizer=true needs deepspeed.zero_stage=1")
+    _need(ds.zero_stage >= 1, "deepspeed.offload_optimizer=true needs deepspeed.zero_stage=1")

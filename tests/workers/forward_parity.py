@@ -36,6 +36,7 @@ from training.checkpointing import load_stage_weights
 from training.config import TrainConfig
 from training.distributed import init_distributed, shutdown_distributed
 from training.engine import build_module, initialize_engine
+from training.precision import resolve
 from training.topology import Coords
 
 BATCH, SEQ = 2, 24
@@ -164,6 +165,7 @@ def main():
                 context_parallel_size=cp,
             )
             cfg.data.packing = packed
+            resolve(cfg)  # as the trainer does (training/precision.py)
             config = AutoConfig.from_pretrained(case["ckpt_dir"])
             config._attn_implementation = case["attn"]
             coords = Coords(rank, world, pp, tp_size, cp=cp)

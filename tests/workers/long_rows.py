@@ -30,6 +30,7 @@ from training.checkpointing import load_stage_weights
 from training.config import TrainConfig
 from training.distributed import init_distributed, shutdown_distributed
 from training.engine import build_module, initialize_engine
+from training.precision import resolve
 from training.topology import Coords
 
 LONG_SEQ, CHUNK = 32768, 4096
@@ -106,6 +107,7 @@ def main():
         gradient_accumulation_steps=1,
         seq_length=seq,
     )
+    resolve(cfg)  # precision and ZeRO stage as the trainer resolves them (training/precision.py)
     cfg.model.activation_checkpointing = 1  # every block
     cfg.model.loss_chunk_size = CHUNK
     if "--mlp-tiles" in flags:
