@@ -105,6 +105,10 @@ class ModelSettings:
     intermediate_size_mlp: int | None = None  # Llama 4: the dense layers' MLP width (intermediate_size: the experts')
     interleave_moe_layer_step: int | None = None  # Llama 4: every k-th decoder layer is sparse
     attention_chunk_size: int | None = None  # Llama 4: RoPE layers attend within chunks of this many positions
+    # Any other field of the family's transformers config, by its own name: MLA's ranks (q_lora_rank ...), routers
+    # (n_group, routed_scaling_factor ...), linear attention's heads, `rope_parameters` (per layer type where the
+    # family has several: Gemma 3). Checked like the fields above; a name the family's config lacks is refused.
+    config_fields: dict[str, Any] = field(default_factory=dict)
     # sdpa, eager or flash_attention_2; unset: the family's default, SDPA, or eager where transformers runs the family
     # without SDPA (gpt-oss: its attention sinks). A request the family's attention cannot honour is refused.
     attn_implementation: AttnImplementation | None = None
@@ -268,6 +272,30 @@ def preset_values(model: ModelSettings) -> dict:
     return {k: getattr(model, k) for k in ARCH_KEYS if getattr(model, k) is not None}
 
 
+def _config_fields(model: ModelSettings, model_type: str) -> dict:
+    """`model.config_fields`, each a field of the family's transformers config. Raises ValueError."""
+    import transformers
+
+    fields = dict(model.config_fields or {})
+    if not fields:
+        return fields
+    config_class = getattr(transformers, FAMILIES[ALIASES.get(model_type, model_type)].config_class)
+    default = config_class()
+    for key in fields:
+        if key in ARCH_KEYS or key == "model_type":
+            raise ValueError(f"model.config_fields.{key}: set it as model.{key}")
+        if not hasattr(default, key):
+            raise ValueError(f"model.config_fields.{key}: not a field of {config_class.__name__} ({model_type})")
+    return fields
+
+
+def _agrees(want, have) -> bool:
+    """A preset's value against the checkpoint's: a dict (rope_parameters) by the keys the preset names."""
+    if isinstance(want, dict) and isinstance(have, dict):
+        return all(k in have and _agrees(v, have[k]) for k, v in want.items())
+    return want == have or isinstance(want, list) and isinstance(have, tuple) and want == list(have)
+
+
 def check_preset(config, model: ModelSettings, where: str) -> None:
     """A preset named on the command line must describe the checkpoint's model. Raises ValueError."""
     for key, want in preset_values(model).items():
@@ -275,6 +303,10 @@ def check_preset(config, model: ModelSettings, where: str) -> None:
         have = config.rope_parameters.get("rope_theta") if key == "rope_theta" else getattr(config, field, None)
         if have != want:
             raise ValueError(f"model.{key}={want} (preset {model.name}) but {where} has {key}={have}")
+    for key, want in _config_fields(model, config.model_type).items():
+        have = getattr(config, key, None)
+        if not _agrees(want, have):
+            raise ValueError(f"model.config_fields.{key}={want} (preset {model.name}) but {where} has {key}={have}")
 
 
 def config_from_preset(model: ModelSettings):
@@ -286,7 +318,7 @@ def config_from_preset(model: ModelSettings):
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model.model_type={model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
     fields = {config_field(model_type, k): v for k, v in preset.items() if k != "rope_theta"}
-    config = AutoConfig.for_model(model_type, **fields)
+    config = AutoConfig.for_model(model_type, **fields, **_config_fields(model, model_type))
     if "rope_theta" in preset:
         config.rope_parameters["rope_theta"] = preset["rope_theta"]
     return config

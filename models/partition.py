@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from models.families import is_sparse_layer
+from models.families import is_linear_attention, is_sparse_layer
 from models.layers import build_layer
 from models.moe import num_experts
 from models.pipe_layout import DECODER, LM_HEAD, num_pipe_layers, pipe_layers, stage_bounds_from_blocks
@@ -23,8 +23,11 @@ PARTITION_METHODS = ("parameters", "compute", "uniform")
 
 
 def _shape_of(layer, config) -> tuple:
-    """Layers of the same shape have the same parameter count (decoder blocks: sparse or dense)."""
-    return (layer.kind, is_sparse_layer(config, layer.block) if layer.kind == DECODER else None)
+    """Layers of the same shape have the same parameter count (decoder blocks: sparse or dense, linear attention or
+    attention over keys)."""
+    if layer.kind != DECODER:
+        return (layer.kind, None)
+    return (layer.kind, is_sparse_layer(config, layer.block), is_linear_attention(config, layer.block))
 
 
 def layer_param_counts(config, tp=None, active: bool = False, ep: int = 1, experts_only: bool = False) -> list[int]:

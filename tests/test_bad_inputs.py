@@ -225,6 +225,18 @@ def model_preset_of_another_size(t):
 
 
 @config_case
+def preset_field_the_family_lacks(t):
+    cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train), "+model.config_fields.q_lora_ranks=8")
+    return cmd, "model.config_fields.q_lora_ranks: not a field of LlamaConfig (llama)", t.out, [t.ckpt]
+
+
+@config_case
+def preset_field_of_another_model(t):
+    cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train), "+model.config_fields.hidden_act=gelu")
+    return cmd, "model.config_fields.hidden_act=gelu (preset from_checkpoint) but", t.out, [t.ckpt]
+
+
+@config_case
 def flash_attention_without_flash_attn(t):
     cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train), "model.attn_implementation=flash_attention_2")
     return cmd, "flash-attn", t.out, [t.ckpt]

@@ -57,22 +57,52 @@ def test_every_tensor_lands_once_in_its_file(variant, hf_models, converted):
         assert os.path.exists(os.path.join(ckpt, name)), name
 
 
-@pytest.mark.parametrize(
-    "preset_name", ["llama2_70b", "qwen2_5_7b", "qwen3_8b", "qwen3_30b_a3b", "mixtral_8x7b", "llama4_scout", "phi4"]
-)
+# preset: (a hub key of its last layer, its shape), total parameters (B), parameters per token (B; MoE presets)
+PRESETS = {
+    "llama2_70b": ("model.layers.79.self_attn.k_proj.weight", (1024, 8192), 68.98, None),  # GQA: 8 KV heads x 128
+    "qwen2_5_7b": ("model.layers.27.self_attn.k_proj.bias", (512,), 7.62, None),  # 4 KV heads x 128, biased
+    "qwen3_8b": ("model.layers.35.self_attn.q_norm.weight", (128,), 8.19, None),
+    "qwen3_30b_a3b": ("model.layers.47.mlp.experts.127.down_proj.weight", (2048, 768), 30.53, 3.35),
+    "mixtral_8x7b": ("model.layers.31.block_sparse_moe.experts.7.w3.weight", (14336, 4096), 46.7, 12.88),
+    "llama4_scout": ("model.layers.47.feed_forward.experts.gate_up_proj", (16, 5120, 2 * 8192), 107.77, 17.17),
+    "phi4": ("model.layers.39.self_attn.qkv_proj.weight", (5120 + 2 * 10 * 128, 5120), 14.66, None),  # q, k, v rows
+    "deepseek_v3": ("model.layers.60.self_attn.kv_b_proj.weight", (128 * (128 + 128), 512), 671.03, 37.55),
+    "kimi_k2": ("model.layers.60.mlp.experts.383.down_proj.weight", (7168, 2048), 1026.41, 32.86),
+    "gpt_oss_120b": ("model.layers.35.mlp.experts.gate_up_proj_bias", (128, 2 * 2880), 116.83, 5.71),
+    "glm4_5_air": ("model.layers.45.self_attn.q_proj.bias", (96 * 128,), 106.85, 13.42),
+    "gemma3_27b": ("model.layers.61.self_attn.k_proj.weight", (16 * 128, 5376), 27.01, None),
+    "qwen3_next_80b_a3b": (
+        "model.layers.46.linear_attn.in_proj_qkvz.weight",
+        (2 * 16 * 128 + 2 * 32 * 128, 2048),
+        79.67,
+        3.87,
+    ),
+}
+
+
+@pytest.mark.parametrize("preset_name", PRESETS)
 def test_layer_modules_match_hf_at_preset_shapes(preset_name):
     """Shape-only conversion of the shipped presets (LLaMA-2-70B, Qwen2.5-7B, Qwen3-8B, Qwen3-30B-A3B, Mixtral 8x7B,
-    Llama 4 Scout's text model) on the meta device: our layer modules' keys and shapes are exactly what the table
-    maps from the hub's layout (transformers' own per-expert names for the experts it fuses in memory)."""
+    Llama 4 Scout's text model, Phi-4, DeepSeek-V3, Kimi K2, gpt-oss-120b, GLM-4.5-Air, Qwen3-Next-80B-A3B) on the
+    meta device: our layer modules' keys and shapes are exactly what the table maps from the hub's layout
+    (transformers' own per-expert names for the experts it fuses in memory), and the planner counts the parameters
+    transformers' model has, in all and per token (the model cards: Qwen2.5-7B 7.61B, Qwen3-8B 8.19B, Qwen3-30B-A3B
+    30.5B, Mixtral 46.7B, Llama 4 Scout 109B with its vision tower, Phi-4 14B, DeepSeek-V3 671B / 37B, Kimi K2 1T /
+    32B, gpt-oss-120b 117B, GLM-4.5-Air 106B / 12B, Qwen3-Next 80B / 3B)."""
     from transformers import AutoModelForCausalLM
 
-    from models.config import config_from_preset
+    from models.config import check_preset, config_from_preset
     from models.layers import build_layer
+    from models.moe import num_experts
+    from models.partition import layer_param_counts
     from training.cli import compose_config
 
-    config = config_from_preset(compose_config([f"model={preset_name}"]).model)  # the shipped preset, source cited
+    preset = compose_config([f"model={preset_name}"]).model
+    config = config_from_preset(preset)  # the shipped preset, source cited
+    check_preset(config, preset, "its config")  # a checkpoint of it passes (rope_parameters: the keys it names)
     with torch.device("meta"):
-        hf = hub_shapes(AutoModelForCausalLM.from_config(config))
+        model = AutoModelForCausalLM.from_config(config)
+        hf = hub_shapes(model)
         seen = set()
         for layer in pipe_layers(config.num_hidden_layers, tie_word_embeddings=False):
             ours = {k: v.shape for k, v in build_layer(layer, config).state_dict().items()}
@@ -82,39 +112,19 @@ def test_layer_modules_match_hf_at_preset_shapes(preset_name):
                 assert ours[k] == hf[hf_key], hf_key
                 seen.add(hf_key)
     assert seen == set(hf)
-    expected = {
-        "llama2_70b": ("model.layers.79.self_attn.k_proj.weight", (1024, 8192)),  # GQA: 8 KV heads x 128
-        "qwen2_5_7b": ("model.layers.27.self_attn.k_proj.bias", (512,)),  # 4 KV heads x 128, biased
-        "qwen3_8b": ("model.layers.35.self_attn.q_norm.weight", (128,)),
-        "qwen3_30b_a3b": ("model.layers.47.mlp.experts.127.down_proj.weight", (2048, 768)),
-        "mixtral_8x7b": ("model.layers.31.block_sparse_moe.experts.7.w3.weight", (14336, 4096)),
-        "llama4_scout": ("model.layers.47.feed_forward.experts.gate_up_proj", (16, 5120, 2 * 8192)),
-        "phi4": ("model.layers.39.self_attn.qkv_proj.weight", (5120 + 2 * 10 * 128, 5120)),  # q, k, v rows
-    }[preset_name]
-    assert hf[expected[0]] == expected[1]
-    # The parameter counts the README and the memory estimate quote (the model cards say 7.61B and 8.19B).
-    total = sum(math.prod(shape) for shape in hf.values())
-    # Qwen3-30B-A3B's card says 30.5B, Mixtral's paper 46.7B, Llama 4 Scout's card 109B with its vision tower.
-    expected = {
-        "llama2_70b": 68.98,
-        "qwen2_5_7b": 7.62,
-        "qwen3_8b": 8.19,
-        "qwen3_30b_a3b": 30.53,
-        "mixtral_8x7b": 46.7,
-        "llama4_scout": 107.77,
-        "phi4": 14.66,  # its card: 14B
-    }
-    assert round(total / 1e9, 2) == expected[preset_name]
-    if preset_name in ("qwen3_30b_a3b", "mixtral_8x7b", "llama4_scout"):  # per token: k of E routed experts
-        from models.moe import num_experts
-        from models.partition import layer_param_counts
-
+    key, shape, billions, per_token = PRESETS[preset_name]
+    assert hf[key] == shape
+    tied = config.tie_word_embeddings  # the head is the embedding: counted once
+    total = sum(math.prod(shape) for key, shape in hf.items() if not (tied and key == "lm_head.weight"))
+    assert round(total / 1e9, 2) == billions
+    saved_buffers = sum(b.numel() for name, b in model.named_buffers() if name in model.state_dict())  # score biases
+    counts = layer_param_counts(config)
+    assert sum(counts) - tied * counts[-1] == total - saved_buffers  # every layer kind counted as it is built
+    if per_token is not None:  # k of E routed experts
         routed = sum(math.prod(shape) for key, shape in hf.items() if ".experts." in key)
         active = total - routed * (1 - config.num_experts_per_tok / num_experts(config))
-        assert (
-            round(active / 1e9, 2) == {"qwen3_30b_a3b": 3.35, "mixtral_8x7b": 12.88, "llama4_scout": 17.17}[preset_name]
-        )
-        assert sum(layer_param_counts(config, active=True)) == active  # what tools.memory_estimate prints
+        assert round(active / 1e9, 2) == per_token
+        assert sum(layer_param_counts(config, active=True)) == active - saved_buffers  # what memory_estimate prints
 
 
 def hub_shapes(model) -> dict[str, tuple[int, ...]]:

@@ -71,15 +71,23 @@ def stage0_parameters(config, layers: int) -> tuple[int, int]:
         ("qwen3_30b_a3b_2node", 4, 16, "bf16", 42),
         ("mixtral_8x7b_2node", 4, 16, "bf16", 54),
         ("llama4_scout_4node", 8, 32, "bf16", 66),
+        ("deepseek_v3_32node", 16, 256, "bf16", 66),
+        ("kimi_k2_48node", 16, 384, "bf16", 58),
+        ("gpt_oss_120b_8node", 4, 64, "bf16", 50),
+        ("glm4_5_air_4node", 8, 32, "bf16", 68),
+        ("qwen3_next_80b_a3b_4node", 4, 32, "bf16", 56),
     ],
 )
 def test_experiment_recipes_resolve_and_fit_80gb(name, stages, world, precision, max_gib):
-    """Every recipe composes, and its estimated memory per GPU (tools/memory_estimate.py) fits an 80 GB GPU."""
+    """Every recipe composes, passes the trainer's layout checks at its world size, and its estimated memory per GPU
+    (tools/memory_estimate.py) fits an 80 GB GPU."""
     from tools.memory_estimate import GIB, estimate
     from training.assembly import load_model_config
+    from training.validate import validate_layout
 
     cfg = load(f"experiment={name}")
     assert cfg.num_stages == stages and cfg.deepspeed.precision == precision
+    validate_layout(cfg, world, load_model_config(cfg))
     rows = estimate(cfg, load_model_config(cfg), world)
     busiest = max(r.total for r in rows) / GIB
     assert busiest < max_gib <= 72, busiest  # 72: 80 GB less CUDA context and fragmentation headroom
