@@ -39,7 +39,12 @@ STATES = ("fp32", "exp_avg", "exp_avg_sq")
 def expert_names(names, num_hidden_layers: int, tie_word_embeddings: bool) -> dict[str, str]:
     """{parameter name: TP rule} of the fused expert parameters among `names` (the optimizer's)."""
     rules = {n: param_tp_split(n, num_hidden_layers, tie_word_embeddings) for n in names}
-    return {n: r for n, r in rules.items() if r in EXPERT_RULES and (r != REPLICA or _FUSED_EXPERTS.fullmatch(n))}
+    return {n: r for n, r in rules.items() if is_expert(n, r)}
+
+
+def is_expert(name: str, rule: str) -> bool:
+    """Whether the optimizer's parameter `name` (TP rule `rule`) is a fused experts tensor assembled here."""
+    return rule in EXPERT_RULES and (rule != REPLICA or _FUSED_EXPERTS.fullmatch(name) is not None)
 
 
 def _fragments(temp: str, name: str, tp: int, state: str, dps) -> list:

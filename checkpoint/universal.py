@@ -102,7 +102,7 @@ def universal_info(config, tp_size: int = 1) -> dict:
 
     from deepspeed.checkpoint import constants as c
 
-    from checkpoint.expert_universal import expert_names
+    from checkpoint.expert_universal import is_expert
     from models.key_table import decoder_buffers, layer_keys
     from models.moe import param_name_of
     from models.pipe_layout import DECODER, TIED_PARAM, pipe_layers
@@ -118,7 +118,7 @@ def universal_info(config, tp_size: int = 1) -> dict:
             if name is not None and key not in buffers:
                 rules[TIED_PARAM if tied else f"{layer.index}.{name}"] = tp_split(layer.kind, key, config)
 
-    experts = expert_names(rules, config.num_hidden_layers, config.tie_word_embeddings)
+    experts = {name for name, rule in rules.items() if is_expert(name, rule)}  # assembled by expert_universal
 
     def patterns(rule: str) -> list[str]:
         return [f"^{re.escape(name)}$" for name, r in rules.items() if r == rule and name not in experts]
