@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.families import family_of, hf_classes
+from models.families import family_of, hf_classes, is_linear_attention, is_sparse_layer
 from models.key_table import decoder_keys, linear_modules
 from models.layers import block_index
 from models.pipe_layout import DECODER
-from models.sharding import ROW, shard
+from models.sharding import REPLICA, ROW, shard
 from models.tensor_parallel import TensorParallel, TPDecoderPipe, leave_tp, sum_grad_over_tp
 from models.tp_rules import TP_COLUMN_MODULES, TP_ROW_MODULES, tp_split
 
@@ -26,19 +26,36 @@ ADAPTER = "default"
 LORA_A, LORA_B = f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"
 
 
+def _matches(module: str, target: str) -> bool:
+    return module == target or module.endswith("." + target)
+
+
+def attention_modules(config) -> list[str]:
+    """The linear layers of a family's attention, as named in its decoder layer (MLA: q_a_proj, kv_b_proj, ...)."""
+    modules = [k.removesuffix(".weight") for k in decoder_keys(config, 0) if k.endswith(".weight")]
+    return [m for m in modules if m.startswith("self_attn.") and "_proj" in m.rsplit(".", 1)[-1]]
+
+
 def check_target_modules(targets: list[str], config=None) -> None:
     """Every `lora.target_modules` entry must name a linear layer of the decoder (PEFT matches a name or its
-    last dotted parts; it only complains when nothing at all matches). With experts (`config`): adapters go on
+    last dotted parts; it only complains when nothing at all matches); with `config`, an attention entry one of
+    the family's own (`q_proj` names nothing in DeepSeek's latent attention). With experts: adapters go on
     attention and dense MLP layers; the fused experts (PEFT's `target_parameters`) and a shared expert's layers are
     refused. Raises ValueError naming the entry."""
     if config is not None:
         _check_lora_family(config)
     dense = config is not None and family_of(config).moe is None
     modules = linear_modules(config if dense else None)  # a dense family's own (fused q/k/v: qkv_proj)
+    attention = attention_modules(config) if config is not None else []
+    modules += [m for m in attention if m not in modules]
     for target in targets:
-        if not any(m == target or m.endswith("." + target) for m in modules):
+        if not any(_matches(m, target) for m in modules):
             names = ", ".join(m.rsplit(".", 1)[-1] for m in modules)
             raise ValueError(f"lora.target_modules: {target!r} is not a linear layer of the decoder ({names})")
+        other = [m for m in modules if m.startswith("self_attn.") and m not in attention and _matches(m, target)]
+        if config is not None and other and not any(_matches(m, target) for m in attention):
+            names = ", ".join(m.rsplit(".", 1)[-1] for m in attention)
+            raise ValueError(f"lora.target_modules: {target!r} is not in {config.model_type}'s attention ({names})")
     moe = family_of(config).moe if config is not None else None
     mlp = [t for t in targets if any(m.startswith("mlp.") and (m == t or m.endswith("." + t)) for m in modules)]
     if moe is not None and moe.shared_expert and mlp:
@@ -49,21 +66,35 @@ def check_target_modules(targets: list[str], config=None) -> None:
 
 
 def _check_lora_family(config) -> None:
-    """LoRA trains adapters on the token mixers' linear layers LoRA's seeded initialisation knows by name
-    (models/key_table.py `linear_modules()`); a family whose mixers have others (DeepSeek's latent attention, Qwen3-Next
-    and Qwen3.5's linear attention) is refused in one line until its adapters are built and tested."""
-    known = set(linear_modules())
-    mixers = {
-        key.removesuffix(".weight")
-        for block in range(config.num_hidden_layers)
-        for key in decoder_keys(config, block)
-        if key.startswith(("self_attn.", "linear_attn.")) and key.endswith("_proj.weight")
-    }
-    if mixers - known:
+    """LoRA trains adapters on attention (any family's, DeepSeek's latent attention included) and MLP layers; a
+    family with linear-attention layers (Qwen3-Next, Qwen3.5) is refused in one line until their adapters are built
+    and tested."""
+    recurrent = sorted(
+        {
+            key.removesuffix(".weight")
+            for block in range(config.num_hidden_layers)
+            if is_linear_attention(config, block)
+            for key in decoder_keys(config, block)
+            if key.startswith("linear_attn.") and key.endswith("_proj.weight")
+        }
+    )
+    if recurrent:
         raise ValueError(
-            f"lora.enabled: LoRA training of {config.model_type} is not supported yet (its attention has "
-            f"{sorted(mixers - known)[0].rsplit('.', 1)[-1]}, which adapters are not built for); train it without LoRA"
+            f"lora.enabled: LoRA training of {config.model_type} is not supported yet (its linear attention has "
+            f"{recurrent[0].rsplit('.', 1)[-1]}, which adapters are not built for); train it without LoRA"
         )
+
+
+def lora_tp_refusal(config) -> str | None:
+    """Why adapters on this family's attention cannot be split over tensor-parallel ranks, or None: MLA's low-rank
+    projections are replicated under TP and their adapters' gradients would need the TP sum, not built."""
+    extra = [m for m in attention_modules(config) if m not in linear_modules()]
+    if not extra:
+        return None
+    return (
+        f"LoRA on {config.model_type}'s latent attention ({extra[0].rsplit('.', 1)[-1]}, ...) is not split over "
+        "tensor-parallel ranks; use pipeline, expert and data parallelism"
+    )
 
 
 def add_lora(
@@ -103,7 +134,9 @@ def add_lora(
 @torch.no_grad()
 def _init_adapters(layer: nn.Module, seed: int, tp_rank: int, tp_size: int) -> None:
     block = block_index(layer)
-    for i, name in enumerate(linear_modules()):
+    known = linear_modules()  # seeded by position: the table's first, then the family's others by name (MLA's)
+    others = sorted(n for n, m in layer.named_modules() if hasattr(m, "lora_A") and n not in known)
+    for i, name in enumerate(known + others):
         try:
             target = layer.get_submodule(name)
         except AttributeError:  # a sparse block has no dense MLP
@@ -117,6 +150,33 @@ def _init_adapters(layer: nn.Module, seed: int, tp_rank: int, tp_size: int) -> N
         torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5), generator=generator)
         a.copy_(shard(whole, rule, tp_rank, tp_size))
         target.lora_B[ADAPTER].weight.zero_()
+
+
+def adapter_param_counts(config, targets: list[str], r: int, tp_size: int = 1) -> list[int]:
+    """LoRA's trainable parameters per pipeline layer, one tensor-parallel rank's share: A [r, in] and B [out, r] on
+    each targeted linear layer of a decoder block (A split with a row layer's input, B with a column layer's
+    output), counted on the meta device (the memory planner's; tests hold it to PEFT's injected model)."""
+    from models.layers import build_layer
+    from models.pipe_layout import pipe_layers
+
+    counts, built = [], {}
+    with torch.device("meta"):
+        for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):
+            if layer.kind != DECODER:
+                counts.append(0)
+                continue
+            kind = (is_sparse_layer(config, layer.block), is_linear_attention(config, layer.block))
+            if kind not in built:
+                n = 0
+                for name, module in build_layer(layer, config).named_modules():
+                    if isinstance(module, nn.Linear) and any(_matches(name, t) for t in targets):
+                        a_split = tp_split(DECODER, name + LORA_A, config) == ROW
+                        b_split = tp_split(DECODER, name + LORA_B, config) != REPLICA
+                        n += r * module.in_features // (tp_size if a_split else 1)
+                        n += r * module.out_features // (tp_size if b_split else 1)
+                built[kind] = n
+            counts.append(built[kind])
+    return counts
 
 
 @dataclass(frozen=True)

@@ -43,19 +43,27 @@ def test_presets_give_the_documented_engine_configs():
         )
 
 
-def stage0_parameters(config, layers: int) -> tuple[int, int]:
-    """(parameters but the routed experts', the routed experts') of the embedding and the first `layers` decoder
-    layers of transformers' model for `config`, built on the meta device."""
+def stage0_parameters(config, layers: int, lora=None) -> tuple[int, int, int]:
+    """(parameters but the routed experts', the routed experts', LoRA's adapters) of the embedding and the first
+    `layers` decoder layers of transformers' model for `config`, built on the meta device (adapters: PEFT's,
+    injected with `lora`'s settings)."""
+    from peft import LoraConfig, inject_adapter_in_model
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    dense, experts = model.get_input_embeddings().weight.numel(), 0
+        if lora is not None:
+            settings = LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=list(lora.target_modules))
+            model = inject_adapter_in_model(settings, model)
+    dense, experts, adapters = model.get_input_embeddings().weight.numel(), 0, 0
     for layer in model.model.layers[:layers]:
         for name, p in layer.named_parameters():
+            if ".lora_" in name:
+                adapters += p.numel()
+                continue
             routed = ".experts." in name and "shared" not in name
             experts, dense = experts + routed * p.numel(), dense + (not routed) * p.numel()
-    return dense, experts
+    return dense, experts, adapters
 
 
 @pytest.mark.parametrize(
@@ -76,6 +84,8 @@ def stage0_parameters(config, layers: int) -> tuple[int, int]:
         ("gpt_oss_120b_8node", 4, 64, "bf16", 50),
         ("glm4_5_air_4node", 8, 32, "bf16", 68),
         ("qwen3_next_80b_a3b_4node", 4, 32, "bf16", 56),
+        ("deepseek_v3_lora_4node", 8, 32, "bf16", 54),
+        ("kimi_k2_lora_8node", 8, 64, "bf16", 44),
     ],
 )
 def test_experiment_recipes_resolve_and_fit_80gb(name, stages, world, precision, max_gib):
@@ -92,15 +102,22 @@ def test_experiment_recipes_resolve_and_fit_80gb(name, stages, world, precision,
     busiest = max(r.total for r in rows) / GIB
     assert busiest < max_gib <= 72, busiest  # 72: 80 GB less CUDA context and fragmentation headroom
     stage0 = rows[0]
-    assert stage0.weights == stage0.params * 2 and stage0.params > 0  # bf16/fp16 weights: 2 bytes each
     dp, ep, tp = world // (stages * cfg.tensor_parallel_size), cfg.expert_parallel_size, cfg.tensor_parallel_size
     # Stage 0's parameters counted on transformers' own model (not the planner's arithmetic): the embedding and
     # the decoder layers before the second stage; an EP rank holds 1/ep of the routed experts, a TP rank 1/tp of
     # the rest (norms replicated, the vocabulary padded: within 1% there).
     model_config = load_model_config(cfg)
-    dense, experts = stage0_parameters(model_config, stage_bounds(model_config, stages, cfg.model.partition)[1] - 1)
+    first = stage_bounds(model_config, stages, cfg.model.partition)[1] - 1
+    lora = cfg.lora if cfg.lora.enabled else None
+    dense, experts, adapters = stage0_parameters(model_config, first, lora)
     held = experts // ep // tp
     assert stage0.params == pytest.approx(dense / tp + held, rel=0 if tp == 1 else 1e-2)
+    if lora is not None:  # base weights frozen: PEFT's adapters alone get gradients (fp32) and Adam's state over DP
+        assert tp == 1 and adapters > 0
+        assert stage0.weights == (stage0.params + adapters) * 2 and stage0.gradients == adapters * 4
+        assert stage0.optimizer == pytest.approx(adapters * 12 / dp, rel=1e-12)
+        return
+    assert stage0.weights == stage0.params * 2 and stage0.params > 0  # bf16/fp16 weights: 2 bytes each
     # fp32 master weights and Adam's moments (12 bytes) sharded over DP; an EP rank's experts over the DP / ep ranks
     # holding them.
     optimizer = (stage0.params - held) * 12 / dp + held * 12 * ep / dp

@@ -351,7 +351,12 @@ def test_llama4_routed_experts_equal_transformers_dense_block():
         ("qwen3_next", ["tensor_parallel_size=2"], "tensor_parallel_size=2: model_type='qwen3_next' is not split"),
         ("gpt_oss", ["tensor_parallel_size=2"], "tensor_parallel_size=2: model_type='gpt_oss' is not split"),
         ("gpt_oss", ["model.attn_implementation=sdpa"], "model.attn_implementation=sdpa: transformers runs gpt_oss"),
-        ("deepseek_v3", ["lora.enabled=true"], "lora.enabled: LoRA training of deepseek_v3 is not supported yet"),
+        ("deepseek_v3", ["lora.enabled=true"], "lora.target_modules: 'q_proj' is not in deepseek_v3's attention (q_a_"),
+        (
+            "deepseek_v3",
+            ["lora.enabled=true", "lora.target_modules=[kv_b_proj]", "tensor_parallel_size=2"],
+            "lora.enabled with tensor_parallel_size=2: LoRA on deepseek_v3's latent attention",
+        ),
         ("qwen3_next", ["lora.enabled=true"], "lora.enabled: LoRA training of qwen3_next is not supported yet"),
         (
             "glm4_moe",

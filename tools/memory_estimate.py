@@ -58,6 +58,7 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     (`training.schedules.memory_states`): 1F1B's p - s on stage s; zero_bubble the same plus at most two
     backward passes' deferred weight gradients; dualpipev's two half stages per rank, rank 0 scoring the loss."""
     from models.config import checkpoint_every
+    from models.lora import adapter_param_counts
     from models.partition import layer_param_counts, rank_stages, stage_bounds
     from models.pipe_layout import block_of
     from models.sharding import padded_vocab
@@ -81,6 +82,8 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     # optimizer state ZeRO-1 shards over the DP / ep ranks holding the same experts (training/expert_parallel.py).
     ep, shard = cfg.expert_parallel_size, TensorParallel(tp, 0, cfg.model.vocab_pad_multiple)
     counts = layer_param_counts(config, shard, ep=ep)
+    # LoRA: the base weights frozen (no gradients, no optimizer state); the adapters train (models/lora.py).
+    adapters = adapter_param_counts(config, cfg.lora.target_modules, cfg.lora.r, tp) if cfg.lora.enabled else None
     expert_counts = layer_param_counts(config, shard, ep=ep, experts_only=True) if ep > 1 else [0] * len(counts)
     expert_share = optim_share * ep if zero >= 1 else optim_share
     stages = model_stages(schedule, pp)
@@ -133,17 +136,13 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
         # Logits in the compute dtype and their gradient, plus fp32 logits and softmax of one chunk of tokens.
         scores = stage == (0 if dual else pp - 1)
         logits = (2 * b * s * vocab * act_bytes + 2 * chunk * vocab * 4) if scores else 0
-        out.append(
-            Estimate(
-                stage,
-                params,
-                params * weight_bytes,
-                params * grad_bytes,
-                (params - experts) * optim_bytes * optim_share + experts * optim_bytes * expert_share,
-                activations,
-                logits,
-            )
-        )
+        optimizer = (params - experts) * optim_bytes * optim_share + experts * optim_bytes * expert_share
+        trained = params
+        if adapters is not None:
+            trained = sum(adapters[i] for i in held_layers)
+            optimizer = trained * optim_bytes * optim_share
+        weights = (params + (trained if adapters is not None else 0)) * weight_bytes
+        out.append(Estimate(stage, params, weights, trained * grad_bytes, optimizer, activations, logits))
     return out
 
 

@@ -12,7 +12,7 @@ import re
 
 from models.config import checkpoint_every
 from models.families import FAMILIES, family_of, linear_attention_refusal, tp_refusal
-from models.lora import check_target_modules
+from models.lora import check_target_modules, lora_tp_refusal
 from models.moe import is_moe, num_experts
 from models.sharding import tp_indivisible
 from training.config import (
@@ -144,7 +144,7 @@ def validate(cfg: TrainConfig, training_here: bool = True) -> None:
     if cfg.lora.enabled:
         need(cfg.lora.r >= 1, f"lora.r={cfg.lora.r} must be >= 1")
         need(cfg.model_name_or_path is not None, "lora.enabled=true needs model_name_or_path")
-        check_target_modules(cfg.lora.target_modules)
+        # lora.target_modules: checked against the family's own layers once its config is read (validate_layout)
     need(
         cfg.model_name_or_path is not None or cfg.model.hidden_size is not None,
         "model_name_or_path is not set (a checkpoint written by convert2ckpt.py) and model= names no preset to build",
@@ -217,6 +217,8 @@ def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
     _need(bad is None, f"tensor_parallel_size={tp} must divide {bad[0]}={bad[1]}" if bad else "")
     if cfg.lora.enabled and not is_moe(model_config):  # the family's own linear layers (fused: qkv_proj, ...)
         check_target_modules(cfg.lora.target_modules, model_config)
+    refused = lora_tp_refusal(model_config) if cfg.lora.enabled and tp > 1 else None
+    _need(refused is None, f"lora.enabled with tensor_parallel_size={tp}: {refused}")
     validate_context_parallel(cfg, model_config)
     validate_expert_parallel(cfg, world_size, model_config)
     cp, shared = cfg.context_parallel_size, cfg.data.documents_share_rows
