@@ -89,6 +89,20 @@ def peft_model(hf_dir: str, adapters: dict[str, torch.Tensor] | None = None, tar
     return model.eval()
 
 
+def assert_merged_export_is_peft(run, hf_dir: str, adapters: dict, targets: list[str], out) -> None:
+    """`--to-hf --merge-lora` of the run gives the logits of PEFT's unmerged model with the run's adapters."""
+    from transformers import AutoModelForCausalLM
+
+    export = [sys.executable, "convert2ckpt.py", "--to-hf", "--input", str(run), "--output", str(out), "--merge-lora"]
+    check(run_cmd(export))
+    merged = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.randint(3, 60, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            merged(ids).logits, peft_model(hf_dir, adapters, targets)(ids).logits, rtol=1e-5, atol=1e-5
+        )
+
+
 @pytest.mark.slow
 def test_lora_pipeline_training_matches_peft_reference_and_merges(
     hf_models, converted, tokenizer_dir, sft_data, tmp_path
@@ -194,7 +208,6 @@ def test_lora_on_latent_attention_matches_peft(hf_models, converted, tokenizer_d
     """DeepSeek-V3 (multi-head latent attention; its first layer dense, the others' experts frozen and split over
     EP=2) with adapters on every projection of its attention, low-rank ones included: PP=2 x DP=2, 4 AdamW steps
     with clipping equal PEFT's single-process training; the merged export equals PEFT's unmerged model."""
-    from transformers import AutoModelForCausalLM
 
     targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
     cfg = parity_cfg(sft_data[0])
@@ -204,26 +217,7 @@ def test_lora_on_latent_attention_matches_peft(hf_models, converted, tokenizer_d
     check(launch(4, *overrides(cfg, converted["deepseek_v3"], str(run), 2, expert_parallel_size=2), *lora))
     ours = assert_matches_peft(run, cfg, hf_models["deepseek_v3"], tokenizer_dir, dp=2)
     assert len(ours) == 4 * len(targets) * 2  # layers x targets x (A, B)
-    merged_dir = tmp_path / "merged"
-    check(
-        run_cmd(
-            [
-                sys.executable,
-                "convert2ckpt.py",
-                "--to-hf",
-                "--input",
-                str(run),
-                "--output",
-                str(merged_dir),
-                "--merge-lora",
-            ]
-        )
-    )
-    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
-    unmerged = peft_model(hf_models["deepseek_v3"], ours, targets)
-    ids = torch.randint(3, 60, (2, 12))
-    with torch.no_grad():
-        torch.testing.assert_close(merged(ids).logits, unmerged(ids).logits, rtol=1e-5, atol=1e-5)
+    assert_merged_export_is_peft(run, hf_models["deepseek_v3"], ours, targets, tmp_path / "merged")
 
 
 @pytest.mark.slow

@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from checkpoint.pipeline_reader import load_hf_state_dict
 from tests.conftest import check, launch, read_jsonl, run_cmd
-from tests.test_lora import LORA, lora_overrides, peft_model
+from tests.test_lora import LORA, assert_merged_export_is_peft, lora_overrides
 from tests.test_training import (
     STEPS,
     interrupted_copy,
@@ -93,8 +92,6 @@ def test_lora_under_tp_matches_peft_reference(variant, hf_models, converted, tok
     (split part by part, LoRA's B with them, A replicated with its gradient summed over TP) and down."""
     import dataclasses
 
-    from transformers import AutoModelForCausalLM
-
     from tests.test_lora import assert_matches_peft
 
     cfg = parity_cfg(sft_data[0])
@@ -105,27 +102,7 @@ def test_lora_under_tp_matches_peft_reference(variant, hf_models, converted, tok
     run = tmp_path / "run"
     check(launch(4, *overrides(cfg, converted[variant], str(run), 2, tensor_parallel_size=2), *more))
     ours = assert_matches_peft(run, cfg, hf_models[variant], tokenizer_dir, dp=1)  # TP shards merged
-    merged_dir = tmp_path / "merged"
-    check(
-        run_cmd(
-            [
-                sys.executable,
-                "convert2ckpt.py",
-                "--to-hf",
-                "--input",
-                str(run),
-                "--output",
-                str(merged_dir),
-                "--merge-lora",
-            ]
-        )
-    )
-    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
-    ids = torch.randint(3, 60, (2, 12))
-    with torch.no_grad():
-        torch.testing.assert_close(
-            merged(ids).logits, peft_model(hf_models[variant], ours, targets)(ids).logits, rtol=1e-5, atol=1e-5
-        )
+    assert_merged_export_is_peft(run, hf_models[variant], ours, targets, tmp_path / "merged")
 
 
 def test_tp4_starts_from_hf_dir_t1_and_t2_checkpoints(hf_models, converted, sft_data, tmp_path):
