@@ -265,7 +265,7 @@ def train_dpo_reference(policy_dir: str, reference_dir: str, cfg: TrainConfig, d
     tests/test_preference.py) over every pair of the step, plus `sft_weight` x the step's chosen tokens' mean NLL;
     the reference's log-probs from the HF reference model. Returns (model, losses, grad norms, reward margins,
     and with `cp_split` the second step's `without_context_sum`)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from data.pair_dataset import PairDataset
     from data.sampling import TrainPlan
@@ -273,8 +273,9 @@ def train_dpo_reference(policy_dir: str, reference_dir: str, cfg: TrainConfig, d
     from training.engine import make_optimizer
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32, attn_implementation="sdpa").train()
-    reference = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32, attn_implementation="sdpa")
+    attn = resolve_attention(AutoConfig.from_pretrained(policy_dir), None)  # SDPA, or eager (gpt-oss's sinks)
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32, attn_implementation=attn).train()
+    reference = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32, attn_implementation=attn)
     if cfg.lora.enabled:
         lo = cfg.lora
         add_lora(model, lo.r, lo.alpha, lo.dropout, lo.target_modules, cfg.seed)
