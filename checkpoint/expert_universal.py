@@ -36,9 +36,9 @@ _FUSED_EXPERTS = re.compile(r"\d+\..+\.experts\.[a-z_]+")  # transformers' fused
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
-def expert_names(names, num_hidden_layers: int, tie_word_embeddings: bool) -> dict[str, str]:
+def expert_names(names, num_hidden_layers: int, tie_word_embeddings: bool, config=None) -> dict[str, str]:
     """{parameter name: TP rule} of the fused expert parameters among `names` (the optimizer's)."""
-    rules = {n: param_tp_split(n, num_hidden_layers, tie_word_embeddings) for n in names}
+    rules = {n: param_tp_split(n, num_hidden_layers, tie_word_embeddings, config) for n in names}
     return {n: r for n, r in rules.items() if is_expert(n, r)}
 
 
@@ -83,7 +83,9 @@ def assemble(temp: str, name: str, rule: str, shapes: list, dp: int, ep: int, nu
     torch.save(steps[0], os.path.join(target, "step.pt"))
 
 
-def convert(input_folder: str, output_folder: str, ep: int, num_experts: int, layers: int, tied: bool) -> list[str]:
+def convert(
+    input_folder: str, output_folder: str, ep: int, num_experts: int, layers: int, tied: bool, config=None
+) -> list[str]:
     """DeepSpeed's ZeRO-1/2 branch of `ds_to_universal.main`, with the fused experts assembled here. Returns their
     names."""
     from deepspeed.checkpoint import ds_to_universal as dsu
@@ -104,7 +106,7 @@ def convert(input_folder: str, output_folder: str, ep: int, num_experts: int, la
     dsu._check_for_required_state(ds)
     slice_shapes_by_tp, _, _ = dsu._aggregate_autoep_zero12_metadata(ds.model_state_metadata)
     slice_shapes = dsu._group_per_tp_shapes(slice_shapes_by_tp, ds.pp_degree, ds.tp_degree)
-    experts = expert_names(slice_shapes, layers, tied)
+    experts = expert_names(slice_shapes, layers, tied, config)
     if ds.dp_degree % ep:
         raise ValueError(f"expert_parallel_size {ep} does not divide the saved data ranks {ds.dp_degree}")
     temp = os.path.join(output_folder, "tmp")
@@ -143,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         num_experts(config),
         config.num_hidden_layers,
         bool(config.tie_word_embeddings),
+        config,
     )
     print(f"universal checkpoint with {len(names)} fused expert parameters assembled: {args.output_folder}")
     return 0

@@ -272,6 +272,25 @@ def split_sparse_block(block: nn.Module, tp: TensorParallel, router: str = "gate
     if hasattr(block, "shared_expert_gate"):
         sum_grad_over_tp(block.shared_expert_gate.weight, tp)
     block.register_forward_hook(block_output)
+    if isinstance(getattr(block.experts, "down_proj_bias", None), nn.Parameter):
+        _down_bias_once(block.experts, tp)
+
+
+def _down_bias_once(experts: nn.Module, tp: TensorParallel) -> None:
+    """Experts whose down projection has a bias (gpt-oss's [E, H]) add it inside each expert's output, before the
+    routing weights and the TP sum: every rank's partial output would carry it, so it counts on TP rank 0 only (zero
+    elsewhere, its gradient summed over TP)."""
+    bias = experts.down_proj_bias
+    sum_grad_over_tp(bias, tp)
+
+    def share(module, _args):
+        module._parameters["down_proj_bias"] = bias * float(tp.rank == 0)  # read by transformers' forward
+
+    def restore(module, _args, _out):
+        module._parameters["down_proj_bias"] = bias
+
+    experts.register_forward_pre_hook(share)
+    experts.register_forward_hook(restore)
 
 
 @functools.cache

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from models.families import family_of
+from models.families import FAMILIES, family_of
 from models.key_table import MOE_SPECS, alternatives
 from models.pipe_layout import DECODER, EMBED, LM_HEAD, TIED_PARAM, pipe_layers
 from models.sharding import COLUMN, EXPERT_IN, EXPERT_ROW, GATE_UP, GATE_UP_OUT, REPLICA, ROW, VOCAB, parts_rule
@@ -52,6 +52,11 @@ FUSED_XW = {
     **{f"{m.block}.experts.gate_up_proj": GATE_UP_OUT for m in MOE_SPECS if m.hub_fused},
     **{f"{m.block}.experts.down_proj": EXPERT_IN for m in MOE_SPECS if m.hub_fused},
 }
+# Interleaved gate/up columns (`MoeSpec.interleaved_gate_up`, gpt-oss's, whose block is `mlp` like the [E, 2I, H]
+# families': told apart by the config) split in contiguous blocks of dim 2, pairs whole (EXPERT_ROW's arithmetic),
+# their bias [E, 2I] in blocks of dim 1, down [E, I, H] by rows (dim 1); the down bias [E, H] is replicated.
+INTERLEAVED = {"gate_up_proj": EXPERT_ROW, "gate_up_proj_bias": EXPERT_IN, "down_proj": EXPERT_IN}
+PER_HEAD = {name for family in FAMILIES.values() for name in family.per_head}  # split with the heads: COLUMN
 # Fused projections (`Family.fused_qkv`, `fused_gate_up`): their rows split part by part (models/sharding.py).
 FUSED_QKV, FUSED_GATE_UP_PROJ = "self_attn.qkv_proj", "mlp.gate_up_proj"
 QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")  # per head (replicated), or over the whole projection
@@ -80,6 +85,11 @@ def tp_split(kind: str, key: str, config=None) -> str:
         return VOCAB
     if kind != DECODER:
         return REPLICA
+    if key in PER_HEAD:
+        return COLUMN
+    moe = family_of(config).moe if config is not None else None
+    if moe is not None and moe.interleaved_gate_up and key.startswith(f"{moe.block}.experts."):
+        return INTERLEAVED.get(key.removeprefix(f"{moe.block}.experts."), REPLICA)
     lora = _LORA_KEY.fullmatch(key)
     module, param = (lora.group(1), "weight") if lora else key.replace(".base_layer", "").rsplit(".", 1)
     rule = COLUMN if module in TP_COLUMN_MODULES else ROW if module in TP_ROW_MODULES else REPLICA

@@ -77,7 +77,7 @@ MODEL_VARIANTS = {
     "gemma3": dict(model_type="gemma3_text", num_key_value_heads=2, tie_word_embeddings=True),
     # Fused projections: Phi-3's q/k/v and gate/up (a window of 6), GLM-4's gate/up with its four norms and
     # half-head RoPE; norms after each sublayer and q/k norms over the whole projection: OLMo 2 (biases), OLMo 3
-    # (local layers with a window of 4). No tensor parallelism for these four yet (`Family.tp_refused`).
+    # (local layers with a window of 4).
     "phi3": dict(model_type="phi3", num_key_value_heads=2, sliding_window=6),
     "glm4": dict(model_type="glm4", num_key_value_heads=2),
     "olmo2": dict(model_type="olmo2", num_key_value_heads=2, attention_bias=True),

@@ -269,5 +269,8 @@ def test_tp_rules_agree_with_transformers_tp_plan(model_type):
             "olmo3": {"self_attn.q_norm.weight", "self_attn.k_norm.weight"},
             # transformers' plan leaves DeepSeek's attention whole; we split MLA by heads.
             "deepseek_v3": {f"self_attn.{p}.weight" for p in ("q_b_proj", "kv_b_proj", "o_proj")},
+            # transformers 5.23 has no plan for gpt-oss: every split is ours (its sinks with the heads, not weights)
+            "gpt_oss": {f"self_attn.{p}_proj.weight" for p in "qkvo"}
+            | {f"mlp.experts.{p}" for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj")},
         }.get(model_type, set())
         assert {n for n in split - set(plan) if tp_split(DECODER, n, config) != "replica"} == beyond

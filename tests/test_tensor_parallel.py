@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models.families import resolve_attention
 from models.key_table import linear_modules
 from models.layers import DecoderOptions, decoder_layer_class
 from models.loss import IGNORE_INDEX
@@ -111,6 +112,8 @@ BLOCK_EXTRA = {
     # low-rank projections and norms replicated (their gradients summed over TP).
     "glm4_moe": dict(first_k_dense_replace=0, use_qk_norm=True),
     "deepseek_v3": dict(first_k_dense_replace=0, head_dim=8, num_key_value_heads=4),  # MLA: RoPE dims, all heads
+    # gpt-oss: sinks split with the heads, interleaved gate/up columns in blocks, each expert's down bias added once
+    "gpt_oss": dict(swiglu_limit=0.5),
 }
 MLP_BIAS = {"llama", "helium", "smollm3", "seed_oss", "ernie4_5"}
 QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "glm4_moe"}
@@ -119,7 +122,7 @@ QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "glm4_moe"}
 def _block_config(model_type: str):
     extra = BLOCK_EXTRA.get(model_type, {})
     config = tiny_config(model_type, **dict(num_key_value_heads=2, head_dim=24, attention_bias=True) | extra)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = resolve_attention(config, None)  # SDPA, or eager (gpt-oss's sinks)
     return config
 
 
@@ -186,7 +189,7 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
     # The families of a registry module each: slow tier (2 ranks, ~9 s each; the fast tier keeps the first six).
     + [
         pytest.param(t, marks=pytest.mark.slow)
-        for t in ("helium", "gemma3_text", "phi3", "glm4", "olmo2", "glm4_moe", "deepseek_v3")
+        for t in ("helium", "gemma3_text", "phi3", "glm4", "olmo2", "glm4_moe", "deepseek_v3", "gpt_oss")
     ],
 )
 def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tmp_path):

@@ -80,6 +80,9 @@ class MoeSpec:
     router: str = "gate"
     router_logits: int = 0
     hub_fused: bool = False
+    # gate and up columns interleaved in the fused x @ W experts (gpt-oss's `gate_up_proj` [E, H, 2I]: gate j at
+    # column 2j, up j at 2j + 1): a tensor-parallel rank takes a contiguous block of columns, each pair whole.
+    interleaved_gate_up: bool = False
     scaled_inputs: bool = False
     moe_layers: bool = False
     aux_loss: bool = True
@@ -122,6 +125,8 @@ class Family:
     # Why tensor parallelism is refused for the family until its split is built (a fused projection, a q/k norm
     # over the whole projection); "" where it splits.
     tp_refused: str = ""
+    # Attention parameters with one entry per head (gpt-oss's `self_attn.sinks`): split with the heads under TP.
+    per_head: tuple[str, ...] = ()
     # A config.json value the family's attention would silently ignore: refused at load with the reason.
     refused_fields: dict[str, str] = field(default_factory=dict, compare=False)
     tiny: dict = field(default_factory=dict, compare=False)  # config overrides of the tiny test model

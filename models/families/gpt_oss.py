@@ -5,7 +5,9 @@ every layer sparse, its experts fused as transformers keeps them on the hub (x @
 gate and up columns interleaved, `down_proj` [E, I, H], each with a bias per expert), a router with a bias (top-k of
 the logits, then a softmax over those k), the clamped SwiGLU, transformers' load-balancing loss. The official
 checkpoints keep the experts in MXFP4 (`*_blocks`, `*_scales`): conversion dequantizes them
-(checkpoint/dequantize.py)."""
+(checkpoint/dequantize.py). Under tensor parallelism the sinks split with the heads, each expert's interleaved gate/up
+columns in contiguous blocks (pairs whole), and each expert's down bias is added on one rank only
+(models/tensor_parallel.py `split_sparse_block`)."""
 
 from models.families import Family, MoeSpec, register
 
@@ -23,9 +25,10 @@ register(
             every_layer=True,
             router="router",
             hub_fused=True,
+            interleaved_gate_up=True,
         ),
+        per_head=("self_attn.sinks",),
         flash_refused="its attention sinks need flash-attn kernels that take them (s_aux), not the flash-attn package",
-        tp_refused="each expert's down-projection bias is added before the experts' outputs are summed over the ranks",
         # 4 experts, top-2; sliding (window 4) and full layers alternating.
         tiny=dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, head_dim=16, sliding_window=4),
     )
