@@ -281,10 +281,11 @@ def _config_fields(model: ModelSettings, model_type: str) -> dict:
         return fields
     config_class = getattr(transformers, FAMILIES[ALIASES.get(model_type, model_type)].config_class)
     default = config_class()
+    typed = {config_field(model_type, k): k for k in ARCH_KEYS}  # n_routed_experts: model.num_experts
     for key in fields:
-        if key in ARCH_KEYS or key == "model_type":
-            raise ValueError(f"model.config_fields.{key}: set it as model.{key}")
-        if not hasattr(default, key):
+        if key in typed or key in ARCH_KEYS:
+            raise ValueError(f"model.config_fields.{key}: set it as model.{typed.get(key, key)}")
+        if key not in default.to_dict():  # a field, not a method or a generic attribute
             raise ValueError(f"model.config_fields.{key}: not a field of {config_class.__name__} ({model_type})")
     return fields
 
@@ -293,7 +294,9 @@ def _agrees(want, have) -> bool:
     """A preset's value against the checkpoint's: a dict (rope_parameters) by the keys the preset names."""
     if isinstance(want, dict) and isinstance(have, dict):
         return all(k in have and _agrees(v, have[k]) for k, v in want.items())
-    return want == have or isinstance(want, list) and isinstance(have, tuple) and want == list(have)
+    if isinstance(want, list | tuple) and isinstance(have, list | tuple):
+        return len(want) == len(have) and all(_agrees(w, h) for w, h in zip(want, have, strict=True))
+    return want == have
 
 
 def check_preset(config, model: ModelSettings, where: str) -> None:

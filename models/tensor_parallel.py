@@ -290,7 +290,7 @@ def _down_bias_once(experts: nn.Module, tp: TensorParallel) -> None:
         module._parameters["down_proj_bias"] = bias
 
     experts.register_forward_pre_hook(share)
-    experts.register_forward_hook(restore)
+    experts.register_forward_hook(restore, always_call=True)
 
 
 @functools.cache

@@ -112,6 +112,16 @@ def tp_split(kind: str, key: str, config=None) -> str:
     return REPLICA if rule == ROW and param == "bias" else rule
 
 
+def replicated_expert_tensors(config) -> list[str]:
+    """The keys of a sparse block's experts that every tensor-parallel rank holds whole (gpt-oss's down biases)."""
+    from models.families import is_sparse_layer
+    from models.key_table import decoder_keys
+
+    sparse = next((b for b in range(config.num_hidden_layers) if is_sparse_layer(config, b)), None)
+    keys = decoder_keys(config, sparse) if sparse is not None else []
+    return [k for k in keys if ".experts." in k and tp_split(DECODER, k, config) == REPLICA]
+
+
 def attention_replicas(attention, config) -> list:
     """The parameters of a decoder layer's attention (`attention`, transformers' module) that every tensor-parallel
     rank holds whole although only its heads use their output (MLA's low-rank `q_a_proj`, `kv_a_proj_with_mqa` and

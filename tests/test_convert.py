@@ -99,7 +99,7 @@ def test_layer_modules_match_hf_at_preset_shapes(preset_name):
 
     preset = compose_config([f"model={preset_name}"]).model
     config = config_from_preset(preset)  # the shipped preset, source cited
-    check_preset(config, preset, "its config")  # a checkpoint of it passes (rope_parameters: the keys it names)
+    check_preset(config, preset, "its config")  # its own config passes (rope_parameters: by the keys it names)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
         hf = hub_shapes(model)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -267,3 +269,20 @@ def test_checkpoint_types_deepspeed_writes_pass_the_pickle_scan(tmp_path):
     for refuse in (lambda: check_pickles(str(tmp_path), ["code.pt"]), lambda: load_pt(str(tmp_path / "code.pt"))):
         with pytest.raises(CheckpointError, match="code.pt: refused: it names builtins.print"):
             refuse()
+
+
+@pytest.mark.parametrize(
+    "field,message",
+    [
+        ("n_routed_experts=8", "model.config_fields.n_routed_experts: set it as model.num_experts"),
+        ("hidden_size=8", "model.config_fields.hidden_size: set it as model.hidden_size"),
+        ("to_dict=1", "model.config_fields.to_dict: not a field of DeepseekV3Config (deepseek_v3)"),
+    ],
+)
+def test_config_fields_refuse_typed_keys_and_what_is_no_field(field, message):
+    """`model.config_fields` takes the family's other config fields only: a typed key (under its own name or its
+    transformers name) and a name that is no field of the config class (a method) are one-line errors."""
+    from models.config import config_from_preset
+
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        config_from_preset(load("model=deepseek_v3", f"+model.config_fields.{field}").model)

@@ -340,3 +340,33 @@ def test_one_32k_token_row_through_sequence_and_context_parallelism(tmp_path):
             f"{kept / 2**20:.2f} MiB ({kept / measured - 1:+.1%}); + the recomputed block {live / 2**20:.2f} MiB"
         )
         assert abs(kept / measured - 1) <= 0.002, (r, kept)  # measured +0.0% on every rank
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2_moe"])
+def test_planner_adapters_are_peft_adapters_on_each_tp_rank(model_type):
+    """The planner's LoRA parameters per pipeline layer (models/lora.py `adapter_param_counts`) equal what PEFT
+    injects into one tensor-parallel rank's decoder layer, at TP=1 and TP=2: a column layer's A whole and B split, a
+    row layer's A split and B whole (dense and sparse layers; experts take none)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from models.lora import adapter_param_counts
+    from models.pipe_layout import DECODER
+    from models.tensor_parallel import TensorParallel, tp_layer_class_and_args
+
+    config = tiny_config(model_type, num_key_value_heads=2)
+    targets = ["q_proj", "v_proj", "o_proj"] + (["gate_proj", "down_proj"] if model_type == "llama" else [])
+    for tp_size in (1, 2):
+        counts = adapter_param_counts(config, targets, 4, tp_size)
+        for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):
+            if layer.kind != DECODER:
+                assert counts[layer.index] == 0
+                continue
+            with torch.device("meta"):
+                if tp_size == 1:
+                    module = build_layer(layer, config)
+                else:
+                    cls, args = tp_layer_class_and_args(layer, config, TensorParallel(tp_size, 0))
+                    module = cls(*args)
+                inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8.0, target_modules=targets), module)
+            peft = sum(p.numel() for name, p in module.named_parameters() if ".lora_" in name)
+            assert counts[layer.index] == peft > 0, (tp_size, layer)

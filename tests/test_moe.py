@@ -350,6 +350,11 @@ def test_llama4_routed_experts_equal_transformers_dense_block():
         ("qwen3_next", ["context_parallel_size=2"], "context_parallel_size=2: qwen3_next's linear-attention layers"),
         ("qwen3_next", ["tensor_parallel_size=2"], "tensor_parallel_size=2: model_type='qwen3_next' is not split"),
         ("gpt_oss", ["model.attn_implementation=sdpa"], "model.attn_implementation=sdpa: transformers runs gpt_oss"),
+        (
+            "gpt_oss",
+            ["tensor_parallel_size=2", "expert_parallel_size=2"],
+            "tensor_parallel_size=2 with expert_parallel_size=2: gpt_oss's experts hold mlp.experts.down_proj_bias",
+        ),
         ("deepseek_v3", ["lora.enabled=true"], "lora.target_modules: 'q_proj' is not in deepseek_v3's attention (q_a_"),
         (
             "deepseek_v3",
@@ -366,7 +371,8 @@ def test_llama4_routed_experts_equal_transformers_dense_block():
 )
 def test_what_a_family_cannot_run_is_refused_in_one_line(model_type, extra, message, tmp_path):
     """Qwen3-Next's recurrence runs along the whole row (no packed documents, no context parallelism); its
-    tensor-parallel split is not built; gpt-oss's sinks have no SDPA. One line naming the key."""
+    tensor-parallel split is not built; gpt-oss's sinks have no SDPA, and its experts' down biases (whole on every TP
+    rank) no norm that counts them once under TP x EP. One line naming the key."""
     from tests.catalogue import config_error
 
     tiny_config(model_type).save_pretrained(tmp_path / "m")
