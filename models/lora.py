@@ -32,7 +32,8 @@ def _matches(module: str, target: str) -> bool:
 
 def attention_modules(config) -> list[str]:
     """The linear layers of a family's attention, as named in its decoder layer (MLA: q_a_proj, kv_b_proj, ...)."""
-    modules = [k.removesuffix(".weight") for k in decoder_keys(config, 0) if k.endswith(".weight")]
+    block = next(b for b in range(config.num_hidden_layers) if not is_linear_attention(config, b))
+    modules = [k.removesuffix(".weight") for k in decoder_keys(config, block) if k.endswith(".weight")]
     return [m for m in modules if m.startswith("self_attn.") and "_proj" in m.rsplit(".", 1)[-1]]
 
 
@@ -57,7 +58,7 @@ def check_target_modules(targets: list[str], config=None) -> None:
             names = ", ".join(m.rsplit(".", 1)[-1] for m in attention)
             raise ValueError(f"lora.target_modules: {target!r} is not in {config.model_type}'s attention ({names})")
     moe = family_of(config).moe if config is not None else None
-    mlp = [t for t in targets if any(m.startswith("mlp.") and (m == t or m.endswith("." + t)) for m in modules)]
+    mlp = [t for t in targets if any(m.startswith("mlp.") and _matches(m, t) for m in modules)]
     if moe is not None and moe.shared_expert and mlp:
         raise ValueError(
             f"lora.target_modules: {mlp[0]!r} would also adapt the shared expert of every sparse block "
@@ -69,14 +70,10 @@ def _check_lora_family(config) -> None:
     """LoRA trains adapters on attention (any family's, DeepSeek's latent attention included) and MLP layers; a
     family with linear-attention layers (Qwen3-Next, Qwen3.5) is refused in one line until their adapters are built
     and tested."""
+    block = next((b for b in range(config.num_hidden_layers) if is_linear_attention(config, b)), None)
+    keys = decoder_keys(config, block) if block is not None else []  # one linear layer names them all
     recurrent = sorted(
-        {
-            key.removesuffix(".weight")
-            for block in range(config.num_hidden_layers)
-            if is_linear_attention(config, block)
-            for key in decoder_keys(config, block)
-            if key.startswith("linear_attn.") and key.endswith("_proj.weight")
-        }
+        k.removesuffix(".weight") for k in keys if k.startswith("linear_attn.") and k.endswith("_proj.weight")
     )
     if recurrent:
         raise ValueError(

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 
-from models.families import FAMILIES, family_of
-from models.key_table import MOE_SPECS, alternatives
+from models.families import FAMILIES, family_of, is_sparse_layer
+from models.key_table import MOE_SPECS, alternatives, decoder_keys
 from models.pipe_layout import DECODER, EMBED, LM_HEAD, TIED_PARAM, pipe_layers
 from models.sharding import COLUMN, EXPERT_IN, EXPERT_ROW, GATE_UP, GATE_UP_OUT, REPLICA, ROW, VOCAB, parts_rule
 
@@ -114,9 +114,6 @@ def tp_split(kind: str, key: str, config=None) -> str:
 
 def replicated_expert_tensors(config) -> list[str]:
     """The keys of a sparse block's experts that every tensor-parallel rank holds whole (gpt-oss's down biases)."""
-    from models.families import is_sparse_layer
-    from models.key_table import decoder_keys
-
     sparse = next((b for b in range(config.num_hidden_layers) if is_sparse_layer(config, b)), None)
     keys = decoder_keys(config, sparse) if sparse is not None else []
     return [k for k in keys if ".experts." in k and tp_split(DECODER, k, config) == REPLICA]

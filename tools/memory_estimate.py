@@ -64,12 +64,13 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     from models.sharding import padded_vocab
     from models.tensor_parallel import TensorParallel
     from training.config import model_stages, padded_seq_length, sequence_parallel, sequences_per_sample
+    from training.precision import resolved
     from training.schedules import memory_states
 
     pp, tp, cp, schedule = cfg.num_stages, cfg.tensor_parallel_size, cfg.context_parallel_size, cfg.pipeline_schedule
     dual = schedule == "dualpipev"
     dp = max(1, world_size // (pp * tp * cp))
-    ds = for_gpu(cfg).deepspeed  # planning for a bf16 GPU
+    ds = resolved(cfg.deepspeed, auto="bf16", gpu=True)  # planning for a bf16 GPU, as `for_gpu`
     precision, zero = str(ds.precision), ds.zero_stage
     weight_bytes = 4 if precision == "fp32" else 2
     accum = cfg.deepspeed.grad_accum_dtype or ("fp32" if precision in ("bf16", "fp32") else "fp16")
@@ -136,12 +137,12 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
         # Logits in the compute dtype and their gradient, plus fp32 logits and softmax of one chunk of tokens.
         scores = stage == (0 if dual else pp - 1)
         logits = (2 * b * s * vocab * act_bytes + 2 * chunk * vocab * 4) if scores else 0
-        optimizer = (params - experts) * optim_bytes * optim_share + experts * optim_bytes * expert_share
-        trained = params
-        if adapters is not None:
+        if adapters is None:
+            trained, weights = params, params * weight_bytes
+            optimizer = (params - experts) * optim_bytes * optim_share + experts * optim_bytes * expert_share
+        else:  # only the adapters take gradients and optimizer state
             trained = sum(adapters[i] for i in held_layers)
-            optimizer = trained * optim_bytes * optim_share
-        weights = (params + (trained if adapters is not None else 0)) * weight_bytes
+            weights, optimizer = (params + trained) * weight_bytes, trained * optim_bytes * optim_share
         out.append(Estimate(stage, params, weights, trained * grad_bytes, optimizer, activations, logits))
     return out
 
