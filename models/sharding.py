@@ -37,6 +37,8 @@ _DIM = {COLUMN: 0, ROW: 1, GATE_UP: 1, EXPERT_ROW: 2, GATE_UP_OUT: 2, EXPERT_IN:
 
 TP_DIVIDES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
 _OPTIONAL_WIDTHS = ("moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size_mlp")
+# Linear attention's key and value heads (Gated DeltaNet's): split by heads like attention's.
+LINEAR_HEADS = ("linear_num_key_heads", "linear_num_value_heads")
 
 
 def parts_rule(*proportion: int) -> str:
@@ -57,9 +59,10 @@ def _parts(rule: str, rows: int) -> list[int] | None:
 
 
 def tp_indivisible(config, tp_size: int) -> tuple[str, int] | None:
-    """The one rule for a tensor-parallel degree: it must divide the heads, the KV heads (GQA) and the MLP widths
-    (the experts' and the shared expert's too). Returns the first (config field, value) it does not divide, or None."""
-    experts = [n for n in _OPTIONAL_WIDTHS if getattr(config, n, None)]
+    """The one rule for a tensor-parallel degree: it must divide the heads, the KV heads (GQA), the MLP widths (the
+    experts' and the shared expert's too) and linear attention's heads. Returns the first (config field, value) it
+    does not divide, or None."""
+    experts = [n for n in (*_OPTIONAL_WIDTHS, *LINEAR_HEADS) if getattr(config, n, None)]
     for name in (*TP_DIVIDES, *experts):
         value = getattr(config, name)
         if tp_size < 1 or value % tp_size:

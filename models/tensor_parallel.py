@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -53,85 +50,10 @@ from models.layers import (
 )
 from models.moe import is_moe
 from models.pipe_layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
-from models.sequence_parallel import gather_sequence, scatter_sequence
-from models.sharding import padded_vocab, tp_indivisible
+from models.sharding import LINEAR_HEADS, padded_vocab, tp_indivisible
+from models.tp_collectives import SumOverTP, TensorParallel, copy_to_tp, enter_tp, leave_tp, sum_grad_over_tp
 from models.tp_rules import attention_replicas
 from models.vocab_parallel_loss import vocab_parallel_token_cross_entropy
-
-
-@dataclass
-class TensorParallel:
-    """This rank's place in its tensor-parallel group. `group` is set once the process group exists."""
-
-    size: int = 1
-    rank: int = 0
-    vocab_multiple: int = 1  # pad the vocabulary to a multiple of this (and of `size`)
-    group: Any = None
-    sequence_parallel: bool = False  # shard the sequence between the split regions (size > 1 only)
-
-    @property
-    def sp(self) -> bool:
-        """Whether the sequence is sharded between split regions."""
-        return self.sequence_parallel and self.size > 1
-
-
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.tp.group)
-        return grad, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=tp.group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def enter_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """The input of a split region: the whole sequence on every rank (gathered under sequence parallelism)."""
-    return gather_sequence(x, tp) if tp.sp else copy_to_tp(x, tp)
-
-
-def leave_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """Partial results of a split region summed over TP: this rank's positions under sequence parallelism."""
-    return scatter_sequence(x, tp) if tp.sp else reduce_from_tp(x, tp)
-
-
-def copy_to_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """Enter a split region: identity forward, the gradient summed over TP ranks backward."""
-    return x if tp.size == 1 else _CopyToTP.apply(x, tp)
-
-
-def reduce_from_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """Leave a split region: the partial results summed over TP ranks forward, identity backward."""
-    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
-
-
-def sum_grad_over_tp(param: nn.Parameter, tp: TensorParallel) -> None:
-    """A replicated parameter used inside a split region: sum its per-rank partial gradients."""
-    if tp.size == 1:
-        return
-
-    def hook(grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=tp.group)
-        return grad
-
-    param.register_hook(hook)
-    param.grad_summed_by_hook = True  # models/weight_grad.py leaves its gradient to autograd, where the hook runs
 
 
 def local_config(config, tp: TensorParallel):
@@ -144,7 +66,8 @@ def local_config(config, tp: TensorParallel):
     local.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     local.num_attention_heads, local.num_key_value_heads = heads // tp.size, kv // tp.size
     local.intermediate_size = config.intermediate_size // tp.size
-    for name in ("moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size_mlp"):  # as MLPs are
+    widths = ("moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size_mlp")  # as MLPs are
+    for name in (*widths, *LINEAR_HEADS):  # and linear attention's heads, as attention's
         if getattr(config, name, None):
             setattr(local, name, getattr(config, name) // tp.size)
     local._attn_implementation = config._attn_implementation
@@ -173,8 +96,11 @@ def _row_parallel(linear: nn.Linear, tp: TensorParallel) -> RowParallelLinear:
 class TPDecoderPipe:
     """Mixin: a family's pipeline decoder block holding this rank's shard (Megatron's split); see the module
     docstring. Qwen3's per-head q/k norms are replicated but see only this rank's heads: their gradients
-    are summed over TP so they stay identical on every rank. Under sequence parallelism the block's input and
-    output are this rank's S/T positions, and so are the two RMSNorms' (their gradients summed over TP too)."""
+    are summed over TP so they stay identical on every rank. A linear-attention block (Gated DeltaNet) holds its
+    rank's key and value heads, whose recurrences are independent: its projections and convolution split by heads,
+    out_proj is row-parallel and the gated norm's gradient is summed over TP. Under sequence parallelism the block's
+    input and output are this rank's S/T positions, and so are the two RMSNorms' (their gradients summed over TP
+    too); the recurrence sees the whole row, gathered after the input norm."""
 
     def __init__(
         self, config, layer_idx: int, tp: TensorParallel, options: DecoderOptions | None = None, ep=None
@@ -182,12 +108,11 @@ class TPDecoderPipe:
         local = local_config(config, tp)
         super().__init__(local, layer_idx, options, ep)
         self.tp = tp
-        width, o_proj = local.num_attention_heads * local.head_dim, self.self_attn.o_proj
-        if o_proj.in_features == config.hidden_size != width:  # declared hidden x hidden (Helium's): this rank's heads
-            self.self_attn.o_proj = nn.Linear(width, o_proj.out_features, bias=o_proj.bias is not None)
-        _row_parallel(self.self_attn.o_proj, tp)
-        for param in attention_replicas(self.self_attn, config):
-            sum_grad_over_tp(param, tp)
+        if self.linear:  # Gated DeltaNet with this rank's key and value heads; its gated norm sees only their values
+            _row_parallel(self.linear_attn.out_proj, tp)
+            sum_grad_over_tp(self.linear_attn.norm.weight, tp)
+        else:
+            self._split_attention(config, local, tp)
         moe = family_of(config).moe
         if self.sparse:
             split_sparse_block(self.moe_block(), tp, moe.router, moe.router_logits)
@@ -203,6 +128,15 @@ class TPDecoderPipe:
         if not family.tp_entry_norms:  # no norm before attention or the MLP: the split regions start at their inputs
             for region in (self.self_attn, getattr(self, moe.block if moe else "mlp")):
                 region.register_forward_pre_hook(self._enter_region, with_kwargs=True)
+
+    def _split_attention(self, config, local, tp: TensorParallel) -> None:
+        width, o_proj = local.num_attention_heads * local.head_dim, self.self_attn.o_proj
+        if o_proj.in_features == config.hidden_size != width:  # declared hidden x hidden (Helium's): this rank's heads
+            self.self_attn.o_proj = nn.Linear(width, o_proj.out_features, bias=o_proj.bias is not None)
+        _row_parallel(self.self_attn.o_proj, tp)
+        for param in attention_replicas(self.self_attn, config):
+            sum_grad_over_tp(param, tp)
+        family = family_of(config)
         if family.has(family.qk_norm, config):
             for norm in (self.self_attn.q_norm, self.self_attn.k_norm):
                 if family.qk_norm_whole:  # this rank's rows of the weight; the statistics of every rank's heads
@@ -216,30 +150,12 @@ class TPDecoderPipe:
         return args, {**kwargs, "hidden_states": enter_tp(kwargs["hidden_states"], self.tp)}
 
 
-class _SumOverTP(torch.autograd.Function):
-    """A sum over the TP group that every rank's result depends on: all-reduced forward, and its gradient (each
-    rank's share of it) all-reduced backward."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=tp.group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.tp.group)
-        return grad, None
-
-
 def _whole_projection_norm(norm: nn.Module, tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
     """transformers' RMSNorm over a whole q or k projection (OLMo's) on this rank's columns of it: the mean of
     squares is the TP group's sum over every rank's columns; the weight is this rank's share."""
     dtype = x.dtype
     x = x.to(torch.float32)
-    mean = _SumOverTP.apply(x.pow(2).sum(-1, keepdim=True), tp) / (x.shape[-1] * tp.size)
+    mean = SumOverTP.apply(x.pow(2).sum(-1, keepdim=True), tp) / (x.shape[-1] * tp.size)
     x = x * torch.rsqrt(mean + norm.variance_epsilon)
     return (norm.weight * x).to(dtype)
 

@@ -27,8 +27,21 @@ TP_COLUMN_MODULES = (
     # low-rank down-projections and their norms are replicated (`attention_replicas`).
     "self_attn.q_b_proj",
     "self_attn.kv_b_proj",
+    # Linear attention (Gated DeltaNet) by heads: Qwen3-Next's q/k/v/z and b/a rows grouped per key head, Qwen3.5's
+    # z, b and a per value head (its q/k/v in one projection: `LINEAR_PARTS`). transformers' plan gathers their
+    # outputs (every rank runs every head); a recurrence per head splits as attention does.
+    "linear_attn.in_proj_qkvz",
+    "linear_attn.in_proj_ba",
+    "linear_attn.in_proj_z",
+    "linear_attn.in_proj_b",
+    "linear_attn.in_proj_a",
 )
-TP_ROW_MODULES = ("self_attn.o_proj", *(f"{block}.down_proj" for block in _MLP_BLOCKS))
+TP_ROW_MODULES = ("self_attn.o_proj", "linear_attn.out_proj", *(f"{block}.down_proj" for block in _MLP_BLOCKS))
+# Linear attention's q, k and v channels in one tensor (the projection, the depthwise convolution): part by part.
+LINEAR_PARTS = ("linear_attn.in_proj_qkv", "linear_attn.conv1d")
+# One entry per value head (the decay's A_log and dt_bias): split with the heads. Its gated norm (over each head's
+# values, one weight for all heads) is replicated.
+LINEAR_PER_HEAD = ("linear_attn.A_log", "linear_attn.dt_bias")
 # Experts and shared experts split as dense MLPs do: gate and up by rows, down by columns (router: replicated).
 _EXPERT_BLOCKS = alternatives([*_MLP_BLOCKS, *(m.hub_block for m in MOE_SPECS)])
 _EXPERT_COLUMN = re.compile(
@@ -67,13 +80,16 @@ _LORA_SPLIT = {(COLUMN, "A"): REPLICA, (COLUMN, "B"): COLUMN, (ROW, "A"): ROW, (
 
 
 def _fused_rule(module: str, key: str, config) -> str | None:
-    """The parts rule of a fused projection (`Family.fused_qkv`, `fused_gate_up`), or None for any other module:
-    q/k/v by heads (the config's, so it is needed), gate and up by halves."""
+    """The parts rule of a fused projection (`Family.fused_qkv`, `fused_gate_up`, linear attention's q/k/v), or None
+    for any other module: q/k/v by heads (the config's, so it is needed), gate and up by halves."""
+    if module in (FUSED_QKV, *LINEAR_PARTS) and config is None:
+        raise ValueError(f"{key}: the split of a fused q/k/v projection needs the model's config")
     if module == FUSED_QKV:
-        if config is None:
-            raise ValueError(f"{key}: the split of a fused q/k/v projection needs the model's config")
         kv = config.num_key_value_heads
         return parts_rule(config.num_attention_heads, kv, kv)
+    if module in LINEAR_PARTS:
+        k = config.linear_num_key_heads * config.linear_key_head_dim
+        return parts_rule(k, k, config.linear_num_value_heads * config.linear_value_head_dim)
     return parts_rule(1, 1) if module == FUSED_GATE_UP_PROJ else None
 
 
@@ -85,7 +101,7 @@ def tp_split(kind: str, key: str, config=None) -> str:
         return VOCAB
     if kind != DECODER:
         return REPLICA
-    if key in PER_HEAD:
+    if key in PER_HEAD or key in LINEAR_PER_HEAD:
         return COLUMN
     moe = family_of(config).moe if config is not None else None
     if moe is not None and moe.interleaved_gate_up and key.startswith(f"{moe.block}.experts."):
@@ -95,7 +111,7 @@ def tp_split(kind: str, key: str, config=None) -> str:
     rule = COLUMN if module in TP_COLUMN_MODULES else ROW if module in TP_ROW_MODULES else REPLICA
     if module in QK_NORMS and config is not None and family_of(config).qk_norm_whole:  # one weight per q/k row
         return COLUMN
-    if module in (FUSED_QKV, FUSED_GATE_UP_PROJ):  # split as a column layer, part by part (LoRA's A: replicated)
+    if module in (FUSED_QKV, FUSED_GATE_UP_PROJ, *LINEAR_PARTS):  # a column layer, part by part (LoRA's A: whole)
         return REPLICA if lora and lora.group(2) == "A" else _fused_rule(module, key, config)
     if _EXPERT_COLUMN.fullmatch(module):
         rule = COLUMN

@@ -256,6 +256,10 @@ def test_tp_rules_agree_with_transformers_tp_plan(model_type):
         if not FAMILIES[model_type].tp_refused:  # a fused projection splits as a column layer, part by part
             rule = tp_split(DECODER, name, config)
             rule = "column" if rule.startswith("parts:") else rule
+            # transformers gathers linear attention's projections (every rank runs every head, out_proj's output
+            # columns split); we split it by heads as attention is: out_proj by its input columns.
+            if name == "linear_attn.out_proj.weight":
+                style = "rowwise"
             assert rule in PLAN_STYLES[style.removesuffix("_gather_output").removesuffix("_split_input")], (name, style)
     if not FAMILIES[model_type].tp_refused:
         split = {n for n in names if n.endswith("weight") or ".experts." in n} - {f"{m}.weight" for m in plan}
@@ -273,4 +277,6 @@ def test_tp_rules_agree_with_transformers_tp_plan(model_type):
             "gpt_oss": {f"self_attn.{p}_proj.weight" for p in "qkvo"}
             | {f"mlp.experts.{p}" for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj")},
         }.get(model_type, set())
+        # Linear attention's depthwise convolution splits with its heads (transformers' plan leaves it whole).
+        beyond |= {n for n in names if n == "linear_attn.conv1d.weight"}
         assert {n for n in split - set(plan) if tp_split(DECODER, n, config) != "replica"} == beyond

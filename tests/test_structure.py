@@ -123,14 +123,15 @@ def test_model_maths_and_data_import_without_deepspeed():
 
 
 def test_model_code_knows_nothing_of_distribution():
-    """Inside models/, only the wiring (pipeline.py: DeepSpeed; tensor_parallel.py, vocab_parallel_loss.py and
-    sequence_parallel.py: TP collectives; expert_parallel.py: the experts' all-to-all; context_parallel.py:
-    DeepSpeed's Ulysses attention)
+    """Inside models/, only the wiring (pipeline.py: DeepSpeed; tensor_parallel.py, tp_collectives.py,
+    vocab_parallel_loss.py and sequence_parallel.py: TP collectives; expert_parallel.py: the experts' all-to-all;
+    context_parallel.py: DeepSpeed's Ulysses attention)
     imports torch.distributed or DeepSpeed; layers, layout, sharding, loss, partition, LoRA, preference losses,
     experts' keys and config do not."""
     wiring = {
         "models.pipeline",
         "models.tensor_parallel",
+        "models.tp_collectives",
         "models.vocab_parallel_loss",
         "models.sequence_parallel",
         "models.expert_parallel",

@@ -189,7 +189,10 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
     # The families of a registry module each: slow tier (2 ranks, ~9 s each; the fast tier keeps the first six).
     + [
         pytest.param(t, marks=pytest.mark.slow)
-        for t in ("helium", "gemma3_text", "phi3", "glm4", "olmo2", "glm4_moe", "deepseek_v3", "gpt_oss")
+        for t in (
+            *("helium", "gemma3_text", "phi3", "glm4", "olmo2", "glm4_moe", "deepseek_v3", "gpt_oss"),
+            *("qwen3_5_text", "qwen3_next"),
+        )
     ],
 )
 def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tmp_path):
@@ -203,7 +206,9 @@ def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tm
     (two of them entering the split regions, all four on the shard under SP) and scaled q/k norms, Phi-3's fused
     q/k/v and gate/up and GLM-4's fused gate/up (split part by part), OLMo 2's q/k norms over the whole projection
     (their statistics summed over TP) with no norm before attention or the MLP (the split regions start at their
-    inputs). SmolLM3, Seed-OSS, ERNIE 4.5 and OLMo 3 passed it too once (docs/measured.md); the suite keeps these."""
+    inputs), Gated DeltaNet linear attention by key and value heads (Qwen3.5's q/k/v in one projection and the
+    depthwise convolution part by part, Qwen3-Next's rows grouped per key head; the gated norm replicated).
+    SmolLM3, Seed-OSS, ERNIE 4.5 and OLMo 3 passed it too once (docs/measured.md); the suite keeps these."""
     ranks = [torch.load(o, weights_only=True) for o in spawn_ranks(_tp_block_worker, tmp_path, model_type)]
     config = _block_config(model_type)
     whole = decoder_layer_class(model_type)(config, 0, DecoderOptions())
@@ -215,7 +220,8 @@ def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tm
     keys = dict(whole.named_parameters())
     assert (model_type in QK_NORM) == ("self_attn.q_norm.weight" in keys)
     assert is_moe(config) == ("mlp.experts.gate_up_proj" in keys)
-    assert (model_type == "qwen2_moe") == ("mlp.shared_expert_gate.weight" in keys)
+    assert (model_type in ("qwen2_moe", "qwen3_next")) == ("mlp.shared_expert_gate.weight" in keys)
+    assert (model_type in ("qwen3_5_text", "qwen3_next")) == ("linear_attn.out_proj.weight" in keys)
     assert (model_type in MLP_BIAS) == ("mlp.down_proj.bias" in keys)
     assert (model_type == "gemma3_text") == ("pre_feedforward_layernorm.weight" in keys)
     worst = 0.0  # the parameter gradients' largest difference, relative to each gradient's scale (at least 1)
@@ -226,12 +232,13 @@ def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tm
             assert got_y[0].shape[1] == SEQ // 2
             got_y, got_x_grad = [torch.cat(got_y, dim=1)] * 2, [torch.cat(got_x_grad, dim=1)] * 2
         # fp32 rounding of sums in another order, relative to the tensor's scale (Gemma's (1 + w) norms with these
-        # N(0, 0.2) weights give input gradients up to 9.2, LLaMA's 3.3).
+        # N(0, 0.2) weights give input gradients up to 9.2, LLaMA's 3.3; Qwen3.5's outputs reach 18).
         x_grad_atol = 1e-6 * max(1.0, float(x.grad.abs().max()))
+        y_atol = 1e-6 * max(1.0, float(y.abs().max()))
         for r in range(2):
             if stats is not None:
                 torch.testing.assert_close(ranks[r][sp]["stats"], stats, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(got_y[r], y.detach(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got_y[r], y.detach(), rtol=1e-5, atol=y_atol)
             torch.testing.assert_close(got_x_grad[r], x.grad, rtol=1e-5, atol=x_grad_atol)
         for key, p in keys.items():
             rule = tp_split(DECODER, key, config)

@@ -271,11 +271,12 @@ def assert_matches_reference(out: str, cfg: TrainConfig, hf_dir: str, sft_data, 
     biases = [k for k in ref if k.endswith("e_score_correction_bias")]  # moved only by the balancing, in +-rate steps
     assert all(torch.equal(ours[key], ref[key]) for key in biases)
     assert any(ref[key].any() for key in biases) == bool(cfg.moe.bias_update_rate)
-    worst = 0.0
+    diffs = {key: float((ours[key] - value).abs().max()) for key, value in ref.items()}
     for key, value in ref.items():
         torch.testing.assert_close(ours[key], value, rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
-        worst = max(worst, float((ours[key] - value).abs().max()))
-    return ours, worst
+    worst = max(diffs, key=diffs.get)
+    print(f"largest weight difference: {worst} {diffs[worst]:.3g}")
+    return ours, diffs[worst]
 
 
 def test_resume_matches_uninterrupted(converted, sft_data, tmp_path, tmp_path_factory):

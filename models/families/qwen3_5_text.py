@@ -7,7 +7,6 @@ model (`TextRotaryEmbedding`), which gives text positions the same angle on all 
 from models.families import Container, Family, MoeSpec, register, register_container
 from models.families.qwen3_next import HYBRID_TINY
 
-LINEAR_TP = "its linear-attention projections interleave each head group's q, k, v and gates"
 for model_type, package, prefix, moe, tiny in (
     ("qwen3_5_text", "qwen3_5", "Qwen3_5", None, {}),
     (
@@ -36,7 +35,6 @@ for model_type, package, prefix, moe, tiny in (
             o_bias="attention_bias",
             qk_norm=True,
             moe=moe,
-            tp_refused=LINEAR_TP,
             tiny=HYBRID_TINY | tiny,
         )
     )

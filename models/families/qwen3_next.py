@@ -3,9 +3,10 @@ causal depthwise convolution, then a gated delta-rule recurrence per value head,
 torch path on CPU, its fused kernels where installed) and, every `full_attention_interval`-th layer, gated full
 attention (`self_attn`: q_proj also yields an output gate, per-head q/k norms, partial RoPE), as `layer_types` says;
 (1 + w) norms; sparse blocks as Qwen2-MoE's (a sigmoid-gated shared expert). The recurrence runs along the whole row:
-packed rows and context parallelism are refused for it in one line (`linear_attention_refusal`), and tensor
-parallelism (its projections interleave the heads' q, k, v and gates) until its split is built. Its hub checkpoints'
-multi-token-prediction weights (`mtp.*`) are carried to the export (checkpoint/carried.py)."""
+packed rows and context parallelism are refused for it in one line (`linear_attention_refusal`). Tensor parallelism
+splits it by heads (models/tp_rules.py: its projections group each key head's q, k, v, z and b, a rows together, so
+a rank's rows are one contiguous block). Its hub checkpoints' multi-token-prediction weights (`mtp.*`) are carried
+to the export (checkpoint/carried.py)."""
 
 from models.families import Family, register
 from models.families.qwen2_moe import QWEN_SHARED_MOE
@@ -29,7 +30,6 @@ register(
         o_bias="attention_bias",
         qk_norm=True,
         moe=QWEN_SHARED_MOE,
-        tp_refused="its linear-attention projections interleave each head group's q, k, v and gates",
         # Layers 0-2 linear attention, 3 full; 4 experts, top-2, a shared expert; 2 key and 4 value heads of 16.
         tiny=HYBRID_TINY | dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
     )
