@@ -40,15 +40,15 @@ def attention_modules(config) -> list[str]:
 def check_target_modules(targets: list[str], config=None) -> None:
     """Every `lora.target_modules` entry must name a linear layer of the decoder (PEFT matches a name or its
     last dotted parts; it only complains when nothing at all matches); with `config`, an attention entry one of
-    the family's own (`q_proj` names nothing in DeepSeek's latent attention). With experts: adapters go on
+    the family's own (`q_proj` names nothing in DeepSeek's latent attention), linear attention's projections where
+    the family has them (Qwen3.5's `in_proj_qkv`, `in_proj_z`, `out_proj` ...). With experts: adapters go on
     attention and dense MLP layers; the fused experts (PEFT's `target_parameters`) and a shared expert's layers are
     refused. Raises ValueError naming the entry."""
-    if config is not None:
-        _check_lora_family(config)
     dense = config is not None and family_of(config).moe is None
     modules = linear_modules(config if dense else None)  # a dense family's own (fused q/k/v: qkv_proj)
     attention = attention_modules(config) if config is not None else []
-    modules += [m for m in attention if m not in modules]
+    recurrent = recurrent_modules(config) if config is not None else []  # linear attention's (Qwen3.5's)
+    modules += [m for m in attention + recurrent if m not in modules]
     for target in targets:
         if not any(_matches(m, target) for m in modules):
             names = ", ".join(m.rsplit(".", 1)[-1] for m in modules)
@@ -66,20 +66,13 @@ def check_target_modules(targets: list[str], config=None) -> None:
         )
 
 
-def _check_lora_family(config) -> None:
-    """LoRA trains adapters on attention (any family's, DeepSeek's latent attention included) and MLP layers; a
-    family with linear-attention layers (Qwen3-Next, Qwen3.5) is refused in one line until their adapters are built
-    and tested."""
+def recurrent_modules(config) -> list[str]:
+    """The linear layers of a family's linear attention (Gated DeltaNet's `linear_attn.in_proj_qkv`, ...), as named in
+    its decoder layer; none for a family without linear-attention layers."""
     block = next((b for b in range(config.num_hidden_layers) if is_linear_attention(config, b)), None)
     keys = decoder_keys(config, block) if block is not None else []  # one linear layer names them all
-    recurrent = sorted(
-        k.removesuffix(".weight") for k in keys if k.startswith("linear_attn.") and k.endswith("_proj.weight")
-    )
-    if recurrent:
-        raise ValueError(
-            f"lora.enabled: LoRA training of {config.model_type} is not supported yet (its linear attention has "
-            f"{recurrent[0].rsplit('.', 1)[-1]}, which adapters are not built for); train it without LoRA"
-        )
+    modules = [k.removesuffix(".weight") for k in keys if k.startswith("linear_attn.") and k.endswith(".weight")]
+    return [m for m in modules if "proj" in m.rsplit(".", 1)[-1]]  # in_proj_qkv, out_proj (not conv1d, norm)
 
 
 def lora_tp_refusal(config) -> str | None:

@@ -32,6 +32,7 @@ TP_COLUMN_MODULES = (
     # outputs (every rank runs every head); a recurrence per head splits as attention does.
     "linear_attn.in_proj_qkvz",
     "linear_attn.in_proj_ba",
+    "linear_attn.in_proj_qkv",
     "linear_attn.in_proj_z",
     "linear_attn.in_proj_b",
     "linear_attn.in_proj_a",

@@ -224,6 +224,25 @@ def test_lora_on_latent_attention_matches_peft(hf_models, converted, tokenizer_d
 
 
 @pytest.mark.slow
+def test_lora_on_linear_attention_matches_peft(hf_models, converted, tokenizer_dir, sft_data, tmp_path):
+    """Qwen3.5 (Gated DeltaNet linear attention in layers 0-2, gated full attention in layer 3) with adapters on both
+    kinds of attention and the MLP, at PP=2 x TP=2: q/k/v in one linear-attention projection (its B split part by
+    part, its A replicated with the gradient summed over TP), z by rows, out_proj and down_proj row-parallel. 4 AdamW
+    steps with clipping equal PEFT's single-process training; the merged export equals PEFT's unmerged model."""
+    targets = ["q_proj", "v_proj", "in_proj_qkv", "in_proj_z", "out_proj", "down_proj"]
+    cfg = parity_cfg(sft_data[0])
+    cfg.lora = LoraSettings(enabled=True, r=4, alpha=8.0, target_modules=targets)
+    cfg.optim.max_grad_norm = 0.3  # this model's adapter gradients: norms 0.33-0.41, so clipping engages
+    run = tmp_path / "run"
+    lora = ["lora.enabled=true", "lora.r=4", "lora.alpha=8.0", f"lora.target_modules=[{','.join(targets)}]"]
+    check(launch(4, *overrides(cfg, converted["qwen3_5"], str(run), 2, tensor_parallel_size=2), *lora))
+    ours = assert_matches_peft(run, cfg, hf_models["qwen3_5"], tokenizer_dir, dp=1)
+    # 3 linear-attention layers (in_proj_qkv, in_proj_z, out_proj, down_proj), 1 full (q_proj, v_proj, down_proj)
+    assert len(ours) == (3 * 4 + 3) * 2
+    assert_merged_export_is_peft(run, hf_models["qwen3_5"], ours, targets, tmp_path / "merged")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["gqa", *FAMILY_VARIANTS])
 def test_merge_peft_adapter_directory_into_checkpoint_or_hf(variant, hf_models, converted, tmp_path):
     """A PEFT adapter directory merged into a pipeline checkpoint or an HF directory gives PEFT's logits (with experts:

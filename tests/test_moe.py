@@ -360,7 +360,11 @@ def test_llama4_routed_experts_equal_transformers_dense_block():
             ["lora.enabled=true", "lora.target_modules=[kv_b_proj]", "tensor_parallel_size=2"],
             "lora.enabled with tensor_parallel_size=2: LoRA on deepseek_v3's latent attention",
         ),
-        ("qwen3_next", ["lora.enabled=true"], "lora.enabled: LoRA training of qwen3_next is not supported yet"),
+        (
+            "qwen3_next",
+            ["lora.enabled=true", "lora.target_modules=[q_proj,gate_proj]"],
+            "lora.target_modules: 'gate_proj' would also adapt the shared expert of every sparse block (qwen3_next)",
+        ),
         (
             "glm4_moe",
             ["lora.enabled=true", "moe.bias_update_rate=0.001"],
@@ -369,9 +373,9 @@ def test_llama4_routed_experts_equal_transformers_dense_block():
     ],
 )
 def test_what_a_family_cannot_run_is_refused_in_one_line(model_type, extra, message, tmp_path):
-    """Qwen3-Next's recurrence runs along the whole row (no packed documents, no context parallelism); its
-    tensor-parallel split is not built; gpt-oss's sinks have no SDPA, and its experts' down biases (whole on every TP
-    rank) no norm that counts them once under TP x EP. One line naming the key."""
+    """Qwen3-Next's recurrence runs along the whole row (no packed documents, no context parallelism); LoRA on its
+    MLP targets would adapt the shared experts; gpt-oss's sinks have no SDPA, and its experts' down biases (whole on
+    every TP rank) no norm that counts them once under TP x EP. One line naming the key."""
     from tests.catalogue import config_error
 
     tiny_config(model_type).save_pretrained(tmp_path / "m")

@@ -366,6 +366,18 @@ CLAIMS = (
         figure=1.22e-6,
     ),
     Claim(
+        says="losses within 1e-5 of PEFT's single-process training, grad norms within 1e-4, adapters within 1% of lr",
+        test=held.PEFT,
+        holds="torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=0.01 * cfg.learning_rate)",
+        bound=3e-5,
+    ),
+    Claim(
+        says="the merged export gives PEFT's logits within 1e-5",
+        test="tests/test_lora.py::assert_merged_export_is_peft",
+        holds="merged(ids).logits, peft_model(hf_dir, adapters, targets)(ids).logits, rtol=1e-5, atol=1e-5",
+        bound=1e-5,
+    ),
+    Claim(
         says="the parity launch's TP=2 layouts, Qwen3-Next's among them, within 5.07e-7 over 372 checks",
         test=held.PARITY,
         holds=held.PARITY_2E6,
