@@ -70,7 +70,7 @@ def copy_side_files(src_dir: str, dst_dir: str, dtype: str | None, model_files_o
 
 
 def text_model_config(config_path: str) -> None:
-    """A container checkpoint's config.json (models/families.py `CONTAINERS`) replaced by its text model's: what
+    """A container checkpoint's config.json (models/families/ `CONTAINERS`) replaced by its text model's: what
     conversion takes of it, and what an export of the trained model is."""
     from models.config import text_config_json
 

@@ -57,7 +57,7 @@ KEY_TABLE: dict[str, dict[str, str]] = {
 _NORMS = {f"{n}.weight" for family in FAMILIES.values() for n in family.norms}
 KEY_TABLE[DECODER] |= {key: "model.layers.{}." + key for key in sorted(_NORMS)}
 
-# Mixture-of-experts blocks (models/families.py `MoeSpec`): our layer files keep the hub's keys, one per expert
+# Mixture-of-experts blocks (models/families/ `MoeSpec`): our layer files keep the hub's keys, one per expert
 # ("{e}" stands for the expert number), and models/moe.py stacks them into transformers' fused in-memory
 # parameters at load (and back at save). {hub_block}: the family's `MoeSpec.hub_block`.
 MOE_KEYS: dict[str, str] = {

@@ -1,5 +1,5 @@
 """Pipeline layers: self-contained modules with a fixed tuple signature, built on each family's transformers
-classes (models/families.py: LLaMA, Mistral, Qwen2, Qwen3).
+classes (models/families/: the registry, one module per family, dense and mixture-of-experts).
 
 Data flow through one micro-batch (B = micro-batch size, S = sequence length, H = hidden size):
 

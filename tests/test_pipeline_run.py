@@ -65,7 +65,7 @@ def test_each_rank_builds_and_reads_only_its_stage(num_stages, records, sft_data
         files = {layer_file_name(i) for i in r["local_layers"]}
         assert set(r["files_loaded"]) == files, r  # its own layer files, each once, nothing else
         assert len(r["files_loaded"]) == len(files)
-        assert r["steps"] == 3
+        assert r["steps"] == 3 and r["shm_op"] is False  # (training/distributed.py `_without_shm_all_reduce`)
         middle = 0 < r["stage"] < num_stages - 1
         if middle:
             assert r["data_opens"] == [] and r["rows"] == {} and r["dataset"] == "PlaceholderDataset", r

@@ -10,7 +10,6 @@ whether any rank failed, and all raise the same one-line RunError.
 from __future__ import annotations
 
 import contextlib
-import glob
 import logging
 import os
 import socket
@@ -77,8 +76,8 @@ def init_distributed(
         store.set_timeout(timeout)
         backend = get_accelerator().communication_backend_name()
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        _without_shm_all_reduce()
         deepspeed.init_distributed(timeout=timeout, verbose=False)  # DeepSpeed's side of the group made above
-        release_shm_buffers()
         _CONTROL[:] = [dist.new_group(backend="gloo")]
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -97,19 +96,18 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def release_shm_buffers() -> None:
-    """Unlink this rank's DeepSpeed CPU all-reduce buffer from /dev/shm once every rank has mapped it.
+def _without_shm_all_reduce() -> None:
+    """Keep DeepSpeed from building its CPU shared-memory all-reduce op (`deepspeed_shm_comm`).
 
-    NOTE: DeepSpeed's CPU `deepspeed_shm_comm` op creates a 66 MB /dev/shm segment per rank
-    (`deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`) and never unlinks it, so every run
-    leaves world_size x 66 MB of RAM behind (22 GB after one afternoon of test runs). The mappings
-    stay valid after unlinking and the memory is freed when the processes exit.
+    NOTE: the op serves DeepSpeed's inference kernels only (`inference_all_reduce`); training's collectives go
+    through the process group. Left "compatible", `deepspeed.init_distributed` JIT-compiles it with the machine's
+    C++ compiler on every CPU rank (30-60 s at a machine's first launch, every rank waiting on the build lock, and
+    again whenever another ninja or another path to the environment built it last), then maps a 66 MB /dev/shm
+    segment per rank that it never unlinks. Marked incompatible, it is neither built nor mapped.
     """
-    dist.barrier()  # every rank has opened every other rank's segment inside init_distributed
-    port, rank = os.environ.get("MASTER_PORT", ""), dist.get_rank()
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_{rank}"):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def agree(error: str | None) -> None:

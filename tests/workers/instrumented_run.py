@@ -13,6 +13,7 @@ import os
 import sys
 
 import torch
+from deepspeed import comm as deepspeed_comm
 
 from data import dataset as dataset_mod
 from models import layers as layers_mod
@@ -100,6 +101,7 @@ def main():
         dataset=type(run.train_set).__name__,
         from_cache=getattr(run.train_set, "from_cache", None),
         local_layers=list(run.engine.module.local_layer_indices()),
+        shm_op=deepspeed_comm.cdb.shm_comm_op is not None,  # DeepSpeed's CPU shared-memory all-reduce, unbuilt
     )
     with open(os.path.join(out_dir, f"rank{rec['rank']}.json"), "w") as f:
         json.dump(rec, f)
