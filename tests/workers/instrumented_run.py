@@ -13,7 +13,7 @@ import os
 import sys
 
 import torch
-from deepspeed import comm as deepspeed_comm
+from deepspeed.comm import comm as deepspeed_comm  # (its `cdb`: the backend made by init_distributed)
 
 from data import dataset as dataset_mod
 from models import layers as layers_mod
@@ -89,6 +89,7 @@ def main():
     trainer = Trainer(cfg)
     stage_module.append(trainer.assembled.engine.module)
     loaded_at_start = list(rec["files_loaded"])  # later loads: the manifest of a save reads shapes
+    rec["shm_op"] = deepspeed_comm.cdb.shm_comm_op is not None  # DeepSpeed's CPU shared-memory all-reduce: unbuilt
     trainer.run()
     rec["files_loaded"] = loaded_at_start
     builtins.open = _open
@@ -101,7 +102,6 @@ def main():
         dataset=type(run.train_set).__name__,
         from_cache=getattr(run.train_set, "from_cache", None),
         local_layers=list(run.engine.module.local_layer_indices()),
-        shm_op=deepspeed_comm.cdb.shm_comm_op is not None,  # DeepSpeed's CPU shared-memory all-reduce, unbuilt
     )
     with open(os.path.join(out_dir, f"rank{rec['rank']}.json"), "w") as f:
         json.dump(rec, f)
