@@ -107,7 +107,7 @@ def universal_info(config, tp_size: int = 1) -> dict:
     from models.moe import param_name_of
     from models.pipe_layout import DECODER, TIED_PARAM, pipe_layers
     from models.sharding import REPLICA, ROW, VOCAB, parts_rule
-    from models.tp_rules import tp_split
+    from models.tp_rules import fused_parts_shape, tp_split
 
     rules = {}
     for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):
@@ -137,14 +137,11 @@ def universal_info(config, tp_size: int = 1) -> dict:
     fused = {name: rule for name, rule in rules.items() if rule.startswith("parts:") and rule != parts_rule(1, 1)}
     if fused:
         info[c.PARAMETER_WITH_SUB_PARAMS], info[c.SUB_PARAM_SHARD_WIDTHS] = [], {}
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv = config.num_key_value_heads * head_dim
-        for name in fused:  # q/k/v: rows per part are heads x head_dim
-            rows = (config.num_attention_heads * head_dim, kv, kv)
-            shape = (rows, config.hidden_size) if name.endswith("weight") else (rows,)
+        for name in fused:  # q/k/v (attention's, linear attention's): each part's rows, then the other dims
+            shape = fused_parts_shape(name.split(".", 1)[1], config)
             pattern = f"^{re.escape(name)}$"
             info[c.PARAMETER_WITH_SUB_PARAMS].append(dict(patterns=[pattern], shape=shape, partition_dim=0))
-            info[c.SUB_PARAM_SHARD_WIDTHS][pattern] = [[r // tp_size] * tp_size for r in rows]
+            info[c.SUB_PARAM_SHARD_WIDTHS][pattern] = [[r // tp_size] * tp_size for r in shape[0]]
     info[c.ORIGINAL_VOCAB_SIZE] = config.vocab_size
     if config.tie_word_embeddings:
         info[c.PIPELINE_REPLICATED_PARAMETER_PATTERNS] = [f"^{re.escape(TIED_PARAM)}$"]

@@ -94,6 +94,22 @@ def _fused_rule(module: str, key: str, config) -> str | None:
     return parts_rule(1, 1) if module == FUSED_GATE_UP_PROJ else None
 
 
+def fused_parts_shape(key: str, config) -> tuple:
+    """The shape of a decoder key whose rule is a fused projection's parts (other than gate/up's halves), the parts'
+    rows as a tuple in dim 0 (DeepSpeed's sub-parameter shape): q/k/v by heads x head_dim, linear attention's q, k
+    and v channels; the projection's input columns, or the depthwise convolution's [1, kernel]."""
+    module, param = key.rsplit(".", 1)
+    if module in LINEAR_PARTS:
+        k = config.linear_num_key_heads * config.linear_key_head_dim
+        rows = (k, k, config.linear_num_value_heads * config.linear_value_head_dim)
+        rest = (1, config.linear_conv_kernel_dim) if module.endswith("conv1d") else (config.hidden_size,)
+    else:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv = config.num_key_value_heads * head_dim
+        rows, rest = (config.num_attention_heads * head_dim, kv, kv), (config.hidden_size,)
+    return (rows, *rest) if param == "weight" else (rows,)
+
+
 def tp_split(kind: str, key: str, config=None) -> str:
     """How `key` of a layer of `kind` splits (see models/sharding.py): COLUMN, ROW, VOCAB, REPLICA, a fused
     expert rule, or a fused projection's parts (`config`: the model's, which q/k/v in one projection and q/k norms

@@ -28,7 +28,10 @@ pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 
 @pytest.mark.parametrize(
     "precision,variant",
-    [("fp32", "tied"), ("bf16_zero1", "tied"), ("fp32", "qwen3_moe"), ("fp32", "phi3"), ("bf16_zero1", "phi3")],
+    [
+        *(("fp32", "tied"), ("bf16_zero1", "tied"), ("fp32", "qwen3_moe"), ("fp32", "phi3"), ("bf16_zero1", "phi3")),
+        ("bf16_zero1", "qwen3_5"),
+    ],
 )
 def test_resume_moves_across_tp_and_pp(precision, variant, converted, sft_data, tmp_path, tmp_path_factory):
     """Saved with PP=2 x TP=2 (sequence parallel) at step 3 of 6, resumed as PP=2 x TP=1 (2 ranks), PP=4 x TP=1
@@ -39,7 +42,9 @@ def test_resume_moves_across_tp_and_pp(precision, variant, converted, sft_data, 
     moments merged and split by their own rules (each rank's gate rows then its up rows), the load-balancing loss
     on; it moves at step 2 of 4 of its layout run in test_training_matches_single_process_reference (with the
     chunked vocab-parallel loss). Phi-3: its fused q/k/v (by heads) and gate/up (by halves) projections' weights and
-    Adam moments merged and split part by part, by name (fp32) and through DeepSpeed's sub-parameters (bf16)."""
+    Adam moments merged and split part by part, by name (fp32) and through DeepSpeed's sub-parameters (bf16).
+    Qwen3.5 (bf16): linear attention's q/k/v projection and depthwise convolution as sub-parameters of their own
+    widths and shapes."""
     from transformers import AutoConfig
 
     if variant == "qwen3_moe":

@@ -106,7 +106,10 @@ def _without_shm_all_reduce() -> None:
     segment per rank that it never unlinks. Marked incompatible, it is neither built nor mapped.
     """
     import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
 
+    if get_accelerator().create_op_builder("ShareMemCommBuilder") is None:  # (CUDA: none, and no probe of the ops)
+        return
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
