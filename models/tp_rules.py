@@ -80,34 +80,34 @@ _LORA_KEY = re.compile(r"(.+)\.lora_([AB])\.[^.]+\.weight")
 _LORA_SPLIT = {(COLUMN, "A"): REPLICA, (COLUMN, "B"): COLUMN, (ROW, "A"): ROW, (ROW, "B"): REPLICA}
 
 
-def _fused_rule(module: str, key: str, config) -> str | None:
-    """The parts rule of a fused projection (`Family.fused_qkv`, `fused_gate_up`, linear attention's q/k/v), or None
-    for any other module: q/k/v by heads (the config's, so it is needed), gate and up by halves."""
-    if module in (FUSED_QKV, *LINEAR_PARTS) and config is None:
-        raise ValueError(f"{key}: the split of a fused q/k/v projection needs the model's config")
-    if module == FUSED_QKV:
-        kv = config.num_key_value_heads
-        return parts_rule(config.num_attention_heads, kv, kv)
+def _qkv_rows(module: str, config) -> tuple[int, int, int]:
+    """The rows of q, k and v in a fused q/k/v tensor (`Family.fused_qkv`'s projection: heads x head_dim; linear
+    attention's projection and depthwise convolution: its key and value channels)."""
     if module in LINEAR_PARTS:
         k = config.linear_num_key_heads * config.linear_key_head_dim
-        return parts_rule(k, k, config.linear_num_value_heads * config.linear_value_head_dim)
+        return k, k, config.linear_num_value_heads * config.linear_value_head_dim
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+    return config.num_attention_heads * head_dim, kv, kv
+
+
+def _fused_rule(module: str, key: str, config) -> str | None:
+    """The parts rule of a fused projection (`Family.fused_qkv`, `fused_gate_up`, linear attention's q/k/v), or None
+    for any other module: q/k/v by their rows (the config's, so it is needed), gate and up by halves."""
+    if module in (FUSED_QKV, *LINEAR_PARTS):
+        if config is None:
+            raise ValueError(f"{key}: the split of a fused q/k/v projection needs the model's config")
+        return parts_rule(*_qkv_rows(module, config))
     return parts_rule(1, 1) if module == FUSED_GATE_UP_PROJ else None
 
 
 def fused_parts_shape(key: str, config) -> tuple:
-    """The shape of a decoder key whose rule is a fused projection's parts (other than gate/up's halves), the parts'
-    rows as a tuple in dim 0 (DeepSpeed's sub-parameter shape): q/k/v by heads x head_dim, linear attention's q, k
-    and v channels; the projection's input columns, or the depthwise convolution's [1, kernel]."""
+    """The shape of a decoder key whose rule is a fused q/k/v's parts, the parts' rows as a tuple in dim 0
+    (DeepSpeed's sub-parameter shape), then the projection's input columns or the depthwise convolution's
+    [1, kernel]."""
     module, param = key.rsplit(".", 1)
-    if module in LINEAR_PARTS:
-        k = config.linear_num_key_heads * config.linear_key_head_dim
-        rows = (k, k, config.linear_num_value_heads * config.linear_value_head_dim)
-        rest = (1, config.linear_conv_kernel_dim) if module.endswith("conv1d") else (config.hidden_size,)
-    else:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv = config.num_key_value_heads * head_dim
-        rows, rest = (config.num_attention_heads * head_dim, kv, kv), (config.hidden_size,)
-    return (rows, *rest) if param == "weight" else (rows,)
+    rest = (1, config.linear_conv_kernel_dim) if module == "linear_attn.conv1d" else (config.hidden_size,)
+    return (_qkv_rows(module, config), *rest) if param == "weight" else (_qkv_rows(module, config),)
 
 
 def tp_split(kind: str, key: str, config=None) -> str:
