@@ -112,7 +112,12 @@ def test_sigkill_during_saves_then_resume_auto(converted, sft_data, tmp_path):
         # Wait for this launch to have resumed (it removed what the last kill left), then for its next save.
         while proc.poll() is None and not ("resumed from" in log.read_text() or "starting fresh" in log.read_text()):
             time.sleep(0.05)
-        while proc.poll() is None and not saving_after(out, done):
+        # Every other launch first lets one save be published: on a loaded machine a save can outlast the random
+        # delay below every time, and each kill inside the first save would resume from the same step again (a full
+        # suite run saw resumes from steps 3 and 4 only).
+        while kills % 2 == 0 and proc.poll() is None and not (out / f"global_step{done + 1}").exists():
+            time.sleep(0.005)
+        while proc.poll() is None and not saving_after(out, done + (kills % 2 == 0)):
             time.sleep(0.005)
         # Somewhere in the save, the rename, `latest`, retention (half the trials) or up to a step later.
         time.sleep(rng.uniform(0.0, 0.05 if kills % 2 else 0.25))
