@@ -15,7 +15,8 @@ def _all_gather_sequence(x: torch.Tensor, tp) -> torch.Tensor:
     """[B, S/T, ...] on each rank -> [B, S, ...], the ranks' shards in rank order."""
     x = x.contiguous()
     out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # [T*B, S/T, ...]
-    dist.all_gather_into_tensor(out, x, group=tp.group)
+    if not x.is_meta:  # on the meta device only shapes are planned (tools/activation_bytes.py)
+        dist.all_gather_into_tensor(out, x, group=tp.group)
     out = out.view(tp.size, *x.shape).transpose(0, 1)  # [B, T, S/T, ...]
     return out.reshape(x.shape[0], tp.size * x.shape[1], *x.shape[2:])
 
@@ -25,7 +26,8 @@ def _reduce_scatter_sequence(x: torch.Tensor, tp) -> torch.Tensor:
     b, s = x.shape[:2]
     pieces = x.reshape(b, tp.size, s // tp.size, *x.shape[2:]).transpose(0, 1).contiguous()  # [T, B, S/T, ...]
     out = torch.empty(pieces.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, pieces.view(tp.size * b, *pieces.shape[2:]), group=tp.group)
+    if not x.is_meta:
+        dist.reduce_scatter_tensor(out, pieces.view(tp.size * b, *pieces.shape[2:]), group=tp.group)
     return out
 
 

@@ -32,6 +32,13 @@ class TensorParallel:
         return self.sequence_parallel and self.size > 1
 
 
+def all_reduce(x: torch.Tensor, tp: TensorParallel) -> None:
+    """Sum `x` over the TP group in place. On the meta device tensors have shapes only and nothing is sent: the
+    memory planner runs this rank's split blocks there (tools/activation_bytes.py)."""
+    if not x.is_meta:
+        dist.all_reduce(x, group=tp.group)
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp):
@@ -49,7 +56,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp):
         x = x.contiguous().clone()
-        dist.all_reduce(x, group=tp.group)
+        all_reduce(x, tp)
         return x
 
     @staticmethod
@@ -99,11 +106,11 @@ class SumOverTP(torch.autograd.Function):
     def forward(ctx, x, tp):
         ctx.tp = tp
         x = x.contiguous().clone()
-        dist.all_reduce(x, group=tp.group)
+        all_reduce(x, tp)
         return x
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.tp.group)
+        all_reduce(grad, ctx.tp)
         return grad, None

@@ -4,7 +4,12 @@ tests/test_memory_estimate.py."""
 
 from __future__ import annotations
 
-from models.families import family_of, is_sparse_layer
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from models.families import family_of, is_linear_attention, is_sparse_layer
 
 
 def norm_bytes(h: int, act_bytes: int) -> int:
@@ -19,11 +24,12 @@ def sharded_norm_bytes(h: int, act_bytes: int, shards: int) -> float:
     return (norm_bytes(h, act_bytes) - h * act_bytes) / shards + h * act_bytes
 
 
-def sparse_mlp_bytes(config, tp: int, act_bytes: int, routed: bool = False) -> float:
-    """Per token, what a sparse block saves (models/moe.py), in place of the dense MLP's 4 x intermediate: for each
-    of its k routed copies the gathered row and the expert's output (2h) and the expert's gate, up, act(gate) and
-    down's input (4 x the expert width, split over TP); the router's logits and probabilities and the top-k
-    (fp32); a shared expert's four MLP tensors and its gated output. Measured on Mixtral and Qwen2-MoE blocks
+def sparse_mlp_bytes(config, tp: int, act_bytes: int, routed: bool = False, gate_bytes: float | None = None) -> float:
+    """Per token, what a sparse block saves (models/moe.py), in place of the dense MLP: for each of its k routed
+    copies the gathered row and the expert's output (2h) and what the expert's gate keeps (`gate_bytes`, measured
+    by `measured_block_bytes` on the family's own gate: gate/up, act(gate) and down's input, 4 x the expert width
+    split over TP, for SwiGLU; more for gpt-oss's clamped one); the router's logits and probabilities and the top-k
+    (fp32); a shared expert's four MLP tensors and its gated output. Measured on every family's blocks
     (tests/test_memory_estimate.py). Llama 4's block as transformers runs it runs every expert on every token, so it
     keeps E copies, not k, unless its experts run on their `routed` tokens only (`moe.routed_experts`, or expert
     parallelism)."""
@@ -31,7 +37,8 @@ def sparse_mlp_bytes(config, tp: int, act_bytes: int, routed: bool = False) -> f
     experts, k, h = getattr(config, moe.num_experts), config.num_experts_per_tok, config.hidden_size
     width = getattr(config, moe.expert_size)
     copies = experts if moe.scaled_inputs and not routed else k
-    per_token = copies * (2 * h + 4 * width / tp) * act_bytes + (2 * experts + 2 * k + 10) * 4
+    gate = 4 * width / tp * act_bytes if gate_bytes is None else gate_bytes
+    per_token = copies * (2 * h * act_bytes + gate) + (2 * experts + 2 * k + 10) * 4
     if moe.shared_expert:
         shared = getattr(config, "shared_expert_intermediate_size", None) or width  # Llama 4's: the experts' width
         per_token += (4 * shared / tp + h) * act_bytes + 4
@@ -40,6 +47,7 @@ def sparse_mlp_bytes(config, tp: int, act_bytes: int, routed: bool = False) -> f
 
 def layer_activation_bytes(
     config,
+    block: int,
     b: int,
     s: int,
     tp: int,
@@ -47,41 +55,188 @@ def layer_activation_bytes(
     attn: str,
     packed: bool,
     sp: bool = False,
-    sparse: bool = False,
     routed: bool = False,
     row: int | None = None,
     tiled: bool = False,
 ) -> float:
-    """Bytes one decoder block keeps for backward per micro-batch (tensors autograd saves, counted once).
+    """Bytes decoder block `block` keeps for backward per micro-batch (tensors autograd saves, counted once).
 
-    Counted from what the HF LLaMA block saves (tests/test_memory_estimate.py measures it with
-    `torch.autograd.graph.saved_tensors_hooks`), per token: each RMSNorm `norm_bytes`; RoPE cos/sin
-    2 x head_dim; attention q, k, v after RoPE, the SDPA/flash output rows and o_proj's input:
-    2h + 2 x kv_dim, plus the log-sum-exp per head (fp32); SwiGLU gate, up, act(gate) and down's input:
-    4 x intermediate (a sparse block: `sparse_mlp_bytes`). Tensor parallelism divides attention and MLP, not the
-    norms or RoPE; sequence
-    parallelism (`sp`) divides the norms' own tensors too (`sharded_norm_bytes`). Eager
-    attention adds the probabilities (heads x S per token); packed rows on SDPA/eager add the mask
-    (S per token); flash-attn keeps neither (Korthikanti et al.'s sbh(34 + 5as/h), specialised to LLaMA).
-    Context parallelism: `s` is this rank's S/C positions of a `row` of S; Ulysses' attention holds all S positions
-    of heads / C, the same bytes as S/C positions of every head, but eager's probabilities (heads / C x S x S) and
-    the whole row's mask (S x S) grow with the row, not the shard. A `tiled` dense MLP (`model.mlp_tiles`) keeps
-    only its input, which the norm's count already holds.
-    """
+    Measured, not modelled: transformers' own block of the family (this TP rank's split of it, `tp` > 1, with
+    sequence parallelism when `sp`) runs one row of `s` positions on the meta device (`measured_block_bytes`), so
+    every family's norms, q/k norms, fused projections, latent attention and linear-attention recurrence count as
+    they are. Three parts stand in for what the meta device cannot run or a GPU runs otherwise, and are counted
+    here: attention's kernel keeps q, k, v, its output and the log-sum-exp per head (flash-attn's and SDPA's fused
+    kernels; eager attention adds the probabilities, heads x S per token; packed rows on SDPA/eager add the mask,
+    S per token); a sparse block's experts and router (`sparse_mlp_bytes`); a `tiled` dense MLP
+    (`model.mlp_tiles`) keeps only its input. Context parallelism: `s` is this rank's S/C positions of a `row` of
+    S; Ulysses' attention holds all S positions of heads / C, the same bytes as S/C positions of every head, but
+    eager's probabilities (heads / C x S x S) and the whole row's mask (S x S) grow with the row, not the shard.
+    Linear attention counts transformers' pure-torch recurrence (fused kernels keep less)."""
     row = row or s
-    h, heads, inter = config.hidden_size, config.num_attention_heads, getattr(config, family_of(config).dense_size)
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    kv_dim = config.num_key_value_heads * head_dim
-    per_token = 2 * sharded_norm_bytes(h, act_bytes, tp if sp else 1) + 2 * head_dim * act_bytes
-    mlp = 0 if sparse or tiled else 4 * inter * act_bytes / tp
-    per_token += ((heads * head_dim + h + 2 * kv_dim) * act_bytes + heads * 4) / tp + mlp
+    heads = config.num_attention_heads
+    sparse = is_sparse_layer(config, block)
+    block_bytes, gate_bytes = measured_block_bytes(config, block, s, tp, sp, act_bytes, tiled)
+    per_token = block_bytes / s
     if sparse:  # a sparse block (`sparse_mlp_bytes`): the experts' and the router's tensors
-        per_token += sparse_mlp_bytes(config, tp, act_bytes, routed)
-    if attn == "eager":
-        per_token += heads / tp * row * act_bytes
-    if packed and attn != "flash_attention_2":
-        per_token += row * (row / s) * act_bytes
+        per_token += sparse_mlp_bytes(config, tp, act_bytes, routed, gate_bytes)
+    if not is_linear_attention(config, block):
+        if attn == "eager":
+            per_token += heads / tp * row * act_bytes
+        if packed and attn != "flash_attention_2":
+            per_token += row * (row / s) * act_bytes
     return b * s * per_token
+
+
+_MEASURED: dict[tuple, tuple] = {}  # (id(config), ...) -> (the config, kept alive; what it measured)
+
+
+def measured_block_bytes(
+    config, block: int, s: int, tp: int, sp: bool, act_bytes: int, tiled: bool
+) -> tuple[int, float | None]:
+    """(Bytes decoder block `block` of a model of `config` saves for backward on one row of `s` positions, and for
+    a sparse block the bytes its experts' gate keeps per routed token), run on the meta device in the compute dtype
+    (fp32 or bf16): transformers' block (this rank's TP split of it), with attention's kernel and a sparse block (or
+    a tiled MLP) standing in as `layer_activation_bytes` says. Cached per config and shape: a planner's search asks
+    for the same blocks many times."""
+    from models.layers import DecoderOptions, build_layer
+    from models.pipe_layout import block_of, pipe_layers
+    from models.tensor_parallel import TensorParallel, tp_layer_class_and_args
+
+    key = (id(config), block, s, tp, sp, act_bytes, tiled)
+    if key in _MEASURED:
+        return _MEASURED[key][1]
+    dtype = torch.float32 if act_bytes == 4 else torch.bfloat16
+    n = config.num_hidden_layers
+    layer = next(x for x in pipe_layers(n, False) if block_of(x.index, n) == block)
+    with torch.device("meta"):
+        if tp > 1:
+            cls, args = tp_layer_class_and_args(layer, config, TensorParallel(tp, 0, sequence_parallel=sp))
+            module = cls(*args).to(dtype)
+        else:
+            module = build_layer(layer, config, DecoderOptions()).to(dtype)
+    attention = getattr(module, "self_attn", None)
+    if attention is not None:  # its kernel: what flash-attn and SDPA's fused kernels keep
+        register_fused_kernel()
+        attention.config = copy.copy(attention.config)
+        attention.config._attn_implementation = FUSED_KERNEL
+    moe = family_of(config).moe
+    stand_in = is_sparse_layer(config, block) or tiled
+    experts = getattr(getattr(module, moe.block), "experts", None) if is_sparse_layer(config, block) else None
+    gate_bytes = _gate_bytes(experts, dtype) if experts is not None else None
+    shard = s // tp if sp and tp > 1 else s
+    hidden = torch.empty(1, shard, config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+    positions = torch.arange(s, device="meta").view(1, s)
+    # A sparse block returns its output alone, or with its router's logits (Llama 4's, gpt-oss's): whichever the
+    # family's layer takes.
+    for as_tuple in (False, True) if stand_in else (False,):
+        if stand_in:
+            setattr(module, moe.block if moe is not None else "mlp", _KeepsInput(as_tuple, shard))
+        # NOTE: the storages of the module's own tensors, taken now: a storage freed with a replaced block may be
+        # reused by an activation (on the meta device tensors are told apart by their storage's address).
+        held = {t.untyped_storage()._cdata for t in [*module.parameters(), *module.buffers()]}
+        saved: dict[int, int] = {}
+
+        def pack(t, saved=saved, held=held):
+            storage = t.untyped_storage()
+            if storage._cdata not in held:
+                saved[storage._cdata] = storage.nbytes()
+            return t
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                module._block(hidden, positions)
+            break
+        except (TypeError, ValueError):
+            if as_tuple or not stand_in:
+                raise
+    _MEASURED[key] = (config, (sum(saved.values()), gate_bytes))
+    return _MEASURED[key][1]
+
+
+def _gate_bytes(experts: torch.nn.Module, dtype) -> float | None:
+    """Bytes an experts module's gate (transformers' `_apply_gate`: SwiGLU, gpt-oss's clamped SwiGLU) keeps per
+    routed token, its input (gate and up) and its output (down's input) included; None where the module has no
+    gate of transformers' experts interface."""
+    gate_up = getattr(experts, "gate_up_proj", None)
+    if gate_up is None or not hasattr(experts, "_apply_gate"):
+        return None
+    width = gate_up.shape[-1] if getattr(experts, "is_transposed", False) else gate_up.shape[-2]  # 2 x this rank's
+    tokens = 64
+    x = torch.empty(tokens, width, dtype=dtype, device="meta", requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    pack(x)  # gate and up: the up projection's output, which it keeps
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = experts._apply_gate(x)
+        _SavesInput.apply(out.unsqueeze(0), tokens)  # down's input
+    return sum(saved.values()) / tokens
+
+
+FUSED_KERNEL = "planner_fused_kernel"  # a transformers attention implementation (`register_fused_kernel`)
+
+
+def register_fused_kernel() -> None:
+    """Make FUSED_KERNEL an attention implementation of transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(FUSED_KERNEL, _kernel)
+
+
+def _kernel(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Causal attention keeping for backward what flash-attn and SDPA's fused kernels keep: [B, S, heads, Dv]. For
+    the meta device (the planner) and for tests that hold the planner to tensors on the CPU, whose SDPA falls back
+    to its math path where query and value heads differ (MLA). Masks other than causal are not applied."""
+    return _FusedKernelSaves.apply(query, key, value, scaling), None
+
+
+class _FusedKernelSaves(torch.autograd.Function):
+    """What a fused attention kernel keeps for backward: q, k and v as given (GQA's k and v not repeated), its output
+    (which is o_proj's input) and the log-sum-exp per head and position (fp32)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scaling):
+        batch, heads, seq = q.shape[:3]
+        if q.is_meta:
+            out = q.new_empty(batch, seq, heads, v.shape[-1])
+        else:
+            groups = heads // k.shape[1]
+            keys, values = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scaling)
+            out = out.transpose(1, 2).contiguous()
+        ctx.save_for_backward(q, k, v, out, q.new_empty(batch, heads, seq, dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("a stand-in for measuring the memory planner's saved bytes")
+
+
+class _KeepsInput(torch.nn.Module):
+    """A sparse block (or a tiled MLP) on the meta device: keeps its input for backward, as the router's matmul and
+    a tiled MLP do; what else a sparse block keeps is `sparse_mlp_bytes`."""
+
+    def __init__(self, as_tuple: bool, positions: int):
+        super().__init__()
+        self.as_tuple, self.positions = as_tuple, positions  # the residual's (this rank's under SP)
+
+    def forward(self, x):
+        out = _SavesInput.apply(x, self.positions)
+        return (out, None) if self.as_tuple else out
+
+
+class _SavesInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, positions):
+        ctx.save_for_backward(x)
+        return x.new_empty(x.shape[0], positions, x.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("a stand-in for measuring the memory planner's saved bytes")
 
 
 def stage_activation_bytes(
@@ -110,11 +265,11 @@ def stage_activation_bytes(
     from models.pipe_layout import EMBED, NORM, block_of, pipe_layers
     from models.tensor_parallel import TensorParallel, vocab_parallel
 
-    moe = family_of(config).moe is not None
-
     n = config.num_hidden_layers
-    per_layer = layer_activation_bytes(config, b, s, tp, act_bytes, attn, packed, sp, row=row, tiled=tiled)
-    per_sparse = layer_activation_bytes(config, b, s, tp, act_bytes, attn, packed, sp, True, routed, row) if moe else 0
+
+    def own_bytes(block: int) -> float:
+        return layer_activation_bytes(config, block, b, s, tp, act_bytes, attn, packed, sp, routed, row, tiled)
+
     shards = tp if sp else 1  # positions of the residual stream per rank: s / shards
     split_vocab = vocab_parallel(config, TensorParallel(tp, 0, vocab_multiple))
     kept, live = 0.0, 0.0
@@ -124,7 +279,7 @@ def stage_activation_bytes(
         kept += b * (row or s) * 8
     for index in layers:
         block = block_of(index, n)
-        own = per_sparse if block is not None and is_sparse_layer(config, block) else per_layer
+        own = own_bytes(block) if block is not None else 0.0
         if index in recomputed:
             kept, live = kept + b * s * config.hidden_size * act_bytes / shards, max(live, own)
         elif block is not None:
