@@ -4,7 +4,10 @@ tests/test_memory_estimate.py."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -66,21 +69,23 @@ def layer_activation_bytes(
     every family's norms, q/k norms, fused projections, latent attention and linear-attention recurrence count as
     they are. Three parts stand in for what the meta device cannot run or a GPU runs otherwise, and are counted
     here: attention's kernel keeps q, k, v, its output and the log-sum-exp per head (flash-attn's and SDPA's fused
-    kernels; eager attention adds the probabilities, heads x S per token; packed rows on SDPA/eager add the mask,
-    S per token); a sparse block's experts and router (`sparse_mlp_bytes`); a `tiled` dense MLP
-    (`model.mlp_tiles`) keeps only its input. Context parallelism: `s` is this rank's S/C positions of a `row` of
-    S; Ulysses' attention holds all S positions of heads / C, the same bytes as S/C positions of every head, but
-    eager's probabilities (heads / C x S x S) and the whole row's mask (S x S) grow with the row, not the shard.
+    kernels; eager attention is the family's own, measured, except under context parallelism, where its
+    probabilities count heads x S per token; packed rows on SDPA/eager add the mask, S per token); a sparse block's
+    experts and router (`sparse_mlp_bytes`); a `tiled` dense MLP (`model.mlp_tiles`) keeps only its input.
+    Context parallelism: `s` is this rank's S/C positions of a `row` of S; Ulysses' attention holds all S positions
+    of heads / C, the same bytes as S/C positions of every head, but eager's probabilities (heads / C x S x S) and
+    the whole row's mask (S x S) grow with the row, not the shard.
     Linear attention counts transformers' pure-torch recurrence (fused kernels keep less)."""
     row = row or s
     heads = config.num_attention_heads
     sparse = is_sparse_layer(config, block)
-    block_bytes, gate_bytes = measured_block_bytes(config, block, s, tp, sp, act_bytes, tiled)
+    eager = attn == "eager" and row == s  # the family's own eager attention, measured (not under CP)
+    block_bytes, gate_bytes = measured_block_bytes(config, block, s, tp, sp, act_bytes, tiled, eager)
     per_token = block_bytes / s
     if sparse:  # a sparse block (`sparse_mlp_bytes`): the experts' and the router's tensors
         per_token += sparse_mlp_bytes(config, tp, act_bytes, routed, gate_bytes)
     if not is_linear_attention(config, block):
-        if attn == "eager":
+        if attn == "eager" and not eager:
             per_token += heads / tp * row * act_bytes
         if packed and attn != "flash_attention_2":
             per_token += row * (row / s) * act_bytes
@@ -91,18 +96,19 @@ _MEASURED: dict[tuple, tuple] = {}  # (id(config), ...) -> (the config, kept ali
 
 
 def measured_block_bytes(
-    config, block: int, s: int, tp: int, sp: bool, act_bytes: int, tiled: bool
+    config, block: int, s: int, tp: int, sp: bool, act_bytes: int, tiled: bool, eager: bool = False
 ) -> tuple[int, float | None]:
     """(Bytes decoder block `block` of a model of `config` saves for backward on one row of `s` positions, and for
     a sparse block the bytes its experts' gate keeps per routed token), run on the meta device in the compute dtype
     (fp32 or bf16): transformers' block (this rank's TP split of it), with attention's kernel and a sparse block (or
-    a tiled MLP) standing in as `layer_activation_bytes` says. Cached per config and shape: a planner's search asks
-    for the same blocks many times."""
+    a tiled MLP) standing in as `layer_activation_bytes` says; `eager`: the family's own eager attention runs instead
+    (its probabilities, fp32 softmax copies and GQA's repeated keys and values counted as they are). Cached per
+    config and shape: a planner's search asks for the same blocks many times."""
     from models.layers import DecoderOptions, build_layer
     from models.pipe_layout import block_of, pipe_layers
     from models.tensor_parallel import TensorParallel, tp_layer_class_and_args
 
-    key = (id(config), block, s, tp, sp, act_bytes, tiled)
+    key = (id(config), block, s, tp, sp, act_bytes, tiled, eager)
     if key in _MEASURED:
         return _MEASURED[key][1]
     dtype = torch.float32 if act_bytes == 4 else torch.bfloat16
@@ -115,10 +121,11 @@ def measured_block_bytes(
         else:
             module = build_layer(layer, config, DecoderOptions()).to(dtype)
     attention = getattr(module, "self_attn", None)
-    if attention is not None:  # its kernel: what flash-attn and SDPA's fused kernels keep
+    if attention is not None:  # its kernel: the family's eager attention, or what fused kernels keep
         register_fused_kernel()
         attention.config = copy.copy(attention.config)
-        attention.config._attn_implementation = FUSED_KERNEL
+        attention.config._attn_implementation = "eager" if eager else FUSED_KERNEL
+        module.attn_implementation = "eager" if eager else FUSED_KERNEL  # eager: the additive mask built
     moe = family_of(config).moe
     stand_in = is_sparse_layer(config, block) or tiled
     experts = getattr(getattr(module, moe.block), "experts", None) if is_sparse_layer(config, block) else None
@@ -128,6 +135,7 @@ def measured_block_bytes(
     positions = torch.arange(s, device="meta").view(1, s)
     # A sparse block returns its output alone, or with its router's logits (Llama 4's, gpt-oss's): whichever the
     # family's layer takes.
+    first = None  # the error of the first try, raised with the second's
     for as_tuple in (False, True) if stand_in else (False,):
         if stand_in:
             setattr(module, moe.block if moe is not None else "mlp", _KeepsInput(as_tuple, shard))
@@ -143,14 +151,37 @@ def measured_block_bytes(
             return t
 
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _torch_paths(module):
                 module._block(hidden, positions)
             break
-        except (TypeError, ValueError):
-            if as_tuple or not stand_in:
+        except (TypeError, ValueError) as error:
+            if not stand_in:
                 raise
+            if as_tuple:
+                raise error from first
+            first = error
     _MEASURED[key] = (config, (sum(saved.values()), gate_bytes))
     return _MEASURED[key][1]
+
+
+@contextlib.contextmanager
+def _torch_paths(module: torch.nn.Module):
+    """Run `module`'s transformers code on its pure-torch functions: where a kernel package is installed (flash-linear-
+    attention, causal-conv1d) transformers' modeling module calls it through a wrapper of the torch function, which
+    meta tensors cannot enter. The wrapped torch function (`__wrapped__`) stands in while the block is measured."""
+    names = {type(m).__module__ for m in module.modules() if type(m).__module__.startswith("transformers.")}
+    swapped = []
+    for name in names:
+        namespace = vars(sys.modules[name])
+        for key, value in list(namespace.items()):
+            if inspect.isfunction(value) and inspect.isfunction(getattr(value, "__wrapped__", None)):
+                swapped.append((namespace, key, value))
+                namespace[key] = value.__wrapped__
+    try:
+        yield
+    finally:
+        for namespace, key, value in swapped:
+            namespace[key] = value
 
 
 def _gate_bytes(experts: torch.nn.Module, dtype) -> float | None:

@@ -59,7 +59,7 @@ CLAIMS = (
     Claim(
         says="2-3% for the three layouts named in the test",
         test=REFERENCE,
-        holds='"glm4_moe-tp2-dp2-ep2": 0.02',
+        holds='"glm4_moe-tp2-dp2-ep2": 0.03',
         bound=9e-5,
     ),
     Claim(
@@ -232,13 +232,17 @@ CLAIMS = (
         bound=0.01,
         figure=0.002,
     ),
-    Claim(says="2% for Llama 4 (-0.7%)", test=PLANNER, holds='"llama4-pp2-stage1": 0.02', bound=0.02, figure=0.007),
+    Claim(says="2% for Llama 4 (+0.2%)", test=PLANNER, holds='"llama4-pp2-stage1": 0.02', bound=0.02, figure=0.002),
     Claim(
-        says="5% with Llama 4's routed experts (-4.3%)",
+        says="5% with Llama 4's routed experts (-2.5%)",
         test=PLANNER,
         holds="tolerance.get(layout, 0.05 if routed else 0.005)",
         bound=0.05,
-        figure=0.043,
+        figure=0.025,
+    ),
+    NotAClaim(
+        says="bf16 eager with GQA -46% before eager attention was measured on the meta device",
+        why="how far the replaced count was off (measured once, by hand; the test's layout comment keeps it)",
     ),
     # 25 resume at step 2 of 4
     Claim(
