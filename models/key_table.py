@@ -66,11 +66,11 @@ MOE_KEYS: dict[str, str] = {
     "up": "{hub_block}.experts.{e}.{up}.weight",
     "down": "{hub_block}.experts.{e}.{down}.weight",
 }
-# `MoeSpec.hub_fused`: the hub keeps each layer's experts fused as transformers does, in x @ W layout.
+# `MoeSpec.hub_fused`: the hub keeps each layer's experts fused as transformers keeps them in memory.
 FUSED_MOE_KEYS: dict[str, str] = {
-    "router": "{block}.router.weight",
-    "gate_up": "{block}.experts.gate_up_proj",  # [E, H, 2I]: gate columns, then up columns
-    "down": "{block}.experts.down_proj",  # [E, I, H]
+    "router": "{block}.{router}.weight",
+    "gate_up": "{block}.experts.gate_up_proj",  # x @ W [E, H, 2I] (Llama 4, gpt-oss) or [E, 2I, H] (Mistral 4)
+    "down": "{block}.experts.down_proj",  # [E, I, H] or [E, H, I]
 }
 # HF keys that hold no weights (old checkpoints saved RoPE buffers): dropped on import.
 DROPPED_HF_KEYS: tuple[str, ...] = ("model.layers.{}.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq")
@@ -89,7 +89,7 @@ def moe_key(config, part: str, expert: int | None = None) -> str:
     (`part`: "router", "gate", "up" or "down"; with fused hub experts "router", "gate_up" or "down", no expert)."""
     moe = family_of(config).moe
     if moe.hub_fused:
-        return FUSED_MOE_KEYS[part].format(block=moe.block)
+        return FUSED_MOE_KEYS[part].format(block=moe.block, router=moe.router)
     gate, up, down = moe.expert_names
     return MOE_KEYS[part].format(hub_block=moe.hub_block, e=expert, gate=gate, up=up, down=down)
 

@@ -61,12 +61,26 @@ LAYOUTS = {
     "glm4-pp2-tp2": ("glm4", "false", 2, 2, "", 0),
     "olmo3-pp2-dp2": ("olmo3", "false", 2, 1, "", 0),
     "olmo2-pp2-tp2": ("olmo2", "false", 2, 2, "", 0),
+    # Each of those families at the other 4-rank layout too: PP=2 x DP=2 where the one above is PP=2 x TP=2 and the
+    # other way round (SmolLM3's NoPE layers, Ministral 3's scaled queries, ERNIE 4.5's interleaved RoPE and OLMo 3's
+    # local layers split by heads).
+    "gemma3-pp2-dp2": ("gemma3", "false", 2, 1, "", 0),
+    "helium-pp2-dp2": ("helium", "false", 2, 1, "", 0),
+    "seed_oss-pp2-dp2": ("seed_oss", "false", 2, 1, "", 0),
+    "olmo2-pp2-dp2": ("olmo2", "false", 2, 1, "", 0),
+    "smollm3-pp2-tp2": ("smollm3", "false", 2, 2, "", 0),
+    "ministral3-pp2-tp2": ("ministral3", "false", 2, 2, "", 0),
+    "ernie4_5-pp2-tp2": ("ernie4_5", "false", 2, 2, "", 0),
+    "olmo3-pp2-tp2": ("olmo3", "false", 2, 2, "", 0),
     # DeepSeek's router, dense first layers, shared experts: DeepSeek-V3's MLA split by heads over TP=2, its experts
     # over EP=2 across two stages, both with its score biases balanced after every step; GLM-4.5's experts over
     # TP=2 x EP=2 with sequence parallelism.
     "deepseek_v3-pp2-tp2-balanced": ("deepseek_v3", "false", 2, 2, "", 0),
     "deepseek_v3-pp2-dp2-ep2-balanced": ("deepseek_v3", "false", 2, 1, "", 0),
     "glm4_moe-tp2-dp2-ep2": ("glm4_moe", "false", 1, 2, "", 0),
+    # Mistral 4: DeepSeek-V3's MLA with position-scaled queries and a softmax router; its experts (fused on the hub)
+    # split over EP=2 across two stages.
+    "mistral4-pp2-dp2-ep2": ("mistral4", "false", 2, 1, "", 0),
     # gpt-oss (eager: its attention sinks), its experts with biases split over EP=2 across two stages, its
     # load-balancing loss on.
     "gpt_oss-pp2-dp2-ep2": ("gpt_oss", "false", 2, 1, "", 0),

@@ -59,6 +59,9 @@ FAMILY_CONFIGS = {
     "glm4_moe-qk-norm-biases": ("glm4_moe", dict(use_qk_norm=True, attention_bias=True)),
     "deepseek_v3-mla": ("deepseek_v3", dict(num_key_value_heads=4)),
     "deepseek_v3-mla-q-proj": ("deepseek_v3", dict(num_key_value_heads=4, q_lora_rank=None, rope_interleave=False)),
+    # Mistral 4: DeepSeek-V3's MLA with queries scaled by position (from position 8), a softmax router (2 groups of
+    # which 1 is chosen, weights scaled by 2.5), experts fused on the hub as in memory.
+    "mistral4-mla-scaled": ("mistral4", dict(num_key_value_heads=4)),
     # gpt-oss: attention sinks (eager), sliding (window 4) and full layers, every bias, interleaved gate/up experts
     # with biases, the router's bias, the clamped SwiGLU (limit 0.5 so it clamps at this size).
     "gpt_oss-sinks-local": ("gpt_oss", dict(swiglu_limit=0.5)),
@@ -154,7 +157,7 @@ def test_other_model_types_are_refused(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         supported = (
             "supported: deepseek_v3, ernie4_5, gemma3, gemma3_text, glm4, glm4_moe, gpt_oss, helium, kimi_k2, "
-            "kimi_k25, llama, llama4, llama4_text, ministral3, mistral, mixtral, olmo2, olmo3, phi3, qwen2, "
+            "kimi_k25, llama, llama4, llama4_text, ministral3, mistral, mistral4, mixtral, olmo2, olmo3, phi3, qwen2, "
             "qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next, seed_oss, "
             "smollm3"
         )
@@ -273,6 +276,7 @@ def test_tp_rules_agree_with_transformers_tp_plan(model_type):
             "olmo3": {"self_attn.q_norm.weight", "self_attn.k_norm.weight"},
             # transformers' plan leaves DeepSeek's attention whole; we split MLA by heads.
             "deepseek_v3": {f"self_attn.{p}.weight" for p in ("q_b_proj", "kv_b_proj", "o_proj")},
+            "mistral4": {f"self_attn.{p}.weight" for p in ("q_b_proj", "kv_b_proj", "o_proj")},
             # transformers 5.23 has no plan for gpt-oss: every split is ours (its sinks with the heads, not weights)
             "gpt_oss": {f"self_attn.{p}_proj.weight" for p in "qkvo"}
             | {f"mlp.experts.{p}" for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj")},

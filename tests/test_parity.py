@@ -41,6 +41,7 @@ CASES = [
     ("olmo3", "eager-packed"),
     ("glm4_moe", "sdpa"),
     ("deepseek_v3", "eager-packed"),
+    ("mistral4", "sdpa"),
     ("gpt_oss", "eager-packed"),
     ("qwen3_next", "sdpa"),  # Qwen3.5's linear attention is the same generic path (its training parity: PP=2)
 ]

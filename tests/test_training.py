@@ -262,10 +262,10 @@ def assert_matches_reference(out: str, cfg: TrainConfig, hf_dir: str, sft_data, 
     # differences of near-zero gradients (DP all-reduce, micro-batch accumulation) can move single
     # elements by a small fraction of lr. The bound is 1% of one step's lr; typical elements agree to 1e-7.
     # One element measured above 1% of lr: Qwen3 (q/k norms, TP) 1.02% of 8192, Phi-3 (fused q/k/v, gate/up, TP)
-    # 2.08% of 4096, GLM-4.5 (TP x EP) 1.58% of an expert's 4096, Qwen3.5 (TP) 0.82% in an MLP weight (held at
-    # 2%); losses and grad norms within the bounds above.
+    # 2.08% of 4096, GLM-4.5 (TP x EP) 1.58% of an expert's 4096 (2.60% on an AMD EPYC machine: held at 3%),
+    # Qwen3.5 (TP) 0.82% in an MLP weight (held at 2%); losses and grad norms within the bounds above.
     # TP gradients are held to the whole block's in tests/test_tensor_parallel.py.
-    wider = {"qwen3-pp2-tp2": 0.02, "phi3-pp2-tp2": 0.03, "glm4_moe-tp2-dp2-ep2": 0.02, "qwen3_5-pp2-tp2": 0.02}
+    wider = {"qwen3-pp2-tp2": 0.02, "phi3-pp2-tp2": 0.03, "glm4_moe-tp2-dp2-ep2": 0.03, "qwen3_5-pp2-tp2": 0.02}
     atol, rtol = wider.get(layout, 0.01) * cfg.learning_rate, 1e-5
     if layout in MEASURED_WEIGHT_DIFF:  # held at 10x what it measured, no relative term
         atol, rtol = 10 * MEASURED_WEIGHT_DIFF[layout], 0.0

@@ -309,8 +309,8 @@ def validate_expert_parallel(cfg: TrainConfig, world_size: int, model_config) ->
 
 
 def balanced_families() -> list[str]:
-    """The families whose router chooses experts by its scores plus a score bias (`MoeSpec.router_choice`)."""
-    return [name for name, family in FAMILIES.items() if family.moe is not None and family.moe.router_choice]
+    """The families whose router chooses experts by its scores plus a score bias (`MoeSpec.score_bias`)."""
+    return [name for name, family in FAMILIES.items() if family.moe is not None and family.moe.score_bias]
 
 
 def validate_experts(cfg: TrainConfig, model_config) -> None:
@@ -335,7 +335,7 @@ def validate_experts(cfg: TrainConfig, model_config) -> None:
         "not the balanced ones; balance without LoRA",
     )
     _need(
-        not rate or family_of(model_config).moe.router_choice,
+        not rate or family_of(model_config).moe.score_bias,
         f"moe.bias_update_rate={rate}: {model_config.model_type}'s router has no score bias to balance with "
         f"(a router that chooses by scores plus e_score_correction_bias: {', '.join(balanced_families())}); leave it 0",
     )

@@ -54,11 +54,14 @@ class MoeSpec:
     router_choice: the router returns its own choice of experts (DeepSeek's sigmoid router: [logits, weights,
         indices], group-limited top-k on scores plus `e_score_correction_bias`): the router statistics count the
         experts it chose, not a softmax top-k of its logits.
+    score_bias: the router keeps a score bias that steers its choice only (DeepSeek's `e_score_correction_bias`):
+        `moe.bias_update_rate` can balance the experts' loads by moving it.
     always_renormalise: top-k weights always divided by their sum (else only with `config.norm_topk_prob`).
     block / router: the in-memory names of the sparse block in a decoder layer and of its router in the block.
     router_logits: where the router's outputs hold the logits (transformers' tuples differ by family).
-    hub_fused: the hub keeps each layer's experts fused as transformers does, in x @ W layout
-        (`experts.gate_up_proj` [E, H, 2I], `experts.down_proj` [E, I, H]); else one key per expert.
+    hub_fused: the hub keeps each layer's experts fused as transformers keeps them in memory (`experts.gate_up_proj`
+        and `experts.down_proj`: x @ W layout [E, H, 2I] and [E, I, H] for Llama 4 and gpt-oss, [E, 2I, H] and
+        [E, H, I] for Mistral 4), and the router as `{block}.{router}`; else one key per expert.
     scaled_inputs: the router's scores scale each expert's input, and transformers' block runs every expert on
         every token (0-scaled outside its top-k); expert parallelism and `moe.routed_experts` send each expert its
         routed tokens only (models/expert_parallel.py). Else transformers' router and fused experts weight outputs.
@@ -73,6 +76,7 @@ class MoeSpec:
     every_layer: bool
     first_dense: str = ""
     router_choice: bool = False
+    score_bias: bool = False
     shared_expert: bool = False
     shared_gate: bool = True
     always_renormalise: bool = False
@@ -340,4 +344,18 @@ def is_sparse_layer(config, block: int) -> bool:
     )
 
 
+def _register_causal_lm_classes() -> None:
+    """Map each family transformers' AutoModelForCausalLM does not (Mistral 4's in 5.23, whose modeling module has
+    `Mistral4ForCausalLM` but no Auto entry) to its `<Prefix>ForCausalLM`, through transformers' own registration
+    API: a checkpoint of any family here loads with AutoModelForCausalLM (references, `--verify`, exports)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    for family in FAMILIES.values():
+        if family.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            config_class = type(AutoConfig.for_model(family.model_type))
+            AutoModelForCausalLM.register(config_class, family.hf_class("ForCausalLM"), exist_ok=True)
+
+
 _load_family_modules()
+_register_causal_lm_classes()

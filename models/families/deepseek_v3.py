@@ -25,6 +25,7 @@ DEEPSEEK_MOE = MoeSpec(
     every_layer=False,
     first_dense="first_k_dense_replace",
     router_choice=True,
+    score_bias=True,
     shared_expert=True,
     shared_gate=False,
     aux_loss=False,

@@ -43,7 +43,7 @@ CLAIMS = (
     Claim(
         says="Its weights after 4 steps are held to 2% of one step's lr instead of 1%: one element of 8,192 measured 1.02%",
         test=REFERENCE,
-        holds='"glm4_moe-tp2-dp2-ep2": 0.02',
+        holds='"qwen3-pp2-tp2": 0.02',
         bound=0.02,
         figure=0.0102,
     ),
