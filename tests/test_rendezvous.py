@@ -156,7 +156,9 @@ def test_two_jobs_started_at_the_same_moment_on_one_port(converted, sft_data, si
     errors = [line for line in text.splitlines() if "trainer: error:" in line]
     assert errors and "Traceback" not in text and all(f"{port}" in line for line in errors), text[-3000:]
     print(f"same moment: {winners[0]} owns the port, {loser} stopped {ended[loser]:.1f} s after both started")
-    assert ended[loser] < 60
+    # Both jobs' 8 ranks start at once on 2 cores: 15.2 s measured, 74 s on a loaded AMD EPYC machine; far under the
+    # 300-s init timeout it would otherwise wait for.
+    assert ended[loser] < 150
     assert_same_run(single_node_run, tmp_path / winners[0])
 
 

@@ -32,11 +32,11 @@ CLAIMS = (
         figure=6.3,
     ),
     Claim(
-        says="15.2 s measured",
+        says="or within 150 s when both start at once (15.2 s measured; 74 s on a loaded machine)",
         test="tests/test_rendezvous.py::test_two_jobs_started_at_the_same_moment_on_one_port",
-        holds="assert ended[loser] < 60",
-        bound=60,
-        figure=15.2,
+        holds="assert ended[loser] < 150",
+        bound=150,
+        figure=74,
     ),
     Claim(
         says="the first (or winning) job's losses and weights equal the same run's launched alone, bit for bit",
