@@ -370,6 +370,8 @@ def test_llama4_routed_experts_equal_transformers_dense_block():
             ["lora.enabled=true", "moe.bias_update_rate=0.001"],
             "moe.bias_update_rate=0.001 with lora.enabled=true: --merge-lora exports the base model's score biases",
         ),
+        # Mistral 4 chooses experts as DeepSeek-V3 does, from softmax scores with no score bias to balance with.
+        ("mistral4", ["moe.bias_update_rate=0.001"], "moe.bias_update_rate=0.001: mistral4's router has no score bias"),
     ],
 )
 def test_what_a_family_cannot_run_is_refused_in_one_line(model_type, extra, message, tmp_path):

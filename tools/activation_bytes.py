@@ -168,13 +168,17 @@ def measured_block_bytes(
 def _torch_paths(module: torch.nn.Module):
     """Run `module`'s transformers code on its pure-torch functions: where a kernel package is installed (flash-linear-
     attention, causal-conv1d) transformers' modeling module calls it through a wrapper of the torch function, which
-    meta tensors cannot enter. The wrapped torch function (`__wrapped__`) stands in while the block is measured."""
+    meta tensors cannot enter. The wrapped torch function (`__wrapped__`) stands in while the block is measured; no
+    other decorated function is touched."""
+    from transformers.integrations import hub_kernels
+
+    wrappers = hub_kernels.__file__  # where transformers' kernel wrappers are defined
     names = {type(m).__module__ for m in module.modules() if type(m).__module__.startswith("transformers.")}
     swapped = []
     for name in names:
         namespace = vars(sys.modules[name])
         for key, value in list(namespace.items()):
-            if inspect.isfunction(value) and inspect.isfunction(getattr(value, "__wrapped__", None)):
+            if inspect.isfunction(value) and value.__code__.co_filename == wrappers and hasattr(value, "__wrapped__"):
                 swapped.append((namespace, key, value))
                 namespace[key] = value.__wrapped__
     try:

@@ -51,9 +51,9 @@ class MoeSpec:
         `first_k_dense_replace`), "" where there are none.
     shared_expert: a dense expert every token goes through (`{block}.shared_expert`, DeepSeek's `shared_experts`),
         sigmoid-gated (`{block}.shared_expert_gate`) when `shared_gate`.
-    router_choice: the router returns its own choice of experts (DeepSeek's sigmoid router: [logits, weights,
-        indices], group-limited top-k on scores plus `e_score_correction_bias`): the router statistics count the
-        experts it chose, not a softmax top-k of its logits.
+    router_choice: the router returns its own choice of experts (DeepSeek's and Mistral 4's: [logits, weights,
+        indices], group-limited top-k on its scores, plus `e_score_correction_bias` where `score_bias`): the router
+        statistics count the experts it chose, not a softmax top-k of its logits.
     score_bias: the router keeps a score bias that steers its choice only (DeepSeek's `e_score_correction_bias`):
         `moe.bias_update_rate` can balance the experts' loads by moving it.
     always_renormalise: top-k weights always divided by their sum (else only with `config.norm_topk_prob`).
