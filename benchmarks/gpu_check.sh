@@ -3,6 +3,8 @@
 #   here:  mkdir -p .whl; pip wheel/download our pins of deepspeed, hydra-core, omegaconf, antlr4-python3-runtime,
 #          transformers, peft, pydantic(+core), hjson, ... into .whl (ignored by git; see docs/measured.md)
 #   there: bash benchmarks/gpu_check.sh      (device tool: carry [".whl"]; results under $OUT)
+# STEPS picks the steps (default: all, in this order): tests parity save save_async throughput; SKIP_PLAIN=1 leaves
+# the plain loop out of the throughput step; ASYNC_MODES="true" runs save_async without its synchronous control.
 # DRY=1 runs every step on this CPU with tiny shapes and no installs, to check the script itself.
 # Each step has its own time limit and goes on after a failure; everything is logged under $OUT.
 set -uo pipefail
@@ -19,6 +21,7 @@ if [ "${DRY:-0}" = 1 ]; then
   PARITY=(--seq 64 --mbs 2 --ga 2 --steps 3 --precision bf16)
   THROUGHPUT=(--seq 256 --mbs 2 --ga 2 --steps 4 --warmup 1)
   SAVE=(seq_length=64 micro_batch_size=2)
+  ASYNC=(seq_length=64 micro_batch_size=2 gradient_accumulation_steps=2)
   export OMP_NUM_THREADS=1
 else
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -30,10 +33,20 @@ else
   PARITY=(--seq 1024 --mbs 2 --ga 4 --steps 20 --precision bf16)
   THROUGHPUT=(--seq 4096 --mbs "${MBS:-6}" --ga 4 --steps 8 --warmup 3)
   SAVE=(seq_length=1024 micro_batch_size=2)
+  ASYNC=(seq_length=1024 micro_batch_size=8 gradient_accumulation_steps=16)  # steps of ~2 s: a write fits between saves
   export OMP_NUM_THREADS=8
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 rm -rf "$W"
+STEPS=" ${STEPS:-tests parity save save_async throughput} "
+step() { [[ "$STEPS" == *" $1 "* ]]; }
+ensure_model() {  # the model and rows (built by the parity or throughput step the same way where they run first)
+  [ -f "$W/hf/config.json" ] || python3 -c "import sys; from benchmarks.train_throughput import build
+L, H, A, KV, I, V, R = map(int, sys.argv[2:])
+build(sys.argv[1], L, H, A, R, num_key_value_heads=KV, intermediate_size=I, vocab_size=V, max_position_embeddings=4096)" \
+    "$W" "${SHAPE[1]}" "${SHAPE[3]}" "${SHAPE[5]}" "${SHAPE[7]}" "${SHAPE[9]}" "${SHAPE[11]}" "${SHAPE[13]}" \
+    > "$OUT/build.log" 2>&1
+}
 
 log "versions"
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi") \
@@ -43,27 +56,62 @@ print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.
       transformers.__version__, 'deepspeed', deepspeed.__version__, 'peft', peft.__version__,
       torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" 2>&1 | tail -1 | tee -a "$OUT/summary.txt"
 
+step tests && {
 log "1. the GPU-only tests (tests/test_gpu.py, test_parity's GPU case)"
 timeout 200 python3 -m pytest tests/test_gpu.py tests/test_parity.py -k gpu -s -q -p no:cacheprovider \
   > "$OUT/tests.log" 2>&1
 grep -E "^bf16 GPU|passed|failed|skipped|Error" "$OUT/tests.log" | tail -40 | tee -a "$OUT/summary.txt"
+}
 
+step parity && {
 log "2. bf16 parity: trainer vs transformers + AdamW (benchmarks/gpu_parity.py)"
 timeout 300 python3 -m benchmarks.gpu_parity --work "$W" --out "$OUT/parity.json" "${SHAPE[@]}" "${PARITY[@]}" \
   --device $DEV --fp32-trainer --threads "$OMP_NUM_THREADS" > "$OUT/parity.log" 2>&1
 grep -E "^logits:| vs |losses:|Error|exited" "$OUT/parity.log" | tee -a "$OUT/summary.txt"
+}
 
-log "3+4. throughput, MFU, peak memory vs the planner (benchmarks/train_throughput.py, packing on)"
-timeout 300 python3 -m benchmarks.train_throughput --work "$W" "${SHAPE[@]}" "${THROUGHPUT[@]}" --repeat 1 \
-  --packing --precision bf16 --device $DEV --peak-tflops 989 --threads "$OMP_NUM_THREADS" \
-  --profile "$OUT/profile.txt" > "$OUT/throughput.log" 2>&1
-grep -E "^model:|^m=|Error|exited" "$OUT/throughput.log" | tee -a "$OUT/summary.txt"
-
-log "5. the save stall today (synchronous saves; issue 39's baseline)"
+step save && {
+log "3. the save stall, synchronous saves (issue 39's baseline)"
+ensure_model
 rm -rf "$W/save"
 timeout 200 python3 -m deepspeed.launcher.runner --num_gpus 1 trainer.py model_name_or_path="$W/hf" \
   output_dir="$W/save" train_file="$W/train.jsonl" do_eval=false "${SAVE[@]}" gradient_accumulation_steps=4 \
-  max_steps=6 save_steps=3 keep_last_n=1 deepspeed=bf16_zero1 progress_bar=false > "$OUT/save.log" 2>&1
-grep -E "saved checkpoint|step [0-9]+/|Error" "$OUT/save.log" | sed 's/^.*\] //' | tee -a "$OUT/summary.txt"
+  max_steps=6 save_steps=3 keep_last_n=1 deepspeed=bf16_zero1 progress_bar=false checkpoint.async_save=false \
+  > "$OUT/save.log" 2>&1
+grep -E "saved step|step [0-9]+/|Error" "$OUT/save.log" | sed 's/^.*\] //' | tee -a "$OUT/summary.txt"
 du -sh "$W/save/global_step6" 2>/dev/null | tee -a "$OUT/summary.txt"
+}
+
+step save_async && {
+# Saves at steps 8 and 16 of ~2 s each, asynchronous (the default) and not, to tmpfs when it has room (a node's NVMe writes
+# GB/s; this machine's disk 0.4 GB/s would make the second save wait for the first): the blocked seconds per save.
+log "4. the save stall, asynchronous vs synchronous saves every 8 steps (issue 39)"
+ensure_model
+df -h /dev/shm "$W" | tee -a "$OUT/summary.txt"
+D=$W/async; [ "$(df --output=avail -k /dev/shm | tail -1)" -gt 50000000 ] && D=/dev/shm/gpu_check
+for mode in ${ASYNC_MODES:-true false}; do
+  rm -rf "$D"
+  timeout 170 python3 -m deepspeed.launcher.runner --num_gpus 1 trainer.py model_name_or_path="$W/hf" \
+    output_dir="$D" train_file="$W/train.jsonl" do_eval=false "${ASYNC[@]}" max_steps=16 save_steps=8 \
+    keep_last_n=1 deepspeed=bf16_zero1 progress_bar=false checkpoint.async_save=$mode > "$OUT/async_$mode.log" 2>&1
+  echo "async_save=$mode (output_dir $D):" | tee -a "$OUT/summary.txt"
+  grep -E "saved step|Error" "$OUT/async_$mode.log" | sed 's/^.*\] //' | tee -a "$OUT/summary.txt"
+  python3 -c "import json, statistics as st, sys
+m = [json.loads(l) for l in open(sys.argv[1])]
+print('steps', [round(r['step_seconds'], 3) for r in m], 'median', round(st.median(r['step_seconds'] for r in m), 3))
+print('save_seconds', {r['step']: round(r['save_seconds'], 3) for r in m if 'save_seconds' in r})
+print('losses', [r['loss'] for r in m])
+print('peak GiB', max(r.get('max_memory_allocated_gib', 0) for r in m))" "$D/metrics.jsonl" 2>&1 | tee -a "$OUT/summary.txt"
+done
+du -sh "$D"/global_step* 2>/dev/null | tee -a "$OUT/summary.txt"
+rm -rf "$D"
+}
+step throughput && {
+log "5. throughput, MFU, peak memory vs the planner (benchmarks/train_throughput.py, packing on)"
+timeout 300 python3 -m benchmarks.train_throughput --work "$W" "${SHAPE[@]}" "${THROUGHPUT[@]}" --repeat 1 \
+  --packing --precision bf16 --device $DEV --peak-tflops 989 --threads "$OMP_NUM_THREADS" \
+  --profile "$OUT/profile.txt" ${SKIP_PLAIN:+--skip-plain} > "$OUT/throughput.log" 2>&1
+grep -E "^model:|^m=|Error|exited" "$OUT/throughput.log" | tee -a "$OUT/summary.txt"
+}
+
 log "done"

@@ -43,3 +43,26 @@ def test_family_layers_match_transformers_in_bf16_on_gpu(name, tmp_path):
     )
     # The same kernels in the same order: equal to the bit (all 25 cases were, on an H200: docs/measured.md).
     assert torch.equal(ours, reference)
+
+
+def test_snapshot_of_gpu_tensors_copies_into_pinned_buffers_reused_by_the_next_save():
+    """Buffers for GPU tensors are touched and registered (checkpoint/background_writer.py `pinned_empty`: copies
+    into untouched pageable memory ran at 1 GiB/s on an H200 node); the next save refills the same ones."""
+    from checkpoint.background_writer import HostSnapshot
+
+    flat = torch.arange(3 * 2**20, dtype=torch.float32, device="cuda")
+    state = {"w": flat[: 2**20], "m": [flat[2**20 :]], "b": torch.ones(3, dtype=torch.bfloat16, device="cuda")}
+    snapshot = HostSnapshot()
+    first = snapshot.copy(state, ("f",))
+    assert snapshot.pending_device_copies
+    snapshot.ready()
+    assert first["w"].is_pinned() and first["m"][0].is_pinned() and first["b"].is_pinned()
+    assert torch.equal(first["m"][0], state["m"][0].cpu()) and torch.equal(first["b"], state["b"].cpu())
+    flat.mul_(-1.0)  # the next steps
+    second = snapshot.copy(state, ("f",))
+    assert second["w"].data_ptr() == first["w"].data_ptr()
+    snapshot.ready()
+    assert torch.equal(second["w"], state["w"].cpu()) and torch.equal(second["m"][0], state["m"][0].cpu())
+    snapshot.buffers.clear()  # freed: unregistered first (weakref.finalize), then unmapped
+    del first, second
+    torch.cuda.synchronize()

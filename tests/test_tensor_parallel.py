@@ -234,7 +234,7 @@ def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tm
         # fp32 rounding of sums in another order, relative to the tensor's scale (Gemma's (1 + w) norms with these
         # N(0, 0.2) weights give input gradients up to 9.2, LLaMA's 3.3; Qwen3.5's outputs reach 18).
         x_grad_atol = 1e-6 * max(1.0, float(x.grad.abs().max()))
-        y_atol = 1e-6 * max(1.0, float(y.abs().max()))
+        y_atol = 1e-6 * max(1.0, float(y.detach().abs().max()))
         for r in range(2):
             if stats is not None:
                 torch.testing.assert_close(ranks[r][sp]["stats"], stats, rtol=1e-5, atol=1e-6)
