@@ -79,11 +79,13 @@ class HostSnapshot:
 def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """A host tensor for copies from a GPU: zeroed, then page-locked in place (cudaHostRegister, as
     torch.distributed.checkpoint's pinned staging does). Measured on an H200 node (docs/measured.md): the driver
-    copies into untouched pageable memory at 1.0 GiB/s and allocates pinned memory at 1.4 GiB/s, which made a first
-    save of 15 GiB block the loop for 11-20 s; the CPU touches pages at 17 GiB/s, registers touched ones at 16 GiB/s,
-    and a copy into them runs at 51 GiB/s. The pages are anonymous and the tensor's alone: registering a range that
-    shares a page with a registered one (malloc'd buffers can) fails. Where the driver refuses, the tensor stays
-    pageable (its copies then synchronous); a registered one is unregistered when it is freed, before its pages go."""
+    copies into untouched pageable memory at 1.0 GiB/s and allocates pinned memory at 1.4 GiB/s, which made the first
+    save of 15 GiB block the loop for 17.6-20.1 s; the CPU touched new pages at 17 GiB/s, the driver registered
+    touched ones at 16 GiB/s, and copies into registered buffers ran at 51 GiB/s. The pages are a shared anonymous
+    mapping of the tensor's own: registering a range that shares a page with a registered one (malloc'd buffers can)
+    fails, and a fork (data-loader workers) does not copy them on write. A refusal raises, naming the call (the
+    driver's error would otherwise surface at the next kernel launch); the registration is undone when the tensor
+    is freed, before its pages are unmapped."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
@@ -91,8 +93,12 @@ def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     raw.zero_()
     out = raw.view(dtype).view(shape)
     cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(out.data_ptr(), nbytes, 1)) == 0:  # 1: cudaHostRegisterPortable
-        weakref.finalize(out, cudart.cudaHostUnregister, out.data_ptr())
+    code = cudart.cudaHostRegister(out.data_ptr(), nbytes, 1)  # 1: cudaHostRegisterPortable
+    if int(code) != 0:
+        reason = cudart.cudaGetErrorString(code)
+        raise RuntimeError(f"cudaHostRegister of a {nbytes}-byte checkpoint buffer failed: {reason}")
+    unpin = weakref.finalize(out, cudart.cudaHostUnregister, out.data_ptr())
+    unpin.atexit = False  # not after the CUDA context is gone
     return out
 
 

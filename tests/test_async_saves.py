@@ -46,6 +46,49 @@ def test_snapshot_is_a_compact_copy_in_buffers_reused_by_the_next_save():
     assert copied["loss_scaler"].cur_scale == 2.0**16
 
 
+def test_gpu_buffers_in_pages_of_their_own_registered_once_and_unregistered_when_freed(monkeypatch):
+    """`pinned_empty` (the snapshot's buffers for GPU tensors) against a stand-in for CUDA's runtime (CI has no GPU;
+    the real one: tests/test_gpu.py): zeroed tensors of any shape and dtype in their own pages, registered once and
+    unregistered when freed; a refusal raises naming the call (the driver's error would otherwise surface at the
+    next kernel launch)."""
+    import gc
+    import mmap
+
+    from checkpoint.background_writer import pinned_empty
+
+    calls = []
+
+    class Runtime:
+        refuse = False
+
+        def cudaHostRegister(self, ptr, nbytes, flags):  # noqa: N802 - CUDA's names
+            calls.append(("register", ptr, nbytes, flags))
+            return 1 if self.refuse else 0
+
+        def cudaHostUnregister(self, ptr):  # noqa: N802
+            calls.append(("unregister", ptr))
+            return 0
+
+        def cudaGetErrorString(self, code):  # noqa: N802
+            return "invalid argument"
+
+    runtime = Runtime()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+    for shape, dtype in (((3, 5), torch.bfloat16), ((), torch.float32), ((7,), torch.bool), ((0, 4), torch.float32)):
+        t = pinned_empty(shape, dtype)
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and not t.any()
+        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        assert calls == ([("register", ptr, nbytes, 1)] if nbytes else [])
+        assert nbytes == 0 or ptr % mmap.PAGESIZE == 0  # a mapping of its own
+        del t
+        gc.collect()
+        assert calls[1:] == ([("unregister", ptr)] if nbytes else [])
+        calls.clear()
+    runtime.refuse = True
+    with pytest.raises(RuntimeError, match="cudaHostRegister of a 64-byte checkpoint buffer failed: invalid argument"):
+        pinned_empty((16,), torch.float32)
+
+
 def test_writer_describes_what_it_wrote_and_names_the_file_it_could_not_write(tmp_path):
     writer = BackgroundWriter()
     jobs = [(str(tmp_path / f"f{i}.pt"), {"x": torch.full((3,), float(i))}) for i in range(3)]

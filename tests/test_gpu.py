@@ -7,6 +7,8 @@ Run where a GPU is: `python -m pytest tests/test_gpu.py -s` (benchmarks/gpu_chec
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -63,6 +65,7 @@ def test_snapshot_of_gpu_tensors_copies_into_pinned_buffers_reused_by_the_next_s
     assert second["w"].data_ptr() == first["w"].data_ptr()
     snapshot.ready()
     assert torch.equal(second["w"], state["w"].cpu()) and torch.equal(second["m"][0], state["m"][0].cpu())
-    snapshot.buffers.clear()  # freed: unregistered first (weakref.finalize), then unmapped
+    snapshot.buffers.clear()  # freed: unregistered first (weakref.finalize), then unmapped, raising nothing
     del first, second
+    gc.collect()
     torch.cuda.synchronize()

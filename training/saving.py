@@ -125,6 +125,10 @@ class Saver:
                     save_latest=False,  # `latest` moves when the save commits, after the rename
                     exclude_frozen_parameters=self.cfg.lora.enabled,  # LoRA: layer files hold the adapter only
                 )
+        except BaseException:
+            with contextlib.suppress(Exception):  # no copy may still be landing in a buffer the failure frees
+                self.snapshot.ready()
+            raise
         finally:
             engine.checkpoint_engine = own
         snapshotter.save(rng_state(), os.path.join(staging, rng_file(coords.rank)))
