@@ -1,0 +1,85 @@
+"""One sparse decoder block of each family, ours against transformers' own (`python -m benchmarks.moe --families ...`,
+which documents the options): transformers' layer gets the very keyword arguments ours hands it (recorded from ours),
+the two alternate run by run, and user CPU time is the figure (wall time adds page faults that follow the allocator).
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+
+import torch
+
+
+def _time_pair(first, second, repeat: int) -> list[tuple[float, float]]:
+    """(wall, user CPU) seconds, medians of `repeat` runs of each, alternated after one warm-up of each. User CPU
+    leaves out the kernel's page-fault time, which follows the allocator's pattern more than the work."""
+    first(), second()
+    times: tuple[list, list] = ([], [])
+    for _ in range(repeat):
+        for run, out in ((first, times[0]), (second, times[1])):
+            start, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_utime
+            run()
+            out.append((time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_utime - cpu))
+    return [tuple(statistics.median(column) for column in zip(*t, strict=True)) for t in times]
+
+
+def family_block(args, family: str) -> None:
+    """One family's first sparse block: transformers' decoder layer against ours (a subclass of it) on the same
+    tokens, forward and backward; transformers' layer gets the keyword arguments ours passes it."""
+    from models.families import family_of, is_sparse_layer, resolve_attention
+    from models.layers import decoder_layer_class
+    from models.moe import empty_stats
+    from tools.tiny_models import tiny_config
+
+    probe = tiny_config(family)
+    moe = family_of(probe).moe
+    fields = {moe.num_experts: args.experts, moe.expert_size: 2 * args.hidden, "num_experts_per_tok": args.top_k}
+    grouped = probe.num_key_value_heads < probe.num_attention_heads  # latent attention (DeepSeek-V3's) is not
+    shape = {"hidden_size": args.hidden, "num_attention_heads": 8, "num_key_value_heads": 4 if grouped else 8}
+    config = tiny_config(family, **shape | fields)
+    config._attn_implementation = resolve_attention(config, None)
+    index = next(i for i in range(config.num_hidden_layers) if is_sparse_layer(config, i))
+    ours_class = decoder_layer_class(family)
+    hf_class = next(c for c in ours_class.__mro__ if c.__module__.startswith("transformers.models."))
+    ours = ours_class(config, index)  # first: it sets the experts implementation transformers' models default to
+    torch.manual_seed(0)
+    hf = hf_class(config, index)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.02)
+    ours.load_state_dict(hf.state_dict())  # the same modules, the same names
+    b, s = 2, args.tokens // 2
+    x = torch.randn(b, s, config.hidden_size)
+    position_ids = torch.arange(s).expand(b, s)
+    weight = torch.randn_like(x)
+    inputs = (position_ids, torch.full((b,), s), empty_stats(config).requires_grad_())
+    passed, forward = {}, hf_class.forward
+
+    def spy(layer, hidden, **kwargs):
+        passed.update(kwargs)
+        return forward(layer, hidden, **kwargs)
+
+    hf_class.forward = spy  # what ours hands transformers' layer, recorded once
+    try:
+        ours((x, *inputs))
+    finally:
+        hf_class.forward = forward
+
+    def run_hf():
+        h = x.clone().requires_grad_()
+        out = hf(h, **passed)
+        ((out[0] if isinstance(out, tuple) else out) * weight).sum().backward()
+
+    def run_ours():
+        h = x.clone().requires_grad_()
+        (ours((h, *inputs))[0] * weight).sum().backward()
+
+    (wall_hf, cpu_hf), (wall_ours, cpu_ours) = _time_pair(run_hf, run_ours, args.repeat)
+    print(
+        f"block ({family} layer {index}, hidden {args.hidden}, {args.experts} experts, top-{args.top_k}, "
+        f"{args.tokens} tokens, {config._attn_implementation}, forward+backward, median of {args.repeat}): "
+        f"user CPU transformers {cpu_hf * 1e3:.1f} ms, ours {cpu_ours * 1e3:.1f} ms (ours / transformers = "
+        f"{cpu_ours / cpu_hf:.3f}); wall {wall_hf * 1e3:.1f} and {wall_ours * 1e3:.1f} ms ({wall_ours / wall_hf:.3f})"
+    )
