@@ -136,7 +136,7 @@ CLAIMS = (
     Benchmark(
         says="Ours is transformers' module, so the gap is not work: under torch.profiler one Mixtral run costs 837 ms "
         "of operator time in transformers' layer and 850 ms in ours (+1.6%: the router statistics and the rotary "
-        "angles), while transformers' layer run alone takes more page faults (28.7k vs 20.5k a run);",
+        "angles), while transformers' layer run alone takes more page faults (28.7k vs 20.5k a run).",
         by="benchmarks/moe.py",
     ),
 )
