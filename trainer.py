@@ -5,7 +5,7 @@
     python trainer.py ...                             # one rank
 
 Configuration: conf/config.yaml and its groups (model/, data/, deepspeed/, experiment/), checked
-against the dataclasses in training/config.py. `python trainer.py --help` lists them.
+against the dataclasses in schema/ (schema/train.py). `python trainer.py --help` lists them.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ sys.argv = [a for i, a in enumerate(sys.argv) if i == 0 or not re.fullmatch(r"--
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from training.cli import CONF_DIR, check_overrides  # noqa: E402
-from training.config import TrainConfig, register_configs  # noqa: E402
+from schema.compose import CONF_DIR, check_overrides  # noqa: E402
+from schema.train import TrainConfig, register_configs  # noqa: E402
 
 register_configs()
 _problem = check_overrides(sys.argv[1:], CONF_DIR)

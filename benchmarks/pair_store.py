@@ -30,9 +30,9 @@ def arithmetic_pairs(n: int, seed: int = 0) -> list[dict]:
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from data.config import DataConfig
     from data.dataset import TokenizedDataset
     from data.pair_dataset import PairDataset
+    from schema.data import DataConfig
     from tools.tiny_models import SAMPLE_TEXTS, make_bpe_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

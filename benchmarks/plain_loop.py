@@ -25,10 +25,10 @@ def plain_batches(hf: str, data: str, seq: int, mbs: int, ga: int, packing: bool
     from transformers import AutoTokenizer
 
     from data.collator import CausalLMCollator
-    from data.config import DataConfig
     from data.dataset import TokenizedDataset
     from data.packing import PackedDataset
     from data.sampling import TrainPlan, train_batches
+    from schema.data import DataConfig
 
     tokenizer = AutoTokenizer.from_pretrained(hf)
     dataset = TokenizedDataset(data, tokenizer, seq, DataConfig())

@@ -139,9 +139,9 @@ def intermediate(args) -> dict:
 
 def planned_gib(hf: str, args, ga: int) -> float:
     """The memory planner's busiest-stage figure (tools/memory_estimate.py) for the PP=1 run of `args`."""
+    from schema.compose import compose_config
     from tools.memory_estimate import GIB, estimate
     from training.assembly import load_model_config
-    from training.cli import compose_config
 
     overrides = trainer_overrides(hf, "unused.jsonl", "unused", 1, args, ga, "1f1b")
     cfg = compose_config(overrides)
@@ -182,7 +182,7 @@ def main() -> None:
     import torch
     from transformers import AutoConfig
 
-    from training.config import min_micro_batches
+    from schema.train import min_micro_batches
 
     config = AutoConfig.from_pretrained(hf)
     flops = model_flops_per_token(config, args.seq)

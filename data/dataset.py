@@ -19,11 +19,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data.config import DataConfig
 from data.errors import DataError
 from data.sources import mixture_index, paths_of
 from data.store import Store
 from data.store_builder import open_or_build
+from schema.data import DataConfig
 
 
 class StoreDataset(Dataset):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 
-from data.config import DataConfig
 from data.errors import DataError
+from schema.data import DataConfig
 
 
 def apply_template(tokenizer, messages, what: str, **kwargs):

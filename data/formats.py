@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import json
 
-from data.config import DataConfig, DataFormat
 from data.encode import check_tool_turns
+from schema.data import DataConfig, DataFormat
 
 FORMATS = tuple(str(f) for f in DataFormat if f != DataFormat.auto)
 

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from data.collator import CausalLMCollator
-from data.config import DataConfig
 from data.dataset import StoreDataset
 from data.errors import DataError
 from data.pairs import SEQUENCES_PER_PAIR
+from schema.data import DataConfig
 
 
 class PairDataset(StoreDataset):

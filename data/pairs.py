@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from data.encode import apply_template
 from data.errors import DataError
+from schema.data import SEQUENCES_PER_PAIR
 
-PAIR_KEYS = ("chosen", "rejected")
-SEQUENCES_PER_PAIR = len(PAIR_KEYS)  # a pair runs through the model as two sequences: chosen, then rejected
+PAIR_KEYS = ("chosen", "rejected")  # as many as SEQUENCES_PER_PAIR: the pair runs as its chosen, then its rejected
+assert len(PAIR_KEYS) == SEQUENCES_PER_PAIR
 
 
 def _conversational(value) -> bool:

@@ -29,8 +29,8 @@ import os
 
 import numpy as np
 
-from data.config import DataConfig
 from data.sources import hub_dataset, is_hub_dataset, shard_files
+from schema.data import DataConfig
 
 # The settings of data/formats.py: how alpaca and ShareGPT rows become our rows.
 FORMAT_KEYS = (

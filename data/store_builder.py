@@ -23,13 +23,13 @@ import numpy as np
 
 from common.progress import Progress
 from data import store as fmt
-from data.config import DataConfig
 from data.encode import encode_rows, lossy_tokenizer
 from data.errors import DataError
 from data.formats import chunk_as_native
 from data.pairs import encode_pairs
 from data.sources import JsonlLines, count_source, iter_chunks
 from data.store import ARRAYS, META, NO_TARGET_EXAMPLES, Store, store_key
+from schema.data import DataConfig
 
 
 class WorkerDied(DataError):

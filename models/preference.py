@@ -8,15 +8,16 @@ enters here is, per sequence, the summed log-probability of its completion token
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from models.config import LossType
 from models.context_parallel import ContextParallel, sum_over_context
 from models.layers import split_stats
 from models.loss import IGNORE_INDEX
+from schema.model import LossType
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,11 @@ class PreferenceSettings:
     beta: float = 0.1
     gamma: float = 0.5
     sft_weight: float = 0.0
+
+    @classmethod
+    def of(cls, dpo) -> PreferenceSettings:
+        """From the run's `dpo` settings (schema/train.py `DpoConfig`), every field taken by name."""
+        return cls(**{f.name: getattr(dpo, f.name) for f in dataclasses.fields(cls)})
 
 
 def preference_losses(

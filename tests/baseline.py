@@ -27,7 +27,7 @@ from data.sampling import TrainPlan
 from models.families import resolve_attention
 from models.lora import add_lora
 from models.loss import IGNORE_INDEX
-from training.config import TrainConfig
+from schema.train import TrainConfig
 from training.engine import make_optimizer
 
 
@@ -270,6 +270,7 @@ def train_dpo_reference(policy_dir: str, reference_dir: str, cfg: TrainConfig, d
     from data.pair_dataset import PairDataset
     from data.sampling import TrainPlan
     from models.lora import add_lora
+    from models.preference import PreferenceSettings
     from training.engine import make_optimizer
 
     torch.manual_seed(0)
@@ -285,7 +286,7 @@ def train_dpo_reference(policy_dir: str, reference_dir: str, cfg: TrainConfig, d
     )
     plan = TrainPlan(len(pairs), dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
     optimizer, scheduler = make_optimizer(cfg, model.named_parameters(), plan.total_steps(cfg.max_steps, 1))
-    settings = cfg.dpo.settings()
+    settings = PreferenceSettings.of(cfg.dpo)
     losses, norms, margins, control = [], [], [], None
     for step in range(cfg.max_steps):
         epoch, skip = plan.position(step)

@@ -53,9 +53,9 @@ def config_error(overrides: list[str], world_size: int = 1) -> str:
     through the trainer's own steps: the override checks and composition, `validate`, the model's config, the
     layout and the stage bounds (training/assembly.py runs them in this order). AssertionError when none fails."""
     from models.partition import stage_bounds
+    from schema.compose import compose_config
+    from schema.train import model_stages
     from training.assembly import load_model_config
-    from training.cli import compose_config
-    from training.config import model_stages
     from training.errors import RunError
     from training.precision import resolve
     from training.validate import validate, validate_layout
@@ -78,9 +78,9 @@ def data_error(overrides: list[str]) -> str:
     (training/assembly.py and training/data_setup.py). AssertionError when the data reads."""
     from data.dataset import cache_root
     from data.errors import DataError
+    from data.open_dataset import open_dataset
     from models.tokenizer import configured_tokenizer
-    from training.cli import compose_config
-    from training.data_setup import open_dataset
+    from schema.compose import compose_config
     from training.validate import validate
 
     cfg = compose_config(overrides)

@@ -71,6 +71,8 @@ PRESETS = {
     "gpt_oss_120b": ("model.layers.35.mlp.experts.gate_up_proj_bias", (128, 2 * 2880), 116.83, 5.71),
     "glm4_5_air": ("model.layers.45.self_attn.q_proj.bias", (96 * 128,), 106.85, 13.42),
     "gemma3_27b": ("model.layers.61.self_attn.k_proj.weight", (16 * 128, 5376), 27.01, None),
+    "olmo3_32b": ("model.layers.63.self_attn.k_norm.weight", (8 * 128,), 32.23, None),  # q/k norms: whole projections
+    "qwen3_5_27b": ("model.layers.62.linear_attn.in_proj_qkv.weight", (2 * 16 * 128 + 48 * 128, 5120), 26.9, None),
     "qwen3_next_80b_a3b": (
         "model.layers.46.linear_attn.in_proj_qkvz.weight",
         (2 * 16 * 128 + 2 * 32 * 128, 2048),
@@ -80,8 +82,17 @@ PRESETS = {
 }
 
 
-# The real-size mixtures of 2026 and Gemma 3 27B in the slow tier (~2 s each on the meta device).
-SLOW_PRESETS = ("deepseek_v3", "kimi_k2", "gpt_oss_120b", "glm4_5_air", "gemma3_27b", "qwen3_next_80b_a3b")
+# The real-size mixtures of 2026 and the dense families' presets of 2026 in the slow tier (~2 s each, meta device).
+SLOW_PRESETS = (
+    "deepseek_v3",
+    "kimi_k2",
+    "gpt_oss_120b",
+    "glm4_5_air",
+    "gemma3_27b",
+    "olmo3_32b",
+    "qwen3_5_27b",
+    "qwen3_next_80b_a3b",
+)
 
 
 @pytest.mark.parametrize(
@@ -89,11 +100,12 @@ SLOW_PRESETS = ("deepseek_v3", "kimi_k2", "gpt_oss_120b", "glm4_5_air", "gemma3_
 )
 def test_layer_modules_match_hf_at_preset_shapes(preset_name):
     """Shape-only conversion of the shipped presets (LLaMA-2-70B, Qwen2.5-7B, Qwen3-8B, Qwen3-30B-A3B, Mixtral 8x7B,
-    Llama 4 Scout's text model, Phi-4, DeepSeek-V3, Kimi K2, gpt-oss-120b, GLM-4.5-Air, Qwen3-Next-80B-A3B) on the
-    meta device: our layer modules' keys and shapes are exactly what the table maps from the hub's layout
+    Llama 4 Scout's text model, Phi-4, the text models of Gemma 3 27B and Qwen3.5 27B, OLMo 3 32B, DeepSeek-V3, Kimi
+    K2, gpt-oss-120b, GLM-4.5-Air, Qwen3-Next-80B-A3B) on the meta device: our layer modules' keys and shapes are exactly what the table maps from the hub's layout
     (transformers' own per-expert names for the experts it fuses in memory), and the planner counts the parameters
     transformers' model has, in all and per token (the model cards: Qwen2.5-7B 7.61B, Qwen3-8B 8.19B, Qwen3-30B-A3B
-    30.5B, Mixtral 46.7B, Llama 4 Scout 109B with its vision tower, Phi-4 14B, DeepSeek-V3 671B / 37B, Kimi K2 1T /
+    30.5B, Mixtral 46.7B, Llama 4 Scout 109B with its vision tower, Phi-4 14B, OLMo 3 32B, Qwen3.5 27B with its vision
+    tower, DeepSeek-V3 671B / 37B, Kimi K2 1T /
     32B, gpt-oss-120b 117B, GLM-4.5-Air 106B / 12B, Qwen3-Next 80B / 3B)."""
     from transformers import AutoModelForCausalLM
 
@@ -101,7 +113,7 @@ def test_layer_modules_match_hf_at_preset_shapes(preset_name):
     from models.layers import build_layer
     from models.moe import num_experts
     from models.partition import layer_param_counts
-    from training.cli import compose_config
+    from schema.compose import compose_config
 
     preset = compose_config([f"model={preset_name}"]).model
     config = config_from_preset(preset)  # the shipped preset, source cited

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from data.collator import CausalLMCollator
-from data.config import DataConfig
 from data.dataset import TokenizedDataset
 from data.encode import encode_row
 from data.errors import DataError
@@ -16,6 +15,7 @@ from data.packing import pack_rows
 from data.sampling import TrainPlan, eval_indices
 from data.sources import count_rows
 from models.loss import IGNORE_INDEX, CausalLMLoss
+from schema.data import DataConfig
 
 
 @pytest.fixture(scope="module")

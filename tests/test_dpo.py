@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from models.families import family_of, resolve_attention
+from schema.train import DpoConfig, OptimConfig, TrainConfig
 from tests.baseline import train_dpo_reference
 from tests.catalogue import Catalogue, Inputs, run_args, run_case, trainer_cmd
 from tests.conftest import LAUNCHER, check, free_port, launch, read_jsonl
 from tests.test_data import CHATML
 from tests.test_preference import CHAT_PAIRS, IMPLICIT_PROMPT_PAIRS, STRING_PAIRS, tiny_pair_models
 from tools.tiny_models import tiny_config
-from training.config import DpoConfig, OptimConfig, TrainConfig
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 
@@ -325,12 +325,18 @@ def test_dpo_training_matches_single_process_reference(layout, dpo_models, train
         return
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from models.preference import PreferenceSettings
     from tests.test_preference import our_evaluation
 
     rows = [r for group in EVAL_GROUPS.values() for r in group]
     hf_reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32, attn_implementation="sdpa")
     expected = our_evaluation(
-        model.eval(), hf_reference, AutoTokenizer.from_pretrained(policy), rows, cfg.dpo.settings(), cfg.seq_length
+        model.eval(),
+        hf_reference,
+        AutoTokenizer.from_pretrained(policy),
+        rows,
+        PreferenceSettings.of(cfg.dpo),
+        cfg.seq_length,
     )
     got = json.loads((out / "eval_results.json").read_text())
     assert got["step"] == 4 and got["eval_pairs"] == expected["pairs"] == 7

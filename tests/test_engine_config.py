@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from models.partition import stage_bounds
-from training.cli import compose_config
-from training.config import TrainConfig
+from schema.compose import compose_config
+from schema.train import TrainConfig
 from training.engine import WarmupDecay, deepspeed_config
 from training.precision import resolve
 from training.topology import Coords

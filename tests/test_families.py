@@ -192,7 +192,7 @@ def test_tensor_parallelism_is_refused_in_one_line_where_its_split_is_not_built(
     is read or written; TP=1 passes."""
     from checkpoint.errors import CheckpointError
     from checkpoint.writer import check_tp
-    from training.config import TrainConfig
+    from schema.train import TrainConfig
     from training.precision import resolved
     from training.validate import validate_layout
 

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from data.config import DataConfig
 from data.dataset import TokenizedDataset
 from data.errors import DataError
 from data.pair_dataset import PairDataset
+from schema.data import DataConfig
 from tests.test_data import CHATML, LLAMA3
 
 # A ChatML template with tools in Qwen2.5's layout: a tool call is the assistant's <tool_call> JSON, a tool's answer

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from checkpoint.layer_files import find_layer_file, load_layer_state
-from models.config import LoraSettings
+from schema.model import LoraSettings
 from tests.baseline import train_baseline
 from tests.conftest import FAMILY_VARIANTS, MOE_VARIANTS, check, launch, read_jsonl, run_cmd
 from tests.resumes import assert_resumed_exactly, interrupted_copy

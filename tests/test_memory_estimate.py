@@ -201,8 +201,8 @@ def test_planner_follows_each_schedules_micro_batches_in_flight():
     """1F1B: stage s holds p - s micro-batches; zero_bubble the same activations plus the deferred weight
     gradients of at most two backwards; dualpipev: two half stages per rank and the loss on rank 0. The
     suggestion for a GPU size names the schedule."""
+    from schema.train import TrainConfig
     from tools.memory_estimate import estimate, suggest
-    from training.config import TrainConfig
     from training.schedules import memory_states
 
     for p, m in ((2, 4), (4, 8), (4, 16)):
@@ -244,8 +244,8 @@ def test_planner_follows_each_schedules_micro_batches_in_flight():
 def test_planner_counts_context_parallelism_and_finds_the_c_a_row_needs():
     """CP=2 holds half the positions per rank (activations and logits halve; ZeRO-1 shards the optimizer over DP x CP)
     while the weights stay whole; `context_for` names the smallest C whose busiest stage fits, keeping PP and DP."""
+    from schema.train import DeepSpeedConfig, TrainConfig
     from tools.memory_estimate import GIB, context_for, estimate
-    from training.config import DeepSpeedConfig, TrainConfig
 
     config = tiny_config(hidden_size=128, intermediate_size=344, num_attention_heads=4, max_position_embeddings=65536)
     cfg = TrainConfig(num_stages=2, seq_length=32768, micro_batch_size=1, gradient_accumulation_steps=4)

@@ -8,8 +8,8 @@ import os
 import pytest
 
 from checkpoint.names import layer_file_name
-from data.config import DataConfig
 from data.dataset import TokenizedDataset
+from schema.data import DataConfig
 from tests.conftest import built_once, check, shared_path, torchrun
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks

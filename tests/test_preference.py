@@ -262,10 +262,10 @@ def test_pair_store_collator_and_loss_equal_trl(chat_tokenizers, tmp_path):
 
     from transformers import AutoTokenizer
 
-    from data.config import DataConfig
     from data.errors import DataError
     from data.pair_dataset import PairCollator, PairDataset
     from models.preference import PreferenceLoss
+    from schema.data import DataConfig
 
     tok = AutoTokenizer.from_pretrained(chat_tokenizers["bpe"])
     tok.pad_token = tok.pad_token or tok.eos_token
@@ -343,8 +343,8 @@ def test_pair_mixture_reads_reference_log_probs_by_store_pair(chat_tokenizers, t
     import numpy as np
     from transformers import AutoTokenizer
 
-    from data.config import DataConfig
     from data.pair_dataset import PairDataset
+    from schema.data import DataConfig
 
     tok = AutoTokenizer.from_pretrained(chat_tokenizers["bpe"])
     files = []
@@ -411,8 +411,8 @@ def test_data_prepare_builds_the_pair_stores_the_trainer_reads(chat_tokenizers, 
     and fail on 'response'): the store it builds is the one the trainer's `open_dataset` then finds, unbuilt."""
     import json
 
-    from training.cli import compose_config
-    from training.data_setup import open_dataset
+    from data.open_dataset import open_dataset
+    from schema.compose import compose_config
     from training.prepare import main
 
     pairs = tmp_path / "pairs.jsonl"

@@ -160,9 +160,9 @@ def test_mxfp4_experts_are_dequantized_as_transformers_loads_them(hf_models, tmp
 def test_a_run_from_a_quantized_hub_directory_has_a_plain_model_config(tmp_path):
     """Training straight from an FP8 hub directory (converted at load, dequantized) builds, saves and exports a plain
     model: its config keeps no `quantization_config`."""
+    from schema.compose import compose_config
     from tools.tiny_models import tiny_config
     from training.assembly import load_model_config
-    from training.cli import compose_config
 
     config = tiny_config("deepseek_v3")
     config.quantization_config = {"quant_method": "fp8", "weight_block_size": [16, 16]}

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from checkpoint.saves import choose_checkpoint
+from schema.compose import compose_config
+from schema.train import TrainConfig
 from tests.conftest import check, read_jsonl, run_cmd, small_run
-from training.cli import compose_config
-from training.config import TrainConfig
 from training.errors import RunError
 from training.run_dir import check_resume_from, prepare_output_dir, roll_back
 from training.validate import validate
@@ -192,7 +192,7 @@ def test_seq_length_that_tp_does_not_divide_is_padded_inside():
 
     from data.collator import CausalLMCollator
     from models.loss import IGNORE_INDEX
-    from training.config import padded_seq_length
+    from schema.train import padded_seq_length
 
     cfg = compose_config(["tensor_parallel_size=3", "seq_length=128", "model_name_or_path=m", "train_file=a.jsonl"])
     validate(cfg)

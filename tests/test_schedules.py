@@ -117,8 +117,8 @@ def test_timeline_figures_and_dualpipev_needs_2p_micro_batches(tmp_path):
     ],
 )
 def test_schedule_settings_that_cannot_run_are_refused_in_one_line(settings, message):
+    from schema.train import TrainConfig
     from tools.tiny_models import tiny_config
-    from training.config import TrainConfig
     from training.precision import resolve
     from training.validate import validate, validate_layout
 

@@ -17,12 +17,12 @@ import torch
 from data import store as store_mod
 from data import store_builder
 from data.collator import CausalLMCollator
-from data.config import DataConfig
 from data.dataset import TokenizedDataset
 from data.encode import encode_row, encode_rows
 from data.errors import DataError
 from data.packing import BlockDataset
 from data.sources import iter_rows, write_jsonl
+from schema.data import DataConfig
 from tests.conftest import REPO, subprocess_env
 from tests.test_data import CHATML, CONVERSATION, LLAMA2, LLAMA3
 

@@ -13,11 +13,11 @@ import torch
 
 from checkpoint.pipeline_reader import load_hf_state_dict
 from models.key_table import is_carried
+from schema.train import OptimConfig, TrainConfig
 from tests.baseline import baseline_eval, hub_state_dict, train_baseline
 from tests.conftest import built_once, check, deepspeed_launch, hf_state, launch, read_jsonl, run_cmd, shared_path
 from tests.layouts import LAYOUTS
 from tests.resumes import assert_resumed_exactly, interrupted_copy
-from training.config import OptimConfig, TrainConfig
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 

@@ -26,8 +26,8 @@ Every key of the run configuration, its default and what it does, generated from
 (`python -m tools.config_reference`; `tests/test_docs.py` fails when this page is stale). Precedence:
 dataclass defaults < `conf/config.yaml` and the groups it composes < an `experiment=` recipe < command-line
 overrides (`trainer.py num_stages=2 optim.beta2=0.99`). An unknown key, a wrong type or an unknown preset is
-a one-line error before anything starts, and every check of values runs (`training/validate.py`) before any
-data or weight is touched. How the settings fit together: [training](training.md),
+a one-line error before anything starts, and every check of values runs (`schema/checks.py`,
+`training/validate.py`) before any data or weight is touched. How the settings fit together: [training](training.md),
 [parallelism](parallelism.md), [LoRA and preference tuning](lora_and_preference.md).
 """
 
@@ -112,7 +112,7 @@ def presets() -> list[tuple[str, list[str]]]:
 
 
 def render() -> str:
-    from training.config import TrainConfig
+    from schema.train import TrainConfig
 
     sections: dict[str, list[tuple[str, str, str]]] = {}
     for key, default, what in rows(TrainConfig):

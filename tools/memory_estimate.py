@@ -57,13 +57,13 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     The micro-batches in flight come from the instruction list the rank's engine executes
     (`training.schedules.memory_states`): 1F1B's p - s on stage s; zero_bubble the same plus at most two
     backward passes' deferred weight gradients; dualpipev's two half stages per rank, rank 0 scoring the loss."""
-    from models.config import checkpoint_every
     from models.lora import adapter_param_counts
     from models.partition import layer_param_counts, rank_stages, stage_bounds
     from models.pipe_layout import block_of
     from models.sharding import padded_vocab
     from models.tensor_parallel import TensorParallel
-    from training.config import model_stages, padded_seq_length, sequence_parallel, sequences_per_sample
+    from schema.model import checkpoint_every
+    from schema.train import model_stages, padded_seq_length, sequence_parallel, sequences_per_sample
     from training.precision import resolved
     from training.schedules import memory_states
 
@@ -151,7 +151,7 @@ def suggest(cfg, config, world_size: int, gpu_gib: float) -> list[str]:
     """Per pipeline schedule, the largest micro-batch size (and partition) that fits `gpu_gib` per GPU (10% kept
     free), with the micro-batch count that keeps the 1F1B bubble (p-1)/(m+p-1) at or under 20% (at least
     2p for dualpipev), and each schedule's theoretical bubble from its instruction lists; smallest bubble first."""
-    from training.config import min_micro_batches
+    from schema.train import min_micro_batches
     from training.schedules import timeline
     from training.validate import validate_layout
 
@@ -216,9 +216,9 @@ def context_for(cfg, config, world_size: int, gpu_gib: float) -> str:
 
 def main(argv: list[str]) -> int:
     from common.hub import HubError, resolve
+    from schema.compose import compose_config
+    from schema.train import sequence_parallel, sequences_per_sample
     from training.assembly import load_model_config
-    from training.cli import compose_config
-    from training.config import sequence_parallel, sequences_per_sample
     from training.errors import RunError
 
     world = [a for a in argv if a.startswith("world_size=")]

@@ -27,12 +27,12 @@ from models.lora import add_lora, parallelize_lora
 from models.loss import CausalLMLoss
 from models.moe import WithAuxLoss, default_aux_loss_coef, is_moe
 from models.partition import stage_bounds
-from models.preference import PreferenceLoss
+from models.preference import PreferenceLoss, PreferenceSettings
 from models.tensor_parallel import TensorParallel, token_cross_entropy_for, vocab_parallel
 from models.tokenizer import check_tokenizer_fits, configured_tokenizer
 from models.vocab_parallel_loss import vocab_parallel_cross_entropy
+from schema.train import TrainConfig, model_stages, padded_seq_length, sequence_parallel, tokenizer_sources
 from training import checkpointing
-from training.config import TrainConfig, model_stages, padded_seq_length, sequence_parallel, tokenizer_sources
 from training.data_setup import data_state, load_data, pad_id, write_data_report
 from training.distributed import LAUNCH, agreed, init_distributed, ranks_work
 from training.engine import build_module, describe_auto_precision, initialize_engine
@@ -54,7 +54,9 @@ def _loss_fn(cfg: TrainConfig, model_config, tp: TensorParallel):
     cross-entropy when the head is split (no rank holds [B, S, V] logits; padded rows never reach the loss)."""
     split = vocab_parallel(model_config, tp)
     if cfg.objective == "dpo":
-        loss = PreferenceLoss(cfg.dpo.settings(), token_cross_entropy_for(model_config, tp), cfg.model.loss_chunk_size)
+        loss = PreferenceLoss(
+            PreferenceSettings.of(cfg.dpo), token_cross_entropy_for(model_config, tp), cfg.model.loss_chunk_size
+        )
     else:
         cross_entropy = None
         if split:

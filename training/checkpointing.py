@@ -40,7 +40,7 @@ from models.partition import rank_layers
 from models.pipe_layout import pipe_layers
 from models.tensor_parallel import TensorParallel
 from models.tp_rules import param_tp_split
-from training.config import TrainConfig, resume_mode, sequence_parallel
+from schema.train import TrainConfig, resume_mode, sequence_parallel
 from training.distributed import agreed, broadcast_object
 from training.engine import follow_new_schedule
 from training.errors import RunError

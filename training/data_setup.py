@@ -8,10 +8,11 @@ import logging
 import os
 
 from data.dataset import PlaceholderDataset, TokenizedDataset, cache_root
+from data.open_dataset import open_dataset
 from data.packing import BlockDataset, PackedDataset, arranged
 from data.pair_dataset import PairDataset
 from data.sampling import TrainPlan
-from training.config import TrainConfig, evaluating
+from schema.train import TrainConfig, evaluating
 from training.distributed import agreed, broadcast_object, rank0_works
 from training.errors import RunError
 from training.run_state import Run
@@ -27,20 +28,6 @@ def pad_id(tokenizer) -> int:
         if candidate is not None:
             return candidate
     return 0
-
-
-def open_dataset(
-    cfg: TrainConfig, spec, tokenizer, *, train: bool, cache_dir: str, build: bool = True, beat=None, log=log.info
-) -> TokenizedDataset | PairDataset:
-    """The dataset `cfg.objective` reads from `spec` (train_file or eval_file): pairs for dpo, rows for sft;
-    a train set is mixed by data.train_weights and seed. The one place that decides it (trainer and data.prepare)."""
-    d = cfg.data
-    kw = dict(cache_dir=cache_dir, workers=d.tokenize_workers, build=build, beat=beat, log=log)
-    if train:
-        kw.update(weights=d.train_weights, seed=cfg.seed)
-    if cfg.objective == "dpo":  # pairs are never concatenated (validate refuses it)
-        return PairDataset(spec, tokenizer, cfg.seq_length, d, **kw)
-    return TokenizedDataset(spec, tokenizer, cfg.seq_length, d, concat=d.concatenate, **kw)
 
 
 def load_data(run: Run) -> None:

@@ -12,7 +12,6 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from deepspeed.runtime.utils import clip_grad_norm_
 
 from checkpoint.universal import universal_info
-from models.config import checkpoint_every
 from models.context_parallel import ContextParallel
 from models.expert_parallel import ExpertParallel
 from models.layers import DecoderOptions, init_weights
@@ -21,7 +20,8 @@ from models.pipeline import build_pipeline_module
 from models.sharding import REPLICA
 from models.tensor_parallel import TensorParallel
 from models.tp_rules import param_tp_split
-from training.config import TrainConfig, sequence_parallel
+from schema.model import checkpoint_every
+from schema.train import TrainConfig, sequence_parallel
 from training.expert_parallel import (
     attach,
     deepspeed_owns_experts,

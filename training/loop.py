@@ -17,10 +17,7 @@ from omegaconf import OmegaConf
 from checkpoint.names import step_tag
 from checkpoint.saves import newest_checkpoint
 from data.sampling import eval_batches, eval_indices, eval_num_batches, train_batches
-from training.assembly import assemble
-from training.balancing import balance_experts
-from training.batches import LossScaledBatches, PairScaledBatches
-from training.config import (
+from schema.train import (
     TrainConfig,
     eval_micro_batch_size,
     evaluating,
@@ -28,6 +25,9 @@ from training.config import (
     resume_mode,
     sequences_per_sample,
 )
+from training.assembly import assemble
+from training.balancing import balance_experts
+from training.batches import LossScaledBatches, PairScaledBatches
 from training.distributed import control_group
 from training.errors import RunError
 from training.logs import rank_log_path

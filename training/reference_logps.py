@@ -34,7 +34,7 @@ from data.sampling import eval_batches, eval_indices, eval_num_batches
 from models.config import load_hf_config
 from models.preference import ReferenceScorer
 from models.tensor_parallel import token_cross_entropy_for
-from training.config import TrainConfig, eval_micro_batch_size
+from schema.train import TrainConfig, eval_micro_batch_size
 from training.distributed import agreed, broadcast_object, control_group
 from training.errors import RunError
 from training.hf_source import source_record

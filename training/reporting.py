@@ -12,21 +12,6 @@ import sys
 
 from checkpoint.staging import write_text_atomic
 
-REPORTERS = ("tensorboard", "wandb")
-
-
-def check_reporters(report_to: list[str]) -> None:
-    """Raise ValueError naming an unknown or missing reporter, before any training starts."""
-    for name in report_to:
-        if name not in REPORTERS:
-            raise ValueError(f"report_to: unknown reporter {name!r} (choose from {', '.join(REPORTERS)})")
-        module = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}[name]
-        try:
-            __import__(module)
-        except ImportError:
-            package = "tensorboard" if name == "tensorboard" else "wandb"
-            raise ValueError(f"report_to: {name} needs the '{package}' package (pip install {package})") from None
-
 
 class StepReporter:
     """Writes each step's record to every sink; `close()` at the end. Build it on the reporting rank."""

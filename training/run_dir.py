@@ -25,7 +25,7 @@ from checkpoint.names import CONVERTED_DIR, LATEST, MANIFEST, REFERENCE_CONVERTE
 from checkpoint.outputs import is_within, real_path
 from checkpoint.saves import complete_checkpoints, read_latest
 from checkpoint.staging import fsync_dir, write_text_atomic
-from training.config import TrainConfig, resume_mode
+from schema.train import TrainConfig, resume_mode
 from training.errors import RunError
 
 log = logging.getLogger("trainer")

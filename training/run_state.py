@@ -7,7 +7,7 @@ from typing import Any
 
 from data.sampling import TrainPlan
 from models.tensor_parallel import TensorParallel
-from training.config import TrainConfig
+from schema.train import TrainConfig
 from training.topology import Coords
 
 

@@ -40,8 +40,8 @@ from checkpoint.optimizer_reshape import OPTIMIZER_NAMES, optimizer_param_names
 from checkpoint.saves import prune, publish_checkpoint
 from checkpoint.staging import remove_tree
 from checkpoint.universal import write_layout
+from schema.train import TrainConfig
 from training.checkpointing import rng_state
-from training.config import TrainConfig
 from training.distributed import agreed, broadcast_object, control_group
 from training.errors import RunError
 from training.expert_parallel import every_expert

@@ -32,8 +32,8 @@ from models.moe import WithAuxLoss, aux_loss, empty_stats, is_moe
 from models.partition import stage_bounds
 from models.tensor_parallel import TensorParallel, vocab_parallel
 from models.vocab_parallel_loss import vocab_parallel_cross_entropy
+from schema.train import TrainConfig
 from training.checkpointing import load_stage_weights
-from training.config import TrainConfig
 from training.distributed import init_distributed, shutdown_distributed
 from training.engine import build_module, initialize_engine
 from training.precision import resolve

@@ -72,7 +72,7 @@ dataset_mod.TokenizedDataset.__getitem__ = recording_getitem
 
 
 def main():
-    from training.cli import compose_config
+    from schema.compose import compose_config
     from training.distributed import shutdown_distributed
     from training.loop import Trainer
 

@@ -26,8 +26,8 @@ from models.loss import CausalLMLoss
 from models.partition import stage_bounds
 from models.tensor_parallel import TensorParallel
 from models.vocab_parallel_loss import vocab_parallel_cross_entropy
+from schema.train import TrainConfig
 from training.checkpointing import load_stage_weights
-from training.config import TrainConfig
 from training.distributed import init_distributed, shutdown_distributed
 from training.engine import build_module, initialize_engine
 from training.precision import resolve

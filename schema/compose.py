@@ -13,7 +13,7 @@ import re
 
 from omegaconf import OmegaConf
 
-from training.config import TrainConfig
+from schema.train import TrainConfig
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
@@ -70,7 +70,7 @@ def compose_config(overrides: list[str], conf_dir: str = CONF_DIR) -> TrainConfi
     """
     from hydra import compose, initialize_config_dir
 
-    from training.config import register_configs
+    from schema.train import register_configs
 
     register_configs()
     problem = check_overrides(overrides, conf_dir)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.config import Choice
+from schema.choice import Choice
+
+SEQUENCES_PER_PAIR = 2  # a preference pair runs through the model as two sequences: chosen, then rejected
 
 
 class DataFormat(Choice):

@@ -1,23 +1,23 @@
 """Typed run configuration, registered in hydra's ConfigStore so a misspelt key fails at start-up.
 
-Each package owns its part (models.config: `model`, `lora`; data.config: `data`); this module composes
-them with the training settings, and owns the values derived from them (the functions below). Precedence:
+The parts of other owners sit beside it (schema/model.py: `model`, `lora`; schema/data.py: `data`); this module
+composes them with the training settings, and owns the values derived from them (the functions below). Precedence:
 dataclass defaults < `conf/*.yaml` (groups model/, data/, deepspeed/, experiment/) < command-line overrides.
-The config is passed explicitly; nothing reads a global. Every check of values is `training.validate`'s.
+The config is passed explicitly; nothing reads a global. Checks of values: schema/checks.py (the config alone)
+and training/validate.py (against the model and the launch).
 The comment on each field is its line in docs/configuration.md (`python -m tools.config_reference`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from data.config import DataConfig
-from data.pairs import SEQUENCES_PER_PAIR
-from models.config import Choice, LoraSettings, LossType, ModelSettings
+from schema.choice import Choice
+from schema.data import SEQUENCES_PER_PAIR, DataConfig
+from schema.model import LoraSettings, LossType, ModelSettings
 
 RESUME_MODES = ("true", "false", "auto")
 
@@ -91,12 +91,6 @@ class DpoConfig:
     # An HF directory or a pipeline checkpoint; None: the starting weights (model_name_or_path; with LoRA, the base
     # without adapters). Its log-probs are computed once, before training, and cached beside the tokenized data.
     reference_model: str | None = None
-
-    def settings(self):
-        """The loss's `models.preference.PreferenceSettings`, every field taken from here by name."""
-        from models.preference import PreferenceSettings
-
-        return PreferenceSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PreferenceSettings)})
 
 
 @dataclass
