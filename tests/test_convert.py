@@ -101,12 +101,12 @@ SLOW_PRESETS = (
 def test_layer_modules_match_hf_at_preset_shapes(preset_name):
     """Shape-only conversion of the shipped presets (LLaMA-2-70B, Qwen2.5-7B, Qwen3-8B, Qwen3-30B-A3B, Mixtral 8x7B,
     Llama 4 Scout's text model, Phi-4, the text models of Gemma 3 27B and Qwen3.5 27B, OLMo 3 32B, DeepSeek-V3, Kimi
-    K2, gpt-oss-120b, GLM-4.5-Air, Qwen3-Next-80B-A3B) on the meta device: our layer modules' keys and shapes are exactly what the table maps from the hub's layout
-    (transformers' own per-expert names for the experts it fuses in memory), and the planner counts the parameters
-    transformers' model has, in all and per token (the model cards: Qwen2.5-7B 7.61B, Qwen3-8B 8.19B, Qwen3-30B-A3B
-    30.5B, Mixtral 46.7B, Llama 4 Scout 109B with its vision tower, Phi-4 14B, OLMo 3 32B, Qwen3.5 27B with its vision
-    tower, DeepSeek-V3 671B / 37B, Kimi K2 1T /
-    32B, gpt-oss-120b 117B, GLM-4.5-Air 106B / 12B, Qwen3-Next 80B / 3B)."""
+    K2, gpt-oss-120b, GLM-4.5-Air, Qwen3-Next-80B-A3B) on the meta device: our layer modules' keys and shapes are
+    exactly what the table maps from the hub's layout (transformers' own per-expert names for the experts it fuses in
+    memory), and the planner counts the parameters transformers' model has, in all and per token (the model cards:
+    Qwen2.5-7B 7.61B, Qwen3-8B 8.19B, Qwen3-30B-A3B 30.5B, Mixtral 46.7B, Llama 4 Scout 109B with its vision tower,
+    Phi-4 14B, OLMo 3 32B, Qwen3.5 27B with its vision tower, DeepSeek-V3 671B / 37B, Kimi K2 1T / 32B, gpt-oss-120b
+    117B, GLM-4.5-Air 106B / 12B, Qwen3-Next 80B / 3B)."""
     from transformers import AutoModelForCausalLM
 
     from models.config import check_preset, config_from_preset
