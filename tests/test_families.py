@@ -284,3 +284,93 @@ def test_tp_rules_agree_with_transformers_tp_plan(model_type):
         # Linear attention's depthwise convolution splits with its heads (transformers' plan leaves it whole).
         beyond |= {n for n in names if n == "linear_attn.conv1d.weight"}
         assert {n for n in split - set(plan) if tp_split(DECODER, n, config) != "replica"} == beyond
+
+
+# The dense families that DPO launches do not train (test_dpo.py trains LLaMA and the mixtures of experts Mixtral,
+# DeepSeek-V3, gpt-oss, GLM-4.5, Qwen3-Next and Mistral 4 under PP x DP (x EP, x CP)): one case each, every layer
+# kind of the family in its three or four layers.
+DPO_CASES = [
+    "mistral-window",
+    "qwen2-tied",
+    "qwen3",
+    "helium-biases",
+    "smollm3-nope-biases",
+    "ministral3-scaled-window",
+    "seed_oss-biases",
+    "ernie4_5-biases",
+    "gemma3-local-softcap",
+    "phi3-window",
+    "glm4",
+    "olmo2-biases",
+    "olmo3-local",
+    "qwen3_5-hybrid",
+]
+
+
+@pytest.mark.parametrize("name", DPO_CASES)
+def test_dpo_through_each_familys_layers_equals_transformers(name, tmp_path):
+    """DPO (sigmoid with the sft term) on two pairs of right-padded rows through the family's pipeline layers, in one
+    process: the last stage's `PreferenceLoss` equals the same loss on transformers' model (`preference_losses`,
+    held to TRL in tests/test_preference.py) against a reference of other weights, and every weight's gradient equals
+    transformers' within 1e-5 of its scale. With the launches of test_dpo.py (the pipeline, its schedules and DP around
+    the loss, which no family changes) this is each family's DPO."""
+    from transformers import AutoModelForCausalLM
+
+    from models.preference import PreferenceLoss, PreferenceSettings, preference_losses, sft_loss
+
+    model_type, overrides = FAMILY_CONFIGS[name]
+    config = tiny_config(model_type, **{"num_hidden_layers": 3, "num_key_value_heads": 2} | overrides)
+    config._attn_implementation = resolve_attention(config, None)
+    models = []
+    for seed in (0, 1):  # the policy, then the reference
+        torch.manual_seed(seed)
+        models.append(AutoModelForCausalLM.from_config(config).eval())
+        perturb(models[-1])
+    policy, reference = models
+    policy.save_pretrained(tmp_path)
+    state = hf_state(str(tmp_path))
+    # Pairs 0 and 1: rows 0, 1 chosen, rows 2, 3 rejected; prompts of 5 and 4 tokens, rows right-padded with 0.
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, config.vocab_size, (4, 12), generator=generator)
+    targets = torch.zeros(4, 12, dtype=torch.bool)
+    for row, (prompt, length) in enumerate([(5, 12), (4, 10), (5, 11), (4, 9)]):
+        ids[row, length:] = 0
+        targets[row, prompt:length] = True
+    labels = torch.roll(ids, -1, 1).masked_fill(~torch.roll(targets, -1, 1), -100)
+    labels[:, -1] = -100
+
+    def completion_logps(logits):  # summed log-probs of each row's completion tokens, and their count
+        per_token = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        return (per_token * targets[:, 1:]).sum(-1), targets[:, 1:].sum(-1)
+
+    settings = PreferenceSettings("sigmoid", beta=0.2, sft_weight=0.5)
+    with torch.no_grad():
+        ref, _ = completion_logps(reference(input_ids=ids).logits)
+    logps, tokens = completion_logps(policy(input_ids=ids).logits)
+    losses, *_ = preference_losses(settings, logps[:2], logps[2:], tokens[:2], tokens[2:], ref[:2], ref[2:])
+    expected = losses.mean() + settings.sft_weight * sft_loss(logps[:2], tokens[:2])
+    expected.backward()
+
+    keys = all_layer_keys(config)
+    modules = {}
+    for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):
+        if layer.has_file:
+            modules[layer.index] = build_layer(layer, config, DecoderOptions()).eval()
+            modules[layer.index].load_state_dict({ours: state[hf] for ours, hf in keys[layer.index].items()})
+    x = (ids, torch.arange(12).expand_as(ids))
+    for module in modules.values():
+        x = module(x)
+    x = tied_lm_head_forward(modules[0], x) if config.tie_word_embeddings else x
+    loss_fn = PreferenceLoss(settings)
+    loss = loss_fn(split_stats(x)[0], (labels, ref, torch.tensor(0.5), 1.0 / targets[:2, 1:].sum()))
+    loss.backward()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+    hf_params = dict(policy.named_parameters())
+    worst = 0.0
+    for index, module in modules.items():
+        for ours, param in module.named_parameters():
+            theirs = hf_params[keys[index][ours]].grad
+            scale = float(theirs.abs().max())
+            worst = max(worst, float((param.grad - theirs).abs().max()) / scale)
+            torch.testing.assert_close(param.grad, theirs, rtol=0, atol=1e-5 * scale, msg=keys[index][ours])
+    print(f"{name}: DPO loss {float(loss):.6f} (transformers {float(expected):.6f}), gradients within {worst:.2g}")
