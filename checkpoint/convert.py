@@ -91,8 +91,8 @@ def convert_layers(
                 stats.bytes_written += nbytes
                 stats.layers_written += 1
                 stats.files += [os.path.basename(path) for path in paths]
-                for path in paths:
-                    describer.add(path)
+                for path, hashed in paths.items():
+                    describer.add(path, hashed)
                 del layer
                 if between_layers:
                     between_layers(1, nbytes)

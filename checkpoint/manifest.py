@@ -19,24 +19,18 @@ load is that its files are read as plain data only (checkpoint/safe_load.py). Ma
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
-import xxhash
-
 from checkpoint.dtypes import dtype_name
 from checkpoint.errors import CheckpointError, Problem
+from checkpoint.hashing import HASH, HASHES
 from checkpoint.layer_files import is_layer_file, layer_tensor_specs
 from checkpoint.names import MANIFEST
 from checkpoint.staging import write_text_atomic
 from common.progress import Progress
 
 CHUNK = 16 * 2**20
-
-
-HASHES = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}  # the first is written; an entry's own is checked
-HASH = next(iter(HASHES))
 
 
 def entry_hash(entry: dict) -> str | None:
@@ -56,9 +50,10 @@ def file_hash(path: str, sync: bool = False, algorithm: str = HASH) -> str:
     return digest.hexdigest()
 
 
-def describe_file(path: str, sync: bool = False) -> dict:
-    """size, hash and, for layer files, tensor names/shapes/dtypes (read memory-mapped)."""
-    entry = {"size": os.path.getsize(path), HASH: file_hash(path, sync)}
+def describe_file(path: str, sync: bool = False, hashed: str | None = None) -> dict:
+    """size, hash and, for layer files, tensor names/shapes/dtypes (read memory-mapped). `hashed`: the file's hash,
+    computed as it was written (checkpoint/direct_io.py), so it is not read back."""
+    entry = {"size": os.path.getsize(path), HASH: hashed or file_hash(path, sync)}
     if is_layer_file(os.path.basename(path)):
         entry["tensors"] = {
             k: {"shape": list(shape), "dtype": dtype_name(dtype)}
@@ -94,8 +89,7 @@ class BackgroundDescriber:
     """Manifest entries of files just written, computed in a thread while the caller writes the next one.
 
     Hashing overlaps the writing (the hash and file reads release the GIL) instead of every file being hashed
-    again at the end. The file is read back from the
-    page cache right after it was written.
+    again at the end; a file hashed as it was written (`hashed`) is not read back.
     """
 
     def __init__(self):
@@ -103,8 +97,8 @@ class BackgroundDescriber:
 
         self.pool, self.pending = ThreadPoolExecutor(max_workers=1), {}
 
-    def add(self, path: str) -> None:
-        self.pending[os.path.basename(path)] = self.pool.submit(describe_file, path)
+    def add(self, path: str, hashed: str | None = None) -> None:
+        self.pending[os.path.basename(path)] = self.pool.submit(describe_file, path, hashed=hashed)
 
     def entries(self) -> dict[str, dict]:
         """Wait for every file; {name: entry}. Raises what describing a file raised."""

@@ -66,8 +66,8 @@ def reshard_checkpoint(
             dtype = dtype or dtype_name(next(iter(state.values())).dtype)
             with unchecked_zip_records():
                 paths = write_layer(out_step, layer, state, fmt, config.vocab_size, tp_size, tp_ranks, config)
-            for path in paths:
-                describer.add(path)
+            for path, hashed in paths.items():
+                describer.add(path, hashed)
             stats.layers_written += 1
             stats.tensors += len(state)
             stats.bytes_written += sum(os.path.getsize(p) for p in paths)

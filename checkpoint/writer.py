@@ -179,18 +179,18 @@ def write_layer(
     tp_size: int = 1,
     tp_ranks: list[int] | None = None,
     config=None,
-) -> list[str]:
-    """Write one layer as the files of TP ranks `tp_ranks` (default all) of `tp_size`; returns their paths.
-    `config`: the model's (a fused q/k/v projection's split needs it)."""
-    paths = []
+) -> dict[str, str | None]:
+    """Write one layer as the files of TP ranks `tp_ranks` (default all) of `tp_size`; returns {path: its hash, or
+    None where not computed on the way out}. `config`: the model's (a fused q/k/v projection's split needs it)."""
+    paths = {}
     for tp_rank in range(tp_size) if tp_ranks is None else tp_ranks:
         part = (
             state
             if tp_size == 1
             else {k: shard(v, tp_split(layer.kind, k, config), tp_rank, tp_size, vocab_size) for k, v in state.items()}
         )
-        paths.append(layer_path(step_dir, layer.index, fmt, tp_rank))
-        save_layer_state(part, paths[-1])
+        path = layer_path(step_dir, layer.index, fmt, tp_rank)
+        paths[path] = save_layer_state(part, path)
     return paths
 
 

@@ -31,8 +31,9 @@ if kind == "enospc":
     _save = torch.save
 
     def full_disk_save(obj, f, *args, **kwargs):
-        if isinstance(f, str | os.PathLike) and f"global_step{opts['step']}" in str(f):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+        path = getattr(f, "path", f)  # a path, or the file object the background writer saves through
+        if isinstance(path, str | os.PathLike) and f"global_step{opts['step']}" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return _save(obj, f, *args, **kwargs)
 
     torch.save = full_disk_save
@@ -88,7 +89,7 @@ elif kind in ("kill_write", "kill_commit", "slow_write"):
                     with open(path, "wb") as f:
                         f.write(b"half a file")
                     kill_job()
-            _write(path, state)
+            return _write(path, state)
 
         background_writer.write_durably = dying_write
     elif kind == "kill_commit":
@@ -105,7 +106,7 @@ elif kind in ("kill_write", "kill_commit", "slow_write"):
 
         def slow_write(path, state):
             time.sleep(opts["ms"] / 1000)
-            _write(path, state)
+            return _write(path, state)
 
         background_writer.write_durably = slow_write
 
