@@ -52,7 +52,8 @@ def file_hash(path: str, sync: bool = False, algorithm: str = HASH) -> str:
 
 def describe_file(path: str, sync: bool = False, hashed: str | None = None) -> dict:
     """size, hash and, for layer files, tensor names/shapes/dtypes (read memory-mapped). `hashed`: the file's hash,
-    computed as it was written (checkpoint/direct_io.py), so it is not read back."""
+    computed as it was written (checkpoint/direct_io.py), so it is not read back; `sync` then does nothing (whoever
+    wrote it flushes it: `DirectFile(fsync=True)`)."""
     entry = {"size": os.path.getsize(path), HASH: hashed or file_hash(path, sync)}
     if is_layer_file(os.path.basename(path)):
         entry["tensors"] = {
