@@ -31,6 +31,19 @@ from schema.train import TrainConfig
 from training.engine import make_optimizer
 
 
+def hf_model(hf_dir: str, **kwargs):
+    """`AutoModelForCausalLM.from_pretrained` with every tensor copied into memory of its own. transformers leaves
+    each tensor where the safetensors file maps it, and a CPU matmul can round differently on operands aligned
+    differently: the same bits from two files gave logits 1 ulp apart (a Mistral 4 export against its source: 48 of
+    2,000 batches; none once copied). The pipeline's own weights live in freshly allocated (64-byte aligned) memory."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, **kwargs)
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor.data = tensor.data.clone()
+    return model
+
+
 def global_batch(dataset, plan: TrainPlan, step: int, seed: int, seq_length: int, pad_id: int):
     """Rows of optimizer step `step` over all DP ranks, as HF inputs (unshifted labels). With packing, the
     rows inside the step's packed rows, each in an HF row of its own (what packing must reproduce); with
@@ -58,12 +71,12 @@ def train_baseline(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, s
     that are not padding (what the trainer's metrics call input_tokens). With experts and `cp_split`,
     `model.router_control` holds the negative control of the router statistics under CP on the first step
     (`_router_control`): (aux's largest relative change over its micro-batches, the loss's change, fewest tokens)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(hf_dir)  # SDPA, or eager where transformers has no SDPA for it (gpt-oss)
     attn = resolve_attention(config, None)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation=attn)
+    model = hf_model(hf_dir, dtype=torch.float32, attn_implementation=attn)
     model.train()
     if cfg.lora.enabled:  # the same per-layer seeded adapters as the pipeline (models/lora.py)
         lo = cfg.lora
@@ -265,7 +278,7 @@ def train_dpo_reference(policy_dir: str, reference_dir: str, cfg: TrainConfig, d
     tests/test_preference.py) over every pair of the step, plus `sft_weight` x the step's chosen tokens' mean NLL;
     the reference's log-probs from the HF reference model. Returns (model, losses, grad norms, reward margins,
     and with `cp_split` the second step's `without_context_sum`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from data.pair_dataset import PairDataset
     from data.sampling import TrainPlan
@@ -275,8 +288,8 @@ def train_dpo_reference(policy_dir: str, reference_dir: str, cfg: TrainConfig, d
 
     torch.manual_seed(0)
     attn = resolve_attention(AutoConfig.from_pretrained(policy_dir), None)  # SDPA, or eager (gpt-oss's sinks)
-    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32, attn_implementation=attn).train()
-    reference = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32, attn_implementation=attn)
+    model = hf_model(policy_dir, dtype=torch.float32, attn_implementation=attn).train()
+    reference = hf_model(reference_dir, dtype=torch.float32, attn_implementation=attn)
     if cfg.lora.enabled:
         lo = cfg.lora
         add_lora(model, lo.r, lo.alpha, lo.dropout, lo.target_modules, cfg.seed)

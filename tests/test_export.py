@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from checkpoint.export import export_pipeline_to_hf
+from tests.baseline import hf_model
 from tests.conftest import FAMILY_VARIANTS, hf_state, one_error_line, run_cmd
 
 
 @pytest.mark.parametrize("variant", ["mha", "gqa", "tied", *FAMILY_VARIANTS])
 def test_round_trip_is_bit_identical(variant, hf_models, converted, tmp_path):
     """HF -> pipeline -> HF: every tensor bit-identical, and the export loads as the same family."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     out = tmp_path / "hf"
     proc = run_cmd(
@@ -44,8 +45,7 @@ def test_round_trip_is_bit_identical(variant, hf_models, converted, tmp_path):
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and all(os.path.getsize(out / s) < 150 * 1024 + 8192 for s in shards)
     assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in original.values())
-    model = AutoModelForCausalLM.from_pretrained(str(out))
-    reference = AutoModelForCausalLM.from_pretrained(hf_models[variant])
+    model, reference = hf_model(str(out)), hf_model(hf_models[variant])  # in aligned memory: equal bits, equal logits
     assert type(model) is type(reference)
     ignore = ("_name_or_path",)
     assert {k: v for k, v in model.config.to_dict().items() if k not in ignore} == {

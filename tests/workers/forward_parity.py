@@ -33,6 +33,7 @@ from models.partition import stage_bounds
 from models.tensor_parallel import TensorParallel, vocab_parallel
 from models.vocab_parallel_loss import vocab_parallel_cross_entropy
 from schema.train import TrainConfig
+from tests.baseline import hf_model
 from training.checkpointing import load_stage_weights
 from training.distributed import init_distributed, shutdown_distributed
 from training.engine import build_module, initialize_engine
@@ -137,7 +138,7 @@ def main():
     count_p2p_sends()
     reuse_process_groups()
     traffic = []
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from models.loss import CausalLMLoss
 
@@ -213,9 +214,7 @@ def main():
                 logits = torch.cat(shards, dim=-1)[..., : config.vocab_size]
             if coords.is_last:
                 if (case["name"], coords.dp_rank) not in references:  # the same batch in every layout
-                    hf = AutoModelForCausalLM.from_pretrained(
-                        case["hf_dir"], attn_implementation=case["attn"], dtype=torch.float32
-                    )
+                    hf = hf_model(case["hf_dir"], attn_implementation=case["attn"], dtype=torch.float32)
                     references[case["name"], coords.dp_rank] = reference(hf, ids, labels, packed)
                 ref_logits, ref_loss, ref_aux = references[case["name"], coords.dp_rank]
                 ref_logits = shard(ref_logits, coords.cp_rank, cp)
