@@ -238,13 +238,19 @@ def convert_in_process(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def spawn_ranks(worker, tmp_path, *args, ranks: int = 2, suffix: str = "pt", timeout: int = 300) -> list[str]:
-    """Run `worker(rank, store, *args, out)` in `ranks` spawned processes (gloo through a file store in `tmp_path`),
-    each saving its results to its own `out`; returns those paths once every process exited cleanly."""
+    """Run `worker(rank, store, *args, out)` in `ranks` processes (gloo through a file store in `tmp_path`), each
+    saving its results to its own `out`; returns those paths once every process exited cleanly. The processes are
+    forked from the fork server (tests/workers/call.py; string arguments), or spawned with TEST_LAUNCHER=subprocess."""
+    store = str(tmp_path / "store")
+    outs = [str(tmp_path / f"rank{r}.{suffix}") for r in range(ranks)]
+    if (zygote := forked()) is not None:
+        call = [f"{worker.__module__}:{worker.__name__}", store, *args, str(tmp_path / f"rank{{rank}}.{suffix}")]
+        proc = zygote.run("tests/workers/call.py", call, ranks, ranks=True, env=subprocess_env(), timeout=timeout)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return outs
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    store = str(tmp_path / "store")
-    outs = [str(tmp_path / f"rank{r}.{suffix}") for r in range(ranks)]
     procs = [ctx.Process(target=worker, args=(r, store, *args, outs[r])) for r in range(ranks)]
     for p in procs:
         p.start()

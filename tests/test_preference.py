@@ -10,6 +10,7 @@ import torch
 
 from data.pairs import encode_pair, pair_sequences
 from models.preference import REWARD_METRICS, PreferenceSettings, preference_losses, reward_sums, sft_loss
+from tests.conftest import spawn_ranks
 from tests.test_data import CHATML
 from tools.tiny_models import tiny_config
 
@@ -393,15 +394,8 @@ def test_reference_scores_reach_rank_0_in_chunks(tmp_path):
     """The reference pass's gather: two scoring ranks' (pair ids, log-probs) micro-batches, padding pairs among
     them, reduced to rank 0 a chunk at a time, land at their pairs exactly."""
     import numpy as np
-    import torch.multiprocessing as mp
 
-    ctx, out = mp.get_context("spawn"), str(tmp_path / "scores.npy")
-    procs = [ctx.Process(target=_collect_worker, args=(r, str(tmp_path / "store"), out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
+    out = spawn_ranks(_collect_worker, tmp_path, suffix="npy", timeout=120)[0]  # rank 0 saves the scores
     pairs = np.arange(9, dtype=np.float32)
     assert np.array_equal(np.load(out), np.stack([10 * pairs + 1, 10 * pairs + 2], axis=1))
 
