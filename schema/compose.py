@@ -27,21 +27,20 @@ def check_overrides(args: list[str], conf_dir: str) -> str | None:
     schema = OmegaConf.structured(TrainConfig)
     keys = [k for k, _ in _dotted(OmegaConf.to_container(schema))]
     groups = {g for g in os.listdir(conf_dir) if os.path.isdir(os.path.join(conf_dir, g))}
-    for arg in args:
-        if arg.startswith("-") or "=" not in arg:
-            continue
-        key, value = arg.split("=", 1)
-        if key.startswith(("hydra", "+", "~")):
-            continue
-        if key in groups and not ("." in value or value.startswith("{")):
+    kinds = [_kind(arg, keys, groups) for arg in args]
+    values = [arg for arg, kind in zip(args, kinds, strict=True) if kind == "value"]
+    try:  # one merge for all (every rank of every launch checks): on a failure, one per override finds which
+        OmegaConf.merge(schema, OmegaConf.from_dotlist(values))
+        merges = False
+    except Exception:  # noqa: BLE001 - omegaconf's key, type and grammar errors, found again below
+        merges = True
+    for arg, kind in zip(args, kinds, strict=True):
+        key, value = arg.split("=", 1) if kind != "skip" else (arg, "")
+        if kind == "preset":
             presets = sorted(f[:-5] for f in os.listdir(os.path.join(conf_dir, key)) if f.endswith(".yaml"))
             if value not in presets and value != "null":
                 return f"{key}={value}: unknown preset (conf/{key}/ has {', '.join(presets)})"
-            continue
-        sweep = ("," in value and not value.startswith(("[", "{", "'", '"'))) or value.startswith(
-            ("range(", "choice(", "interval(", "glob(")
-        )  # a multirun sweep (`-m learning_rate=1e-4,3e-4`): hydra checks each value
-        if sweep and (key in keys or key in groups):
+        if kind != "value" or not merges:
             continue
         try:
             OmegaConf.merge(schema, OmegaConf.from_dotlist([arg]))
@@ -53,6 +52,22 @@ def check_overrides(args: list[str], conf_dir: str) -> str | None:
             choices = re.match(r"Invalid value '.*', expected one of \[(.*)\]", reason)  # an enum key
             return f"{arg}: choose one of {choices[1]}" if choices else f"{arg}: {reason}"
     return None
+
+
+def _kind(arg: str, keys: list[str], groups: set[str]) -> str:
+    """What `check_overrides` checks of one override: "preset" (a config group's file), "value" (merged into the
+    schema), or "skip" (a flag, hydra's own keys, `+`/`~` edits, a multirun sweep: hydra checks each value)."""
+    if arg.startswith("-") or "=" not in arg:
+        return "skip"
+    key, value = arg.split("=", 1)
+    if key.startswith(("hydra", "+", "~")):
+        return "skip"
+    if key in groups and not ("." in value or value.startswith("{")):
+        return "preset"
+    sweep = ("," in value and not value.startswith(("[", "{", "'", '"'))) or value.startswith(
+        ("range(", "choice(", "interval(", "glob(")
+    )  # a multirun sweep (`-m learning_rate=1e-4,3e-4`)
+    return "skip" if sweep and (key in keys or key in groups) else "value"
 
 
 def _dotted(tree: dict, prefix: str = ""):
