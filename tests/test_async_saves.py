@@ -15,7 +15,7 @@ import torch
 from checkpoint.background_writer import BackgroundWriter, HostSnapshot
 from checkpoint.manifest import describe_file, verify_manifest
 from checkpoint.saves import newest_checkpoint, read_latest
-from tests.conftest import check, deepspeed_launch, read_jsonl
+from tests.conftest import check, launch, read_jsonl
 from tests.test_faults import assert_same_run, run_args, start_job, wait
 
 FAULTY = "tests/workers/faulty_trainer.py"
@@ -110,7 +110,7 @@ STEPS = 6
 def reference(converted, sft_data, tmp_path_factory):
     """The uninterrupted run, saved once at the end (saves change nothing a later step computes)."""
     out = tmp_path_factory.mktemp("async") / "reference"
-    check(deepspeed_launch(2, *run_args(converted["gqa"], out, sft_data[0], max_steps=STEPS)))
+    check(launch(2, *run_args(converted["gqa"], out, sft_data[0], max_steps=STEPS)))
     return out
 
 
@@ -129,7 +129,7 @@ def test_sigkill_mid_write_or_mid_commit_resumes_bit_identically(fault, referenc
     expected = newest_checkpoint(str(out))
     assert expected == ("global_step4" if fault == "kill_commit" else "global_step3")
     assert verify_manifest(str(out / expected)) == []
-    done = check(deepspeed_launch(2, *args))
+    done = check(launch(2, *args))  # the resume: any launcher (the kill was the real one's)
     assert f"resumed from {out}/{expected} " in done.stdout + done.stderr
     assert_same_run(reference, out)
     records = read_jsonl(out / "metrics.jsonl")
@@ -157,5 +157,5 @@ def test_sigterm_while_a_slow_disk_writes_finishes_that_save_and_its_own(referen
     assert stopped < STEPS and f"SIGTERM: stopped after step {stopped} with a checkpoint" in text, text[-3000:]
     assert read_latest(str(out)) == f"global_step{stopped}"
     assert not [n for n in os.listdir(out) if n.startswith(".saving-")]  # the save in flight was committed too
-    check(deepspeed_launch(2, *args))
+    check(launch(2, *args))
     assert_same_run(reference, out)

@@ -24,8 +24,8 @@ from tests.conftest import (
     NODES_RUN,
     REPO,
     check,
-    deepspeed_launch,
     free_port,
+    launch,
     read_jsonl,
     small_run,
     subprocess_env,
@@ -97,7 +97,7 @@ def test_sigkill_during_saves_then_resume_auto(converted, sft_data, tmp_path):
     steps = 5 * trials
     args = dict(max_steps=steps, save_steps=1, keep_last_n=2, resume="auto")
     reference = tmp_path / "reference"  # saved once, at the end: saves change nothing a later step computes
-    check(deepspeed_launch(2, *run_args(converted["gqa"], reference, sft_data[0], **{**args, "save_steps": 0})))
+    check(launch(2, *run_args(converted["gqa"], reference, sft_data[0], **{**args, "save_steps": 0})))
 
     out, rng = tmp_path / "killed", random.Random(0)
     kills, mid_save, resumed_from, deadline = 0, 0, [], time.monotonic() + 900
@@ -152,7 +152,7 @@ def test_sigterm_saves_at_step_boundary_and_exits_zero(converted, sft_data, tmp_
     exit 0; `resume=auto` continues exactly, LoRA dropout RNG state included."""
     lora = {"lora.enabled": "true", "lora.dropout": 0.1, "lora.r": 4, "lora.alpha": 8, "max_steps": 8}
     reference = tmp_path / "reference"
-    check(deepspeed_launch(2, *run_args(converted["gqa"], reference, sft_data[0], **lora)))
+    check(launch(2, *run_args(converted["gqa"], reference, sft_data[0], **lora)))
 
     out = tmp_path / "preempted"
     args = run_args(converted["gqa"], out, sft_data[0], resume="auto", **lora)
@@ -170,7 +170,7 @@ def test_sigterm_saves_at_step_boundary_and_exits_zero(converted, sft_data, tmp_
     stopped = len(read_jsonl(metrics))
     assert 3 <= stopped < 8 and f"SIGTERM: stopped after step {stopped} with a checkpoint" in text, text[-3000:]
     assert (out / "latest").read_text() == f"global_step{stopped}"
-    check(deepspeed_launch(2, *args))
+    check(launch(2, *args))
     assert_same_run(reference, out)
 
 

@@ -15,7 +15,7 @@ from checkpoint.pipeline_reader import load_hf_state_dict
 from models.key_table import is_carried
 from schema.train import OptimConfig, TrainConfig
 from tests.baseline import baseline_eval, hub_state_dict, train_baseline
-from tests.conftest import built_once, check, deepspeed_launch, hf_state, launch, read_jsonl, run_cmd, shared_path
+from tests.conftest import built_once, check, hf_state, launch, read_jsonl, run_cmd, shared_path
 from tests.layouts import LAYOUTS
 from tests.resumes import assert_resumed_exactly, interrupted_copy
 
@@ -344,7 +344,7 @@ def test_fp32_zero0_checkpoint_moves_between_layouts(converted, sft_data, tmp_pa
     interrupted_copy(full, part, 2)
     more = dict(num_stages=4, resume="true", gradient_accumulation_steps=6, train_file=str(changed))
     more["model.partition"] = "[1,1,1,1]"
-    proc = deepspeed_launch(4, *layout_args(layout, converted, sft_data, str(part), **more))
+    proc = launch(4, *layout_args(layout, converted, sft_data, str(part), **more))
     refused = [line for line in proc.stderr.splitlines() if "the tokenized training rows differ" in line]
     assert proc.returncode != 0 and len(refused) == 4 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
@@ -450,6 +450,6 @@ def test_hf_directory_is_converted_on_load_and_reused(hf_models, converted, sft_
     broken = tmp_path / "broken_hf"
     shutil.copytree(hf_models["gqa"], broken)
     os.remove(broken / sorted(n for n in os.listdir(broken) if n.endswith(".safetensors"))[0])
-    bad = deepspeed_launch(2, *overrides(cfg, str(broken), str(tmp_path / "bad"), 2))
+    bad = launch(2, *overrides(cfg, str(broken), str(tmp_path / "bad"), 2))
     assert bad.returncode != 0 and "shard listed in the index is missing" in bad.stderr
     assert not (tmp_path / "bad" / "hf_converted").exists()
