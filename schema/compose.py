@@ -29,11 +29,15 @@ def check_overrides(args: list[str], conf_dir: str) -> str | None:
     groups = {g for g in os.listdir(conf_dir) if os.path.isdir(os.path.join(conf_dir, g))}
     kinds = [_kind(arg, keys, groups) for arg in args]
     values = [arg for arg, kind in zip(args, kinds, strict=True) if kind == "value"]
-    try:  # one merge for all (every rank of every launch checks): on a failure, one per override finds which
-        OmegaConf.merge(schema, OmegaConf.from_dotlist(values))
-        merges = False
-    except Exception:  # noqa: BLE001 - omegaconf's key, type and grammar errors, found again below
-        merges = True
+    merges = True  # one merge per override; one merge for all (every rank of every launch checks) where that is
+    # the same check: no key repeated or inside another (a later override would hide an earlier one's problem)
+    named = [arg.split("=", 1)[0] for arg in values]
+    if not any(a == b or a.startswith(b + ".") for i, a in enumerate(named) for b in named[:i] + named[i + 1 :]):
+        try:
+            OmegaConf.merge(schema, OmegaConf.from_dotlist(values))
+            merges = False
+        except Exception:  # noqa: BLE001 - omegaconf's key, type and grammar errors, found again below
+            pass
     for arg, kind in zip(args, kinds, strict=True):
         key, value = arg.split("=", 1) if kind != "skip" else (arg, "")
         if kind == "preset":

@@ -68,6 +68,21 @@ def test_config_inspection_and_typed_keys(converted, sft_data, tmp_path):
     assert "micro_batch_size" in config_error(["micro_batch_size=two"])
 
 
+def test_override_checks_name_the_first_bad_override_in_order():
+    """`check_overrides` merges every override at once, and one at a time only when that fails: the same answer as
+    one at a time always (a key given twice is checked each time: the later one would hide the earlier's problem)."""
+    from schema.compose import CONF_DIR, check_overrides
+
+    assert check_overrides(["learning_rate=1e-4", "seq_length=32", "data.packing=true"], CONF_DIR) is None
+    twice = check_overrides(["learning_rate=abc", "learning_rate=1e-4"], CONF_DIR)
+    assert twice.startswith("learning_rate=abc: "), twice
+    first = check_overrides(["seq_length=x", "model=nope", "lerning_rate=1"], CONF_DIR)
+    assert first.startswith("seq_length=x: "), first
+    preset = check_overrides(["model=nope", "seq_length=x"], CONF_DIR)
+    assert preset.startswith("model=nope: unknown preset"), preset
+    assert check_overrides(["-m", "learning_rate=1e-4,3e-4", "+extra=1", "hydra.run.dir=."], CONF_DIR) is None
+
+
 def test_stage_bounds_rules():
     config = tiny_config(num_hidden_layers=10, vocab_size=64)
     assert stage_bounds(config, 4, [2, 3, 3, 2]) == [0, 3, 6, 9, 13]  # embed with stage 0, norm+head last

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from tests.baseline import hf_model
 from tests.conftest import REPO, read_jsonl, run_cmd, subprocess_env
 from tools.generate import load_model
 from tools.plot_metrics import plot
@@ -17,10 +18,8 @@ from tools.plot_metrics import plot
 
 @pytest.mark.slow
 def test_generation_from_pipeline_checkpoint_matches_hf(hf_models, converted):
-    from transformers import AutoModelForCausalLM
-
     ids = torch.tensor([[1, 5, 9, 13, 17]])
-    reference = AutoModelForCausalLM.from_pretrained(hf_models["tied"], dtype=torch.float32).eval()
+    reference = hf_model(hf_models["tied"], dtype=torch.float32).eval()  # in memory of its own, as ours
     ours = load_model(converted["tied"])
     with torch.no_grad():
         want = reference.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)

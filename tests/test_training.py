@@ -15,7 +15,7 @@ from checkpoint.pipeline_reader import load_hf_state_dict
 from models.key_table import is_carried
 from schema.train import OptimConfig, TrainConfig
 from tests.baseline import baseline_eval, hub_state_dict, train_baseline
-from tests.conftest import built_once, check, hf_state, launch, read_jsonl, run_cmd, shared_path
+from tests.conftest import built_once, check, deepspeed_launch, hf_state, launch, read_jsonl, run_cmd, shared_path
 from tests.layouts import LAYOUTS
 from tests.resumes import assert_resumed_exactly, interrupted_copy
 
@@ -344,7 +344,9 @@ def test_fp32_zero0_checkpoint_moves_between_layouts(converted, sft_data, tmp_pa
     interrupted_copy(full, part, 2)
     more = dict(num_stages=4, resume="true", gradient_accumulation_steps=6, train_file=str(changed))
     more["model.partition"] = "[1,1,1,1]"
-    proc = launch(4, *layout_args(layout, converted, sft_data, str(part), **more))
+    # The real launcher: each rank refuses on its own, and torchrun's agent (as the fork server) stops the others at
+    # once, perhaps before they print; the deepspeed launcher looks once a second.
+    proc = deepspeed_launch(4, *layout_args(layout, converted, sft_data, str(part), **more))
     refused = [line for line in proc.stderr.splitlines() if "the tokenized training rows differ" in line]
     assert proc.returncode != 0 and len(refused) == 4 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
