@@ -6,7 +6,9 @@ finished and the manifest is written does rank 0 rename it to `global_stepN/` an
 
 - a directory named `global_stepN` is complete (it only ever appears by rename);
 - `latest` names a complete checkpoint (it is replaced only after the rename);
-- a crash leaves at most a `.saving-*` directory, which the next save or start removes.
+- a crash leaves at most a `.saving-*` directory. The next start publishes it when every rank had finished
+  writing it (each rank's marker, written after its files were fsynced: only the commit was missing) and it is
+  newer than every published checkpoint (`written_saves`); else the next save or start removes it.
 
 Between the rename and the `latest` update a crash leaves `latest` one checkpoint behind;
 `newest_checkpoint` takes the newest complete directory, so nothing saved is lost.
@@ -22,10 +24,12 @@ from checkpoint.names import (
     CONVERTED_TAG,
     DELETING_PREFIX,
     LATEST,
+    LAYOUT_FILE,
     PIECE_FILE,
     STAGING_PREFIX,
     TAG_PATTERN,
     staging_tag,
+    written_marker,
 )
 from checkpoint.staging import publish_dir, remove_tree, write_text_atomic
 
@@ -40,6 +44,33 @@ def clean_stale(output_dir: str) -> list[str]:
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
             removed.append(name)
     return removed
+
+
+def written_saves(output_dir: str) -> list[tuple[str, str, int]]:
+    """(staging directory, tag, ranks) of each interrupted save that every rank finished writing, newer than every
+    published checkpoint, oldest first: its layout file names the ranks (PP x TP x CP x DP) and each rank's marker
+    is there. What training/saving.py `publish` needs to commit it as the run would have."""
+    import json
+
+    if not os.path.isdir(output_dir):
+        return []
+    newest = max((step for step, _ in complete_checkpoints(output_dir)), default=-1)
+    found = []
+    for name in sorted(os.listdir(output_dir)):
+        m = TAG_PATTERN.fullmatch(name.removeprefix(STAGING_PREFIX))
+        staging = os.path.join(output_dir, name)
+        if not name.startswith(STAGING_PREFIX) or not m or int(m.group(1)) <= newest:
+            continue
+        try:
+            with open(os.path.join(staging, LAYOUT_FILE)) as f:
+                layout = json.load(f)
+            ranks = int(layout["num_stages"]) * int(layout["dp_size"])
+            ranks *= int(layout.get("tp_size", 1)) * int(layout.get("context_parallel_size", 1))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if all(os.path.exists(os.path.join(staging, written_marker(r))) for r in range(ranks)):
+            found.append((int(m.group(1)), staging, m.group(0), ranks))
+    return [(staging, tag, ranks) for _, staging, tag, ranks in sorted(found)]
 
 
 def complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:

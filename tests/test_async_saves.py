@@ -114,23 +114,30 @@ def reference(converted, sft_data, tmp_path_factory):
     return out
 
 
+# What each kill leaves of step 4: (published, the step the next start resumes from).
+KILLS = {"kill_write": (False, 3), "kill_commit": (True, 4), "kill_publish": (False, 4)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["kill_write", "kill_commit"])
+@pytest.mark.parametrize("fault", list(KILLS))
 def test_sigkill_mid_write_or_mid_commit_resumes_bit_identically(fault, reference, converted, sft_data, tmp_path):
     """The whole job SIGKILLed (deterministic hooks in tests/workers/faulty_trainer.py) while rank 0's writer has
-    half-written step 4's second file, or after step 4's rename and before `latest` moved. The next `resume=auto`
-    resumes from step 3 (the only complete one) or step 4 (complete, newer than `latest`)."""
+    half-written step 4's second file, after step 4's rename and before `latest` moved, or once every rank has
+    written step 4 and before rank 0 publishes it. The next `resume=auto` resumes from step 3 (the only complete
+    one), from step 4 (complete, newer than `latest`), or from step 4 published at start (every rank's marker)."""
+    published, resumed = KILLS[fault]
     out = tmp_path / "run"
     args = run_args(converted["gqa"], out, sft_data[0], max_steps=STEPS, save_steps=1, resume="auto")
     proc = start_job(2, args, tmp_path / "killed.log", env={"FAULT": f"{fault}:step=4"}, script=FAULTY)
     assert wait(proc, 300) != 0
     assert read_latest(str(out)) == "global_step3"
-    assert (out / "global_step4").exists() == (fault == "kill_commit")
-    expected = newest_checkpoint(str(out))
-    assert expected == ("global_step4" if fault == "kill_commit" else "global_step3")
-    assert verify_manifest(str(out / expected)) == []
+    assert (out / "global_step4").exists() == published
+    assert (out / ".saving-global_step4").exists() == (not published)
+    assert newest_checkpoint(str(out)) == ("global_step4" if published else "global_step3")
     done = check(launch(2, *args))  # the resume: any launcher (the kill was the real one's)
-    assert f"resumed from {out}/{expected} " in done.stdout + done.stderr
+    assert f"resumed from {out}/global_step{resumed} " in done.stdout + done.stderr
+    assert (f"published {out}/global_step4: every rank had written it" in done.stderr) == (fault == "kill_publish")
+    assert verify_manifest(str(out / f"global_step{resumed}")) == []  # kept: keep_last_n=0
     assert_same_run(reference, out)
     records = read_jsonl(out / "metrics.jsonl")
     assert all(r["save_seconds"] >= 0 for r in records), records  # every step saved

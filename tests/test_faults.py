@@ -3,6 +3,7 @@ NaN losses, and a two-node launch on loopback. Exact resume is checked against u
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -80,6 +81,23 @@ def newest_on_disk(out: Path) -> str | None:
     return f"global_step{whole[0]}" if whole else None
 
 
+def written_on_disk(out: Path, after: str | None) -> str | None:
+    """The newest save that a kill left unpublished after every rank had written it (newer than `after`), judged
+    from the files: its staging directory holds the layout file and each of the layout's ranks' markers. The next
+    start publishes it (checkpoint/saves.py `written_saves`)."""
+    step = int(after.removeprefix("global_step")) if after else -1
+    found = []
+    for name in os.listdir(out):
+        m = re.fullmatch(r"\.saving-global_step(\d+)", name)
+        if not m or int(m.group(1)) <= step or not (out / name / "layout.json").exists():
+            continue
+        layout = json.loads((out / name / "layout.json").read_text())
+        ranks = layout["num_stages"] * layout["dp_size"] * layout["tp_size"] * layout["context_parallel_size"]
+        if all((out / name / f".written-rank{r}.json").exists() for r in range(ranks)):
+            found.append(int(m.group(1)))
+    return f"global_step{max(found)}" if found else None
+
+
 def saving_after(out: Path, step: int) -> bool:
     """Whether a save of a step after `step` is under way (`.saving-global_stepN`, N > step)."""
     if not out.exists():
@@ -90,8 +108,9 @@ def saving_after(out: Path, step: int) -> bool:
 
 def test_sigkill_during_saves_then_resume_auto(converted, sft_data, tmp_path):
     """N times (SIGKILL_TRIALS, 8 in CI; 20 in docs/measured.md): SIGKILL the whole job at a random
-    moment of a save; the next `resume=auto` launch loads the newest complete checkpoint (manifest intact) and
-    continues. The run pieced together from N + 1 launches equals an uninterrupted one, bit for bit. Each launch
+    moment of a save; the next `resume=auto` launch loads the newest complete checkpoint (manifest intact), or the
+    newer save every rank had finished writing (published at start), and continues. The run pieced together
+    from N + 1 launches equals an uninterrupted one, bit for bit. Each launch
     is killed within a step or two of resuming, so 5 steps per trial leave every kill room to land."""
     trials = int(os.environ.get("SIGKILL_TRIALS", "8"))
     steps = 5 * trials
@@ -99,11 +118,12 @@ def test_sigkill_during_saves_then_resume_auto(converted, sft_data, tmp_path):
     reference = tmp_path / "reference"  # saved once, at the end: saves change nothing a later step computes
     check(launch(2, *run_args(converted["gqa"], reference, sft_data[0], **{**args, "save_steps": 0})))
 
-    out, rng = tmp_path / "killed", random.Random(0)
+    out, rng, rolled = tmp_path / "killed", random.Random(0), 0
     kills, mid_save, resumed_from, deadline = 0, 0, [], time.monotonic() + 900
     while kills < trials and time.monotonic() < deadline:
         expected = newest_on_disk(out) if out.exists() else None
         assert expected == (newest_checkpoint(str(out)) if out.exists() else None)
+        expected = (written_on_disk(out, expected) if out.exists() else None) or expected  # published at start
         log = tmp_path / f"launch{kills}.log"
         proc = start_job(2, run_args(converted["gqa"], out, sft_data[0], **args), log)
         # A fresh launch is killed only after its first save is complete: that save is the slowest of a process
@@ -127,6 +147,7 @@ def test_sigkill_during_saves_then_resume_auto(converted, sft_data, tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         wait(proc, 30)
         kills += 1
+        rolled += "every rank had written it" in log.read_text()
         mid_save += any(n.startswith((".saving-", ".deleting-")) for n in os.listdir(out))
         text = log.read_text()
         if expected:
@@ -144,7 +165,10 @@ def test_sigkill_during_saves_then_resume_auto(converted, sft_data, tmp_path):
     assert len([n for n in os.listdir(out) if n.startswith("global_step")]) == 2  # keep_last_n=2
     assert not [n for n in os.listdir(out) if n.startswith(".")]
     assert mid_save >= trials // 4, mid_save  # many kills landed inside a save or a retention delete
-    print(f"SIGKILL: {kills} kills survived ({mid_save} inside a save), resumed from {sorted(set(resumed_from))}")
+    print(
+        f"SIGKILL: {kills} kills survived ({mid_save} inside a save, {rolled} saves published at the next start), "
+        f"resumed from {sorted(set(resumed_from))}"
+    )
 
 
 def test_sigterm_saves_at_step_boundary_and_exits_zero(converted, sft_data, tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint.saves import choose_checkpoint
+from checkpoint.saves import choose_checkpoint, written_saves
 from schema.compose import compose_config
 from schema.train import TrainConfig
 from tests.conftest import check, read_jsonl, run_cmd, small_run
@@ -47,6 +47,29 @@ def test_which_checkpoint_latest_leads_to_and_why(tmp_path, steps, latest, tag, 
 
 def cfg_for(out: Path, **kw) -> TrainConfig:
     return TrainConfig(output_dir=str(out), model_name_or_path=str(out.parent / "model"), train_file="t.jsonl", **kw)
+
+
+def test_a_save_every_rank_wrote_is_published_at_the_next_start_only_when_newer(tmp_path):
+    """`written_saves`: the staging directories the next start publishes (its layout file's ranks, PP x TP x CP x
+    DP, each with its marker; newer than every published checkpoint), oldest first. The others are removed."""
+    (tmp_path / "global_step4").mkdir()
+
+    def staging(step: int, ranks: int, **layout) -> str:
+        d = tmp_path / f".saving-global_step{step}"
+        d.mkdir()
+        shape = {"num_stages": 2, "dp_size": 2, "tp_size": 1, "context_parallel_size": 1} | layout
+        (d / "layout.json").write_text(json.dumps(shape))
+        for r in range(ranks):
+            (d / f".written-rank{r}.json").write_text(json.dumps({"entries": {}}))
+        return str(d)
+
+    staging(3, 4)  # older than global_step4
+    five, seven = staging(5, 4), staging(7, 8, tp_size=2)
+    staging(6, 3)  # one rank had not finished
+    staging(8, 4, tp_size=2)  # half of TP x PP x DP = 8
+    broken = tmp_path / ".saving-global_step9"
+    broken.mkdir()  # no layout file: not a save every rank wrote
+    assert written_saves(str(tmp_path)) == [(five, "global_step5", 4), (seven, "global_step7", 8)]
 
 
 def test_fresh_run_refuses_checkpoints_and_overwrite_moves_the_run_aside(tmp_path):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from checkpoint.dequantize import is_quantized
 from checkpoint.hf_reader import is_hf_dir
 from checkpoint.names import CARRIED_FILE, CONTAINER_CONFIG, LORA_FILE
-from checkpoint.saves import clean_stale, read_tag
+from checkpoint.saves import clean_stale, read_tag, written_saves
 from common.hub import is_hub_id, resolve_once
 from data.collator import CausalLMCollator
 from data.pair_dataset import PairCollator
@@ -43,6 +43,7 @@ from training.reference_logps import attach_reference, needs_reference
 from training.rendezvous import job_key
 from training.run_dir import check_paths, prepare_output_dir, roll_back
 from training.run_state import Run
+from training.saving import publish
 from training.topology import Coords
 from training.validate import validate, validate_layout
 
@@ -206,6 +207,15 @@ def assemble(cfg: TrainConfig) -> Run:
     resolve_hub_ids(cfg, coords.has_data)
     checkpointing.seed_everything(cfg.seed)
     if rank == 0:
+        for staging, tag, ranks in written_saves(cfg.output_dir):  # only its commit was missing: commit it now
+            try:
+                publish(staging, tag, ranks, cfg)
+                log.warning(
+                    "published %s: every rank had written it before the last run stopped",
+                    os.path.join(cfg.output_dir, tag),
+                )
+            except (OSError, ValueError) as e:  # ValueError: a marker that is not JSON (not ours)
+                log.warning("%s not published (%s): removed", staging, e)
         for name in clean_stale(cfg.output_dir):
             log.warning("removed %s, left by an interrupted save", os.path.join(cfg.output_dir, name))
         if auto:

@@ -13,8 +13,10 @@ A save has three phases:
    `latest`, then `keep_last_n`, which only ever sees published checkpoints).
 
 One save is in flight at most: the next save, SIGTERM, the end of training and evaluation at the end wait for it to
-commit first (`finish`); a failure on any rank abandons it (the daemon writer dies with the process; the staging
-directory is never published and the next start removes it). A write error stops the run on every rank with one line
+commit first (`finish`); a failure on any rank abandons it (the daemon writer dies with the process; `salvage`
+publishes it if every rank had written it). The next start publishes a staging directory that every rank finished
+writing (each rank's marker) and is newer than every published checkpoint, and removes any other
+(checkpoint/saves.py `written_saves`, training/assembly.py). A write error stops the run on every rank with one line
 naming the file. `checkpoint.async_save=false` writes and commits inside the call (the path before this module).
 
 NOTE: why not DeepSpeed's decoupled engine (`decoupled_checkpoint_engine.py`): it commits `latest` itself, outside
@@ -183,7 +185,8 @@ class Saver:
 
     def salvage(self, seconds: float = 60.0) -> None:
         """After a failure (no collectives): the save in flight is published if every rank finished writing it within
-        `seconds` (each rank's marker file says so), else left unpublished for the next start to remove."""
+        `seconds` (each rank's marker file says so), else left for the next start (which publishes it once every
+        marker is there, or removes it)."""
         if self.in_flight is None:
             return
         self.writer.wait(timeout=seconds)

@@ -9,6 +9,7 @@ Kinds (the trainer code itself is unchanged; the fault is patched in from outsid
     nan:step=S             the loss of step S is NaN
     kill_write:step=S      the whole job is SIGKILLed while rank 0's background writer writes step S's second file
     kill_commit:step=S     the whole job is SIGKILLed while step S commits: renamed, `latest` not yet moved
+    kill_publish:step=S    the whole job is SIGKILLed once every rank has written step S, before rank 0 publishes it
     slow_write:ms=M        each file of a save takes M ms more to write (a slow disk), for SIGTERM mid-write
     hold_rendezvous:rank=R rank 0 writes $HOOK_DIR/hosting once it hosts the store; rank R waits for $HOOK_DIR/go
                            before it joins; after the rendezvous rank 0 writes $HOOK_DIR/joined and waits for
@@ -71,7 +72,7 @@ elif kind == "nan":
 
     CausalLMLoss.__call__ = nan_loss
 
-elif kind in ("kill_write", "kill_commit", "slow_write"):
+elif kind in ("kill_write", "kill_commit", "kill_publish", "slow_write"):
     import signal
 
     from checkpoint import background_writer, saves
@@ -101,6 +102,17 @@ elif kind in ("kill_write", "kill_commit", "slow_write"):
             _latest(path, text)
 
         saves.write_text_atomic = dying_latest
+    elif kind == "kill_publish":
+        from training import saving
+
+        _publish = saving.publish
+
+        def dying_publish(staging, tag, world, cfg):
+            if tag == f"global_step{opts['step']}":
+                kill_job()
+            _publish(staging, tag, world, cfg)
+
+        saving.publish = dying_publish
     else:
         _write = background_writer.write_durably
 
