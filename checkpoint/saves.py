@@ -46,6 +46,11 @@ def clean_stale(output_dir: str) -> list[str]:
     return removed
 
 
+def every_rank_wrote(staging: str, ranks: int) -> bool:
+    """Whether each of `ranks` ranks left its marker in `staging`: its files are durable (training/saving.py)."""
+    return all(os.path.exists(os.path.join(staging, written_marker(r))) for r in range(ranks))
+
+
 def written_saves(output_dir: str) -> list[tuple[str, str, int]]:
     """(staging directory, tag, ranks) of each interrupted save that every rank finished writing, newer than every
     published checkpoint, oldest first: its layout file names the ranks (PP x TP x CP x DP) and each rank's marker
@@ -68,7 +73,7 @@ def written_saves(output_dir: str) -> list[tuple[str, str, int]]:
             ranks *= int(layout.get("tp_size", 1)) * int(layout.get("context_parallel_size", 1))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if all(os.path.exists(os.path.join(staging, written_marker(r))) for r in range(ranks)):
+        if every_rank_wrote(staging, ranks):
             found.append((int(m.group(1)), staging, m.group(0), ranks))
     return [(staging, tag, ranks) for _, staging, tag, ranks in sorted(found)]
 

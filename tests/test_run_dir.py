@@ -70,6 +70,14 @@ def test_a_save_every_rank_wrote_is_published_at_the_next_start_only_when_newer(
     broken = tmp_path / ".saving-global_step9"
     broken.mkdir()  # no layout file: not a save every rank wrote
     assert written_saves(str(tmp_path)) == [(five, "global_step5", 4), (seven, "global_step7", 8)]
+    # At start, before a fresh run looks for an earlier run's checkpoints: published, so a fresh run refuses them.
+    from training.assembly import commit_written_saves
+
+    commit_written_saves(cfg_for(tmp_path))
+    assert (tmp_path / "latest").read_text() == "global_step7" and (tmp_path / "global_step5").is_dir()
+    assert not (tmp_path / ".saving-global_step7").exists() and (tmp_path / ".saving-global_step6").exists()
+    with pytest.raises(RunError, match="holds checkpoints of an earlier run"):
+        prepare_output_dir(cfg_for(tmp_path, resume="false"))
 
 
 def test_fresh_run_refuses_checkpoints_and_overwrite_moves_the_run_aside(tmp_path):

@@ -170,6 +170,19 @@ def _hub_keys(cfg: TrainConfig) -> list[tuple[str, str | None]]:
     return [*tokenizer_sources(cfg), ("dpo.reference_model", cfg.dpo.reference_model)]
 
 
+def commit_written_saves(cfg: TrainConfig) -> None:
+    """Rank 0, at start: publish each save every rank finished writing whose commit never came (the job stopped in
+    between), as the commit would have; `clean_stale` removes any other staging directory afterwards."""
+    for staging, tag, ranks in written_saves(cfg.output_dir):
+        try:
+            publish(staging, tag, ranks, cfg)
+            log.warning(
+                "published %s: every rank had written it before the last run stopped", os.path.join(cfg.output_dir, tag)
+            )
+        except (OSError, ValueError) as e:  # ValueError: a marker that is not JSON (not ours)
+            log.warning("%s not published (%s): removed", staging, e)
+
+
 def assemble(cfg: TrainConfig) -> Run:
     """Build this rank's part of the run described by `cfg`. Collective; raises RunError (same on every rank)."""
     rank, world = init_distributed(cfg.dist_timeout_minutes, cfg.output_dir, cfg.dist_init_timeout_minutes)
@@ -192,6 +205,7 @@ def assemble(cfg: TrainConfig) -> Run:
             raise _user_error(e) from None
         check_paths(cfg)
         if rank == 0:
+            commit_written_saves(cfg)  # before a fresh run looks for an earlier run's checkpoints: it is one
             try:
                 prepare_output_dir(cfg)
             except OSError as e:
@@ -207,15 +221,6 @@ def assemble(cfg: TrainConfig) -> Run:
     resolve_hub_ids(cfg, coords.has_data)
     checkpointing.seed_everything(cfg.seed)
     if rank == 0:
-        for staging, tag, ranks in written_saves(cfg.output_dir):  # only its commit was missing: commit it now
-            try:
-                publish(staging, tag, ranks, cfg)
-                log.warning(
-                    "published %s: every rank had written it before the last run stopped",
-                    os.path.join(cfg.output_dir, tag),
-                )
-            except (OSError, ValueError) as e:  # ValueError: a marker that is not JSON (not ours)
-                log.warning("%s not published (%s): removed", staging, e)
         for name in clean_stale(cfg.output_dir):
             log.warning("removed %s, left by an interrupted save", os.path.join(cfg.output_dir, name))
         if auto:

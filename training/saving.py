@@ -39,7 +39,7 @@ from checkpoint.background_writer import BackgroundWriter, HostSnapshot
 from checkpoint.manifest import checkpoint_files, describe_file, write_manifest
 from checkpoint.names import rng_file, staging_tag, step_tag, written_marker
 from checkpoint.optimizer_reshape import OPTIMIZER_NAMES, optimizer_param_names
-from checkpoint.saves import prune, publish_checkpoint
+from checkpoint.saves import every_rank_wrote, prune, publish_checkpoint
 from checkpoint.staging import remove_tree
 from checkpoint.universal import write_layout
 from schema.train import TrainConfig
@@ -194,12 +194,11 @@ class Saver:
         self.in_flight = None
         if self.coords.rank != 0:
             return
-        markers = [os.path.join(staging, written_marker(r)) for r in range(self.coords.world)]
         deadline = time.monotonic() + seconds
-        while not all(os.path.exists(m) for m in markers) and time.monotonic() < deadline:
+        while not every_rank_wrote(staging, self.coords.world) and time.monotonic() < deadline:
             time.sleep(0.1)
         try:
-            if all(os.path.exists(m) for m in markers):
+            if every_rank_wrote(staging, self.coords.world):
                 publish(staging, tag, self.coords.world, self.cfg)
                 log.info("saved %s after the failure: every rank had written it", tag)
         except OSError as e:
