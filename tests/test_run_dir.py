@@ -80,6 +80,33 @@ def test_a_save_every_rank_wrote_is_published_at_the_next_start_only_when_newer(
         prepare_output_dir(cfg_for(tmp_path, resume="false"))
 
 
+def test_a_kill_inside_publish_leaves_a_save_the_next_start_publishes(tmp_path, monkeypatch):
+    """`publish` keeps every rank's marker until the rename: a kill after the manifest is written but before the
+    rename leaves a staging directory `written_saves` still finds; once published, the markers are gone."""
+    import training.saving as saving
+
+    staging = tmp_path / ".saving-global_step5"
+    staging.mkdir()
+    (staging / "layout.json").write_text(json.dumps({"num_stages": 2, "dp_size": 1}))
+    for r in range(2):
+        (staging / f"w{r}").write_text(str(r))
+        (staging / f".written-rank{r}.json").write_text(json.dumps({"entries": {}}))
+
+    def killed(*args):
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(saving, "publish_checkpoint", killed)
+    with pytest.raises(SystemExit):
+        saving.publish(str(staging), "global_step5", 2, cfg_for(tmp_path))
+    assert sorted(json.loads((staging / "manifest.json").read_text())["files"]) == ["layout.json", "w0", "w1"]
+    assert written_saves(str(tmp_path)) == [(str(staging), "global_step5", 2)]
+    monkeypatch.undo()
+    saving.publish(str(staging), "global_step5", 2, cfg_for(tmp_path))
+    published = tmp_path / "global_step5"
+    assert sorted(os.listdir(published)) == ["layout.json", "manifest.json", "w0", "w1"]
+    assert (tmp_path / "latest").read_text() == "global_step5"
+
+
 def test_fresh_run_refuses_checkpoints_and_overwrite_moves_the_run_aside(tmp_path):
     out = tmp_path / "run"
     make_steps(out, (2, 3), "global_step3")

@@ -207,17 +207,23 @@ class Saver:
 
 def publish(staging: str, tag: str, world: int, cfg: TrainConfig) -> None:
     """Rank 0, every rank's files durable (its marker written): the manifest (each rank's entries as described when
-    written; the layout file rank 0 wrote itself described here), then publish-by-rename and retention."""
+    written; the layout file rank 0 wrote itself described here), then publish-by-rename and retention.
+
+    The markers stay until the directory is published: a kill before that leaves a staging directory the next start
+    publishes (`written_saves`); a kill just after leaves them in the checkpoint, where verification ignores dotfiles
+    and the manifest does not list them."""
+    markers = [written_marker(rank) for rank in range(world)]
     known = {}
-    for rank in range(world):
-        marker = os.path.join(staging, written_marker(rank))
-        with open(marker) as f:
+    for marker in markers:
+        with open(os.path.join(staging, marker)) as f:
             known.update(json.load(f)["entries"])
-        os.remove(marker)
     if cfg.save_manifest:
-        names = checkpoint_files(staging)
+        names = [n for n in checkpoint_files(staging) if n not in markers]
         write_manifest(staging, {n: known.get(n) or describe_file(os.path.join(staging, n), sync=True) for n in names})
     publish_checkpoint(cfg.output_dir, tag)
+    for marker in markers:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(cfg.output_dir, tag, marker))
     try:  # published and `latest` moved: a failing deletion of an older checkpoint no longer fails the save
         for old in prune(cfg.output_dir, cfg.keep_last_n, keep=tag):
             log.info("keep_last_n=%d: deleted %s", cfg.keep_last_n, os.path.join(cfg.output_dir, old))
