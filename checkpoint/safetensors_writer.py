@@ -2,7 +2,8 @@
 
 `safetensors.torch.save_file` needs every tensor of a shard in memory at once (5 GB for a default
 HF shard). A safetensors header only needs names, dtypes and shapes, which are known before the
-data is read, so the file can be written as the tensors arrive: memory is one tensor.
+data is read, so the file can be written as the tensors arrive: memory is one tensor. The bytes go past the page
+cache (checkpoint/direct_io.py), as layer files do.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import struct
 
 import torch
 
+from checkpoint.direct_io import DirectFile
 from checkpoint.dtypes import SAFETENSORS_CODES, element_size
 
 
@@ -35,7 +37,7 @@ class StreamingSafetensorsWriter:
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data section 8-byte aligned, as the reference writer does
-        self.file = open(path, "wb")
+        self.file = DirectFile(path)
         self.file.write(struct.pack("<Q", len(raw)) + raw)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -59,4 +61,4 @@ class StreamingSafetensorsWriter:
         if exc_type is None:
             self.close()
         else:
-            self.file.close()
+            self.file.close(finish=False)
