@@ -119,22 +119,39 @@ def decoder_keys(config, block: int) -> list[str]:
     for it on the meta device (saved buffers included, e.g. a router's `e_score_correction_bias`), with a sparse
     block's experts under the hub's keys. Derived, not declared: what transformers' layer has is what a layer
     file holds (tests/test_families.py holds them to `save_pretrained`'s keys)."""
-    import torch
-
-    family = family_of(config)
-    with torch.device("meta"):
-        layer = family.hf_class("DecoderLayer")(config, block)
-    return _hub_names(config, list(layer.state_dict()), is_sparse_layer(config, block))
+    return _hub_names(config, list(_meta_layer(config, block)[0]), is_sparse_layer(config, block))
 
 
 def decoder_buffers(config, block: int) -> set[str]:
     """The keys of decoder block `block` that are saved buffers, not parameters (DeepSeek's router score bias): no
     optimizer state, so layout moves of optimizer state leave them out."""
+    return set(_meta_layer(config, block)[1])
+
+
+_META_LAYERS: dict[tuple, tuple[tuple[str, ...], frozenset[str]]] = {}
+
+
+def _meta_layer(config, block: int) -> tuple[tuple[str, ...], frozenset[str]]:
+    """(state-dict keys, buffer names) of the family's transformers decoder layer for `block`, built on the meta
+    device once per config contents and block: an engine's build asks for every block's more than once
+    (`checkpoint/universal.py universal_info`: 61 DeepSeek-V3 layers with 256 experts each, 1.9 s built twice)."""
     import torch
 
-    with torch.device("meta"):
-        layer = family_of(config).hf_class("DecoderLayer")(config, block)
-    return {name for name, _ in layer.named_buffers()}
+    try:
+        private = tuple(str(config.__dict__.get(f"_{n}_implementation_internal")) for n in ("attn", "experts"))
+        key = (type(config).__qualname__, config.to_json_string(use_diff=False), private, block)
+    except (TypeError, ValueError):  # an attribute JSON cannot hold: built every time
+        key = None
+    if key is None or key not in _META_LAYERS:
+        with torch.device("meta"):
+            layer = family_of(config).hf_class("DecoderLayer")(config, block)
+        names = (tuple(layer.state_dict()), frozenset(name for name, _ in layer.named_buffers()))
+        if key is None:
+            return names
+        if len(_META_LAYERS) > 4096:  # a process that sees many configs (the tests): keep memory bounded
+            _META_LAYERS.clear()
+        _META_LAYERS[key] = names
+    return _META_LAYERS[key]
 
 
 def layer_keys(layer: PipeLayer, config) -> dict[str, str]:
