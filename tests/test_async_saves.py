@@ -8,7 +8,6 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 import torch
 
@@ -16,7 +15,7 @@ from checkpoint.background_writer import BackgroundWriter, HostSnapshot
 from checkpoint.manifest import describe_file, verify_manifest
 from checkpoint.saves import newest_checkpoint, read_latest
 from tests.conftest import check, launch, read_jsonl
-from tests.test_faults import assert_same_run, run_args, start_job, wait
+from tests.test_faults import assert_same_run, job_ranks, run_args, start_forked_job, start_job, wait
 
 FAULTY = "tests/workers/faulty_trainer.py"
 
@@ -151,11 +150,11 @@ def test_sigterm_while_a_slow_disk_writes_finishes_that_save_and_its_own(referen
     the step it stopped at, exits 0, and `resume=auto` ends equal to the uninterrupted run."""
     out = tmp_path / "run"
     args = run_args(converted["gqa"], out, sft_data[0], max_steps=STEPS, save_steps=1, resume="auto")
-    proc = start_job(2, args, tmp_path / "first.log", env={"FAULT": "slow_write:ms=150"}, script=FAULTY)
+    proc = start_forked_job(2, args, tmp_path / "first.log", env={"FAULT": "slow_write:ms=150"}, script=FAULTY)
     while proc.poll() is None and not (out.exists() and any(n.startswith(".saving-") for n in os.listdir(out))):
         time.sleep(0.01)
-    children = psutil.Process(proc.pid).children(recursive=True)
-    ranks = [p for p in children if any(a.startswith("--local_rank") for a in p.cmdline())]
+    ranks = job_ranks(proc)
+    assert len(ranks) == 2, ranks
     for p in ranks:
         p.send_signal(signal.SIGTERM)
     assert wait(proc, 120) == 0, (tmp_path / "first.log").read_text()[-3000:]

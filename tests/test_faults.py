@@ -25,6 +25,7 @@ from tests.conftest import (
     NODES_RUN,
     REPO,
     check,
+    forked,
     free_port,
     launch,
     read_jsonl,
@@ -46,11 +47,32 @@ def start_job(nprocs: int, args: list[str], log: Path, env: dict | None = None, 
     return start_job_cmd(cmd, log, env)
 
 
+def start_forked_job(nprocs: int, args: list[str], log: Path, env: dict | None = None, script: str = "trainer.py"):
+    """The trainer's ranks forked from the fork server as one process group (tests/zygote.py `Zygote.start`): what a
+    SIGKILL of the whole job reaches, as it reaches `start_job`'s, without the launcher's start-up (its two extra
+    processes importing torch and DeepSpeed, ranks that import them again). With TEST_LAUNCHER=subprocess:
+    `start_job`."""
+    zygote = forked()
+    if zygote is None:
+        return start_job(nprocs, args, log, env, script)
+    return zygote.start(script, args, nprocs, env={**subprocess_env(), **(env or {})}, log=str(log), port=free_port())
+
+
+def job_ranks(proc) -> list[psutil.Process]:
+    """The ranks of a job `start_job` (the `deepspeed` launcher's children with `--local_rank`) or `start_forked_job`
+    (its supervisor's children) started."""
+    children = psutil.Process(proc.pid).children(recursive=isinstance(proc, subprocess.Popen))
+    if isinstance(proc, subprocess.Popen):
+        children = [p for p in children if any(a.startswith("--local_rank") for a in p.cmdline())]
+    return children
+
+
 def wait(proc, timeout: float) -> int:
     try:
         return proc.wait(timeout)
     finally:
-        proc.log_file.close()
+        if hasattr(proc, "log_file"):  # a Popen's (a forked job's ranks write the log themselves)
+            proc.log_file.close()
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
@@ -111,7 +133,9 @@ def test_sigkill_during_saves_then_resume_auto(converted, sft_data, tmp_path):
     moment of a save; the next `resume=auto` launch loads the newest complete checkpoint (manifest intact), or the
     newer save every rank had finished writing (published at start), and continues. The run pieced together
     from N + 1 launches equals an uninterrupted one, bit for bit. Each launch
-    is killed within a step or two of resuming, so 5 steps per trial leave every kill room to land."""
+    is killed within a step or two of resuming, so 5 steps per trial leave every kill room to land. The jobs' ranks
+    are forked as one process group (`start_forked_job`); the deterministic kills of tests/test_async_saves.py
+    kill jobs of the real launcher."""
     trials = int(os.environ.get("SIGKILL_TRIALS", "8"))
     steps = 5 * trials
     args = dict(max_steps=steps, save_steps=1, keep_last_n=2, resume="auto")
@@ -125,7 +149,7 @@ def test_sigkill_during_saves_then_resume_auto(converted, sft_data, tmp_path):
         assert expected == (newest_checkpoint(str(out)) if out.exists() else None)
         expected = (written_on_disk(out, expected) if out.exists() else None) or expected  # published at start
         log = tmp_path / f"launch{kills}.log"
-        proc = start_job(2, run_args(converted["gqa"], out, sft_data[0], **args), log)
+        proc = start_forked_job(2, run_args(converted["gqa"], out, sft_data[0], **args), log)
         # A fresh launch is killed only after its first save is complete: that save is the slowest of a process
         # (about 0.2 s here), and a kill inside it leaves the next launch fresh again, and so on for every launch.
         done = int(expected.removeprefix("global_step")) if expected else 1
@@ -159,7 +183,7 @@ def test_sigkill_during_saves_then_resume_auto(converted, sft_data, tmp_path):
         assert newest == newest_checkpoint(str(out)), (newest, os.listdir(out))
     assert kills == trials, f"only {kills} kills in the time allowed"
     assert len(set(resumed_from)) > trials // 4, resumed_from  # the kills landed at many different steps
-    proc = start_job(2, run_args(converted["gqa"], out, sft_data[0], **args), tmp_path / "last.log")
+    proc = start_forked_job(2, run_args(converted["gqa"], out, sft_data[0], **args), tmp_path / "last.log")
     assert wait(proc, 300) == 0, (tmp_path / "last.log").read_text()[-3000:]
     assert_same_run(reference, out)
     assert len([n for n in os.listdir(out) if n.startswith("global_step")]) == 2  # keep_last_n=2
@@ -180,13 +204,12 @@ def test_sigterm_saves_at_step_boundary_and_exits_zero(converted, sft_data, tmp_
 
     out = tmp_path / "preempted"
     args = run_args(converted["gqa"], out, sft_data[0], resume="auto", **lora)
-    proc = start_job(2, args, tmp_path / "first.log")
+    proc = start_forked_job(2, args, tmp_path / "first.log")
     metrics = out / "metrics.jsonl"
     while proc.poll() is None and not (metrics.exists() and len(read_jsonl(metrics)) >= 3):
         time.sleep(0.05)
-    children = psutil.Process(proc.pid).children(recursive=True)  # deepspeed.launcher.launch and the ranks
-    ranks = [p for p in children if any(a.startswith("--local_rank") for a in p.cmdline())]
-    assert len(ranks) == 2, [p.cmdline() for p in children]
+    ranks = job_ranks(proc)
+    assert len(ranks) == 2, ranks
     for p in ranks:
         p.send_signal(signal.SIGTERM)
     assert wait(proc, 120) == 0, (tmp_path / "first.log").read_text()[-3000:]
@@ -196,6 +219,39 @@ def test_sigterm_saves_at_step_boundary_and_exits_zero(converted, sft_data, tmp_
     assert (out / "latest").read_text() == f"global_step{stopped}"
     check(launch(2, *args))
     assert_same_run(reference, out)
+
+
+def test_a_forked_job_is_one_process_group_with_its_ranks_exit_code(tmp_path):
+    """What the fault tests' forked jobs promise (`start_forked_job`): the job's exit code as torchrun gives it (0, or
+    1 when a rank fails), its ranks found, and a SIGKILL of its process group reaching every rank at once."""
+    if forked() is None:
+        pytest.skip("TEST_LAUNCHER=subprocess: start_forked_job is start_job")
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if sys.argv[1] == 'sleep':\n    time.sleep(300)\n"
+        "sys.exit(3 if sys.argv[1] == 'fail' and os.environ['RANK'] == '1' else 0)\n"
+    )
+    for how, code in (("pass", 0), ("fail", 1)):
+        assert wait(start_forked_job(2, [how], tmp_path / f"{how}.log", script=str(script)), 60) == code
+    proc = start_forked_job(2, ["sleep"], tmp_path / "sleep.log", script=str(script))
+    deadline = time.monotonic() + 30
+    while len(ranks := job_ranks(proc)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(ranks) == 2 and proc.poll() is None
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert wait(proc, 30) == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while (alive := [p for p in ranks if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive
+
+
+def running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE  # killed, and its new parent has not reaped it yet
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.mark.parametrize("fault,expect", [("raise", "injected fault on rank 2"), ("hang", "no answer from another")])

@@ -15,9 +15,15 @@ uncaught exception prints its traceback and gives 1, `SystemExit` as Python maps
 get SIGTERM, as torchrun's agent sends, and the launch's code is 1 (torchrun's; a single process keeps its own).
 
 What differs from a fresh interpreter (the tests that depend on it keep the real launchers: the `deepspeed`
-launcher's tests, signals, hostfile, SLURM, faults): every rank shares the server's hash seed (fresh processes each
-draw one), variables read at import time (OMP_NUM_THREADS, DS_ACCELERATOR, HF_*) are the server's, and a rank's
-peak RSS starts at the server's. `TEST_LAUNCHER=subprocess` runs every launch through torchrun and python instead.
+launcher's tests, a failed or hung rank, rendezvous, hostfile, SLURM, the deterministic kills of a save): every rank
+shares the server's hash seed (fresh processes each draw one); variables read at import time (OMP_NUM_THREADS,
+DS_ACCELERATOR, HF_*) are the server's; a rank's peak RSS starts at the server's; hydra answers that a config leaves
+`hydra.mode` unset without composing it once more to see (`_mode_without_composing`). `TEST_LAUNCHER=subprocess`
+runs every launch through torchrun and python instead.
+
+A launch can also be detached (`Zygote.start`): the ranks of one job in one process group of their own, which a
+test signals or SIGKILLs whole as it would a launcher started in its own session (the random SIGKILLs of saves,
+SIGTERM at a step boundary).
 
 The server: `python -m tests.zygote`, one per pytest process, single-threaded (it imports, then only forks and
 waits: see PRELOAD), talking JSON lines over its stdin and a private copy of its stdout.
@@ -89,7 +95,8 @@ def _run_rank(request: dict, rank: int, out_fd: int, err_fd: int) -> None:
     """In the forked child: become rank `rank` of the launch and run the script; never returns."""
     code = 1
     try:
-        os.setpgid(0, 0)  # the launch kills a rank with whatever it started (data workers)
+        if not request.get("detach"):  # a detached job is one process group, its ranks included (`_detach`)
+            os.setpgid(0, 0)  # the launch kills a rank with whatever it started (data workers)
         for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -154,10 +161,12 @@ def _run_rank(request: dict, rank: int, out_fd: int, err_fd: int) -> None:
             os._exit(code)
 
 
-def _signal_groups(pids, sig) -> None:
+def _signal_groups(pids, sig, groups: bool = True) -> None:
+    """Signal each rank's process group (`groups`; what it started too), or each rank alone (a detached job's ranks
+    share its group)."""
     for pid in pids:
         try:
-            os.killpg(pid, sig)
+            os.killpg(pid, sig) if groups else os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
 
@@ -178,15 +187,16 @@ def _launch(request: dict) -> dict:
     deadline = time.monotonic() + request["timeout"]
     codes: dict[int, int] = {}
     running, term_at, timed_out, cpu = set(pids), None, False, 0.0
+    groups = not request.get("detach")
     while running:
         pid, status, usage = os.wait4(-1, os.WNOHANG)
         if pid == 0:
             now = time.monotonic()
             if now > deadline:
-                _signal_groups(running, signal.SIGKILL)
+                _signal_groups(running, signal.SIGKILL, groups)
                 timed_out, deadline = True, float("inf")
             elif term_at is not None and now > term_at:
-                _signal_groups(running, signal.SIGKILL)
+                _signal_groups(running, signal.SIGKILL, groups)
                 term_at = float("inf")
             time.sleep(0.02)
             continue
@@ -196,7 +206,7 @@ def _launch(request: dict) -> dict:
         running.discard(pid)
         codes[pids[pid]] = os.waitstatus_to_exitcode(status)
         if codes[pids[pid]] != 0 and term_at is None and running:  # torchrun's agent stops the others
-            _signal_groups(running, signal.SIGTERM)
+            _signal_groups(running, signal.SIGTERM, groups)
             term_at = time.monotonic() + TERM_GRACE
     if request["nprocs"] == 1 and not request["ranks"]:
         code = codes[0]
@@ -206,6 +216,48 @@ def _launch(request: dict) -> dict:
     return {"returncode": code, "timed_out": timed_out, "codes": codes, "cpu_seconds": cpu}
 
 
+def _detach(request: dict) -> dict:
+    """Start the launch in a child of its own session and answer at once with the child's pid. The job is one process
+    group, its ranks and what they start included, as a launcher started with `start_new_session` is:
+    `os.killpg(pid, SIGKILL)` stops all of it at once. The child writes the launch's exit code to `status` at the end
+    (a job killed whole writes nothing)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return {"pid": pid}
+    code = 1
+    try:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, *(stream.fileno() for stream in _REPLIES)):  # the protocol's streams are the server's alone
+            os.dup2(null, fd)
+        os.close(null)
+        code = _launch(request)["returncode"]
+        with open(request["status"] + ".tmp", "w") as f:
+            f.write(str(code))
+        os.replace(request["status"] + ".tmp", request["status"])
+    finally:
+        os._exit(code)
+
+
+def _mode_without_composing() -> None:
+    """hydra composes a launch's whole config twice in every rank: first only to read `hydra.mode` (RUN, MULTIRUN
+    or unset; `Hydra.get_mode`, 0.13-0.19 CPU-s here), then for the run. The trainer's configs leave it unset, and
+    hydra then runs one job, or a sweep with `-m`: the answer without the first compose, unless an override names
+    `hydra.mode`."""
+    from hydra._internal.hydra import Hydra
+
+    get_mode = Hydra.get_mode
+
+    def mode(self, config_name, overrides):
+        if any(o.lstrip("+~").startswith("hydra.mode") for o in overrides):
+            return get_mode(self, config_name, overrides)
+        return None
+
+    Hydra.get_mode = mode
+
+
 def serve() -> None:
     """Import PRELOAD, say "ready", then run one launch per request line until stdin closes."""
     replies = os.fdopen(os.dup(1), "w")  # the protocol's; fd 1 itself goes to stderr (imports print)
@@ -213,6 +265,7 @@ def serve() -> None:
     os.dup2(2, 1)
     for name in PRELOAD:
         importlib.import_module(name)
+    _mode_without_composing()
     import gc
     import threading
 
@@ -227,7 +280,8 @@ def serve() -> None:
     replies.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     replies.flush()
     for line in sys.stdin:
-        reply = _launch(json.loads(line))
+        request = json.loads(line)
+        reply = _detach(request) if request.get("detach") else _launch(request)
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
 
@@ -291,6 +345,37 @@ class Zygote:
             raise subprocess.TimeoutExpired(cmd, timeout, out, err)
         return subprocess.CompletedProcess(cmd, reply["returncode"], out, err)
 
+    def start(
+        self, script: str, args: list[str], nprocs: int, env: dict, log: str, port: int = 0, timeout: float = 600
+    ) -> Detached:
+        """Launch `script args` as `nprocs` ranks with torchrun's variables and return at once (`_detach`): both
+        streams appended to `log`."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        open(log, "w").close()  # there when this returns, emptied, as `subprocess.Popen(..., stdout=open(log, "w"))`
+        status = f"{log}.exit"  # beside the log: its exit code, once it ends
+        request = {
+            "script": script,
+            "args": list(args),
+            "nprocs": nprocs,
+            "ranks": True,
+            "env": env,
+            "port": port,
+            "cwd": str(REPO),
+            "timeout": timeout,
+            "stdout": log,
+            "stderr": log,
+            "detach": True,
+            "status": status,
+        }
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the test fork server exited ({self.proc.poll()}) starting {script}")
+        self.launches.append(f"fork{nprocs}")
+        return Detached(json.loads(line)["pid"], status)
+
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.stdin.close()
@@ -298,6 +383,46 @@ class Zygote:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+class Detached:
+    """A detached launch (`Zygote.start`), as much of `subprocess.Popen` as the fault tests use: `pid` (the job's
+    process group), `poll`, `wait`, `returncode` (-9 for a job killed whole, which leaves no exit code)."""
+
+    def __init__(self, pid: int, status: str):
+        self.pid, self.status, self.returncode = pid, status, None
+
+    def _code(self) -> int | None:
+        try:
+            return int(Path(self.status).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            code = self._code()
+            if code is None and not _alive(self.pid):
+                code = self._code()  # it may have written its code and exited between the two looks
+                code = -signal.SIGKILL if code is None else code
+            self.returncode = code
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"detached launch {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a child of the server that exited stays a zombie until the server reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 if __name__ == "__main__":
