@@ -210,16 +210,25 @@ def forked() -> Zygote | None:
     return _ZYGOTE[0]
 
 
-def run_cmd(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+# What run_cmd forks from the fork server, whose imports these need: `python SCRIPT` and `python -m tools.X`
+FORKED_SCRIPTS = ("trainer.py", "tests/workers/faulty_trainer.py")
+FORKED_MODULES = ("tools.",)
+
+
+def run_cmd(cmd: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a command from the repository root. `python convert2ckpt.py ARGS` runs in this process: its `main()` is
     the whole command (exit code, stdout, stderr; an unexpected exception fails the test as a traceback would),
-    and a new Python process would add only start-up time. `python trainer.py ARGS` runs as a process forked from
-    the fork server, which has imported what it needs (tests/zygote.py)."""
-    if cmd[:2] == [sys.executable, "convert2ckpt.py"]:
+    and a new Python process would add only start-up time. `python trainer.py ARGS` and `python -m tools.X ARGS` run
+    as a process forked from the fork server, which has imported what they need (tests/zygote.py)."""
+    environ = {**subprocess_env(), **(env or {})}
+    if cmd[:2] == [sys.executable, "convert2ckpt.py"] and not env:
         return convert_in_process(cmd[2:])
-    if cmd[:2] == [sys.executable, "trainer.py"] and (zygote := forked()) is not None:
-        return zygote.run("trainer.py", cmd[2:], 1, ranks=False, env=subprocess_env(), timeout=timeout)
-    return subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    if cmd[0] == sys.executable and (zygote := forked()) is not None:
+        if cmd[1] in FORKED_SCRIPTS:
+            return zygote.run(cmd[1], cmd[2:], 1, ranks=False, env=environ, timeout=timeout)
+        if cmd[1] == "-m" and cmd[2].startswith(FORKED_MODULES):
+            return zygote.run(f"-m {cmd[2]}", cmd[3:], 1, ranks=False, env=environ, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, env=environ, capture_output=True, text=True, timeout=timeout)
 
 
 def convert_in_process(args: list[str]) -> subprocess.CompletedProcess:

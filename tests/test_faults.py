@@ -29,6 +29,7 @@ from tests.conftest import (
     free_port,
     launch,
     read_jsonl,
+    run_cmd,
     small_run,
     subprocess_env,
 )
@@ -289,15 +290,8 @@ def test_a_failed_or_hung_rank_stops_every_rank(fault, expect, converted, sft_da
 def test_nan_loss_stops_and_keeps_last_checkpoint(converted, sft_data, tmp_path):
     out = tmp_path / "run"
     args = run_args(converted["gqa"], out, sft_data[0], num_stages=1, max_steps=4, save_steps=2)
-    env = {**subprocess_env(), "FAULT": "nan:step=3", "FAULT_MICRO_BATCHES": "2"}
-    proc = subprocess.run(
-        [sys.executable, "tests/workers/faulty_trainer.py", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    env = {"FAULT": "nan:step=3", "FAULT_MICRO_BATCHES": "2"}
+    proc = run_cmd([sys.executable, "tests/workers/faulty_trainer.py", *args], timeout=300, env=env)
     assert proc.returncode != 0
     assert "loss is nan at step 3; stopped without saving (last checkpoint: global_step2)" in proc.stderr
     assert (out / "latest").read_text() == "global_step2" and not (out / "global_step3").exists()
@@ -306,14 +300,7 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(converted, sft_data, tmp_path)
     # nonfinite_loss=skip: step 3's update is skipped (weights unchanged), training goes on.
     skip = tmp_path / "skip"
     args = run_args(converted["gqa"], skip, sft_data[0], num_stages=1, max_steps=4, save_steps=1, nonfinite_loss="skip")
-    proc = subprocess.run(
-        [sys.executable, "tests/workers/faulty_trainer.py", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_cmd([sys.executable, "tests/workers/faulty_trainer.py", *args], timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "loss is nan at step 3: update skipped" in proc.stderr
     losses = [m["loss"] for m in read_jsonl(skip / "metrics.jsonl")]

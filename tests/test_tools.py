@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from tests.baseline import hf_model
-from tests.conftest import REPO, read_jsonl, run_cmd, subprocess_env
+from tests.conftest import read_jsonl, run_cmd
 from tools.generate import load_model
 from tools.plot_metrics import plot
 
@@ -77,10 +76,7 @@ def test_metrics_reach_tensorboard_and_wandb_offline(converted, sft_data, tmp_pa
         "deepspeed=fp32",
         "report_to=[tensorboard,wandb]",
     ]
-    env = {**subprocess_env(), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    proc = subprocess.run(
-        [sys.executable, "trainer.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
+    proc = run_cmd([sys.executable, "trainer.py", *args], env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [m["loss"] for m in read_jsonl(out / "metrics.jsonl")]
     events = EventAccumulator(str(out / "tensorboard"))

@@ -125,13 +125,18 @@ def _run_rank(request: dict, rank: int, out_fd: int, err_fd: int) -> None:
         os.environ.clear()
         os.environ.update(env)
         os.chdir(request["cwd"])
-        script = os.path.abspath(request["script"])
-        sys.argv = [request["script"], *request["args"]]
-        sys.path[0] = os.path.dirname(script)  # as `python script` puts the script's directory first
         import runpy
 
         try:
-            runpy.run_path(script, run_name="__main__")
+            if request["script"].startswith("-m "):  # `python -m module args`: the working directory first
+                module = request["script"].removeprefix("-m ")
+                sys.argv, sys.path[0] = [module, *request["args"]], os.getcwd()
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                script = os.path.abspath(request["script"])
+                sys.argv = [request["script"], *request["args"]]
+                sys.path[0] = os.path.dirname(script)  # as `python script` puts the script's directory first
+                runpy.run_path(script, run_name="__main__")
             code = 0
         except SystemExit as e:  # as the interpreter maps it
             if e.code is None:
