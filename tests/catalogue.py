@@ -3,9 +3,7 @@ key, exits non-zero, leaves no output that looks complete, and leaves its inputs
 
 Each case builds its own inputs under tmp_path and returns (command, expected fragment, output
 path, input paths[, ranks]). The inputs are hashed before and after the command. A multi-rank case
-expects the one-line error once per rank (every rank learns of a failure on any rank) and no traceback; its
-command is the `deepspeed` launcher's, or a trainer command that runs as `ranks` ranks through `torchrun`
-(conftest.py: forked from the fork server) where the launcher is not what the case is about.
+expects the one-line error once per rank (every rank learns of a failure on any rank) and no traceback.
 
 Config cases (`@catalogue.config_case`): a trainer command whose error comes from its overrides alone
 (override checks, `validate`, the model's config, `validate_layout`, the stage bounds), before any data or
@@ -27,7 +25,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from tests.conftest import one_error_line, run_cmd, small_run, torchrun
+from tests.conftest import one_error_line, run_cmd, small_run
 
 
 class Catalogue(dict):
@@ -157,10 +155,7 @@ def run_case(fn, t: Inputs, monkeypatch, in_process: str | None = None) -> None:
         return
     for key, value in t.env.items():
         monkeypatch.setenv(key, value)
-    if ranks > 1 and cmd[:2] == [sys.executable, "trainer.py"]:
-        proc = torchrun("trainer.py", ranks, *cmd[2:], timeout=300)
-    else:
-        proc = run_cmd(cmd, timeout=300)
+    proc = run_cmd(cmd, timeout=300)
     line = one_error_line(proc, fragment)  # the message is one line
     assert ranks == 1 or proc.stderr.count(line) == ranks, proc.stderr[-3000:]  # once on every rank
     assert digest(inputs) == before, "inputs changed"

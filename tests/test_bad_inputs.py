@@ -156,7 +156,15 @@ def tensor_parallel_not_dividing_the_world(t):
 
 @case
 def tensor_parallel_not_dividing_kv_heads(t):
-    cmd = trainer_cmd(*run_args(t.ckpt, t.out, t.train, tensor_parallel_size=4))  # on 4 ranks: each says it
+    cmd = [
+        LAUNCHER,
+        "--num_gpus",
+        "4",
+        "--master_port",
+        str(free_port()),
+        "trainer.py",
+        *run_args(t.ckpt, t.out, t.train, tensor_parallel_size=4),
+    ]  # 4 ranks: each says it
     return cmd, "tensor_parallel_size=4 must divide num_key_value_heads=2", t.out, [t.ckpt], 4
 
 

@@ -13,7 +13,7 @@ from models.families import family_of, resolve_attention
 from schema.train import DpoConfig, OptimConfig, TrainConfig
 from tests.baseline import train_dpo_reference
 from tests.catalogue import Catalogue, Inputs, run_args, run_case, trainer_cmd
-from tests.conftest import check, launch, read_jsonl
+from tests.conftest import LAUNCHER, check, free_port, launch, read_jsonl
 from tests.test_data import CHATML
 from tests.test_preference import CHAT_PAIRS, IMPLICIT_PROMPT_PAIRS, STRING_PAIRS, tiny_pair_models
 from tools.tiny_models import tiny_config
@@ -457,7 +457,15 @@ def dpo_pair_without_rejected_on_two_ranks(t):
     """objective=dpo: a pair row missing 'rejected' is named by file and line, on both ranks (PP=2)."""
     data = t.tmp / "pairs.jsonl"
     data.write_text('{"prompt": "1+1=", "chosen": " 2", "rejected": " 3"}\n{"prompt": "2+2=", "chosen": " 4"}\n')
-    cmd = trainer_cmd(*run_args(t.ckpt, t.out, str(data), num_stages=2, objective="dpo"))  # on 2 ranks
+    cmd = [
+        LAUNCHER,
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "trainer.py",
+        *run_args(t.ckpt, t.out, str(data), num_stages=2, objective="dpo"),
+    ]
     return cmd, f"{data}:2: preference rows need 'chosen' and 'rejected'", t.out, [t.ckpt, data], 2
 
 
