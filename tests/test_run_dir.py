@@ -91,6 +91,7 @@ def test_a_kill_inside_publish_leaves_a_save_the_next_start_publishes(tmp_path, 
     for r in range(2):
         (staging / f"w{r}").write_text(str(r))
         (staging / f".written-rank{r}.json").write_text(json.dumps({"entries": {}}))
+    (staging / "manifest.json.tmp-123").write_text("{")  # an earlier kill inside the manifest's write
 
     def killed(*args):
         raise SystemExit("killed")

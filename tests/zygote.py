@@ -235,15 +235,18 @@ def _detach(request: dict) -> dict:
     try:
         os.setsid()
         null = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, *(stream.fileno() for stream in _REPLIES)):  # the protocol's streams are the server's alone
+        # the protocol's streams are the server's alone, and the caller's output waits for no job left running
+        for fd in (0, 1, 2, *(stream.fileno() for stream in _REPLIES)):
             os.dup2(null, fd)
         os.close(null)
         code = _launch(request)["returncode"]
-        with open(request["status"] + ".tmp", "w") as f:
-            f.write(str(code))
-        os.replace(request["status"] + ".tmp", request["status"])
     finally:
-        os._exit(code)
+        try:
+            with open(request["status"] + ".tmp", "w") as f:
+                f.write(str(code))
+            os.replace(request["status"] + ".tmp", request["status"])
+        finally:
+            os._exit(code)
 
 
 def _mode_without_composing() -> None:
@@ -358,7 +361,9 @@ class Zygote:
         if self.proc is None or self.proc.poll() is not None:
             self._start()
         open(log, "w").close()  # there when this returns, emptied, as `subprocess.Popen(..., stdout=open(log, "w"))`
-        status = f"{log}.exit"  # beside the log: its exit code, once it ends
+        status = f"{log}.exit"  # beside the log: its exit code, once it ends (not an earlier job's)
+        if os.path.exists(status):
+            os.remove(status)
         request = {
             "script": script,
             "args": list(args),

@@ -37,7 +37,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngi
 
 from checkpoint.background_writer import BackgroundWriter, HostSnapshot
 from checkpoint.manifest import checkpoint_files, describe_file, write_manifest
-from checkpoint.names import rng_file, staging_tag, step_tag, written_marker
+from checkpoint.names import MANIFEST, rng_file, staging_tag, step_tag, written_marker
 from checkpoint.optimizer_reshape import OPTIMIZER_NAMES, optimizer_param_names
 from checkpoint.saves import every_rank_wrote, prune, publish_checkpoint
 from checkpoint.staging import remove_tree
@@ -217,6 +217,9 @@ def publish(staging: str, tag: str, world: int, cfg: TrainConfig) -> None:
     for marker in markers:
         with open(os.path.join(staging, marker)) as f:
             known.update(json.load(f)["entries"])
+    for name in os.listdir(staging):  # a manifest whose writing a kill cut short (`write_text_atomic`'s temporary)
+        if name.startswith(f"{MANIFEST}.tmp-"):
+            os.remove(os.path.join(staging, name))
     if cfg.save_manifest:
         names = [n for n in checkpoint_files(staging) if n not in markers]
         write_manifest(staging, {n: known.get(n) or describe_file(os.path.join(staging, n), sync=True) for n in names})
