@@ -3,7 +3,8 @@
 #   here:  mkdir -p .whl; pip wheel/download our pins of deepspeed, hydra-core, omegaconf, antlr4-python3-runtime,
 #          transformers, peft, pydantic(+core), hjson, ... into .whl (ignored by git; see docs/measured.md)
 #   there: bash benchmarks/gpu_check.sh      (device tool: carry [".whl"]; results under $OUT)
-# STEPS picks the steps (default: all, in this order): tests parity save save_async throughput; SKIP_PLAIN=1 leaves
+# STEPS picks the steps and their order (default: tests parity save save_async throughput; also: moe, issue 38's sparse
+# blocks of each family against transformers' own); SKIP_PLAIN=1 leaves
 # the plain loop out of the throughput step; ASYNC_MODES="true" runs save_async without its synchronous control.
 # DRY=1 runs every step on this CPU with tiny shapes and no installs, to check the script itself.
 # Each step has its own time limit and goes on after a failure; everything is logged under $OUT.
@@ -22,6 +23,7 @@ if [ "${DRY:-0}" = 1 ]; then
   THROUGHPUT=(--seq 256 --mbs 2 --ga 2 --steps 4 --warmup 1)
   SAVE=(seq_length=64 micro_batch_size=2)
   ASYNC=(seq_length=64 micro_batch_size=2 gradient_accumulation_steps=2)
+  MOE=(--hidden 128 --experts 4 --top-k 2 --tokens 256 --repeat 2 --dtype bf16)
   export OMP_NUM_THREADS=1
 else
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -34,12 +36,13 @@ else
   THROUGHPUT=(--seq 4096 --mbs "${MBS:-6}" --ga 4 --steps 8 --warmup 3)
   SAVE=(seq_length=1024 micro_batch_size=2)
   ASYNC=(seq_length=1024 micro_batch_size=8 gradient_accumulation_steps=16)  # steps of ~2 s: a write fits between saves
+  # DeepSeek-V2-Lite's sparse block (hidden 2048, 64 experts of 1408, top-6) in every family's own layer, 2 x 4096 tokens.
+  MOE=(--hidden 2048 --experts 64 --expert-size 1408 --top-k 6 --tokens 8192 --repeat 20 --dtype bf16)
   export OMP_NUM_THREADS=8
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 rm -rf "$W"
-STEPS=" ${STEPS:-tests parity save save_async throughput} "
-step() { [[ "$STEPS" == *" $1 "* ]]; }
+STEPS=${STEPS:-tests parity save save_async throughput}
 ensure_model() {  # the model and rows (built by the parity or throughput step the same way where they run first)
   [ -f "$W/hf/config.json" ] || python3 -c "import sys; from benchmarks.train_throughput import build
 L, H, A, KV, I, V, R = map(int, sys.argv[2:])
@@ -56,21 +59,21 @@ print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.
       transformers.__version__, 'deepspeed', deepspeed.__version__, 'peft', peft.__version__,
       torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" 2>&1 | tail -1 | tee -a "$OUT/summary.txt"
 
-step tests && {
+run_tests() {
 log "1. the GPU-only tests (tests/test_gpu.py, test_parity's GPU case)"
 timeout 200 python3 -m pytest tests/test_gpu.py tests/test_parity.py -k gpu -s -q -p no:cacheprovider \
   > "$OUT/tests.log" 2>&1
 grep -E "^bf16 GPU|passed|failed|skipped|Error" "$OUT/tests.log" | tail -40 | tee -a "$OUT/summary.txt"
 }
 
-step parity && {
+run_parity() {
 log "2. bf16 parity: trainer vs transformers + AdamW (benchmarks/gpu_parity.py)"
 timeout 300 python3 -m benchmarks.gpu_parity --work "$W" --out "$OUT/parity.json" "${SHAPE[@]}" "${PARITY[@]}" \
   --device $DEV --fp32-trainer --threads "$OMP_NUM_THREADS" > "$OUT/parity.log" 2>&1
 grep -E "^logits:| vs |losses:|Error|exited" "$OUT/parity.log" | tee -a "$OUT/summary.txt"
 }
 
-step save && {
+run_save() {
 log "3. the save stall, synchronous saves (issue 39's baseline)"
 ensure_model
 rm -rf "$W/save"
@@ -82,7 +85,7 @@ grep -E "saved step|step [0-9]+/|Error" "$OUT/save.log" | sed 's/^.*\] //' | tee
 du -sh "$W/save/global_step6" 2>/dev/null | tee -a "$OUT/summary.txt"
 }
 
-step save_async && {
+run_save_async() {
 # Saves at steps 8 and 16 of ~2 s each, asynchronous (the default) and not, to tmpfs when it has room (a node's NVMe writes
 # GB/s; this machine's disk 0.4 GB/s would make the second save wait for the first): the blocked seconds per save.
 log "4. the save stall, asynchronous vs synchronous saves every 8 steps (issue 39)"
@@ -106,7 +109,7 @@ done
 du -sh "$D"/global_step* 2>/dev/null | tee -a "$OUT/summary.txt"
 rm -rf "$D"
 }
-step throughput && {
+run_throughput() {
 log "5. throughput, MFU, peak memory vs the planner (benchmarks/train_throughput.py, packing on)"
 timeout 300 python3 -m benchmarks.train_throughput --work "$W" "${SHAPE[@]}" "${THROUGHPUT[@]}" --repeat 1 \
   --packing --precision bf16 --device $DEV --peak-tflops 989 --threads "$OMP_NUM_THREADS" \
@@ -114,4 +117,12 @@ timeout 300 python3 -m benchmarks.train_throughput --work "$W" "${SHAPE[@]}" "${
 grep -E "^model:|^m=|Error|exited" "$OUT/throughput.log" | tee -a "$OUT/summary.txt"
 }
 
+run_moe() {
+log "6. one sparse block of each family, ours vs transformers' own (benchmarks/moe.py --families, issue 38)"
+timeout 240 python3 -m benchmarks.moe --families gpt_oss,deepseek_v3,mixtral,glm4_moe,mistral4,qwen3_next,qwen3_5_moe_text \
+  "${MOE[@]}" --device $DEV > "$OUT/moe.log" 2>&1
+grep -E "^block|Error" "$OUT/moe.log" | tee -a "$OUT/summary.txt"
+}
+
+for s in $STEPS; do "run_$s"; done
 log "done"

@@ -3,7 +3,7 @@ traffic of expert parallelism.
 
     python -m benchmarks.moe [--hidden 512] [--experts 8] [--top-k 2] [--tokens 2048] [--repeat 7]
     python -m benchmarks.moe --step --work /tmp/moebench [--steps 12] [--step-repeat 3]
-    python -m benchmarks.moe --families gpt_oss,deepseek_v3 [--hidden 512] [--tokens 2048]
+    python -m benchmarks.moe --families gpt_oss,deepseek_v3 [--hidden 512] [--tokens 2048] [--device cuda --dtype bf16]
 
 - block: forward and backward of one Mixtral decoder block on the same tokens, transformers'
   `MixtralDecoderLayer` (with its default experts implementation, grouped_mm) against our pipeline layer
@@ -326,6 +326,9 @@ def main() -> None:
     p.add_argument("--step-repeat", type=int, default=3)
     p.add_argument("--llama4-only", action="store_true", help="only the Llama 4 block")
     p.add_argument("--families", default=None, help="comma-separated families: their sparse blocks only")
+    p.add_argument("--expert-size", type=int, default=None, help="--families: each expert's width (2 x hidden)")
+    p.add_argument("--device", default="cpu", help="--families: cpu or cuda")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="--families: the layers' dtype")
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.step:
@@ -340,7 +343,10 @@ def main() -> None:
         from benchmarks.moe_families import family_block
 
         for family in args.families.split(","):
-            family_block(args, family)
+            try:
+                family_block(args, family)
+            except Exception as e:  # one family's failure (say, a kernel a GPU lacks) leaves the others measured
+                print(f"block ({family}): failed: {type(e).__name__}: {e}", flush=True)
         return
     block(args)
     dispatch(args)
