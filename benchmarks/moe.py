@@ -327,6 +327,7 @@ def main() -> None:
     p.add_argument("--llama4-only", action="store_true", help="only the Llama 4 block")
     p.add_argument("--families", default=None, help="comma-separated families: their sparse blocks only")
     p.add_argument("--expert-size", type=int, default=None, help="--families: each expert's width (2 x hidden)")
+    p.add_argument("--hf-experts", default=None, help="--families: experts implementation of both (grouped_mm)")
     p.add_argument("--device", default="cpu", help="--families: cpu or cuda")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="--families: the layers' dtype")
     args = p.parse_args()

@@ -52,7 +52,7 @@ def family_block(args, family: str) -> None:
     tokens, forward and backward; transformers' layer gets the keyword arguments ours passes it."""
     from models.families import family_of, is_sparse_layer, resolve_attention
     from models.layers import decoder_layer_class
-    from models.moe import empty_stats
+    from models.moe import DEFAULT_EXPERTS_IMPLEMENTATION, empty_stats
     from tools.tiny_models import tiny_config
 
     device, dtype = torch.device(args.device), getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[args.dtype])
@@ -69,10 +69,13 @@ def family_block(args, family: str) -> None:
     }
     config = tiny_config(family, **shape | fields)
     config._attn_implementation = resolve_attention(config, None)
+    # transformers' models run their experts by `grouped_mm` unless told otherwise (a layer built alone, with the
+    # config's None, runs its per-expert loop, with host syncs on a GPU): both layers get the models' default.
+    config._experts_implementation = args.hf_experts or DEFAULT_EXPERTS_IMPLEMENTATION
     index = next(i for i in range(config.num_hidden_layers) if is_sparse_layer(config, i))
     ours_class = decoder_layer_class(family)
     hf_class = next(c for c in ours_class.__mro__ if c.__module__.startswith("transformers.models."))
-    ours = ours_class(config, index)  # first: it sets the experts implementation transformers' models default to
+    ours = ours_class(config, index)
     torch.manual_seed(0)
     hf = hf_class(config, index)
     with torch.no_grad():
@@ -110,7 +113,8 @@ def family_block(args, family: str) -> None:
     (wall_hf, cpu_hf), (wall_ours, cpu_ours) = _time_pair(run_hf, run_ours, args.repeat, cuda)
     head = (
         f"block ({family} layer {index}, hidden {args.hidden}, {args.experts} experts of {expert_size}, "
-        f"top-{args.top_k}, {args.tokens} tokens, {config._attn_implementation}, {args.dtype} on {args.device}, "
+        f"top-{args.top_k}, {args.tokens} tokens, {config._attn_implementation}, experts "
+        f"{config._experts_implementation}, {args.dtype} on {args.device}, "
         f"forward+backward, median of {args.repeat}): "
     )
     if cuda:
