@@ -89,7 +89,7 @@ CLAIMS = (
     ),
     # 83-93: measured on a GPU
     Claim(
-        says="**bit-identical in all 33** on 2026-11-27 (0 of 1,536 logits differ in each",
+        says="**bit-identical in all 33** on 2026-11-27, on two machines (0 of 1,536 logits differ in each;",
         test="tests/test_gpu.py::test_family_layers_match_transformers_in_bf16_on_gpu",
         holds="assert torch.equal(ours, reference)",
         bound=0,
