@@ -13,6 +13,8 @@ checkpoint/expert_universal.py, which assembles the experts split over EP ranks.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -64,6 +66,12 @@ def check_movable(saved: dict, current: dict, where: str) -> None:
         raise CheckpointError(f"{where}: ZeRO-1 optimizer state moves into ZeRO-1 runs only (deepspeed.zero_stage=1)")
 
 
+# A checkpoint up to this size converts in the rank's own process: starting a Python with torch and DeepSpeed costs
+# more than such a conversion (6 s against under 1 s measured on 2 cores). A larger one converts in a child process,
+# whose memory (every DP rank's optimizer shards pass through it) goes back to the system when it ends.
+IN_PROCESS_BYTES = 1 << 30
+
+
 def ensure_universal(ckpt_dir: str, tag: str, experts: bool = False) -> str:
     """Convert `ckpt_dir/tag` to DeepSpeed's universal format once; returns the universal tag. A model with
     `experts` goes through checkpoint/expert_universal.py (its fused experts assembled over the EP ranks)."""
@@ -71,22 +79,60 @@ def ensure_universal(ckpt_dir: str, tag: str, experts: bool = False) -> str:
     target = os.path.join(ckpt_dir, universal)
     if os.path.isdir(target):
         return universal
+    source = os.path.join(ckpt_dir, tag)
     tmp = make_unique_dir(ckpt_dir, f".{universal}.tmp-")
     out = os.path.join(tmp, "out")
+    try:
+        convert_to_universal(source, out, experts, in_process=_tree_bytes(source) <= IN_PROCESS_BYTES)
+        os.replace(out, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return universal
+
+
+def convert_to_universal(source: str, out: str, experts: bool, in_process: bool) -> None:
+    """DeepSpeed's universal-checkpoint tool (checkpoint/expert_universal.py for `experts`) from the tag directory
+    `source` into `out`, in this process or a child one. CheckpointError naming `source` if it fails."""
     tool = "checkpoint.expert_universal" if experts else "deepspeed.checkpoint.ds_to_universal"
-    cmd = [sys.executable, "-m", tool, "--input_folder", os.path.join(ckpt_dir, tag), "--output_folder", out]
+    argv = ["--input_folder", source, "--output_folder", out]
     if not experts:
-        cmd += ["--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
+        argv += ["--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
+    if in_process:
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # the tools report their progress with print
+                if experts:
+                    from checkpoint.expert_universal import main
+
+                    main(argv)
+                else:
+                    from deepspeed.checkpoint import ds_to_universal
+
+                    with _argv([tool, *argv]):
+                        ds_to_universal.main(ds_to_universal.parse_arguments())
+        except Exception as e:  # DeepSpeed's tool raises what it meets: one line naming the checkpoint
+            raise CheckpointError(
+                f"{source}: conversion to a universal checkpoint failed: {type(e).__name__}: {e}"
+            ) from e
+        return
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: our module's import root
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-m", tool, *argv], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise CheckpointError(f"{os.path.join(ckpt_dir, tag)}: conversion to a universal checkpoint failed: {last}")
-    os.replace(out, target)
-    shutil.rmtree(tmp, ignore_errors=True)
-    return universal
+        raise CheckpointError(f"{source}: conversion to a universal checkpoint failed: {last}")
+
+
+@contextlib.contextmanager
+def _argv(argv: list[str]):
+    saved, sys.argv = sys.argv, argv
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def _tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
 def universal_info(config, tp_size: int = 1) -> dict:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from checkpoint.pipeline_reader import load_hf_state_dict
+from checkpoint.safe_load import load_pt
 from models.key_table import is_carried
 from schema.train import OptimConfig, TrainConfig
 from tests.baseline import baseline_eval, hub_state_dict, train_baseline
@@ -411,7 +412,24 @@ def test_bf16_zero1_trains_resumes_and_moves_between_layouts(converted, sft_data
             assert info["step"] == 6 and info["layout"]["num_stages"] == 4 and info["layout"]["dp_size"] == 1
             assert info["optimizer_state"].startswith("ZeRO-1 shards over DP=1") and info["dtype"] == {"bfloat16": 19}
 
+    # Each move converted in the rank's own process (a small checkpoint); a child process writes the same files.
+    from checkpoint.universal import convert_to_universal
+
+    child = tmp_path / "child_universal"
+    convert_to_universal(str(part / "global_step3"), str(child), experts=False, in_process=False)
+    assert_same_files(part / "global_step3_universal", child)
+
     # (A different global batch is refused: tests/test_engine_config.py::test_resume_refuses_a_different_data_order.)
+
+
+def assert_same_files(a: Path, b: Path) -> None:
+    """The same files under `a` and `b`, equal byte for byte or, where torch.save's archive differs, in content."""
+    names = [sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) for root in (a, b)]
+    assert names[0] == names[1] and names[0], names
+    for name in names[0]:
+        if (a / name).read_bytes() != (b / name).read_bytes():
+            x, y = (load_pt(str(root / name)) for root in (a, b))
+            torch.testing.assert_close(x, y, rtol=0, atol=0, msg=name)
 
 
 def test_trained_checkpoint_loads_into_other_layouts(converted, sft_data, tmp_path, tmp_path_factory):
