@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +32,9 @@ class ContextParallel:
     size: int = 1
     rank: int = 0
     group: Any = None
+    # One Ulysses exchange per attention shape and kernel, shared by this rank's layers: it holds no per-layer state,
+    # and DeepSpeed's constructor reads the transformers version from package metadata (10 ms each on 2 cores).
+    exchanges: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def shard(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
@@ -180,16 +183,19 @@ def attach(attention: torch.nn.Module, config, cp: ContextParallel, implementati
         kernel = _with_local_sinks(kernel, cp)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     head_dim = getattr(attention, "qk_head_dim", head_dim)  # MLA: query and key heads hold a nope and a rope part
-    ulysses = ulysses_class()(
-        attn=kernel,
-        batch_size=1,
-        attn_head_count=config.num_attention_heads,
-        attn_head_size=head_dim,
-        kv_head_count=config.num_key_value_heads,
-        num_hidden_layers=config.num_hidden_layers,
-        process_group=cp.group,
-        seq_length_is_variable=True,
-    )
+    shape = (config.num_attention_heads, head_dim, config.num_key_value_heads, config.num_hidden_layers)
+    ulysses = cp.exchanges.get((kernel, cp.group, *shape))
+    if ulysses is None:
+        ulysses = cp.exchanges[(kernel, cp.group, *shape)] = ulysses_class()(
+            attn=kernel,
+            batch_size=1,
+            attn_head_count=shape[0],
+            attn_head_size=head_dim,
+            kv_head_count=shape[2],
+            num_hidden_layers=shape[3],
+            process_group=cp.group,
+            seq_length_is_variable=True,
+        )
     object.__setattr__(attention, "ulysses", ulysses)  # not a submodule: no keys, not moved or cast by DeepSpeed
     attention.config = copy.copy(config)  # this layer's attention only dispatches to Ulysses
     attention.config._attn_implementation = ATTENTION_KEY
