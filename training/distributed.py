@@ -104,13 +104,17 @@ def _without_shm_all_reduce() -> None:
     C++ compiler on every CPU rank (30-60 s at a machine's first launch, every rank waiting on the build lock, and
     again whenever another ninja or another path to the environment built it last), then maps a 66 MB /dev/shm
     segment per rank that it never unlinks. Marked incompatible, it is neither built nor mapped.
+
+    The mark goes into DeepSpeed's table of compatible ops without probing the others (its probe runs the C compiler
+    for async_io's libaio check: 0.09 s a rank, every launch), whose only reader is that op's builder
+    (`deepspeed.comm.torch.build_shm_op`: `.get(name, False)`); a probe run before keeps its entries.
     """
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().create_op_builder("ShareMemCommBuilder") is None:  # (CUDA: none, and no probe of the ops)
         return
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
 
 
 def agree(error: str | None) -> None:
