@@ -43,6 +43,9 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 rm -rf "$W"
 STEPS=${STEPS:-tests parity save save_async throughput}
+for s in $STEPS; do
+  case $s in tests | parity | save | save_async | throughput | moe) ;; *) echo "unknown step $s" >&2; exit 2 ;; esac
+done
 ensure_model() {  # the model and rows (built by the parity or throughput step the same way where they run first)
   [ -f "$W/hf/config.json" ] || python3 -c "import sys; from benchmarks.train_throughput import build
 L, H, A, KV, I, V, R = map(int, sys.argv[2:])

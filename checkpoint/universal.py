@@ -68,7 +68,8 @@ def check_movable(saved: dict, current: dict, where: str) -> None:
 
 # A checkpoint up to this size converts in the rank's own process: starting a Python with torch and DeepSpeed costs
 # more than such a conversion (6 s against under 1 s measured on 2 cores). A larger one converts in a child process,
-# whose memory (every DP rank's optimizer shards pass through it) goes back to the system when it ends.
+# whose memory (every DP rank's optimizer shards pass through it, a few times the bytes on disk at the peak) goes
+# back to the system when it ends.
 IN_PROCESS_BYTES = 1 << 30
 
 
@@ -94,12 +95,13 @@ def convert_to_universal(source: str, out: str, experts: bool, in_process: bool)
     """DeepSpeed's universal-checkpoint tool (checkpoint/expert_universal.py for `experts`) from the tag directory
     `source` into `out`, in this process or a child one. CheckpointError naming `source` if it fails."""
     tool = "checkpoint.expert_universal" if experts else "deepspeed.checkpoint.ds_to_universal"
-    argv = ["--input_folder", source, "--output_folder", out]
+    argv = [f"--input_folder={source}", f"--output_folder={out}"]  # a path starting with "-" stays a value
     if not experts:
         argv += ["--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
     if in_process:
         try:
-            with contextlib.redirect_stdout(io.StringIO()):  # the tools report their progress with print
+            # The tools report with print and draw tqdm bars on stderr: neither belongs in rank 0's log.
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 if experts:
                     from checkpoint.expert_universal import main
 
@@ -109,7 +111,7 @@ def convert_to_universal(source: str, out: str, experts: bool, in_process: bool)
 
                     with _argv([tool, *argv]):
                         ds_to_universal.main(ds_to_universal.parse_arguments())
-        except Exception as e:  # DeepSpeed's tool raises what it meets: one line naming the checkpoint
+        except (Exception, SystemExit) as e:  # what DeepSpeed's tool raises (argparse exits): one line naming it
             raise CheckpointError(
                 f"{source}: conversion to a universal checkpoint failed: {type(e).__name__}: {e}"
             ) from e

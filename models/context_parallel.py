@@ -32,8 +32,10 @@ class ContextParallel:
     size: int = 1
     rank: int = 0
     group: Any = None
-    # One Ulysses exchange per attention shape and kernel, shared by this rank's layers: it holds no per-layer state,
-    # and DeepSpeed's constructor reads the transformers version from package metadata (10 ms each on 2 cores).
+    # One Ulysses exchange per attention shape and kernel, shared by this rank's layers (gpt-oss's sink kernels are
+    # per layer: one each). Its mutable state (the call's shapes) is set from the query at the start of each call
+    # and not read after it, so layers may share it as long as none calls it while another's call runs; DeepSpeed's
+    # constructor reads the transformers version from package metadata (10 ms each on 2 cores).
     exchanges: dict = field(default_factory=dict, repr=False, compare=False)
 
 

@@ -139,7 +139,7 @@ def _meta_layer(config, block: int) -> tuple[tuple[str, ...], frozenset[str]]:
     import torch
 
     contents = _config_contents(config)
-    key = None if contents is None else (type(config).__qualname__, contents, block)
+    key = None if contents is None else (f"{type(config).__module__}.{type(config).__qualname__}", contents, block)
     if key is None or key not in _META_LAYERS:
         with torch.device("meta"):
             layer = family_of(config).hf_class("DecoderLayer")(config, block)

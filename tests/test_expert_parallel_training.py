@@ -11,9 +11,10 @@ import pytest
 
 from checkpoint.pipeline_reader import load_hf_state_dict
 from checkpoint.safe_load import load_pt
+from checkpoint.universal import convert_to_universal
 from tests.conftest import check, launch, read_jsonl, torchrun
 from tests.resumes import assert_resumed_exactly, interrupted_copy
-from tests.test_training import STEPS, layout_args, layout_run
+from tests.test_training import STEPS, assert_same_files, layout_args, layout_run
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 GPT_OSS_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
@@ -196,6 +197,11 @@ def test_expert_parallel_under_zero1_and_bf16(converted, sft_data, tmp_path, tmp
         worst = max(float((ours[k].float() - v.float()).abs().max()) for k, v in unmoved.items())
         print(f"moved {what}: max |weight diff| after {STEPS} steps vs unmoved {worst:.3g}")
         assert worst < MOVE_BOUNDS[name], (what, worst)  # about 5-10x each move's measured figure
+    # Each move converted in rank 0's own process (a small checkpoint); a child process writes the same files (the
+    # last move's: gpt-oss's experts with their biases).
+    child = tmp_path / "child_universal"
+    convert_to_universal(str(part / "global_step2"), str(child), experts=True, in_process=False)
+    assert_same_files(part / "global_step2_universal", child)
 
 
 def test_saves_gather_one_sparse_layer_at_a_time(converted, sft_data, tmp_path):

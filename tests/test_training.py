@@ -13,6 +13,7 @@ import torch
 
 from checkpoint.pipeline_reader import load_hf_state_dict
 from checkpoint.safe_load import load_pt
+from checkpoint.universal import convert_to_universal
 from models.key_table import is_carried
 from schema.train import OptimConfig, TrainConfig
 from tests.baseline import baseline_eval, hub_state_dict, train_baseline
@@ -413,8 +414,6 @@ def test_bf16_zero1_trains_resumes_and_moves_between_layouts(converted, sft_data
             assert info["optimizer_state"].startswith("ZeRO-1 shards over DP=1") and info["dtype"] == {"bfloat16": 19}
 
     # Each move converted in the rank's own process (a small checkpoint); a child process writes the same files.
-    from checkpoint.universal import convert_to_universal
-
     child = tmp_path / "child_universal"
     convert_to_universal(str(part / "global_step3"), str(child), experts=False, in_process=False)
     assert_same_files(part / "global_step3_universal", child)
