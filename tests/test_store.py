@@ -228,7 +228,7 @@ def test_a_killed_build_leaves_nothing_complete_and_the_next_one_continues(token
 
     from data import store_builder
 
-    rows = [{"text": f"row {i} " + "the quick brown fox jumps over the lazy dog " * (i % 9)} for i in range(60_000)]
+    rows = [{"text": f"row {i} " + "the quick brown fox jumps over the lazy dog " * (i % 3)} for i in range(60_000)]
     path = write_jsonl(str(tmp_path / "big.jsonl"), rows)
     out = tmp_path / "run"
     args = [
