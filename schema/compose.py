@@ -8,10 +8,11 @@ for sweeps and --help, after the same `check_overrides`).
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from schema.train import TrainConfig
 
@@ -24,8 +25,7 @@ def check_overrides(args: list[str], conf_dir: str) -> str | None:
     Hydra reports these as multi-line messages after composing; checking first gives the key, the
     reason and a close match.
     """
-    schema = OmegaConf.structured(TrainConfig)
-    keys = [k for k, _ in _dotted(OmegaConf.to_container(schema))]
+    schema, keys = _schema()
     groups = {g for g in os.listdir(conf_dir) if os.path.isdir(os.path.join(conf_dir, g))}
     kinds = [_kind(arg, keys, groups) for arg in args]
     values = [arg for arg, kind in zip(args, kinds, strict=True) if kind == "value"]
@@ -56,6 +56,13 @@ def check_overrides(args: list[str], conf_dir: str) -> str | None:
             choices = re.match(r"Invalid value '.*', expected one of \[(.*)\]", reason)  # an enum key
             return f"{arg}: choose one of {choices[1]}" if choices else f"{arg}: {reason}"
     return None
+
+
+@functools.cache
+def _schema() -> tuple[DictConfig, list[str]]:
+    """TrainConfig as an OmegaConf schema (merges copy it, never change it) and its dotted keys, once a process."""
+    schema = OmegaConf.structured(TrainConfig)
+    return schema, [k for k, _ in _dotted(OmegaConf.to_container(schema))]
 
 
 def _kind(arg: str, keys: list[str], groups: set[str]) -> str:

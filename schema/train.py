@@ -182,7 +182,11 @@ class TrainConfig:
 
 
 def register_configs() -> None:
+    """Register the schemas in hydra's ConfigStore, once per process (35-47 ms: a fork of a process that did it, as
+    the tests' fork server, finds them there)."""
     cs = ConfigStore.instance()
+    if "train_schema.yaml" in cs.repo and "deepspeed_schema.yaml" in cs.repo.get("deepspeed", {}):
+        return
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(group="model", name="model_schema", node=ModelSettings)
     cs.store(group="data", name="data_schema", node=DataConfig)

@@ -274,6 +274,11 @@ def serve() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     _mode_without_composing()
+    from schema.compose import CONF_DIR, check_overrides
+    from schema.train import register_configs
+
+    register_configs()  # what every trainer rank does first (80 ms), done once here: a fork finds it done
+    check_overrides([], CONF_DIR)
     import gc
     import threading
 
