@@ -138,15 +138,22 @@ def test_second_jobs_on_the_port_mid_rendezvous_and_mid_run_leave_the_first_alon
 
 @pytest.mark.slow
 def test_two_jobs_started_at_the_same_moment_on_one_port(converted, sft_data, single_node_run, tmp_path):
-    """Two launches of 4 ranks on one port at once: one owns it and trains as if alone, the other stops in one line."""
+    """Two launches of 4 ranks on one port at once: one owns it and trains as if alone, the other stops in one line.
+    Each job's rank 0 holds after its rendezvous until one job has stopped, so the two overlap however far apart the
+    machine starts their ranks (on a loaded one, a whole 3-step run once ended before the other job's ranks came)."""
     port = free_port()
-    procs = {}
+    procs, hooks = {}, {}
     for name in "ab":
         args = small_run(converted["gqa"], tmp_path / name, sft_data[0], **NODES_RUN)
-        procs[name] = job(port, tmp_path / name, args, tmp_path / f"{name}.log")
+        hooks[name] = tmp_path / f"hooks_{name}"
+        hooks[name].mkdir()
+        (hooks[name] / "go").touch()  # no rank waits before it joins; rank 0 waits for go2 after the rendezvous
+        procs[name] = job(port, tmp_path / name, args, tmp_path / f"{name}.log", hook_dir=hooks[name])
     start, ended = time.monotonic(), {}
     while len(ended) < 2 and time.monotonic() - start < 300:
         ended.update({n: time.monotonic() - start for n, p in procs.items() if n not in ended and p.poll() is not None})
+        for hook in hooks.values() if ended else ():  # one stopped while the other held the port: let it train
+            (hook / "go2").touch()
         time.sleep(0.2)
     codes = {name: wait(p, 1) for name, p in procs.items()}
     winners = [name for name, code in codes.items() if code == 0]
