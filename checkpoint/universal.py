@@ -67,7 +67,8 @@ def check_movable(saved: dict, current: dict, where: str) -> None:
 
 
 # A checkpoint up to this size converts in the rank's own process: starting a Python with torch and DeepSpeed costs
-# more than such a conversion (6 s against under 1 s measured on 2 cores). A larger one converts in a child process,
+# more than such a conversion (the tests' moved launches took 8-13 s with the child, 2.3-4.1 s without, on 2 cores).
+# A larger one converts in a child process,
 # whose memory (every DP rank's optimizer shards pass through it, a few times the bytes on disk at the peak) goes
 # back to the system when it ends.
 IN_PROCESS_BYTES = 1 << 30

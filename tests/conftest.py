@@ -284,8 +284,12 @@ def deepspeed_launch(nprocs: int, *overrides: str, timeout: int = 600) -> subpro
     """The README's path: `deepspeed --num_gpus N trainer.py overrides...`. The tests about that launch itself
     (the demo, signals to the job, a failure on one rank stopping all, one error line per rank, the hostfile and
     SLURM launches) use it; the training tests use `launch`."""
-    cmd = [LAUNCHER, "--num_gpus", str(nprocs), "--master_port", str(free_port()), "trainer.py", *overrides]
-    return run_cmd(cmd, timeout)
+    return run_cmd(deepspeed_cmd(nprocs, *overrides), timeout)
+
+
+def deepspeed_cmd(nprocs: int, *overrides: str) -> list[str]:
+    """`deepspeed --num_gpus N --master_port P trainer.py overrides...` on a free port."""
+    return [LAUNCHER, "--num_gpus", str(nprocs), "--master_port", str(free_port()), "trainer.py", *overrides]
 
 
 def launch(nprocs: int, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.catalogue import Catalogue, Inputs, convert_cmd, copy, run_args, run_case, trainer_cmd
-from tests.conftest import LAUNCHER, REPO, free_port, run_cmd
+from tests.conftest import REPO, deepspeed_cmd, run_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -156,15 +156,7 @@ def tensor_parallel_not_dividing_the_world(t):
 
 @case
 def tensor_parallel_not_dividing_kv_heads(t):
-    cmd = [
-        LAUNCHER,
-        "--num_gpus",
-        "4",
-        "--master_port",
-        str(free_port()),
-        "trainer.py",
-        *run_args(t.ckpt, t.out, t.train, tensor_parallel_size=4),
-    ]  # 4 ranks: each says it
+    cmd = deepspeed_cmd(4, *run_args(t.ckpt, t.out, t.train, tensor_parallel_size=4))  # 4 ranks: each says it
     return cmd, "tensor_parallel_size=4 must divide num_key_value_heads=2", t.out, [t.ckpt], 4
 
 
@@ -302,15 +294,7 @@ def bad_json_row_on_four_ranks(t):
     """Rank 0 finds the bad row while tokenizing; ranks 1-3 learn of it and exit with the same line."""
     data = t.tmp / "bad.jsonl"
     data.write_text('{"text": "one two"}\n{"text": "three\n' + '{"text": "four"}\n' * 30)
-    cmd = [
-        LAUNCHER,
-        "--num_gpus",
-        "4",
-        "--master_port",
-        str(free_port()),
-        "trainer.py",
-        *run_args(t.ckpt, t.out, str(data), num_stages=2),
-    ]
+    cmd = deepspeed_cmd(4, *run_args(t.ckpt, t.out, str(data), num_stages=2))
     return cmd, f"{data}:2: not valid JSON", t.out, [t.ckpt, data], 4
 
 
