@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 
-from models.families import FAMILIES, family_of, is_sparse_layer
-from models.key_table import MOE_SPECS, alternatives, decoder_keys
+from models.families import FAMILIES, family_of
+from models.key_table import MOE_SPECS, alternatives
 from models.pipe_layout import DECODER, EMBED, LM_HEAD, TIED_PARAM, pipe_layers
 from models.sharding import COLUMN, EXPERT_IN, EXPERT_ROW, GATE_UP, GATE_UP_OUT, REPLICA, ROW, VOCAB, parts_rule
 
@@ -143,13 +143,6 @@ def tp_split(kind: str, key: str, config=None) -> str:
     if lora:
         return _LORA_SPLIT.get((rule, lora.group(2)), REPLICA)
     return REPLICA if rule == ROW and param == "bias" else rule
-
-
-def replicated_expert_tensors(config) -> list[str]:
-    """The keys of a sparse block's experts that every tensor-parallel rank holds whole (gpt-oss's down biases)."""
-    sparse = next((b for b in range(config.num_hidden_layers) if is_sparse_layer(config, b)), None)
-    keys = decoder_keys(config, sparse) if sparse is not None else []
-    return [k for k in keys if ".experts." in k and tp_split(DECODER, k, config) == REPLICA]
 
 
 def attention_replicas(attention, config) -> list:

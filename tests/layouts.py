@@ -84,6 +84,9 @@ LAYOUTS = {
     # gpt-oss (eager: its attention sinks), its experts with biases split over EP=2 across two stages, its
     # load-balancing loss on.
     "gpt_oss-pp2-dp2-ep2": ("gpt_oss", "false", 2, 1, "", 0),
+    # ... and over TP=2 x EP=2 with sequence parallelism: each expert's interleaved gate/up and down split over TP,
+    # its down bias whole on both TP ranks and counted once in the norm.
+    "gpt_oss-tp2-dp2-ep2": ("gpt_oss", "false", 1, 2, "", 0),
     # Qwen3-Next: Gated DeltaNet linear attention on both stages, gated full attention, a gated shared expert, its
     # experts split over EP=2, every block recomputed.
     "qwen3_next-pp2-dp2-ep2-recompute": ("qwen3_next", "true", 2, 1, "", 0),

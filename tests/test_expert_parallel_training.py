@@ -70,12 +70,16 @@ FP32_WEIGHT_BOUNDS = {
     "fp32_zero1_cp2": 1e-6,
     "fp32_zero1_gpt_oss": 3e-6,
 }
+# bf16 grad norms against the fp32 run: within 5e-3, but gpt-oss's later steps in bf16 drift further with or without
+# TP (step 3: 3.1% at TP=2 x EP=2, 2.2% at PP=2 x EP=2 on an AMD EPYC machine). Its first step's stays at 5e-3
+# (3.1e-3 measured): the down biases counted once per TP rank put it at 6.2e-2.
+BF16_NORM_BOUNDS = {("bf16_zero1_gpt_oss", step): 0.1 for step in (2, 3, 4)}
 MOVE_BOUNDS = {
     "fp32_zero1_dp4": 3e-7,
     "fp32_zero1": 2e-7,
     "fp32_zero1_tp2": 1.5e-6,
     "fp32_zero1_llama4": 5e-7,
-    "fp32_zero1_gpt_oss": 6e-7,
+    "fp32_zero1_gpt_oss": 3e-7,
     "bf16_zero1": 5e-3,
 }
 
@@ -92,7 +96,9 @@ def test_expert_parallel_under_zero1_and_bf16(converted, sft_data, tmp_path, tmp
     default; Mixtral PP=2 x CP=2 with its experts split over the CP ranks, in both. bf16 ZeRO-1 saved at step 2
     resumes bit for bit; and moves, its optimizer state with it, to another E (2 -> 1; fp32 ZeRO-1 DP=4 x E=2 -> 4),
     PP and E (fp32 ZeRO-1 PP=2 x DP=2 x E=2 -> PP=1 x DP=2 x E=1) and TP (fp32 ZeRO-1 Qwen2-MoE TP=2 -> PP=2; Llama 4's
-    x @ W experts TP=2 x E=2 -> PP=2 x E=1; gpt-oss's experts with their biases PP=2 x E=2 -> PP=1 x E=1)."""
+    x @ W experts TP=2 x E=2 -> PP=2 x E=1; gpt-oss's experts with their biases TP=2 x E=2 -> PP=2 x E=1). gpt-oss
+    at TP=2 x EP=2 holds each down bias whole on both TP ranks: bf16's first grad norm within 5e-3 of fp32's (counted
+    once per TP rank it is 6% higher)."""
     from transformers import AutoConfig
 
     mixtral, qwen = "mixtral-pp2-dp2-ep2-recompute", "qwen2_moe-tp2-dp2-ep2"
@@ -107,8 +113,10 @@ def test_expert_parallel_under_zero1_and_bf16(converted, sft_data, tmp_path, tmp
         # the experts split over the 2 context-parallel ranks of PP=2 x CP=2 (each routes its own positions)
         "fp32_zero1_cp2": ("mixtral-pp2-cp2-ep2-recompute", {"deepspeed.zero_stage": 1}),
         "bf16_zero1_cp2": ("mixtral-pp2-cp2-ep2-recompute", {"deepspeed": "bf16_zero1"}),
-        # gpt-oss: its experts' biases [E, ...] split over EP with the weights (sharded, assembled, moved alike)
-        "fp32_zero1_gpt_oss": ("gpt_oss-pp2-dp2-ep2", {"deepspeed.zero_stage": 1, "save_steps": 2}),
+        # gpt-oss over TP=2 x EP=2: its experts' biases [E, ...] split over EP with the weights (sharded, assembled,
+        # moved alike), each down bias whole on both TP ranks and counted once in the norm by each optimizer
+        "fp32_zero1_gpt_oss": ("gpt_oss-tp2-dp2-ep2", {"deepspeed.zero_stage": 1, "save_steps": 2}),
+        "bf16_zero1_gpt_oss": ("gpt_oss-tp2-dp2-ep2", {"deepspeed": "bf16_zero1"}),
     }
     for name, (layout, more) in runs.items():
         fp32 = Path(layout_run(layout, converted, sft_data, tmp_path_factory))
@@ -122,7 +130,8 @@ def test_expert_parallel_under_zero1_and_bf16(converted, sft_data, tmp_path, tmp
             # fp32: within 1e-6 (the docstring's claim); a 1e-7 bound, one fp32 ulp, failed on one machine (1.26e-7
             # on Llama 4's step 2) and passed on another: the summation order of a CPU's matmul kernels.
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-6 if exact else 1e-3), (name, a, b)
-            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6 if exact else 5e-3), (name, a, b)
+            rel = 1e-6 if exact else BF16_NORM_BOUNDS.get((name, b["step"]), 5e-3)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rel), (name, a, b)
             assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-6 if exact else 2e-2)
         config = AutoConfig.from_pretrained(str(fp32))
         reference, ours = load_hf_state_dict(str(fp32), config), load_hf_state_dict(str(out), config)
@@ -173,11 +182,11 @@ def test_expert_parallel_under_zero1_and_bf16(converted, sft_data, tmp_path, tmp
             4,
             {"deepspeed.zero_stage": 1, "tensor_parallel_size": 1, "num_stages": 2, "expert_parallel_size": 1},
         ),
-        "fp32 ZeRO-1 gpt-oss PP=2 x DP=2 x E=2 -> PP=1 x DP=2 x E=1 (expert biases)": (
+        "fp32 ZeRO-1 gpt-oss TP=2 x DP=2 x E=2 -> PP=2 x DP=2 x E=1 (expert biases; whole down biases per TP rank)": (
             "fp32_zero1_gpt_oss",
-            "gpt_oss-pp2-dp2-ep2",
-            2,
-            {"deepspeed.zero_stage": 1, "num_stages": 1, "expert_parallel_size": 1},
+            "gpt_oss-tp2-dp2-ep2",
+            4,
+            {"deepspeed.zero_stage": 1, "tensor_parallel_size": 1, "num_stages": 2, "expert_parallel_size": 1},
         ),
     }
     for what, (name, layout, ranks, more) in moves.items():

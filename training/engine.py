@@ -24,6 +24,7 @@ from schema.model import checkpoint_every
 from schema.train import TrainConfig, sequence_parallel
 from training.expert_parallel import (
     attach,
+    count_whole_experts_once,
     deepspeed_owns_experts,
     deepspeed_sees_experts,
     keep_from_broadcast,
@@ -282,6 +283,8 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
     # 'items'"), so none is left for a user to run; `convert2ckpt.py --to-hf --dtype fp32` gets the weights out.
     engine._copy_recovery_script = lambda save_path: None
     keep_buffer_dtypes(engine)
+    if deepspeed_experts and coords.tp > 1:
+        count_whole_experts_once(engine.optimizer)
     if cfg.pipeline_schedule == "zero_bubble":
         from training.zero_bubble_engine import make_zero_bubble
 

@@ -178,8 +178,9 @@ def attach(engine, ep: ExpertParallel) -> None:
         for p in module.parameters():
             if p.grad is None:
                 continue
-            if id(p) in ids:  # this rank's experts (split over TP too: every TP rank counts its shard)
-                own += p.grad.detach().float().pow(2).sum()
+            if id(p) in ids:  # this rank's experts: a TP shard on every TP rank, a whole tensor on TP rank 0
+                if is_model_parallel_parameter(p):  # (gpt-oss's down biases; flagged by training.engine)
+                    own += p.grad.detach().float().pow(2).sum()
             elif mpu.get_model_parallel_rank() == 0 or is_model_parallel_parameter(p):
                 shared += p.grad.detach().float().pow(2).sum()
         dist.all_reduce(own, group=ep.group)  # every expert of the stage once
@@ -195,6 +196,37 @@ def attach(engine, ep: ExpertParallel) -> None:
                     p.grad.mul_(coef)
 
     engine.clip_fp32_gradients = clip_and_record
+
+
+def count_whole_experts_once(optimizer) -> None:
+    """DeepSpeed's bf16 optimizer (`BF16_Optimizer.get_grads_for_norm`, deepspeed 0.19.8) counts every expert
+    gradient on every TP rank, then sums over the model-parallel group: right for experts split over TP, but an
+    expert tensor every TP rank holds whole (gpt-oss's down biases, `models.tp_rules.tp_split` REPLICA) would
+    count once per TP rank. Leave those out of the norm where they are not flagged `model_parallel` (every TP
+    rank but 0: training.engine flags them); they are still clipped."""
+    from deepspeed.moe.utils import is_moe_param
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    grads = getattr(optimizer, "fp32_groups_gradients", None)
+    if grads is None:  # not the bf16 optimizer: DeepSpeed's ZeRO optimizer counts them by the flag already
+        return
+    whole = {
+        id(grads[i][j])
+        for i, group in enumerate(optimizer.bf16_groups)
+        for j, lp in enumerate(group)
+        if is_moe_param(lp) and not is_model_parallel_parameter(lp)
+    }
+    if not whole:
+        return
+    grads_for_norm = optimizer.get_grads_for_norm
+
+    def without_whole_copies(for_clipping=False):
+        if for_clipping:
+            return grads_for_norm(for_clipping=True)
+        dense, experts = grads_for_norm()
+        return dense, {name: [g for g in gs if id(g) not in whole] for name, gs in experts.items()}
+
+    optimizer.get_grads_for_norm = without_whole_copies
 
 
 def _params_with_grads(module) -> list:

@@ -9,7 +9,6 @@ from models.families import FAMILIES, family_of, linear_attention_refusal, tp_re
 from models.lora import check_target_modules, lora_tp_refusal
 from models.moe import is_moe, num_experts
 from models.sharding import tp_indivisible
-from models.tp_rules import replicated_expert_tensors
 from schema.checks import check_config, need
 from schema.train import DeepSpeedConfig, TrainConfig, model_stages
 from training.precision import is_resolved, resolved
@@ -127,14 +126,6 @@ def validate_expert_parallel(cfg: TrainConfig, world_size: int, model_config) ->
     dp = world_size // (cfg.num_stages * cfg.tensor_parallel_size * cp)
     ranks = f"data-parallel size {dp}" if cp == 1 else f"{dp * cp} data ranks (DP={dp} x CP={cp})"
     need((dp * cp) % ep == 0, f"expert_parallel_size={ep} does not divide the {ranks} of each stage")
-    tp = cfg.tensor_parallel_size
-    whole = replicated_expert_tensors(model_config) if tp > 1 else []
-    need(
-        not whole,
-        f"tensor_parallel_size={tp} with expert_parallel_size={ep}: {model_config.model_type}'s experts hold "
-        f"{whole[0] if whole else ''} whole on every tensor-parallel rank, and the norm of the expert gradients would "
-        "count it once per rank (not built); use tensor or expert parallelism, not both",
-    )
     experts = num_experts(model_config)
     need(experts % ep == 0, f"expert_parallel_size={ep} does not divide the model's {experts} experts")
     precision = cfg.deepspeed.precision
