@@ -9,6 +9,12 @@ products where the blocks divide the weight (tests/test_convert.py holds the two
 scale grid is the ceiling of the blocks, and the edge blocks are cut to the weight. The converted config.json keeps
 no `quantization_config`: the checkpoint is a plain bf16 model, and so is its export.
 
+Mistral's FP8 checkpoints (Mistral Small 4, Ministral 3: `weight_block_size: null`) keep one scale per tensor
+(`weight_scale_inv`, a scalar) and, fused experts, one per expert (`gate_up_proj_scale_inv`, `down_proj_scale_inv`
+[E, 1, 1]), with static activation scales (`activation_scale`, `*_activation_scale`) that training has no use for
+(dropped). The blocks are then whatever the scale's grid cuts the weight into, as transformers' `Fp8Dequantize` reads
+them.
+
 gpt-oss's official checkpoints keep their experts in MXFP4 (`quant_method: mxfp4`): each expert tensor `X` is
 stored as `X_blocks` (two 4-bit e2m1 values per byte, 32 values per block) and `X_scales` (one power-of-two exponent
 per block); transformers' own pure-torch routine (`integrations/mxfp4.py` `convert_moe_packed_tensors`) turns the
@@ -34,10 +40,10 @@ def _quantization(config) -> dict:
     quant = getattr(config, "quantization_config", None) or {}
     quant = quant if isinstance(quant, dict) else quant.to_dict()
     method, block = quant.get("quant_method"), quant.get("weight_block_size")
-    if quant and not (method == "mxfp4" or (method == "fp8" and block and len(block) == 2)):
+    if quant and not (method == "mxfp4" or (method == "fp8" and (block is None or len(block) == 2))):
         raise CheckpointError(
-            f"quantization_config {method!r} (weight_block_size={block}): only FP8 block quantization and MXFP4 "
-            "are dequantized at conversion; convert a bf16 copy of the model"
+            f"quantization_config {method!r} (weight_block_size={block}): only FP8 (in blocks or per tensor) and "
+            "MXFP4 are dequantized at conversion; convert a bf16 copy of the model"
         )
     return quant
 
@@ -47,14 +53,15 @@ def is_quantized(config) -> bool:
     return bool(_quantization(config))
 
 
+def is_fp8(config) -> bool:
+    return _quantization(config).get("quant_method") == "fp8"
+
+
 def fp8_blocks(config) -> tuple[int, int] | None:
-    """The (rows, cols) of a block of an FP8 block-quantized checkpoint, or None for any other."""
-    quant = _quantization(config)
-    return (
-        (int(quant["weight_block_size"][0]), int(quant["weight_block_size"][1]))
-        if quant.get("quant_method") == "fp8"
-        else None
-    )
+    """The (rows, cols) of a block of an FP8 block-quantized checkpoint, or None for any other (per-tensor FP8: the
+    scale's grid says)."""
+    block = _quantization(config).get("weight_block_size") if is_fp8(config) else None
+    return (int(block[0]), int(block[1])) if block else None
 
 
 def is_mxfp4(config) -> bool:
@@ -85,12 +92,22 @@ def is_scale(hf_key: str, config) -> bool:
     MXFP4 tensor (`mxfp4_to_plain`)."""
     if is_mxfp4(config):
         return hf_key.endswith(MXFP4_PARTS)
-    return hf_key.endswith(".weight" + SCALE_SUFFIX) and fp8_blocks(config) is not None
+    return is_fp8(config) and hf_key.endswith((SCALE_SUFFIX, "activation_scale"))  # activation scales: dropped
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """An FP8 weight [rows, cols] times its block scales [ceil(rows / b0), ceil(cols / b1)], in fp32, as `dtype`."""
+def dequantize(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """An FP8 weight [..., rows, cols] times its block scales [..., ceil(rows / b0), ceil(cols / b1)], in fp32, as
+    `dtype`. `block` None (per-tensor FP8): the blocks the scale's grid cuts the weight into (a scalar: one)."""
     rows, cols = weight.shape[-2:]
+    if block is None and scale.numel() * rows * cols == weight.numel():  # one scale per matrix (per expert)
+        return _per_matrix(weight, scale, dtype)
+    if block is None:
+        grid = tuple(scale.shape[-2:]) if scale.dim() >= 2 else (1, 1)
+        if rows % grid[0] or cols % grid[1]:
+            raise ValueError(f"scale shape {tuple(scale.shape)} does not divide a {tuple(weight.shape)} weight")
+        block = (rows // grid[0], cols // grid[1])
     want = (-(-rows // block[0]), -(-cols // block[1]))
     if tuple(scale.shape[-2:]) != want:
         raise ValueError(
@@ -98,6 +115,16 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
         )
     grid = scale.to(torch.float32).repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
     return (weight.to(torch.float32) * grid[..., :rows, :cols]).to(dtype)
+
+
+def _per_matrix(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each matrix of `weight` [..., rows, cols] times its one scale, in fp32, as `dtype`: a matrix at a time, so
+    that a layer's fused experts never stand whole in fp32."""
+    out = torch.empty(weight.shape, dtype=dtype)
+    matrices, scales = out.view(-1, *weight.shape[-2:]), scale.reshape(-1).to(torch.float32)
+    for i, w in enumerate(weight.view(-1, *weight.shape[-2:])):
+        matrices[i] = w.to(torch.float32) * scales[i]
+    return out
 
 
 def _fp8_scales(hf_dir: str, weights: set[str], present) -> dict[str, torch.Tensor]:
@@ -120,7 +147,7 @@ def plain_tensors(
     present = validate(hf_dir)
     sources = {src: key for key in wanted for src in hub_sources(key, config, present)}
     blocks = fp8_blocks(config)
-    scales = _fp8_scales(hf_dir, wanted, present) if blocks else {}
+    scales = _fp8_scales(hf_dir, wanted, present) if is_fp8(config) else {}
     parts: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4: a tensor's blocks or scales, until the other arrives
     for name, tensor, _ in iter_tensors(hf_dir, set(sources), alloc=pool.take):
         key = sources[name]

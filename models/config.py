@@ -80,10 +80,14 @@ def text_config_json(raw: dict) -> dict:
     if container is None:
         return raw
     text = dict(raw.get(container.config_key) or {})
-    text["architectures"] = [container.text_architecture]
+    family = FAMILIES.get(ALIASES.get(text.get("model_type"), text.get("model_type")))
+    derived = f"{family.prefix}ForCausalLM" if family else None  # (an unsupported text model is refused by its type)
+    text["architectures"] = [container.text_architecture or derived]
     for key in ("dtype", "transformers_version", "quantization_config"):  # a quantized container's: its text's too
         if key in raw:
             text.setdefault(key, raw[key])
+    if "tie_word_embeddings" in raw:  # transformers ties a container's head by its own config's (Mistral 3's default:
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]  # tied, whatever its text config says)
     return text
 
 

@@ -19,6 +19,7 @@ from checkpoint.pipeline_reader import load_hf_state_dict
 from models.key_table import is_carried, layer_keys
 from models.pipe_layout import pipe_layers
 from tests.conftest import CARRYING_VARIANTS, FAMILY_VARIANTS, hf_state, one_error_line, run_cmd
+from tests.multimodal import multimodal
 from tools.tiny_models import make_hf_model, tiny_config
 
 
@@ -400,65 +401,23 @@ def test_tp_split_and_merge_between_any_degrees_round_trip_bit_identical(model_t
     assert original.keys() == exported.keys() and all(torch.equal(original[k], exported[k]) for k in original)
 
 
-def _multimodal(family: str):
-    """A tiny multimodal model whose text model is `family`'s, and the name of its vision tower's keys."""
-    import transformers
-
-    if family == "llama4":
-        vision = transformers.Llama4VisionConfig(
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=64,
-            image_size=28,
-            patch_size=14,
-            vision_output_dim=32,
-            projector_input_dim=32,
-            projector_output_dim=32,
-        ).to_dict()
-        text = tiny_config("llama4_text", num_key_value_heads=2).to_dict()
-        config = transformers.Llama4Config(text_config=text, vision_config=vision)
-        return transformers.Llama4ForConditionalGeneration(config), "vision_model.", "llama4_text", "Llama4ForCausalLM"
-    if family == "kimi_k25":  # Kimi K2.5: DeepSeek-V3's text model, the hub's remote-code text type `kimi_k2`
-        text = tiny_config("deepseek_v3", num_key_value_heads=4).to_dict() | {"model_type": "kimi_k2"}
-        vision = dict(
-            patch_size=14, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
-            num_hidden_layers=1, hidden_size=32, intermediate_size=64,
-        )  # fmt: skip
-        config = transformers.Kimi_K25Config(
-            text_config=text, vision_config=vision, projection_hidden_size=32, tie_word_embeddings=False
-        )
-        model = transformers.Kimi_K25ForConditionalGeneration(config)
-        return model, "vision_tower.", "kimi_k2", "DeepseekV3ForCausalLM"
-    if family == "qwen3_5":
-        text = tiny_config("qwen3_5_text", num_key_value_heads=2).to_dict()
-        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8)
-        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
-        model = transformers.Qwen3_5ForConditionalGeneration(config)
-        return model, "model.visual.", "qwen3_5_text", "Qwen3_5ForCausalLM"
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32)
-    # No logit soft-cap, as the hub's Gemma 3 configs: Gemma3ForConditionalGeneration's forward applies none even when
-    # set, where Gemma3ForCausalLM (the text model we convert to) applies it.
-    text = tiny_config("gemma3_text", num_key_value_heads=2, tie_word_embeddings=True, final_logit_softcapping=None)
-    text = text.to_dict()
-    config = transformers.Gemma3Config(
-        text_config=text, vision_config=vision | dict(patch_size=8), mm_tokens_per_image=4
-    )
-    return transformers.Gemma3ForConditionalGeneration(config), "vision_tower.", "gemma3_text", "Gemma3ForCausalLM"
-
-
-@pytest.mark.parametrize("family", ["llama4", "gemma3", "qwen3_5", "kimi_k25"])
+@pytest.mark.parametrize(
+    "family",
+    ["llama4", "gemma3", "qwen3_5", "kimi_k25", "mistral3-mistral4", "mistral3-ministral3", "mistral3-mistral"],
+)
 def test_multimodal_checkpoint_converts_its_text_model(family, tmp_path):
     """A Llama4ForConditionalGeneration checkpoint (the hub's Llama 4 Scout and Maverick), a
-    Gemma3ForConditionalGeneration one (Gemma 3 4B-27B) or a Qwen3_5ForConditionalGeneration one (every Qwen3.5, with
-    its `mtp.*` weights): conversion takes the text model (config.json's `text_config`, its keys under
-    `language_model.`, Qwen3.5's under `model.language_model.`) and keeps the vision tower and the rest aside;
+    Gemma3ForConditionalGeneration one (Gemma 3 4B-27B), a Qwen3_5ForConditionalGeneration one (every Qwen3.5, with
+    its `mtp.*` weights) or a Mistral3ForConditionalGeneration one (Mistral Small 4, untied; Ministral 3 and
+    Mistral Small 3.x, their heads tied by the container's config): conversion takes the text model (config.json's
+    `text_config`, its keys under `language_model.`, Qwen3.5's under `model.language_model.`) and keeps the vision
+    tower and the rest aside;
     `--verify --against` the multimodal directory finds transformers' text logits (max difference 0), and the export
     is the multimodal checkpoint again, in its own layout, every tensor bit for bit, loaded by its own class."""
     from tests.conftest import add_mtp_layer, convert_in_process
 
     torch.manual_seed(0)
-    model, vision_keys, text_type, architecture = _multimodal(family)
+    model, vision_keys, text_type, architecture = multimodal(family)
     model.save_pretrained(tmp_path / "mm")
     if family == "qwen3_5":
         add_mtp_layer(str(tmp_path / "mm"), "mtp")

@@ -1,4 +1,5 @@
-"""Quantized hub checkpoints convert to plain weights: DeepSeek-V3's FP8 blocks dequantized as transformers does."""
+"""Quantized hub checkpoints convert to plain weights: DeepSeek-V3's FP8 blocks, Mistral Small 4's FP8 tensors and
+gpt-oss's MXFP4 experts dequantized as transformers does."""
 
 from __future__ import annotations
 
@@ -223,3 +224,76 @@ def test_an_fp8_container_exports_a_plain_config(tmp_path):
     exported = json.loads((tmp_path / "config.json").read_text())
     assert "quantization_config" not in exported and exported["dtype"] == "bfloat16"
     assert exported["text_config"]["model_type"] == "kimi_k2" and not (tmp_path / CONTAINER_CONFIG).exists()
+
+
+def quantize_per_tensor(mm_dir: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A Mistral3ForConditionalGeneration directory quantized in place as Mistral's FP8 checkpoints are (transformers'
+    convert_mistral4_weight_to_hf.py): the text model's linear weights FP8 with one scale per tensor
+    (`weight_scale_inv`, a scalar: the largest magnitude / 448) and a static `activation_scale`, its fused experts
+    with one scale per expert ([E, 1, 1]) and one activation scale per expert; the router, the head and the other
+    towers as they were. Returns {hub key: (fp8 weight, scale)}."""
+    path = os.path.join(mm_dir, "model.safetensors")
+    state, quantized = load_file(path), {}
+    for key in [k for k in state if k.startswith("language_model.model.layers.")]:
+        w = state[key].float()
+        linear, experts = key.endswith("_proj.weight"), key.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        if not (linear or experts):
+            continue
+        amax = w.abs().amax() if linear else w.abs().amax(dim=(1, 2), keepdim=True)
+        scale = (amax / 448.0).clamp_min(1e-12)
+        state[key] = (w / scale).to(torch.float8_e4m3fn)
+        state[key + "_scale_inv"] = scale
+        base = key.removesuffix("weight") if linear else key + "_"
+        state[base + "activation_scale"] = torch.rand(()) if linear else torch.rand(w.shape[0])
+        quantized[key] = (state[key], scale)
+    save_file(state, path, metadata={"format": "pt"})
+    config = json.loads(open(os.path.join(mm_dir, "config.json")).read())
+    config["quantization_config"] = {
+        "activation_scheme": "static",
+        "modules_to_not_convert": ["model.vision_tower", "model.multi_modal_projector", "lm_head"],
+        "quant_method": "fp8",
+        "weight_block_size": None,
+    }
+    with open(os.path.join(mm_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return quantized
+
+
+def test_fp8_per_tensor_mistral_small_4_is_dequantized_as_transformers_does(tmp_path):
+    """Mistral Small 4's hub checkpoint: a Mistral3ForConditionalGeneration whose `mistral4` text model is FP8 with
+    one scale per tensor (and per expert of the fused experts) and static activation scales. Every FP8 weight lands
+    in the checkpoint as transformers' `Fp8Dequantize` computes it (bf16, bit for bit); the activation scales are
+    dropped, the rest cast to bf16; the export is the multimodal checkpoint in bf16 without a `quantization_config`,
+    its vision tower and projector byte for byte, loaded by Mistral3ForConditionalGeneration."""
+    import transformers
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from tests.conftest import convert_in_process
+    from tests.multimodal import multimodal
+
+    torch.manual_seed(0)
+    model = multimodal("mistral3-mistral4")[0]
+    model.save_pretrained(tmp_path / "mm")
+    original = hf_state(str(tmp_path / "mm"))
+    quantized = quantize_per_tensor(str(tmp_path / "mm"))
+    assert any(v.dim() == 3 for v, _ in quantized.values()) and len(quantized) > 10
+    ckpt, export = tmp_path / "ckpt", tmp_path / "export"
+    assert convert_in_process(["--input", str(tmp_path / "mm"), "--output", str(ckpt)]).returncode == 0
+    ours = load_hf_state_dict(str(ckpt))
+    for key, value in ours.items():
+        hub = "language_model." + key
+        if hub in quantized:
+            want = Fp8Dequantize(None)._dequantize_one(*quantized[hub], output_dtype=torch.bfloat16)
+            torch.testing.assert_close(value.float(), original[hub], rtol=0.07, atol=1e-3)  # near the original
+        else:
+            want = original[hub].to(torch.bfloat16)
+        assert value.dtype == torch.bfloat16 and torch.equal(value, want), key
+    assert "quantization_config" not in json.loads((ckpt / "config.json").read_text())
+    assert convert_in_process(["--to-hf", "--input", str(ckpt), "--output", str(export)]).returncode == 0
+    exported = hf_state(str(export))
+    towers = {k for k in original if not k.startswith("language_model.")}
+    assert set(exported) == set(original) and towers
+    assert all(torch.equal(exported[k].view(torch.uint8), original[k].view(torch.uint8)) for k in towers)
+    conf = json.loads((export / "config.json").read_text())
+    assert conf["model_type"] == "mistral3" and "quantization_config" not in conf and conf["dtype"] == "bfloat16"
+    transformers.Mistral3ForConditionalGeneration.from_pretrained(str(export))

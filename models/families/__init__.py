@@ -220,7 +220,9 @@ class Container:
 
     config_key: str
     prefix: str
-    text_architecture: str
+    # transformers' class of the text model; "" where the container holds several families' text models (Mistral
+    # 3's: Mistral, Ministral 3, Mistral 4): the text family's `<Prefix>ForCausalLM`.
+    text_architecture: str = ""
     # Where the text model's keys sit when it is not one prefix before all of them: (hub prefix, text model prefix)
     # pairs (Qwen3.5's `model.language_model.layers.0...` is the text model's `model.layers.0...`, its `lm_head.` the
     # same); empty: `prefix` before every text key.

@@ -9,7 +9,7 @@ families' fused experts."""
 
 from dataclasses import replace
 
-from models.families import Family, register
+from models.families import Container, Family, register, register_container
 from models.families.deepseek_v3 import DEEPSEEK_MOE, DEEPSEEK_TINY
 from models.families.ministral3 import TINY_ROPE
 
@@ -31,3 +31,10 @@ register(
         ),
     )
 )
+
+# The hub's Mistral Small 4 checkpoints are multimodal (Mistral3ForConditionalGeneration, as are Ministral 3's and
+# Mistral Small 3.x's, holding their families' text models): the text model's keys under `language_model.` as
+# transformers 5 still saves them, the Pixtral vision tower and the projector (`vision_tower.`,
+# `multi_modal_projector.`) carried. Their FP8 weights (one scale per tensor) are dequantized at conversion
+# (checkpoint/dequantize.py).
+register_container("mistral3", Container("text_config", "language_model."))

@@ -87,6 +87,13 @@ CLAIMS = (
         holds="assert ours[key].dtype == torch.bfloat16 and torch.equal(ours[key], want), key",
         bound=0,
     ),
+    Claim(
+        says="conversion dequantizes each weight as transformers' `Fp8Dequantize` does (bit for bit, a fixture quantized "
+        "here: `test_fp8_per_tensor_mistral_small_4_is_dequantized_as_transformers_does`)",
+        test="tests/test_quantized_sources.py::test_fp8_per_tensor_mistral_small_4_is_dequantized_as_transformers_does",
+        holds="assert value.dtype == torch.bfloat16 and torch.equal(value, want), key",
+        bound=0,
+    ),
     # 9
     Claim(
         says="bit-identical both ways",

@@ -1,0 +1,62 @@
+"""Tiny multimodal checkpoints whose text model is one of our families (tests/test_convert.py,
+tests/test_quantized_sources.py)."""
+
+from models.families import FAMILIES
+from tools.tiny_models import tiny_config
+
+
+def multimodal(family: str):
+    """A tiny multimodal model whose text model is `family`'s, and the name of its vision tower's keys."""
+    import transformers
+
+    if family == "llama4":
+        vision = transformers.Llama4VisionConfig(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            image_size=28,
+            patch_size=14,
+            vision_output_dim=32,
+            projector_input_dim=32,
+            projector_output_dim=32,
+        ).to_dict()
+        text = tiny_config("llama4_text", num_key_value_heads=2).to_dict()
+        config = transformers.Llama4Config(text_config=text, vision_config=vision)
+        return transformers.Llama4ForConditionalGeneration(config), "vision_model.", "llama4_text", "Llama4ForCausalLM"
+    if family == "kimi_k25":  # Kimi K2.5: DeepSeek-V3's text model, the hub's remote-code text type `kimi_k2`
+        text = tiny_config("deepseek_v3", num_key_value_heads=4).to_dict() | {"model_type": "kimi_k2"}
+        vision = dict(
+            patch_size=14, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
+            num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+        )  # fmt: skip
+        config = transformers.Kimi_K25Config(
+            text_config=text, vision_config=vision, projection_hidden_size=32, tie_word_embeddings=False
+        )
+        model = transformers.Kimi_K25ForConditionalGeneration(config)
+        return model, "vision_tower.", "kimi_k2", "DeepseekV3ForCausalLM"
+    if family.startswith("mistral3"):  # Mistral Small 4 (`mistral4` text), Ministral 3, Mistral Small 3.1 (`mistral`)
+        text_type = family.split("-")[1]
+        text = tiny_config(text_type, **({} if text_type == "mistral4" else {"num_key_value_heads": 2})).to_dict()
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
+        vision |= dict(image_size=32, patch_size=8)  # Mistral Small 4's head untied; Mistral3Config's default: tied
+        config = transformers.Mistral3Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+        if text_type != "mistral4":
+            config = transformers.Mistral3Config(text_config=text, vision_config=vision)
+        model = transformers.Mistral3ForConditionalGeneration(config)
+        return model, "vision_tower.", text_type, f"{FAMILIES[text_type].prefix}ForCausalLM"
+    if family == "qwen3_5":
+        text = tiny_config("qwen3_5_text", num_key_value_heads=2).to_dict()
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8)
+        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+        model = transformers.Qwen3_5ForConditionalGeneration(config)
+        return model, "model.visual.", "qwen3_5_text", "Qwen3_5ForCausalLM"
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32)
+    # No logit soft-cap, as the hub's Gemma 3 configs: Gemma3ForConditionalGeneration's forward applies none even when
+    # set, where Gemma3ForCausalLM (the text model we convert to) applies it.
+    text = tiny_config("gemma3_text", num_key_value_heads=2, tie_word_embeddings=True, final_logit_softcapping=None)
+    text = text.to_dict()
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision | dict(patch_size=8), mm_tokens_per_image=4
+    )
+    return transformers.Gemma3ForConditionalGeneration(config), "vision_tower.", "gemma3_text", "Gemma3ForCausalLM"
