@@ -423,7 +423,7 @@ CLAIMS = (
         bound=1e-6,
     ),
     Claim(
-        says="its load-balancing loss at PP=2 x DP=2 x EP=2 equal the single-process reference",
+        says="its load-balancing loss at PP=2 x DP=2 x EP=2 and TP=2 x DP=2 x EP=2 equal the single-process reference",
         test=REFERENCE,
         holds=ONE_PCT_OF_LR,
         bound=3e-5,
