@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import torch
 
 from checkpoint.errors import CheckpointError
+from checkpoint.expert_layouts import is_expert_part, per_expert_sources, stack
 from checkpoint.hf_reader import iter_tensors, validate
 
 SCALE_SUFFIX = "_scale_inv"  # `<module>.weight_scale_inv` beside `<module>.weight`
@@ -69,11 +70,11 @@ def is_mxfp4(config) -> bool:
 
 
 def hub_sources(hf_key: str, config, present) -> list[str]:
-    """The hub tensors that hold model tensor `hf_key` (`present`: the checkpoint's keys): itself, or its MXFP4
-    blocks and scales."""
+    """The hub tensors that hold model tensor `hf_key` (`present`: the checkpoint's keys): itself, its MXFP4
+    blocks and scales, or its experts' keys (checkpoint/expert_layouts.py)."""
     if hf_key not in present and is_mxfp4(config) and hf_key + MXFP4_PARTS[0] in present:
         return [hf_key + part for part in MXFP4_PARTS]
-    return [hf_key]
+    return per_expert_sources(hf_key, config, present) or [hf_key]
 
 
 def mxfp4_to_plain(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -88,8 +89,10 @@ def scale_key(weight_key: str) -> str:
 
 
 def is_scale(hf_key: str, config) -> bool:
-    """Whether `hf_key` is a block scale of an FP8 checkpoint's weight (consumed by `dequantize`) or a part of an
-    MXFP4 tensor (`mxfp4_to_plain`)."""
+    """Whether `hf_key` is a block scale of an FP8 checkpoint's weight (consumed by `dequantize`), a part of an
+    MXFP4 tensor (`mxfp4_to_plain`) or one expert's piece of a fused tensor (`stack`)."""
+    if is_expert_part(hf_key, config):
+        return True
     if is_mxfp4(config):
         return hf_key.endswith(MXFP4_PARTS)
     return is_fp8(config) and hf_key.endswith((SCALE_SUFFIX, "activation_scale"))  # activation scales: dropped
@@ -140,27 +143,35 @@ def plain_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(model key, tensor) of every key in `wanted`, read from `hf_dir` in shard order, quantized ones dequantized to
     `dtype` as they arrive (`pool`: the conversion's BufferPool, which the reads take buffers from)."""
-    if not is_quantized(config):
+    present = validate(hf_dir)
+    from_parts = {key: hub_sources(key, config, present) for key in wanted}
+    from_parts = {key: srcs for key, srcs in from_parts.items() if srcs != [key]}
+    if not is_quantized(config) and not from_parts:
         for name, tensor, _ in iter_tensors(hf_dir, wanted, alloc=pool.take):
             yield name, tensor
         return
-    present = validate(hf_dir)
-    sources = {src: key for key in wanted for src in hub_sources(key, config, present)}
+    sources = {src: key for key in wanted for src in from_parts.get(key, [key])}
     blocks = fp8_blocks(config)
     scales = _fp8_scales(hf_dir, wanted, present) if is_fp8(config) else {}
-    parts: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4: a tensor's blocks or scales, until the other arrives
+    parts: dict[str, dict[str, torch.Tensor]] = {}  # a tensor's MXFP4 or expert parts, until all have arrived
     for name, tensor, _ in iter_tensors(hf_dir, set(sources), alloc=pool.take):
         key = sources[name]
         if name in scales:
             plain = dequantize(tensor, scales.pop(name), blocks, dtype)
         elif key != name:
-            parts.setdefault(key, {})[name.removeprefix(key)] = tensor
-            if len(parts[key]) < len(MXFP4_PARTS):
+            parts.setdefault(key, {})[name] = tensor
+            if len(parts[key]) < len(from_parts[key]):
                 continue
-            held = parts.pop(key)
-            plain = mxfp4_to_plain(held["_blocks"], held["_scales"], dtype)
-            pool.give(held["_scales"])
-            tensor = held["_blocks"]
+            held = [parts[key].pop(src) for src in from_parts[key]]
+            del parts[key]
+            if is_mxfp4(config):
+                plain = mxfp4_to_plain(held[0], held[1], dtype)
+            else:  # fused from its experts' keys (cast as the conversion casts the rest)
+                plain = stack(held, config)
+            for piece in held:
+                pool.give(piece)
+            yield key, plain
+            continue
         else:
             yield key, tensor
             continue

@@ -95,14 +95,16 @@ MODEL_VARIANTS = {
     # Qwen3-Next: Gated DeltaNet linear attention in layers 0-2 and gated full attention in 3, sparse blocks with a
     # gated shared expert, its load-balancing loss on; `mtp.*` weights carried.
     "qwen3_next": dict(model_type="qwen3_next", num_key_value_heads=2) | MOE_AUX,
-    # Qwen3.5's text model: the same hybrid with dense MLPs.
+    # Qwen3.5's text model: the same hybrid with dense MLPs; Qwen3.5-MoE's with a sparse block and its gated shared
+    # expert in every layer, its experts fused as its hub checkpoints keep them, its load-balancing loss on.
     "qwen3_5": dict(model_type="qwen3_5_text", num_key_value_heads=2),
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe_text", num_key_value_heads=2) | MOE_AUX,
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
 NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss", "qwen3_next", "qwen3_5"]
 CARRYING_VARIANTS = {"deepseek_v3": "layers", "qwen3_next": "mtp"}  # with a multi-token-prediction layer
 MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss")
-MOE_VARIANTS += ("qwen3_next",)
+MOE_VARIANTS += ("qwen3_next", "qwen3_5_moe")
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
 FAMILY_VARIANTS += NEW_FAMILY_VARIANTS
 

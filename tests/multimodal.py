@@ -45,12 +45,13 @@ def multimodal(family: str):
             config = transformers.Mistral3Config(text_config=text, vision_config=vision)
         model = transformers.Mistral3ForConditionalGeneration(config)
         return model, "vision_tower.", text_type, f"{FAMILIES[text_type].prefix}ForCausalLM"
-    if family == "qwen3_5":
-        text = tiny_config("qwen3_5_text", num_key_value_heads=2).to_dict()
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        prefix = "Qwen3_5" if family == "qwen3_5" else "Qwen3_5Moe"
+        text = tiny_config(f"{family}_text", num_key_value_heads=2).to_dict()
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8)
-        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
-        model = transformers.Qwen3_5ForConditionalGeneration(config)
-        return model, "model.visual.", "qwen3_5_text", "Qwen3_5ForCausalLM"
+        config = getattr(transformers, f"{prefix}Config")(text_config=text, vision_config=vision)
+        model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
+        return model, "model.visual.", f"{family}_text", f"{prefix}ForCausalLM"
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32)
     # No logit soft-cap, as the hub's Gemma 3 configs: Gemma3ForConditionalGeneration's forward applies none even when
     # set, where Gemma3ForCausalLM (the text model we convert to) applies it.

@@ -403,7 +403,16 @@ def test_tp_split_and_merge_between_any_degrees_round_trip_bit_identical(model_t
 
 @pytest.mark.parametrize(
     "family",
-    ["llama4", "gemma3", "qwen3_5", "kimi_k25", "mistral3-mistral4", "mistral3-ministral3", "mistral3-mistral"],
+    [
+        "llama4",
+        "gemma3",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "kimi_k25",
+        "mistral3-mistral4",
+        "mistral3-ministral3",
+        "mistral3-mistral",
+    ],
 )
 def test_multimodal_checkpoint_converts_its_text_model(family, tmp_path):
     """A Llama4ForConditionalGeneration checkpoint (the hub's Llama 4 Scout and Maverick), a
@@ -415,11 +424,13 @@ def test_multimodal_checkpoint_converts_its_text_model(family, tmp_path):
     `--verify --against` the multimodal directory finds transformers' text logits (max difference 0), and the export
     is the multimodal checkpoint again, in its own layout, every tensor bit for bit, loaded by its own class."""
     from tests.conftest import add_mtp_layer, convert_in_process
+    from tools.tiny_models import as_on_the_hub
 
     torch.manual_seed(0)
     model, vision_keys, text_type, architecture = multimodal(family)
     model.save_pretrained(tmp_path / "mm")
-    if family == "qwen3_5":
+    if family.startswith("qwen3_5"):
+        as_on_the_hub(str(tmp_path / "mm"), model.config.text_config)  # Qwen3.5-MoE's experts fused, as on the hub
         add_mtp_layer(str(tmp_path / "mm"), "mtp")
     if family == "kimi_k25":  # the hub's text layers are `layers`; transformers 5.23 saves them as `blocks` (its
         # vision tower's `blocks` -> `layers` rename, reversed on save, reaches the text model too)
@@ -447,3 +458,37 @@ def test_multimodal_checkpoint_converts_its_text_model(family, tmp_path):
     original = json.loads((tmp_path / "mm" / "config.json").read_text())
     assert json.loads((export / "config.json").read_text())["model_type"] == original["model_type"]
     type(model).from_pretrained(str(export))  # transformers loads it as the multimodal model it came from
+
+
+def test_fused_hub_experts_convert_from_either_layout(tmp_path):
+    """Qwen3.5-MoE's official checkpoints keep each layer's experts fused ([E, 2I, H] and [E, H, I], as transformers
+    in memory); transformers' save_pretrained writes a new model's one key per expert. A directory of either converts
+    to the same layer files, and exports in the hub's fused layout, bit for bit the official one's, which
+    transformers loads as the same model."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import convert_in_process
+    from tools.tiny_models import as_on_the_hub
+
+    config = tiny_config("qwen3_5_moe_text", num_key_value_heads=2)
+    fused, per_expert = str(tmp_path / "fused"), str(tmp_path / "per_expert")
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(per_expert)
+    shutil.copytree(per_expert, fused)
+    as_on_the_hub(fused, config)
+    hub, saved = hf_state(fused), hf_state(per_expert)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in hub and "model.layers.0.mlp.experts.0.up_proj.weight" in saved
+    assert not any(".experts.0." in k for k in hub) and not any(k.endswith("experts.down_proj") for k in saved)
+    for name in ("fused", "per_expert"):
+        src, ckpt, export = tmp_path / name, tmp_path / f"{name}_ckpt", tmp_path / f"{name}_export"
+        assert convert_in_process(["--input", str(src), "--output", str(ckpt)]).returncode == 0
+        assert convert_in_process(["--to-hf", "--input", str(ckpt), "--output", str(export)]).returncode == 0
+        exported = hf_state(str(export))
+        assert exported.keys() == hub.keys() and all(torch.equal(exported[k], v) for k, v in hub.items()), name
+    ours, theirs = (
+        load_hf_state_dict(str(tmp_path / "fused_ckpt")),
+        load_hf_state_dict(str(tmp_path / "per_expert_ckpt")),
+    )
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    loaded = dict(AutoModelForCausalLM.from_pretrained(str(tmp_path / "fused_export")).named_parameters())
+    assert all(torch.equal(loaded[k], p) for k, p in model.named_parameters())

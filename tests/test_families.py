@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from checkpoint.expert_layouts import fuse_per_expert
 from models.config import ConfigFields, differing_field, load_hf_config, read_config_fields
 from models.families import FAMILIES, family_of, is_sparse_layer, resolve_attention
 from models.key_table import all_layer_keys
@@ -118,7 +119,7 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
     hf = AutoModelForCausalLM.from_config(config).eval()
     perturb(hf)
     hf.save_pretrained(tmp_path)  # the hub's keys: one per expert where transformers fuses them in memory
-    state = hf_state(str(tmp_path))
+    state = fuse_per_expert(hf_state(str(tmp_path)), config)  # (or fused, as Qwen3.5-MoE's hub checkpoints)
     # The table's keys are exactly the checkpoint's (the tied head's weight lives in the embedding's file).
     table = {hf_key for keys in all_layer_keys(config).values() for hf_key in keys.values()}
     assert table == set(state)

@@ -152,6 +152,24 @@ def tiny_config(model_type: str = DEFAULT_MODEL_TYPE, **overrides):
     return AutoConfig.for_model(model_type, **kwargs)
 
 
+def as_on_the_hub(hf_dir: str, config) -> None:
+    """Rewrite a saved model whose family keeps its experts fused on the hub while transformers saves them one key
+    per expert (Qwen3.5-MoE) in the hub's layout, one shard (checkpoint/expert_layouts.py)."""
+    from safetensors.torch import load_file, save_file
+
+    from checkpoint.expert_layouts import fuse_per_expert
+
+    names = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
+    state = {k: v for n in names for k, v in load_file(os.path.join(hf_dir, n)).items()}
+    fused = fuse_per_expert(state, config)
+    if fused is state:
+        return
+    for name in names + ["model.safetensors.index.json"]:
+        if os.path.exists(os.path.join(hf_dir, name)):
+            os.remove(os.path.join(hf_dir, name))
+    save_file(fused, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
 def make_hf_model(
     out_dir: str,
     config=None,
@@ -176,6 +194,7 @@ def make_hf_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(dtype)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size, safe_serialization=True)
+    as_on_the_hub(out_dir, config)
     if tokenizer_dir:
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
     return out_dir

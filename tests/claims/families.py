@@ -38,7 +38,13 @@ CLAIMS = (
         figure=None,
     ),
     Claim(
-        says="yes, and Qwen3.5's multimodal container bit for bit",
+        says="yes (Qwen3.5-MoE in its hub's fused layout, from either layout)",
+        test="tests/test_convert.py::test_fused_hub_experts_convert_from_either_layout",
+        holds="assert exported.keys() == hub.keys() and all(torch.equal(exported[k], v) for k, v in hub.items()), name",
+        bound=0,
+    ),
+    Claim(
+        says="and both multimodal containers bit for bit",
         test="tests/test_convert.py::test_multimodal_checkpoint_converts_its_text_model",
         holds="all(torch.equal(exported[k].view(torch.uint8), v.view(torch.uint8)) for k, v in source.items())",
         bound=0,

@@ -1,0 +1,85 @@
+"""Fused experts stored one key per expert: read into the family's fused hub layout at conversion.
+
+Some families keep each sparse layer's experts fused on the hub as transformers keeps them in memory
+(`MoeSpec.hub_fused`; Qwen3.5-MoE's and Mistral Small 4's official checkpoints: `mlp.experts.gate_up_proj`
+[E, 2I, H], gate rows then up rows, and `mlp.experts.down_proj` [E, H, I]), and so do our layer files and exports.
+The same models saved by transformers' `save_pretrained` can hold one key per expert instead (its checkpoint
+conversion mapping for Qwen3.5-MoE splits them on save: `mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj`,
+`down_proj` [H, I]). Conversion reads such a checkpoint too: each fused tensor is stacked from its experts' keys as
+they arrive (checkpoint/dequantize.py `plain_tensors`), so one layer's experts are held at a time. Only the
+[E, 2I, H] layout: the x @ W families (Llama 4, gpt-oss) have no per-expert form in transformers.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from models.families import family_of
+
+
+def _fused_parts(config) -> dict[str, tuple[str, ...]] | None:
+    """{fused key suffix: its per-expert key templates ({e}: the expert)} of the family, or None where its experts
+    are not fused [E, 2I, H] on the hub."""
+    moe = family_of(config).moe
+    if moe is None or not moe.hub_fused or moe.block != "mlp" or moe.interleaved_gate_up or moe.hub_block != "mlp":
+        return None
+    gate, up, down = moe.expert_names
+    per = "mlp.experts.{e}.{name}.weight"
+    return {
+        "mlp.experts.gate_up_proj": (per.replace("{name}", gate), per.replace("{name}", up)),
+        "mlp.experts.down_proj": (per.replace("{name}", down),),
+    }
+
+
+def per_expert_sources(hf_key: str, config, present) -> list[str] | None:
+    """The per-expert hub keys that hold fused tensor `hf_key` (`present`: the checkpoint's keys), in stacking order
+    (expert 0's gate then up, expert 1's, ...), or None where `hf_key` is stored as it is (or not at all)."""
+    parts = _fused_parts(config)
+    if parts is None or hf_key in present:
+        return None
+    for suffix, templates in parts.items():
+        if hf_key.endswith(suffix):
+            prefix = hf_key[: -len(suffix)]
+            experts = getattr(config, family_of(config).moe.num_experts)
+            keys = [prefix + t.format(e=e) for e in range(experts) for t in templates]
+            return keys if keys[0] in present else None
+    return None
+
+
+def is_expert_part(hf_key: str, config) -> bool:
+    """Whether `hf_key` is one expert's piece of a fused hub tensor (stacked by `stack`)."""
+    parts = _fused_parts(config)
+    if parts is None:
+        return False
+    names = "|".join(re.escape(t.split("{e}.")[1]) for templates in parts.values() for t in templates)
+    return re.search(rf"\.mlp\.experts\.\d+\.(?:{names})$", hf_key) is not None
+
+
+def stack(tensors: list[torch.Tensor], config) -> torch.Tensor:
+    """The fused tensor of `tensors` in `per_expert_sources` order: each expert's pieces joined along their rows
+    (gate then up), the experts stacked along a new dim 0."""
+    experts = getattr(config, family_of(config).moe.num_experts)
+    per_expert = len(tensors) // experts
+    return torch.stack([torch.cat(tensors[e * per_expert : (e + 1) * per_expert]) for e in range(experts)])
+
+
+def fuse_per_expert(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """A state dict with one key per expert in the family's fused hub layout (the same model as its official
+    checkpoints store it); any other state dict unchanged."""
+    parts = _fused_parts(config)
+    if parts is None:
+        return state
+    out, used = {}, set()
+    for key in state:
+        match = re.match(r"(.*\.mlp\.experts\.)0\.", key)
+        if match is None or key.startswith("mtp."):  # (Qwen3.5's multi-token-prediction layer: carried as it is)
+            continue
+        prefix = match.group(1).removesuffix("mlp.experts.")
+        for suffix in parts:
+            sources = per_expert_sources(prefix + suffix, config, state)
+            if sources and prefix + suffix not in out:
+                out[prefix + suffix] = stack([state[k] for k in sources], config)
+                used.update(sources)
+    return ({k: v for k, v in state.items() if k not in used} | out) if used else state
