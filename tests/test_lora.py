@@ -243,7 +243,7 @@ def test_lora_on_linear_attention_matches_peft(hf_models, converted, tokenizer_d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["gqa", *FAMILY_VARIANTS])
+@pytest.mark.parametrize("variant", ["gqa", *FAMILY_VARIANTS, "qwen3_5_moe"])
 def test_merge_peft_adapter_directory_into_checkpoint_or_hf(variant, hf_models, converted, tmp_path):
     """A PEFT adapter directory merged into a pipeline checkpoint or an HF directory gives PEFT's logits (with experts:
     adapters on attention; PEFT puts `down_proj` on the fused experts' parameters, which merging refuses)."""
