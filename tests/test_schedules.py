@@ -205,6 +205,9 @@ SCHEDULE_CASES.append(("dualpipev", "mixtral-pp2-dp2-ep2-recompute"))
 # Context parallelism (Ulysses) under both schedules: DualPipeV's V with tiled MLPs, zero-bubble's deferred weight
 # gradients with TP=2 x CP=2 and sequence parallelism (one stage).
 SCHEDULE_CASES += [("dualpipev", "gqa-pp2-cp2-packed-recompute-chunked-tiled"), ("zero_bubble", "mistral-tp2-cp2")]
+# Zero-bubble's deferred weight gradients through DeepSeek-V3's latent attention and shared experts, its routed
+# experts split over EP=2 across two stages, its score biases balanced after every step.
+SCHEDULE_CASES.append(("zero_bubble", "deepseek_v3-pp2-dp2-ep2-balanced"))
 
 
 @pytest.mark.slow
