@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import torch
 
 from checkpoint.errors import CheckpointError
-from checkpoint.expert_layouts import is_expert_part, per_expert_sources, stack
+from checkpoint.expert_layouts import Assembly, has_expert_parts, is_expert_part, per_expert_sources
 from checkpoint.hf_reader import iter_tensors, validate
 
 SCALE_SUFFIX = "_scale_inv"  # `<module>.weight_scale_inv` beside `<module>.weight`
@@ -55,6 +55,7 @@ def is_quantized(config) -> bool:
 
 
 def is_fp8(config) -> bool:
+    """Whether the checkpoint's weights are FP8 with their scales beside (in blocks or per tensor)."""
     return _quantization(config).get("quant_method") == "fp8"
 
 
@@ -89,8 +90,9 @@ def scale_key(weight_key: str) -> str:
 
 
 def is_scale(hf_key: str, config) -> bool:
-    """Whether `hf_key` is a block scale of an FP8 checkpoint's weight (consumed by `dequantize`), a part of an
-    MXFP4 tensor (`mxfp4_to_plain`) or one expert's piece of a fused tensor (`stack`)."""
+    """Whether `hf_key` is no model tensor as it stands but a piece of one: a scale of an FP8 checkpoint's weight
+    (consumed by `dequantize`; static activation scales, dropped), a part of an MXFP4 tensor (`mxfp4_to_plain`) or
+    one expert's piece of a fused tensor (checkpoint/expert_layouts.py `Assembly`)."""
     if is_expert_part(hf_key, config):
         return True
     if is_mxfp4(config):
@@ -143,37 +145,39 @@ def plain_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(model key, tensor) of every key in `wanted`, read from `hf_dir` in shard order, quantized ones dequantized to
     `dtype` as they arrive (`pool`: the conversion's BufferPool, which the reads take buffers from)."""
-    present = validate(hf_dir)
-    from_parts = {key: hub_sources(key, config, present) for key in wanted}
-    from_parts = {key: srcs for key, srcs in from_parts.items() if srcs != [key]}
-    if not is_quantized(config) and not from_parts:
+    if not is_quantized(config) and not has_expert_parts(config):
         for name, tensor, _ in iter_tensors(hf_dir, wanted, alloc=pool.take):
             yield name, tensor
         return
+    present = validate(hf_dir)
+    from_parts = {key: srcs for key in wanted if (srcs := hub_sources(key, config, present)) != [key]}
     sources = {src: key for key in wanted for src in from_parts.get(key, [key])}
     blocks = fp8_blocks(config)
-    scales = _fp8_scales(hf_dir, wanted, present) if is_fp8(config) else {}
-    parts: dict[str, dict[str, torch.Tensor]] = {}  # a tensor's MXFP4 or expert parts, until all have arrived
+    scales = _fp8_scales(hf_dir, set(sources), present) if is_fp8(config) else {}
+    mxfp4: dict[str, dict[str, torch.Tensor]] = {}  # a tensor's MXFP4 blocks or scales, until the other arrives
+    fused = {key: Assembly(srcs, config) for key, srcs in from_parts.items()} if not is_mxfp4(config) else {}
     for name, tensor, _ in iter_tensors(hf_dir, set(sources), alloc=pool.take):
         key = sources[name]
-        if name in scales:
-            plain = dequantize(tensor, scales.pop(name), blocks, dtype)
-        elif key != name:
-            parts.setdefault(key, {})[name] = tensor
-            if len(parts[key]) < len(from_parts[key]):
-                continue
-            held = [parts[key].pop(src) for src in from_parts[key]]
-            del parts[key]
-            if is_mxfp4(config):
-                plain = mxfp4_to_plain(held[0], held[1], dtype)
-            else:  # fused from its experts' keys (cast as the conversion casts the rest)
-                plain = stack(held, config)
-            for piece in held:
-                pool.give(piece)
-            yield key, plain
-            continue
+        if name in scales:  # an FP8 weight, or one expert's piece of a fused one
+            piece = dequantize(tensor, scales.pop(name), blocks, dtype)
+            pool.give(tensor)
+        elif tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1 and is_fp8(config):
+            raise CheckpointError(f"{hf_dir}: {name} is FP8 without its scale ({scale_key(name)})")
         else:
-            yield key, tensor
-            continue
-        pool.give(tensor)
-        yield key, plain
+            piece = tensor
+        if key == name:
+            yield key, piece
+        elif key in fused:
+            whole = fused[key].add(name, piece)
+            pool.give(piece)  # copied into the fused tensor
+            if whole is not None:
+                del fused[key]
+                yield key, whole
+        else:
+            mxfp4.setdefault(key, {})[name.removeprefix(key)] = piece
+            if len(mxfp4[key]) == len(MXFP4_PARTS):
+                held = mxfp4.pop(key)
+                plain = mxfp4_to_plain(held["_blocks"], held["_scales"], dtype)
+                pool.give(held["_blocks"])
+                pool.give(held["_scales"])
+                yield key, plain

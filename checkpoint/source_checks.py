@@ -48,7 +48,7 @@ def check_keys(hf_dir: str, config) -> dict[int, dict[str, str]]:
     expected = all_layer_keys(config)
     index = hub_index(config)
     for name, shard_file in where.items():
-        if is_carried(name, config) or is_scale(name, config):  # kept aside (carried.py); scales (dequantize.py)
+        if is_carried(name, config) or is_scale(name, config):  # kept aside (carried.py); pieces (dequantize.py)
             continue
         try:
             hf_key_to_layer(name, config, index)

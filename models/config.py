@@ -86,9 +86,20 @@ def text_config_json(raw: dict) -> dict:
     for key in ("dtype", "transformers_version", "quantization_config"):  # a quantized container's: its text's too
         if key in raw:
             text.setdefault(key, raw[key])
-    if "tie_word_embeddings" in raw:  # transformers ties a container's head by its own config's (Mistral 3's default:
-        text["tie_word_embeddings"] = raw["tie_word_embeddings"]  # tied, whatever its text config says)
+    # transformers ties a container's head by the container's own config, whatever its text config says (absent: the
+    # container class's default, Mistral3Config's tied)
+    tie = raw["tie_word_embeddings"] if "tie_word_embeddings" in raw else _container_tie_default(raw["model_type"])
+    if tie is not None:
+        text["tie_word_embeddings"] = tie
     return text
+
+
+def _container_tie_default(model_type: str) -> bool | None:
+    """`tie_word_embeddings` of transformers' config class for a container model type, where it has one."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return getattr(getattr(transformers, CONFIG_MAPPING_NAMES.get(model_type, ""), None), "tie_word_embeddings", None)
 
 
 def load_hf_config(path: str):

@@ -376,3 +376,21 @@ def test_dpo_through_each_familys_layers_equals_transformers(name, tmp_path):
             worst = max(worst, float((param.grad - theirs).abs().max()) / scale)
             torch.testing.assert_close(param.grad, theirs, rtol=0, atol=1e-5 * scale, msg=keys[index][ours])
     print(f"{name}: DPO loss {loss:.6f} (transformers {expected:.6f}), gradients within {worst:.2g}")
+
+
+def test_a_containers_head_is_tied_by_the_containers_config():
+    """transformers ties a multimodal model's head by the container's config, whatever its text config says; a
+    config.json without the key (transformers 4 left defaults out) takes the container class's default
+    (Mistral3Config's: tied; Qwen3_5Config's: untied)."""
+    from models.config import text_config_json
+
+    text = {"model_type": "mistral4", "tie_word_embeddings": False}
+    assert text_config_json({"model_type": "mistral3", "text_config": text})["tie_word_embeddings"] is True
+    untied = {
+        "model_type": "mistral3",
+        "text_config": text | {"tie_word_embeddings": True},
+        "tie_word_embeddings": False,
+    }
+    assert text_config_json(untied)["tie_word_embeddings"] is False
+    qwen = {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "tie_word_embeddings": True}}
+    assert text_config_json(qwen)["tie_word_embeddings"] is False

@@ -297,3 +297,43 @@ def test_fp8_per_tensor_mistral_small_4_is_dequantized_as_transformers_does(tmp_
     conf = json.loads((export / "config.json").read_text())
     assert conf["model_type"] == "mistral3" and "quantization_config" not in conf and conf["dtype"] == "bfloat16"
     transformers.Mistral3ForConditionalGeneration.from_pretrained(str(export))
+
+
+def test_fp8_experts_stored_one_key_per_expert_are_dequantized_then_fused(tmp_path):
+    """Qwen3.5-MoE's FP8 checkpoints keep one key per expert, each with its block scales; our layer files keep the
+    hub's fused experts: each piece is dequantized as transformers' `Fp8Dequantize` computes it, then put in its
+    place in the fused tensor (bit for bit), and every other FP8 weight likewise."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from tools.tiny_models import tiny_config
+
+    config = tiny_config("qwen3_5_moe_text", num_key_value_heads=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf", max_shard_size="200KB")
+    quantized = quantize_fp8(str(tmp_path / "hf"), str(tmp_path / "fp8"))
+    assert any(".experts.3.up_proj." in k for k in quantized)
+    convert_hf_to_pipeline(str(tmp_path / "fp8"), str(tmp_path / "ckpt"), log=lambda *_: None)
+    ours = load_hf_state_dict(str(tmp_path / "ckpt"))
+
+    def plain(key):
+        return Fp8Dequantize(None)._dequantize_one(*quantized[key], output_dtype=torch.bfloat16)
+
+    experts = 0
+    for key, value in ours.items():
+        if key.endswith("mlp.experts.gate_up_proj"):
+            base, experts = key.removesuffix("gate_up_proj"), experts + 1
+            want = torch.stack(
+                [
+                    torch.cat([plain(f"{base}{e}.gate_proj.weight"), plain(f"{base}{e}.up_proj.weight")])
+                    for e in range(4)
+                ]
+            )
+        elif key.endswith("mlp.experts.down_proj"):
+            want = torch.stack([plain(f"{key.removesuffix('down_proj')}{e}.down_proj.weight") for e in range(4)])
+        elif key in quantized:
+            want = plain(key)
+        else:
+            continue
+        assert value.dtype == torch.bfloat16 and torch.equal(value, want), key
+    assert experts == config.num_hidden_layers

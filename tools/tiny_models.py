@@ -154,20 +154,34 @@ def tiny_config(model_type: str = DEFAULT_MODEL_TYPE, **overrides):
 
 def as_on_the_hub(hf_dir: str, config) -> None:
     """Rewrite a saved model whose family keeps its experts fused on the hub while transformers saves them one key
-    per expert (Qwen3.5-MoE) in the hub's layout, one shard (checkpoint/expert_layouts.py)."""
+    per expert (Qwen3.5-MoE) in the hub's layout, each fused tensor in the shard of its first expert's piece
+    (checkpoint/expert_layouts.py)."""
     from safetensors.torch import load_file, save_file
 
-    from checkpoint.expert_layouts import fuse_per_expert
+    from checkpoint.expert_layouts import fuse_per_expert, has_expert_parts, per_expert_sources
 
-    names = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
-    state = {k: v for n in names for k, v in load_file(os.path.join(hf_dir, n)).items()}
+    if not has_expert_parts(config):
+        return
+    shards = {n: load_file(os.path.join(hf_dir, n)) for n in os.listdir(hf_dir) if n.endswith(".safetensors")}
+    where = {key: name for name, shard in shards.items() for key in shard}
+    state = {key: tensor for shard in shards.values() for key, tensor in shard.items()}
     fused = fuse_per_expert(state, config)
     if fused is state:
         return
-    for name in names + ["model.safetensors.index.json"]:
-        if os.path.exists(os.path.join(hf_dir, name)):
+    where |= {key: where[per_expert_sources(key, config, state)[0]] for key in fused.keys() - state.keys()}
+    for name in shards:
+        kept = {k: v for k, v in fused.items() if where[k] == name}
+        if kept:
+            save_file(kept, os.path.join(hf_dir, name), metadata={"format": "pt"})
+        else:  # every piece it held went into a fused tensor elsewhere
             os.remove(os.path.join(hf_dir, name))
-    save_file(fused, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            data = json.load(f)
+        data["weight_map"] = {k: where[k] for k in fused}
+        with open(index, "w") as f:
+            json.dump(data, f, indent=2)
 
 
 def make_hf_model(

@@ -61,7 +61,8 @@ class MoeSpec:
     router_logits: where the router's outputs hold the logits (transformers' tuples differ by family).
     hub_fused: the hub keeps each layer's experts fused as transformers keeps them in memory (`experts.gate_up_proj`
         and `experts.down_proj`: x @ W layout [E, H, 2I] and [E, I, H] for Llama 4 and gpt-oss, [E, 2I, H] and
-        [E, H, I] for Mistral 4), and the router as `{block}.{router}`; else one key per expert.
+        [E, H, I] for Mistral 4 and Qwen3.5-MoE), and the router as `{block}.{router}`; else one key per expert.
+        (transformers' saves of the [E, 2I, H] ones may hold a key per expert: checkpoint/expert_layouts.py.)
     scaled_inputs: the router's scores scale each expert's input, and transformers' block runs every expert on
         every token (0-scaled outside its top-k); expert parallelism and `moe.routed_experts` send each expert its
         routed tokens only (models/expert_parallel.py). Else transformers' router and fused experts weight outputs.
