@@ -94,6 +94,9 @@ LAYOUTS = {
     # Qwen3.5-MoE: the hybrid with a sparse block and a gated shared expert in every layer, its experts (fused on the
     # hub) split over EP=2 across two stages, its load-balancing loss on.
     "qwen3_5_moe-pp2-dp2-ep2": ("qwen3_5_moe", "false", 2, 1, "", 0),
+    # ... and over TP=2 x EP=2 with sequence parallelism: its linear attention split by heads, its experts over TP
+    # (rows) and EP at once, the shared expert and its gate over TP.
+    "qwen3_5_moe-tp2-dp2-ep2": ("qwen3_5_moe", "false", 1, 2, "", 0),
     # Qwen3.5's linear attention split by heads (q/k/v in one projection and the convolution part by part) and its
     # gated full attention, over two stages.
     "qwen3_5-pp2-tp2": ("qwen3_5", "false", 2, 2, "", 0),
