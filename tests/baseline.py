@@ -214,11 +214,13 @@ def baseline_eval(model, tokenizer_dir: str, eval_file: str, cfg: TrainConfig) -
 
 
 def hub_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model's weights under the hub's keys, as `save_pretrained` writes them (experts one key each; the tied
-    head under its own name too, as our reader returns it)."""
+    """The model's weights under the hub's keys, as `save_pretrained` writes them (experts one key each, fused where
+    the family's hub keeps them so; the tied head under its own name too, as our reader returns it)."""
     import tempfile
 
     from safetensors.torch import load_file
+
+    from checkpoint.expert_layouts import fuse_per_expert
 
     state = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -228,7 +230,7 @@ def hub_state_dict(model) -> dict[str, torch.Tensor]:
                 state.update(load_file(os.path.join(tmp, name)))
     if model.config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    return state
+    return fuse_per_expert(state, model.config)
 
 
 def hf_sequence_logps(model, sequences, positions: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:

@@ -359,7 +359,10 @@ def test_dpo_training_matches_single_process_reference(layout, dpo_models, train
 @pytest.mark.parametrize(
     "family, ep, cp",
     [("mixtral", 1, 1), ("mixtral", 2, 1), ("mixtral", 1, 2)]
-    + [(family, 2, 1) for family in ("deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_next", "mistral4")],
+    + [
+        (family, 2, 1)
+        for family in ("deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_next", "mistral4", "qwen3_5_moe_text")
+    ],
 )
 def test_dpo_with_experts_matches_single_process_reference(family, ep, cp, chat_tokenizers, train_pairs, tmp_path):
     """A Mixtral policy (4 experts, top-2), PP=2 x DP=2 (with EP=2: 2 experts per rank, for the reference pass as
@@ -368,18 +371,22 @@ def test_dpo_with_experts_matches_single_process_reference(family, ep, cp, chat_
     load-balancing loss: the model config's output_router_logits is false, as in the hub's Mixtral and Qwen-MoE
     configs). With EP=2 in bf16 too: the same losses and grad norms to bf16 precision. DeepSeek-V3 (latent
     attention, its dense first layer on stage 0, the sigmoid router with score biases) and gpt-oss (sinks, biased
-    experts and router), GLM-4.5, Qwen3-Next (linear attention, the gated shared expert) and Mistral 4 (latent
-    attention, the softmax router) at PP=2 x DP=2 x EP=2 the same way."""
+    experts and router), GLM-4.5, Qwen3-Next (linear attention, the gated shared expert), Mistral 4 (latent
+    attention, the softmax router) and Qwen3.5-MoE (from transformers' one-key-per-expert save) at PP=2 x DP=2 x EP=2
+    the same way."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(chat_tokenizers["bpe"])
     tok.chat_template = CHATML
     tok.pad_token = tok.pad_token or tok.eos_token
-    # Qwen3-Next: one layer of each kind, one per stage (two linear-attention layers alone have no cache length for
-    # transformers' forward to read).
-    kinds = {"layer_types": ["linear_attention", "full_attention"]} if family == "qwen3_next" else {}
+    # Qwen3-Next, Qwen3.5-MoE: one layer of each kind, one per stage (two linear-attention layers alone have no cache
+    # length for transformers' forward to read).
+    hybrid = family in ("qwen3_next", "qwen3_5_moe_text")
+    kinds = {"layer_types": ["linear_attention", "full_attention"]} if hybrid else {}
+    # (Qwen3.5's tokenizer class, which transformers picks for its model type, adds a token: rows to spare)
+    vocab = len(tok) + (8 if family == "qwen3_5_moe_text" else 0)
     config = tiny_config(
-        family, vocab_size=len(tok), num_hidden_layers=2, pad_token_id=None, eos_token_id=tok.eos_token_id, **kinds
+        family, vocab_size=vocab, num_hidden_layers=2, pad_token_id=None, eos_token_id=tok.eos_token_id, **kinds
     )
     torch.manual_seed(0)
     policy = tmp_path / "policy"
