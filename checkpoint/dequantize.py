@@ -104,32 +104,28 @@ def dequantize(
     weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype
 ) -> torch.Tensor:
     """An FP8 weight [..., rows, cols] times its block scales [..., ceil(rows / b0), ceil(cols / b1)], in fp32, as
-    `dtype`. `block` None (per-tensor FP8): the blocks the scale's grid cuts the weight into (a scalar: one)."""
-    rows, cols = weight.shape[-2:]
-    if block is None and scale.numel() * rows * cols == weight.numel():  # one scale per matrix (per expert)
-        return _per_matrix(weight, scale, dtype)
+    `dtype`. `block` None (per-tensor FP8): the blocks the scale's grid cuts each matrix into (one scale: one
+    block). Fused experts [E, rows, cols] a matrix at a time, so that they never stand whole in fp32."""
+    if weight.dim() > 2:
+        matrices = weight.view(-1, *weight.shape[-2:])
+        grid = scale.shape[-2:] if scale.numel() > len(matrices) else (1, 1)
+        out = torch.empty(weight.shape, dtype=dtype)
+        for piece, w, s in zip(out.view_as(matrices), matrices, scale.reshape(len(matrices), *grid), strict=True):
+            piece.copy_(dequantize(w, s, block, dtype))
+        return out
+    rows, cols = weight.shape
+    scale = scale.reshape(1, 1) if scale.numel() == 1 else scale
     if block is None:
-        grid = tuple(scale.shape[-2:]) if scale.dim() >= 2 else (1, 1)
-        if rows % grid[0] or cols % grid[1]:
+        if scale.dim() != 2 or rows % scale.shape[0] or cols % scale.shape[1]:
             raise ValueError(f"scale shape {tuple(scale.shape)} does not divide a {tuple(weight.shape)} weight")
-        block = (rows // grid[0], cols // grid[1])
+        block = (rows // scale.shape[0], cols // scale.shape[1])
     want = (-(-rows // block[0]), -(-cols // block[1]))
-    if tuple(scale.shape[-2:]) != want:
+    if tuple(scale.shape) != want:
         raise ValueError(
             f"scale shape {tuple(scale.shape)} does not tile a {tuple(weight.shape)} weight in {block} blocks"
         )
-    grid = scale.to(torch.float32).repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
-    return (weight.to(torch.float32) * grid[..., :rows, :cols]).to(dtype)
-
-
-def _per_matrix(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Each matrix of `weight` [..., rows, cols] times its one scale, in fp32, as `dtype`: a matrix at a time, so
-    that a layer's fused experts never stand whole in fp32."""
-    out = torch.empty(weight.shape, dtype=dtype)
-    matrices, scales = out.view(-1, *weight.shape[-2:]), scale.reshape(-1).to(torch.float32)
-    for i, w in enumerate(weight.view(-1, *weight.shape[-2:])):
-        matrices[i] = w.to(torch.float32) * scales[i]
-    return out
+    grid = scale.to(torch.float32).repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+    return (weight.to(torch.float32) * grid[:rows, :cols]).to(dtype)
 
 
 def _fp8_scales(hf_dir: str, weights: set[str], present) -> dict[str, torch.Tensor]:

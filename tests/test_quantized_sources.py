@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoint.convert import convert_hf_to_pipeline
+from checkpoint.dequantize import dequantize
 from checkpoint.names import layer_file_name
 from checkpoint.pipeline_reader import load_hf_state_dict
 from tests.conftest import hf_state
@@ -297,6 +298,11 @@ def test_fp8_per_tensor_mistral_small_4_is_dequantized_as_transformers_does(tmp_
     conf = json.loads((export / "config.json").read_text())
     assert conf["model_type"] == "mistral3" and "quantization_config" not in conf and conf["dtype"] == "bfloat16"
     transformers.Mistral3ForConditionalGeneration.from_pretrained(str(export))
+    # transformers' own per-tensor FP8 experts keep a scale for each half of gate_up ([E, 2, 1]): the same products
+    weight, scale = quantized["language_model.model.layers.1.mlp.experts.gate_up_proj"]
+    halves = torch.cat([scale, scale * 0.5], dim=1)
+    want = Fp8Dequantize(None)._dequantize_one(weight, halves, output_dtype=torch.bfloat16)
+    assert torch.equal(dequantize(weight, halves, None, torch.bfloat16), want)
 
 
 def test_fp8_experts_stored_one_key_per_expert_are_dequantized_then_fused(tmp_path):
