@@ -1,6 +1,7 @@
 """bf16 parity of the trainer against transformers on one GPU (../shared/GPU.md, step 2), on a random model.
 
     python -m benchmarks.gpu_parity --work /tmp/gpu --out parity.json [--layers 16 --hidden 2048 ...]
+        [--model-type deepseek_v3 --config '{"n_routed_experts": 16, ...}']
 
 1. Logits: the pipeline's layers (models/layers.py, one process) against transformers' model, both bf16 with SDPA on
    the same micro-batch: the largest logit difference, how many logits differ, and the two losses.
@@ -22,6 +23,8 @@ import os
 import shutil
 import sys
 
+from benchmarks.train_throughput import add_family_arguments
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -31,12 +34,13 @@ def pipeline_logits(hf: str, ids, pos, device: str, dtype):
     from safetensors.torch import load_file
 
     from models.config import load_hf_config
+    from models.families import resolve_attention
     from models.key_table import all_layer_keys
     from models.layers import DecoderOptions, build_layer, split_stats, tied_lm_head_forward
     from models.pipe_layout import pipe_layers
 
     config = load_hf_config(hf)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = resolve_attention(config, None)  # SDPA; eager for gpt-oss's sinks
     state = {}
     for path in sorted(glob.glob(os.path.join(hf, "*.safetensors"))):
         state.update(load_file(path))
@@ -59,13 +63,14 @@ def logits_parity(hf: str, data: str, args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.plain_loop import plain_batches
+    from benchmarks.plain_loop import plain_attention, plain_batches
     from models.loss import summed_cross_entropy
 
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     (ids, pos), labels, _ = next(plain_batches(hf, data, args.seq, args.mbs, 1, False))
     ids, pos, labels = ids.to(args.device), pos.to(args.device), labels.to(args.device)
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=dtype, attn_implementation="sdpa").to(args.device).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=dtype, attn_implementation=plain_attention(hf))
+    model = model.to(args.device).eval()
     with torch.no_grad():
         reference = model(input_ids=ids, position_ids=pos).logits
     del model
@@ -110,6 +115,7 @@ def main() -> None:
     p.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
     p.add_argument("--fp32-trainer", action="store_true", help="also the trainer in fp32 against the plain fp32 loop")
     p.add_argument("--threads", type=int, default=4)
+    add_family_arguments(p)
     args = p.parse_args()
     sys.path.insert(0, REPO)
     import torch
@@ -120,7 +126,8 @@ def main() -> None:
     args.packing = False
     shape = dict(num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate, vocab_size=args.vocab)
     shape["max_position_embeddings"] = max(args.seq, 4096)  # one model for this and the 4k throughput run
-    hf, data = build(args.work, args.layers, args.hidden, args.heads, args.rows, **shape)
+    shape |= json.loads(args.config)
+    hf, data = build(args.work, args.layers, args.hidden, args.heads, args.rows, model_type=args.model_type, **shape)
     result = {"shape": vars(args) | {"packing": False}, "logits": logits_parity(hf, data, args)}
     print("logits:", json.dumps(result["logits"]), flush=True)
 

@@ -20,6 +20,14 @@ class PlainRun:
     max_memory_gib: float = 0.0  # torch.cuda.max_memory_allocated, on a GPU
 
 
+def plain_attention(hf: str) -> str:
+    """The attention the trainer runs for `hf`'s family when none is named: SDPA, eager for gpt-oss's sinks."""
+    from models.config import load_hf_config
+    from models.families import resolve_attention
+
+    return resolve_attention(load_hf_config(hf), None)
+
+
 def plain_batches(hf: str, data: str, seq: int, mbs: int, ga: int, packing: bool):
     """The trainer's micro-batches for one DP rank (seed 42, from step 0): ((ids, positions), labels, _)."""
     from transformers import AutoTokenizer
@@ -66,7 +74,7 @@ def plain_run(
     torch.manual_seed(0)
     batches = plain_batches(hf, data, seq, mbs, ga, packing)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=dtype, attn_implementation="sdpa").to(device)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=dtype, attn_implementation=plain_attention(hf)).to(device)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     master = [p.detach().float().clone() if dtype != torch.float32 else p for p in params]

@@ -4,16 +4,18 @@
     python -m benchmarks.train_throughput --work /tmp/trainbench --stages 1,2 --ga 2,4,8 \
         --schedule 1f1b,zero_bubble,dualpipev --skip-plain
 
-Builds (once) a random LLaMA (`--layers`, `--hidden`) with a tokenizer and variable-length rows, then:
+Builds (once) a random LLaMA (`--layers`, `--hidden`; another family with `--model-type` and `--config`, a JSON
+object of its config's fields) with a tokenizer and variable-length rows, then:
 
 - runs `trainer.py` through the DeepSpeed launcher for each number of stages (`--stages`, one rank
   each, DP=1) and reads `metrics.jsonl`: median step time after `--warmup` steps, tokens/s (tokens
   that are not padding) and padded tokens/s, per device too;
-- runs a plain loop (transformers `LlamaForCausalLM` + `torch.optim.AdamW`, no DeepSpeed) on the same
+- runs a plain loop (transformers' `AutoModelForCausalLM` + `torch.optim.AdamW`, no DeepSpeed) on the same
   global batches (the trainer's own sampler and collator) in the same precision (fp32 on CPU);
 - prints the trainer/plain step-time ratio (PP=1: the pipeline engine's overhead), achieved model
   FLOP/s by PaLM's convention (6N + 12*L*H*Q*T FLOPs per token, N = parameters outside the input
-  embedding, L layers, H heads, Q head size, T sequence length) and MFU when `--peak-tflops` is given,
+  embedding, those a token uses in a mixture of experts, L layers, H heads, Q head size, T sequence length) and MFU
+  when `--peak-tflops` is given,
   and the theoretical pipeline bubble (p-1)/(m+p-1) next to the measured step-time growth over PP=1.
 
 With `--schedule` (comma-separated `pipeline_schedule` values) and `--ga` (comma-separated micro-batch counts),
@@ -124,13 +126,23 @@ def plain_run(hf: str, data: str, args, ga: int):
 
 
 def model_flops_per_token(config, seq: int) -> float:
-    """PaLM (Chowdhery et al. 2022, appendix B): 6N + 12*L*H*Q*T, N without the input embedding."""
-    h, layers, inter, vocab = config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size
-    heads, kv = config.num_attention_heads, config.num_key_value_heads
-    q = h // heads
-    per_layer = h * h * 2 + 2 * h * kv * q + 3 * h * inter  # q, o, k, v, gate/up/down
-    n = layers * per_layer + vocab * h  # the LM head is a matmul, the input embedding a lookup
-    return 6 * n + 12 * layers * heads * q * seq
+    """PaLM (Chowdhery et al. 2022, appendix B): 6N + 12*L*H*Q*T, N without the input embedding; for a mixture of
+    experts N counts the parameters a token uses (top-k of E), and for latent attention Q is the mean of the query's
+    and value's head sizes. Sliding windows are not discounted (an upper bound where layers slide)."""
+    from models.partition import layer_param_counts
+
+    active = layer_param_counts(config, active=True)
+    n = sum(active) - active[0]  # the LM head is a matmul, the input embedding (pipeline layer 0) a lookup
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    qk = getattr(config, "qk_nope_head_dim", 0) + getattr(config, "qk_rope_head_dim", 0) or head_dim
+    v = getattr(config, "v_head_dim", None) or head_dim
+    return 6 * n + 6 * config.num_hidden_layers * heads * (qk + v) * seq
+
+
+def add_family_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-type", default="llama", help="a supported family (tools/tiny_models.py tiny_config)")
+    p.add_argument("--config", default="{}", help="more config fields, a JSON object (e.g. experts and their sizes)")
 
 
 def intermediate(args) -> dict:
@@ -173,12 +185,14 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=None, help="default: 8/3 x --hidden")
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--profile", default=None, help="a file: the plain loop's last step's torch.profiler table")
+    add_family_arguments(p)
     args = p.parse_args()
     sys.path.insert(0, REPO)
     os.makedirs(args.work, exist_ok=True)
     shape = {"num_key_value_heads": args.kv_heads or args.heads, "vocab_size": args.vocab}
     shape["max_position_embeddings"] = max(args.seq, 256)
-    hf, data = build(args.work, args.layers, args.hidden, args.heads, args.rows, **shape | intermediate(args))
+    shape |= intermediate(args) | json.loads(args.config)
+    hf, data = build(args.work, args.layers, args.hidden, args.heads, args.rows, model_type=args.model_type, **shape)
     import torch
     from transformers import AutoConfig
 
@@ -188,7 +202,7 @@ def main() -> None:
     flops = model_flops_per_token(config, args.seq)
     schedules = args.schedule.split(",")
     print(
-        f"model: {args.layers} layers, hidden {args.hidden}, "
+        f"model: {args.model_type}, {args.layers} layers, hidden {args.hidden}, {args.config}, "
         f"seq {args.seq}, micro-batch {args.mbs}, {args.precision} on {args.device}, "
         f"packing={args.packing}, {args.threads} thread(s)/rank; medians of {args.repeat} runs"
     )
