@@ -25,7 +25,7 @@ if [ "${DRY:-0}" = 1 ]; then
   SAVE=(seq_length=64 micro_batch_size=2)
   ASYNC=(seq_length=64 micro_batch_size=2 gradient_accumulation_steps=2)
   MOE=(--hidden 128 --experts 4 --top-k 2 --tokens 256 --repeat 2 --dtype bf16)
-  MOE_SHAPE=(--layers 2 --hidden 64 --heads 4 --vocab 256 --rows 400)
+  MOE_SHAPE=(--layers 2 --hidden 64 --heads 4 --kv-heads 4 --vocab 256 --rows 400)
   MOE_PARITY=(--seq 64 --mbs 2 --ga 2 --steps 3)
   MOE_THROUGHPUT=(--seq 128 --mbs 2 --ga 2 --steps 3 --warmup 1)
   DEEPSEEK='{"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "intermediate_size": 128}'
@@ -45,9 +45,9 @@ else
   # DeepSeek-V2-Lite's sparse block (hidden 2048, 64 experts of 1408, top-6) in every family's own layer, 2 x 4096 tokens.
   MOE=(--hidden 2048 --experts 64 --expert-size 1408 --top-k 6 --tokens 8192 --repeat 20 --dtype bf16)
   # Whole models of DeepSeek-V3 and gpt-oss at ~0.6B (8 layers, hidden 1024, 32 experts of 704, top-4), vocab 32000.
-  MOE_SHAPE=(--layers 8 --hidden 1024 --heads 16 --vocab 32000 --rows 20000)
-  MOE_PARITY=(--seq 1024 --mbs 2 --ga 2 --steps 10)
-  MOE_THROUGHPUT=(--seq 4096 --mbs 2 --ga 2 --steps 6 --warmup 2)
+  MOE_SHAPE=(--layers 8 --hidden 1024 --heads 16 --kv-heads 16 --vocab 32000 --rows 20000)  # MLA: as many KV heads
+  MOE_PARITY=(--seq 1024 --mbs 2 --ga 2 --steps 8)
+  MOE_THROUGHPUT=(--seq 4096 --mbs 2 --ga 2 --steps 5 --warmup 2)
   DEEPSEEK='{"n_routed_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 704, "n_group": 4,
     "topk_group": 2, "intermediate_size": 2816, "q_lora_rank": 384, "kv_lora_rank": 256, "qk_nope_head_dim": 64,
     "qk_rope_head_dim": 32, "v_head_dim": 64, "max_position_embeddings": 4096}'
@@ -144,17 +144,17 @@ grep -E "^block|Error" "$OUT/moe.log" | tee -a "$OUT/summary.txt"
 
 run_moe_train() {
 # Whole mixture-of-experts models on one GPU: the trainer (bf16_zero1, EP=1) against transformers + AdamW in bf16
-# (logits, 10 steps' losses and grad norms, the fp32 loop as yardstick), then step time against the plain loop, MFU
+# (logits, 8 steps' losses and grad norms, the fp32 loop as yardstick), then step time against the plain loop, MFU
 # over the parameters a token uses, and peak memory against the planner.
 for fam in deepseek_v3 gpt_oss; do
   config=$DEEPSEEK; [ $fam = gpt_oss ] && config=$GPT_OSS
   log "7. $fam: bf16 parity of the trainer against transformers + AdamW (benchmarks/gpu_parity.py --model-type)"
-  timeout 170 python3 -m benchmarks.gpu_parity --work "$W/$fam" --out "$OUT/parity_$fam.json" "${MOE_SHAPE[@]}" \
+  timeout 130 python3 -m benchmarks.gpu_parity --work "$W/$fam" --out "$OUT/parity_$fam.json" "${MOE_SHAPE[@]}" \
     "${MOE_PARITY[@]}" --model-type $fam --config "$config" --precision bf16 --device $DEV \
     --threads "$OMP_NUM_THREADS" > "$OUT/parity_$fam.log" 2>&1
   grep -E "^logits:| vs |losses:|Error|exited" "$OUT/parity_$fam.log" | tee -a "$OUT/summary.txt"
   log "8. $fam: throughput, MFU, peak memory vs the planner (benchmarks/train_throughput.py --model-type)"
-  timeout 120 python3 -m benchmarks.train_throughput --work "$W/$fam" "${MOE_SHAPE[@]}" "${MOE_THROUGHPUT[@]}" \
+  timeout 100 python3 -m benchmarks.train_throughput --work "$W/$fam" "${MOE_SHAPE[@]}" "${MOE_THROUGHPUT[@]}" \
     --model-type $fam --config "$config" --repeat 1 --precision bf16 --device $DEV --peak-tflops 989 \
     --threads "$OMP_NUM_THREADS" > "$OUT/throughput_$fam.log" 2>&1
   grep -E "^model:|^m=|Error|exited" "$OUT/throughput_$fam.log" | tee -a "$OUT/summary.txt"

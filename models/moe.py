@@ -279,7 +279,8 @@ class WithAuxLoss:
         logits, stats = outputs
         loss = self.loss(logits, labels)
         aux = aux_loss(stats)
-        sums = torch.stack([aux.detach().double(), torch.ones((), dtype=torch.float64), stats[-1].detach().double()])
+        one = torch.ones((), dtype=torch.float64, device=aux.device)
+        sums = torch.stack([aux.detach().double(), one, stats[-1].detach().double()])
         if self.router_sums is None:
             self.router_sums = sums
         else:

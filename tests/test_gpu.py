@@ -69,3 +69,29 @@ def test_snapshot_of_gpu_tensors_copies_into_pinned_buffers_reused_by_the_next_s
     del first, second
     gc.collect()
     torch.cuda.synchronize()
+
+
+def test_data_parallel_groups_reduce_cpu_tensors_beside_cuda_ones(tmp_path):
+    """The loop reduces a few CPU scalars (token counts, router and eval sums) over groups made with the default
+    backend: NCCL alone refuses them, so the process group pairs it with gloo (`process_group_backend`)."""
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import os, sys, torch, torch.distributed as dist
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+from training.distributed import init_distributed, shutdown_distributed
+init_distributed(job_dir=sys.argv[1])
+group = dist.new_group([0])  # as DeepSpeed makes its data-parallel groups: the default backend
+cpu, cuda = torch.ones(2), torch.ones(2, device="cuda")
+dist.all_reduce(cpu, group=group)
+dist.all_reduce(cuda, group=group)
+print("backend", dist.get_backend(), float(cpu.sum()), float(cuda.sum()))
+shutdown_distributed()
+"""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = [sys.executable, "-c", script, str(tmp_path)]
+    done = subprocess.run(run, cwd=repo, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "backend cpu:gloo,cuda:nccl 2.0 2.0" in done.stdout, done.stdout

@@ -69,19 +69,27 @@ def init_distributed(
     if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
         c10d.default_pg_nccl_timeout = timeout
     if not dist.is_initialized():
-        from deepspeed.accelerator import get_accelerator
-
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = rendezvous(rank, world, job_dir, init_timeout_minutes)
         store.set_timeout(timeout)
-        backend = get_accelerator().communication_backend_name()
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(process_group_backend(), store=store, rank=rank, world_size=world, timeout=timeout)
         _without_shm_all_reduce()
         deepspeed.init_distributed(timeout=timeout, verbose=False)  # DeepSpeed's side of the group made above
         _CONTROL[:] = [dist.new_group(backend="gloo")]
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return dist.get_rank(), dist.get_world_size()
+
+
+def process_group_backend() -> str:
+    """The accelerator's backend for its tensors (NCCL on CUDA), with gloo beside it for CPU tensors: the loop
+    reduces a few CPU scalars (a step's token counts, router and eval sums) over the data-parallel groups, which
+    DeepSpeed and we make with the default backend, and NCCL alone refuses CPU tensors. gloo alone on CPU ranks."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    name, device = accelerator.communication_backend_name(), accelerator.device_name()
+    return name if device == "cpu" else f"cpu:gloo,{device}:{name}"
 
 
 def shutdown_distributed() -> None:
