@@ -19,10 +19,18 @@ gpt-oss's official checkpoints keep their experts in MXFP4 (`quant_method: mxfp4
 stored as `X_blocks` (two 4-bit e2m1 values per byte, 32 values per block) and `X_scales` (one power-of-two exponent
 per block); transformers' own pure-torch routine (`integrations/mxfp4.py` `convert_moe_packed_tensors`) turns the
 pair into `X` in transformers' x @ W layout, and conversion calls it as each expert tensor arrives.
+
+Kimi K2 Thinking's and Kimi K2.5's official checkpoints keep their routed experts in INT4 (`quant_method:
+compressed-tensors`, `format: pack-quantized`, weights symmetric, 4 bits, in groups of 32 along the input): each
+`<module>.weight` is stored as `weight_packed` (int32, eight values per word, the lowest nibble first, each value
+offset by 8), `weight_scale` (one per group, bf16) and `weight_shape`; the modules the config's `ignore` names stay
+plain. The weight is the values times their group's scale, computed in the scale's dtype, as compressed-tensors'
+`PackedQuantizationCompressor.decompress` (what transformers loads such a checkpoint with) computes it.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -35,18 +43,43 @@ SCALE_SUFFIX = "_scale_inv"  # `<module>.weight_scale_inv` beside `<module>.weig
 
 
 MXFP4_PARTS = ("_blocks", "_scales")  # `X_blocks`, `X_scales` in place of `X`
+INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")  # in place of `<module>.weight`
 
 
 def _quantization(config) -> dict:
     quant = getattr(config, "quantization_config", None) or {}
     quant = quant if isinstance(quant, dict) else quant.to_dict()
     method, block = quant.get("quant_method"), quant.get("weight_block_size")
-    if quant and not (method == "mxfp4" or (method == "fp8" and (block is None or len(block) == 2))):
+    if method == "compressed-tensors":
+        _int4_weights(quant)
+    elif quant and not (method == "mxfp4" or (method == "fp8" and (block is None or len(block) == 2))):
         raise CheckpointError(
-            f"quantization_config {method!r} (weight_block_size={block}): only FP8 (in blocks or per tensor) and "
-            "MXFP4 are dequantized at conversion; convert a bf16 copy of the model"
+            f"quantization_config {method!r} (weight_block_size={block}): only FP8 (in blocks or per tensor), "
+            "MXFP4 and compressed-tensors' INT4 are dequantized at conversion; convert a bf16 copy of the model"
         )
     return quant
+
+
+def _int4_weights(quant: dict) -> dict:
+    """The weight arguments of a compressed-tensors config that conversion dequantizes: pack-quantized, symmetric
+    4-bit integers by group or channel, weights only, one scheme for every group; CheckpointError, one line, else."""
+    groups = list((quant.get("config_groups") or {}).values())
+    schemes = [g.get("weights") or {} for g in groups]
+    args = schemes[0] if schemes else {}
+    fields = ("num_bits", "type", "symmetric", "strategy")
+    supported = (
+        quant.get("format") == "pack-quantized"
+        and all(s == args for s in schemes)
+        and not any(g.get("input_activations") for g in groups)
+        and tuple(args.get(f) for f in fields) in {(4, "int", True, "group"), (4, "int", True, "channel")}
+    )
+    if not supported:
+        raise CheckpointError(
+            f"quantization_config compressed-tensors (format {quant.get('format')!r}, weights "
+            f"{ {f: args.get(f) for f in fields} }): only symmetric INT4 weights, pack-quantized by group or "
+            "channel (Kimi K2 Thinking's and K2.5's), are dequantized at conversion; convert a bf16 copy of the model"
+        )
+    return args
 
 
 def is_quantized(config) -> bool:
@@ -70,11 +103,24 @@ def is_mxfp4(config) -> bool:
     return _quantization(config).get("quant_method") == "mxfp4"
 
 
+def int4_group(config) -> int | None:
+    """The group size of an INT4 (compressed-tensors) checkpoint's weights: 0 per channel (one scale a row); None
+    for any other checkpoint."""
+    quant = _quantization(config)
+    if quant.get("quant_method") != "compressed-tensors":
+        return None
+    args = _int4_weights(quant)
+    return int(args["group_size"]) if args["strategy"] == "group" else 0
+
+
 def hub_sources(hf_key: str, config, present) -> list[str]:
     """The hub tensors that hold model tensor `hf_key` (`present`: the checkpoint's keys): itself, its MXFP4
     blocks and scales, or its experts' keys (checkpoint/expert_layouts.py)."""
     if hf_key not in present and is_mxfp4(config) and hf_key + MXFP4_PARTS[0] in present:
         return [hf_key + part for part in MXFP4_PARTS]
+    stem = hf_key.removesuffix("weight")
+    if hf_key not in present and stem + INT4_PARTS[0] in present and int4_group(config) is not None:
+        return [stem + part for part in INT4_PARTS]
     return per_expert_sources(hf_key, config, present) or [hf_key]
 
 
@@ -83,6 +129,26 @@ def mxfp4_to_plain(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     return convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+
+
+def int4_to_plain(
+    packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, group: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """A pack-quantized INT4 weight (`weight_packed`, `weight_scale`, `weight_shape`) as compressed-tensors
+    dequantizes it: each value times its group's scale in the scale's dtype, then as `dtype`. `group` 0: per
+    channel. ValueError, one line, for parts that do not fit together."""
+    rows, cols = (int(n) for n in shape.tolist())
+    group = group or cols
+    if packed.dtype != torch.int32 or tuple(packed.shape) != (rows, -(-cols // 8)):
+        raise ValueError(f"packed {packed.dtype} {tuple(packed.shape)} does not hold a {rows} x {cols} INT4 weight")
+    if cols % group or tuple(scale.shape) != (rows, cols // group):
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not fit a {rows} x {cols} weight in groups of {group}")
+    nibbles = packed.contiguous().view(torch.uint8)  # each word's bytes in memory order: little-endian
+    if sys.byteorder == "big":
+        nibbles = nibbles.view(rows, -1, 4).flip(-1)
+    values = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).view(torch.int8).view(rows, -1)[:, :cols] - 8
+    grouped = values.to(scale.dtype).view(rows, cols // group, group) * scale.unsqueeze(-1)
+    return grouped.view(rows, cols).to(dtype)
 
 
 def scale_key(weight_key: str) -> str:
@@ -97,6 +163,8 @@ def is_scale(hf_key: str, config) -> bool:
         return True
     if is_mxfp4(config):
         return hf_key.endswith(MXFP4_PARTS)
+    if int4_group(config) is not None:
+        return hf_key.endswith(INT4_PARTS)
     return is_fp8(config) and hf_key.endswith((SCALE_SUFFIX, "activation_scale"))  # activation scales: dropped
 
 
@@ -150,8 +218,9 @@ def plain_tensors(
     sources = {src: key for key in wanted for src in from_parts.get(key, [key])}
     blocks = fp8_blocks(config)
     scales = _fp8_scales(hf_dir, set(sources), present) if is_fp8(config) else {}
-    mxfp4: dict[str, dict[str, torch.Tensor]] = {}  # a tensor's MXFP4 blocks or scales, until the other arrives
-    fused = {key: Assembly(srcs, config) for key, srcs in from_parts.items()} if not is_mxfp4(config) else {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}  # a tensor's MXFP4 or INT4 parts, until they have all arrived
+    packed = is_mxfp4(config) or int4_group(config) is not None
+    fused = {key: Assembly(srcs, config) for key, srcs in from_parts.items()} if not packed else {}
     for name, tensor, _ in iter_tensors(hf_dir, set(sources), alloc=pool.take):
         key = sources[name]
         if name in scales:  # an FP8 weight, or one expert's piece of a fused one
@@ -170,10 +239,17 @@ def plain_tensors(
                 del fused[key]
                 yield key, whole
         else:
-            mxfp4.setdefault(key, {})[name.removeprefix(key)] = piece
-            if len(mxfp4[key]) == len(MXFP4_PARTS):
-                held = mxfp4.pop(key)
-                plain = mxfp4_to_plain(held["_blocks"], held["_scales"], dtype)
-                pool.give(held["_blocks"])
-                pool.give(held["_scales"])
+            parts.setdefault(key, {})[name] = piece
+            if len(parts[key]) == len(from_parts[key]):
+                held = [parts[key][src] for src in from_parts[key]]
+                del parts[key]
+                if is_mxfp4(config):
+                    plain = mxfp4_to_plain(*held, dtype)
+                else:
+                    try:
+                        plain = int4_to_plain(*held, int4_group(config), dtype)
+                    except ValueError as e:
+                        raise CheckpointError(f"{hf_dir}: {key}: {e}") from None
+                for t in held:
+                    pool.give(t)
                 yield key, plain

@@ -175,11 +175,11 @@ def test_a_run_from_a_quantized_hub_directory_has_a_plain_model_config(tmp_path)
     assert "quantization_config" not in json.loads((tmp_path / "run" / "config.json").read_text())
 
 
-def test_kimi_k2_reads_as_deepseek_v3_and_int4_weights_are_refused(tmp_path, hf_models, converted):
+def test_kimi_k2_reads_as_deepseek_v3_and_other_compressed_tensors_are_refused(tmp_path, hf_models, converted):
     """Kimi K2's config.json says `kimi_k2` for DeepSeek-V3's architecture: it converts to the same layer files,
     verifies against its directory (transformers' DeepseekV3ForCausalLM, the class it names) and exports with its own
-    model_type. Kimi K2.5's hub weights are INT4 (compressed-tensors), its `quantization_config` at the container's
-    top level: the text model's config carries it, and conversion refuses it in one line."""
+    model_type. Kimi K2.5's `quantization_config` sits at the container's top level: the text model's config carries
+    it. A compressed-tensors scheme other than symmetric pack-quantized INT4 is refused in one line."""
     from models.config import text_config_json
     from tests.conftest import convert_in_process, one_error_line
 
@@ -198,7 +198,7 @@ def test_kimi_k2_reads_as_deepseek_v3_and_int4_weights_are_refused(tmp_path, hf_
     )
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "kimi_k2"
 
-    int4 = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    int4 = {"quant_method": "compressed-tensors", "format": "pack-quantized"} | int4_config(symmetric=False)
     container = {
         "model_type": "kimi_k25",
         "text_config": config | {"model_type": "kimi_k2"},
@@ -207,8 +207,89 @@ def test_kimi_k2_reads_as_deepseek_v3_and_int4_weights_are_refused(tmp_path, hf_
     assert text_config_json(container)["quantization_config"] == int4
     (kimi / "config.json").write_text(json.dumps(config | {"model_type": "kimi_k2", "quantization_config": int4}))
     refused = convert_in_process(["--input", str(kimi), "--output", str(tmp_path / "int4")])
-    line = one_error_line(refused, "quantization_config 'compressed-tensors'")
-    assert "convert a bf16 copy" in line and not (tmp_path / "int4").exists()
+    line = one_error_line(refused, "quantization_config compressed-tensors (format 'pack-quantized'")
+    assert "'symmetric': False" in line and "convert a bf16 copy" in line and not (tmp_path / "int4").exists()
+
+
+def int4_config(**weights) -> dict:
+    """Kimi K2 Thinking's and K2.5's `quantization_config` (their routed experts INT4 in groups of 32), `weights`
+    changed."""
+    args = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32} | weights
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": args, "input_activations": None}},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|down)_proj.*"],
+    }
+
+
+def test_int4_experts_are_dequantized_as_transformers_loads_them(hf_models, tmp_path):
+    """Kimi K2 Thinking's and K2.5's routed experts are INT4 (compressed-tensors, pack-quantized, symmetric, groups of
+    32). A copy of the DeepSeek-V3 test model whose experts compressed-tensors' own compressor packed so converts to
+    the weights transformers loads from it (`from_pretrained`, dequantized; its fused experts cut back per expert),
+    bit for bit in bf16; every other tensor is the original's in bf16, the config a plain model's. A packed weight
+    whose scales do not fit it is refused in one line naming the weight."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    from tests.conftest import convert_in_process, one_error_line
+
+    src = tmp_path / "int4"
+    shutil.copytree(hf_models["deepseek_v3"], src)
+    scheme = QuantizationScheme(
+        targets=["Linear"], weights=QuantizationArgs(**int4_config()["config_groups"]["group_0"]["weights"])
+    )
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    config = json.loads((src / "config.json").read_text())
+    layers, quantized = config["num_hidden_layers"], []
+    for shard in sorted(n for n in os.listdir(src) if n.endswith(".safetensors")):
+        state = load_file(src / shard)
+        for key in [k for k in state if ".mlp.experts." in k and int(k.split(".")[2]) < layers]:  # MTP: as is
+            w = state.pop(key).to(torch.bfloat16)
+            scale = (w.float().unflatten(1, (-1, 32)).abs().amax(-1) / 7.5).to(torch.bfloat16)
+            packed = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
+            parts = {key.removesuffix("weight") + name: t for name, t in packed.items()}
+            state |= parts
+            index["weight_map"] |= dict.fromkeys(parts, index["weight_map"].pop(key))
+            quantized.append(key)
+        save_file(state, src / shard, metadata={"format": "pt"})
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    (src / "config.json").write_text(json.dumps(config | {"quantization_config": int4_config()}))
+
+    out = str(tmp_path / "ckpt")
+    convert_hf_to_pipeline(str(src), out, log=lambda *_: None)
+    ours = load_hf_state_dict(out)
+    theirs = AutoModelForCausalLM.from_pretrained(
+        str(src), quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.bfloat16
+    ).state_dict()
+    original = hf_state(hf_models["deepseek_v3"])
+    experts = config["n_routed_experts"]
+    assert len(quantized) == 3 * experts * (config["num_hidden_layers"] - config["first_k_dense_replace"])
+    for key, value in ours.items():
+        if key in quantized:
+            layer, expert, name = key.removesuffix(".weight").rsplit(".", 2)
+            gate_up, down = (
+                theirs[f"{layer.removesuffix('.experts')}.experts.gate_up_proj"],
+                theirs[f"{layer}.down_proj"],
+            )
+            half = gate_up.shape[1] // 2
+            want = {"gate_proj": gate_up[int(expert), :half], "up_proj": gate_up[int(expert), half:]}.get(name)
+            want = down[int(expert)] if name == "down_proj" else want
+            assert value.dtype == torch.bfloat16 and torch.equal(value, want), key
+            assert float((value.float() - original[key]).norm() / original[key].norm()) < 0.15, key
+        else:
+            want = value.dtype if key.endswith("e_score_correction_bias") else torch.bfloat16
+            assert value.dtype == want and torch.equal(value, original[key].to(want)), key
+    assert "quantization_config" not in json.loads(open(os.path.join(out, "config.json")).read())
+
+    bad = quantized[0].removesuffix("weight") + "weight_scale"
+    shard = src / index["weight_map"][bad]
+    state = load_file(shard)
+    save_file(state | {bad: state[bad][:, :1].contiguous()}, shard, metadata={"format": "pt"})
+    refused = convert_in_process(["--input", str(src), "--output", str(tmp_path / "bad")])
+    assert "does not fit" in one_error_line(refused, quantized[0]) and not (tmp_path / "bad").exists()
 
 
 def test_an_fp8_container_exports_a_plain_config(tmp_path):

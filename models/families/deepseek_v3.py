@@ -10,8 +10,8 @@ decoder layer is carried unchanged (`num_nextn_predict_layers`).
 
 Kimi K2's checkpoints (`model_type: kimi_k2`) are this architecture and are read as it; Kimi K2.5's (`kimi_k25`,
 Kimi_K25ForConditionalGeneration) hold it as their text model: `text_config`, weights under `language_model.` (the
-vision tower and projector carried). Their hub weights are INT4 (compressed-tensors), which conversion refuses in one
-line (checkpoint/dequantize.py): convert a bf16 copy."""
+vision tower and projector carried). Kimi K2 Thinking's and K2.5's routed experts are INT4 on the hub
+(compressed-tensors), dequantized at conversion (checkpoint/dequantize.py)."""
 
 from models.families import Container, Family, MoeSpec, register, register_alias, register_container
 

@@ -1,7 +1,18 @@
 from tests.claims.held import ROUND_TRIP, ROUND_TRIP_EXACT
 from tests.claims.kinds import Claim
 
+INT4_TEST = "tests/test_quantized_sources.py::test_int4_experts_are_dequantized_as_transformers_loads_them"
+INT4_HOLDS = "assert value.dtype == torch.bfloat16 and torch.equal(value, want), key"
+
 CLAIMS = (
+    Claim(
+        says="Each triple becomes the weight as compressed-tensors' decompressor computes it (values times their "
+        "group's scale in the scale's dtype), which is what transformers loads from such a directory: bit for bit in "
+        "bf16 (tests/test_quantized_sources.py).",
+        test=INT4_TEST,
+        holds=INT4_HOLDS,
+        bound=0,
+    ),
     Claim(
         says="an id converts to the same layer files as its directory, bit for bit",
         test="tests/test_hub.py::test_a_hub_id_converts_and_verifies_like_its_directory",

@@ -1,3 +1,4 @@
+from tests.claims.converting import INT4_HOLDS, INT4_TEST
 from tests.claims.held import (
     DPO_REFERENCE,
     FAMILIES,
@@ -85,6 +86,13 @@ CLAIMS = (
         says="held bit for bit in `tests/test_quantized_sources.py`",
         test="tests/test_quantized_sources.py::test_fp8_blocks_are_dequantized_as_transformers_does",
         holds="assert ours[key].dtype == torch.bfloat16 and torch.equal(ours[key], want), key",
+        bound=0,
+    ),
+    Claim(
+        says="K2.5's `quantization_config` at the container's top level): dequantized at conversion to the weights "
+        "transformers loads from them, bit for bit in bf16 ([converting.md](converting.md));",
+        test=INT4_TEST,
+        holds=INT4_HOLDS,
         bound=0,
     ),
     Claim(
