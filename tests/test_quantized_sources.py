@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -211,6 +212,9 @@ def test_kimi_k2_reads_as_deepseek_v3_and_other_compressed_tensors_are_refused(t
     assert "'symmetric': False" in line and "convert a bf16 copy" in line and not (tmp_path / "int4").exists()
 
 
+ARGS = {"group": {"strategy": "group", "group_size": 32}, "channel": {"strategy": "channel", "group_size": None}}
+
+
 def int4_config(**weights) -> dict:
     """Kimi K2 Thinking's and K2.5's `quantization_config` (their routed experts INT4 in groups of 32), `weights`
     changed."""
@@ -224,12 +228,14 @@ def int4_config(**weights) -> dict:
     }
 
 
-def test_int4_experts_are_dequantized_as_transformers_loads_them(hf_models, tmp_path):
+@pytest.mark.parametrize("strategy", ["group", "channel"])
+def test_int4_experts_are_dequantized_as_transformers_loads_them(hf_models, tmp_path, strategy):
     """Kimi K2 Thinking's and K2.5's routed experts are INT4 (compressed-tensors, pack-quantized, symmetric, groups of
-    32). A copy of the DeepSeek-V3 test model whose experts compressed-tensors' own compressor packed so converts to
-    the weights transformers loads from it (`from_pretrained`, dequantized; its fused experts cut back per expert),
-    bit for bit in bf16; every other tensor is the original's in bf16, the config a plain model's. A packed weight
-    whose scales do not fit it is refused in one line naming the weight."""
+    32; here also one scale a row, the `channel` strategy). A copy of the DeepSeek-V3 test model whose experts
+    compressed-tensors' own compressor packed so converts to the weights transformers loads from it
+    (`from_pretrained`, dequantized; its fused experts cut back per expert), bit for bit in bf16; every other tensor
+    is the original's in bf16, the config a plain model's. A packed weight whose scales do not fit it is refused in
+    one line naming the weight."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
@@ -239,7 +245,8 @@ def test_int4_experts_are_dequantized_as_transformers_loads_them(hf_models, tmp_
     src = tmp_path / "int4"
     shutil.copytree(hf_models["deepseek_v3"], src)
     scheme = QuantizationScheme(
-        targets=["Linear"], weights=QuantizationArgs(**int4_config()["config_groups"]["group_0"]["weights"])
+        targets=["Linear"],
+        weights=QuantizationArgs(**int4_config(**ARGS[strategy])["config_groups"]["group_0"]["weights"]),
     )
     index = json.loads((src / "model.safetensors.index.json").read_text())
     config = json.loads((src / "config.json").read_text())
@@ -248,7 +255,8 @@ def test_int4_experts_are_dequantized_as_transformers_loads_them(hf_models, tmp_
         state = load_file(src / shard)
         for key in [k for k in state if ".mlp.experts." in k and int(k.split(".")[2]) < layers]:  # MTP: as is
             w = state.pop(key).to(torch.bfloat16)
-            scale = (w.float().unflatten(1, (-1, 32)).abs().amax(-1) / 7.5).to(torch.bfloat16)
+            scale = w.float().unflatten(1, (-1, ARGS[strategy]["group_size"] or w.shape[1])).abs().amax(-1) / 7.5
+            scale = scale.to(torch.bfloat16)
             packed = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
             parts = {key.removesuffix("weight") + name: t for name, t in packed.items()}
             state |= parts
@@ -256,7 +264,7 @@ def test_int4_experts_are_dequantized_as_transformers_loads_them(hf_models, tmp_
             quantized.append(key)
         save_file(state, src / shard, metadata={"format": "pt"})
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
-    (src / "config.json").write_text(json.dumps(config | {"quantization_config": int4_config()}))
+    (src / "config.json").write_text(json.dumps(config | {"quantization_config": int4_config(**ARGS[strategy])}))
 
     out = str(tmp_path / "ckpt")
     convert_hf_to_pipeline(str(src), out, log=lambda *_: None)
@@ -287,7 +295,7 @@ def test_int4_experts_are_dequantized_as_transformers_loads_them(hf_models, tmp_
     bad = quantized[0].removesuffix("weight") + "weight_scale"
     shard = src / index["weight_map"][bad]
     state = load_file(shard)
-    save_file(state | {bad: state[bad][:, :1].contiguous()}, shard, metadata={"format": "pt"})
+    save_file(state | {bad: state[bad][:1].contiguous()}, shard, metadata={"format": "pt"})  # one row's scales
     refused = convert_in_process(["--input", str(src), "--output", str(tmp_path / "bad")])
     assert "does not fit" in one_error_line(refused, quantized[0]) and not (tmp_path / "bad").exists()
 
