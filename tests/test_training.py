@@ -472,3 +472,16 @@ def test_hf_directory_is_converted_on_load_and_reused(hf_models, converted, sft_
     bad = launch(2, *overrides(cfg, str(broken), str(tmp_path / "bad"), 2))
     assert bad.returncode != 0 and "shard listed in the index is missing" in bad.stderr
     assert not (tmp_path / "bad" / "hf_converted").exists()
+
+
+def test_optimizer_offload_trains_as_zero0(converted, sft_data, tmp_path, tmp_path_factory):
+    """ZeRO-Offload (fp16_offload's optimizer on CPU, our AdamW stepping DeepSpeed's CPU partitions) in fp32 on CPU
+    ranks: PP=2 x DP=2 gives the ZeRO-0 run's losses and grad norms (DeepSpeed refused our optimizer before)."""
+    layout = "tied-pp2-dp2"
+    expected = read_jsonl(Path(layout_run(layout, converted, sft_data, tmp_path_factory)) / "metrics.jsonl")
+    offload = {"deepspeed.zero_stage": 1, "deepspeed.offload_optimizer": "true", "save_steps": 0}
+    check(launch(4, *layout_args(layout, converted, sft_data, str(tmp_path), **offload)))
+    for a, b in zip(expected, read_jsonl(tmp_path / "metrics.jsonl"), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(
+            a["grad_norm"], rel=1e-4
+        ), (a, b)

@@ -87,6 +87,8 @@ def deepspeed_config(cfg: TrainConfig, coords: Coords, load_universal: bool = Fa
         conf["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if ds.offload_optimizer:
         conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        # Our AdamW steps the CPU partitions: DeepSpeed otherwise insists on its own CPU Adam, refusing the run.
+        conf["zero_force_ds_cpu_optimizer"] = False
     return conf
 
 
@@ -167,7 +169,7 @@ def make_optimizer(cfg: TrainConfig, named_params, total_steps: int):
     """AdamW and its LR schedule; the single-process reference in the tests uses these too."""
     o = cfg.optim
     kwargs = {"lr": cfg.learning_rate, "betas": (o.beta1, o.beta2), "eps": o.eps}
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not cfg.deepspeed.offload_optimizer:  # offloaded: the step runs on CPU tensors
         kwargs["fused"] = True
     optimizer = torch.optim.AdamW(param_groups(named_params, o.weight_decay), **kwargs)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg, total_steps))

@@ -174,7 +174,7 @@ def attach(engine, ep: ExpertParallel) -> None:
         from deepspeed.runtime.utils import is_model_parallel_parameter
 
         mpu = engine.mpu
-        shared, own = torch.zeros(()), torch.zeros(())
+        shared, own = torch.zeros((), device=engine.device), torch.zeros((), device=engine.device)  # grads': a GPU
         for p in module.parameters():
             if p.grad is None:
                 continue

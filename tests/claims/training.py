@@ -4,6 +4,13 @@ from tests.claims.kinds import Claim, NotAClaim
 CLAIMS = (
     # 1
     Claim(
+        says="an fp32 run with the optimizer offloaded now trains on CPU ranks, its losses within 1e-5 (relative) of "
+        "the ZeRO-0 run's.",
+        test="tests/test_training.py::test_optimizer_offload_trains_as_zero0",
+        holds='b["loss"] == pytest.approx(a["loss"], rel=1e-5)',
+        bound=1e-5,
+    ),
+    Claim(
         says="PP=2 x DP=2, and gets the single-node run's losses bit for bit",
         test="tests/test_multinode.py::test_hostfile_launch_over_ssh_equals_a_single_node_run",
         holds='assert [(m["loss"], m["grad_norm"], m["lr"]) for m in a] == [(m["loss"], m["grad_norm"], m["lr"]) for m in b]',
