@@ -20,7 +20,7 @@ from models.layers import block_index
 from models.pipe_layout import DECODER
 from models.sharding import REPLICA, ROW, shard
 from models.tensor_parallel import TensorParallel, TPDecoderPipe, leave_tp, sum_grad_over_tp
-from models.tp_rules import TP_COLUMN_MODULES, TP_ROW_MODULES, tp_split
+from models.tp_rules import SHARED_EXPERT_ROW_MODULES, TP_COLUMN_MODULES, TP_ROW_MODULES, tp_split
 
 ADAPTER = "default"
 LORA_A, LORA_B = f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"
@@ -57,13 +57,6 @@ def check_target_modules(targets: list[str], config=None) -> None:
         if config is not None and other and not any(_matches(m, target) for m in attention):
             names = ", ".join(m.rsplit(".", 1)[-1] for m in attention)
             raise ValueError(f"lora.target_modules: {target!r} is not in {config.model_type}'s attention ({names})")
-    moe = family_of(config).moe if config is not None else None
-    mlp = [t for t in targets if any(m.startswith("mlp.") and _matches(m, t) for m in modules)]
-    if moe is not None and moe.shared_expert and mlp:
-        raise ValueError(
-            f"lora.target_modules: {mlp[0]!r} would also adapt the shared expert of every sparse block "
-            f"({config.model_type}), which is not supported: adapt attention (q_proj, k_proj, v_proj, o_proj)"
-        )
 
 
 def recurrent_modules(config) -> list[str]:
@@ -200,7 +193,9 @@ def parallelize_lora(module: nn.Module, tp: TensorParallel) -> None:
     Column layer: A is replicated and used inside the split region, so its gradient is summed over TP.
     Row layer: A holds this rank's input columns, so A x is partial and summed over TP before B (under sequence
     parallelism reduce-scattered to this rank's positions, as the layer's own output is, and B, replicated,
-    sees only those: its gradient is summed over TP).
+    sees only those: its gradient is summed over TP). A shared expert's down projection is no row layer: its output
+    stays partial until the sparse block's is summed (models/tensor_parallel.py `split_sparse_block`), so B sees the
+    partial A x and its gradient is summed over TP.
     """
     if tp.size == 1:
         return
@@ -209,6 +204,10 @@ def parallelize_lora(module: nn.Module, tp: TensorParallel) -> None:
             continue
         for name, target in layer.named_modules():  # (sparse layers have no dense MLP)
             if name not in TP_COLUMN_MODULES + TP_ROW_MODULES or not hasattr(target, "lora_A"):
+                continue
+            if name in SHARED_EXPERT_ROW_MODULES:
+                for lora_b in target.lora_B.values():
+                    sum_grad_over_tp(lora_b.weight, tp)
                 continue
             for lora_a in target.lora_A.values():
                 if name in TP_COLUMN_MODULES:

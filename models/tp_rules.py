@@ -14,6 +14,7 @@ from models.pipe_layout import DECODER, EMBED, LM_HEAD, TIED_PARAM, pipe_layers
 from models.sharding import COLUMN, EXPERT_IN, EXPERT_ROW, GATE_UP, GATE_UP_OUT, REPLICA, ROW, VOCAB, parts_rule
 
 _MLP_BLOCKS = ("mlp", *dict.fromkeys(m.block for m in MOE_SPECS if m.block != "mlp"))  # a dense MLP's names
+_SHARED = ("shared_expert", "shared_experts")  # Qwen's and Llama 4's; DeepSeek's, GLM-4.5's and Mistral 4's
 TP_COLUMN_MODULES = (
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -36,8 +37,12 @@ TP_COLUMN_MODULES = (
     "linear_attn.in_proj_z",
     "linear_attn.in_proj_b",
     "linear_attn.in_proj_a",
+    # A sparse block's shared expert, as a dense MLP (LoRA may adapt it; its output is partial until the block's).
+    *(f"{block}.{shared}.{proj}" for block in _MLP_BLOCKS for shared in _SHARED for proj in ("gate_proj", "up_proj")),
 )
 TP_ROW_MODULES = ("self_attn.o_proj", "linear_attn.out_proj", *(f"{block}.down_proj" for block in _MLP_BLOCKS))
+SHARED_EXPERT_ROW_MODULES = tuple(f"{block}.{shared}.down_proj" for block in _MLP_BLOCKS for shared in _SHARED)
+TP_ROW_MODULES += SHARED_EXPERT_ROW_MODULES
 # Linear attention's q, k and v channels in one tensor (the projection, the depthwise convolution): part by part.
 LINEAR_PARTS = ("linear_attn.in_proj_qkv", "linear_attn.conv1d")
 # One entry per value head (the decay's A_log and dt_bias): split with the heads. Its gated norm (over each head's

@@ -54,9 +54,11 @@ def adam_moments(step_dir) -> dict[str, torch.Tensor]:
     return out
 
 
-def assert_matches_peft(run, cfg, hf_dir: str, tokenizer_dir: str, dp: int) -> dict[str, torch.Tensor]:
-    """The run's losses, grad norms and adapters against PEFT trained in one process on the same global batches.
-    Returns our adapters under PEFT's names (TP shards merged)."""
+def assert_matches_peft(
+    run, cfg, hf_dir: str, tokenizer_dir: str, dp: int, share_of_lr: float = 0.01
+) -> dict[str, torch.Tensor]:
+    """The run's losses, grad norms and adapters against PEFT trained in one process on the same global batches,
+    the adapters within `share_of_lr` x lr. Returns our adapters under PEFT's names (TP shards merged)."""
     from transformers import AutoConfig
 
     ref_model, ref_losses, ref_norms = train_baseline(hf_dir, tokenizer_dir, cfg, dp=dp, steps=cfg.max_steps)
@@ -75,17 +77,30 @@ def assert_matches_peft(run, cfg, hf_dir: str, tokenizer_dir: str, dp: int) -> d
     ref = {f"base_model.model.{k}": v for k, v in ref_model.state_dict().items() if ".lora_" in k}
     assert set(ours) == set(ref)
     for key in ref:
-        torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=0.01 * cfg.learning_rate)
+        if share_of_lr == 0.01:  # (the pages quote this assertion)
+            torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=0.01 * cfg.learning_rate)
+        else:
+            torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=share_of_lr * cfg.learning_rate)
     return ours
 
 
 def peft_model(hf_dir: str, adapters: dict[str, torch.Tensor] | None = None, targets: list[str] | None = None):
-    from peft import LoraConfig, get_peft_model
+    """PEFT's model of `hf_dir` with `adapters` (PEFT's names). Where `get_peft_model` refuses the targets (a model
+    with fused experts and `gate_proj` targeted without `up_proj`: its conversion would adapt the fused experts), the
+    adapters are injected into each decoder layer (PEFT's `inject_adapter_in_model`, as models/lora.py does)."""
+    from peft import LoraConfig, get_peft_model, inject_adapter_in_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     config = LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, target_modules=targets or LORA.target_modules)
-    model = get_peft_model(base, config)
+    try:
+        model = get_peft_model(base, config)
+    except ValueError as e:
+        assert "Cannot convert PEFT target" in str(e), e
+        for layer in base.model.layers:
+            inject_adapter_in_model(config, layer)
+        model = base
+        adapters = {k.removeprefix("base_model.model."): v for k, v in adapters.items()} if adapters else adapters
     if adapters is not None:
         missing = model.load_state_dict(adapters, strict=False)
         assert not missing.unexpected_keys
@@ -209,10 +224,11 @@ def test_lora_on_a_model_with_experts_matches_peft(hf_models, converted, tokeniz
 @pytest.mark.slow
 def test_lora_on_latent_attention_matches_peft(hf_models, converted, tokenizer_dir, sft_data, tmp_path):
     """DeepSeek-V3 (multi-head latent attention; its first layer dense, the others' experts frozen and split over
-    EP=2) with adapters on every projection of its attention, low-rank ones included: PP=2 x DP=2, 4 AdamW steps
-    with clipping equal PEFT's single-process training; the merged export equals PEFT's unmerged model."""
+    EP=2) with adapters on every projection of its attention, low-rank ones included, and on `gate_proj` and
+    `down_proj`: the first layer's dense MLP and the others' shared experts. PP=2 x DP=2, 4 AdamW steps with clipping
+    equal PEFT's single-process training; the merged export equals PEFT's unmerged model."""
 
-    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "down_proj"]
     cfg = parity_cfg(sft_data[0])
     cfg.lora = LoraSettings(enabled=True, r=4, alpha=8.0, target_modules=targets)
     run = tmp_path / "run"
@@ -353,3 +369,28 @@ def test_adapters_that_are_not_plain_lora_are_refused(field, value, hf_models, c
     assert code == 2 and len(err) == 1, err  # one line
     assert err[0].startswith("convert2ckpt: error:") and f"{field}=" in err[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages,tp", [(2, 1), (1, 2)])
+def test_lora_on_linear_attention_with_experts_matches_peft(stages, tp, hf_models, converted, sft_data, tmp_path):
+    """Qwen3.5-MoE (Gated DeltaNet linear attention in layers 0-2 and gated full attention in layer 3, a sparse block
+    in every layer, its experts fused and frozen, split over EP=2, the load-balancing loss on) with adapters on both
+    kinds of attention and the shared expert's up and down projections, PP=2 x DP=2 and TP=2 x DP=2 (the shared
+    expert split as a dense MLP, its adapters' gradients summed over TP as a dense MLP's): 4 AdamW steps with clipping
+    equal PEFT's single-process training; the merged export equals PEFT's unmerged model."""
+    targets = ["q_proj", "v_proj", "in_proj_qkv", "in_proj_z", "out_proj", "up_proj", "down_proj"]
+    cfg = parity_cfg(sft_data[0])
+    cfg.lora = LoraSettings(enabled=True, r=4, alpha=8.0, target_modules=targets)
+    cfg.optim.max_grad_norm = 0.24  # this model's adapter gradients: norms 0.22-0.30, so clipping engages
+    run = tmp_path / "run"
+    lora = ["lora.enabled=true", "lora.r=4", "lora.alpha=8.0", f"lora.target_modules=[{','.join(targets)}]"]
+    more = dict(expert_parallel_size=2, tensor_parallel_size=tp)
+    check(launch(4, *overrides(cfg, converted["qwen3_5_moe"], str(run), stages, **more), *lora))
+    # The tokenizer as the trainer loads it: the class config.json's model_type names (Qwen2Tokenizer here).
+    # Adapters within 2% of lr: at PP=2 one element of layer 0's in_proj_z A is 1.14% of lr from PEFT's (every other
+    # adapter 0.11% or less; TP=2 within 1%), as one element of GLM-4.5's experts is (docs/measured.md).
+    ours = assert_matches_peft(run, cfg, hf_models["qwen3_5_moe"], hf_models["qwen3_5_moe"], dp=2, share_of_lr=0.02)
+    # 3 linear-attention layers (in_proj_qkv, in_proj_z, out_proj, up_proj, down_proj), 1 full (q, v, up, down)
+    assert len(ours) == (3 * 5 + 4) * 2
+    assert_merged_export_is_peft(run, hf_models["qwen3_5_moe"], ours, targets, tmp_path / "merged")
