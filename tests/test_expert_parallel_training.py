@@ -82,6 +82,7 @@ FP32_WEIGHT_BOUNDS = {
     "fp32_zero1_dp4": 1e-6,
     "fp32_zero1_cp2": 1e-6,
     "fp32_zero1_gpt_oss": 3e-6,
+    "fp32_zero1_qwen3_5_moe": 2e-6,
 }
 # bf16 grad norms against the fp32 run: within 5e-3, but gpt-oss's later steps in bf16 drift further with or without
 # TP (step 3: 3.1% at TP=2 x EP=2, 2.2% at PP=2 x EP=2 on an AMD EPYC machine). Its first step's stays at 5e-3
@@ -93,6 +94,7 @@ MOVE_BOUNDS = {
     "fp32_zero1_tp2": 1.5e-6,
     "fp32_zero1_llama4": 5e-7,
     "fp32_zero1_gpt_oss": 3e-7,
+    "fp32_zero1_qwen3_5_moe": 1e-5,
     "bf16_zero1": 5e-3,
 }
 
@@ -109,7 +111,8 @@ def test_expert_parallel_under_zero1_and_bf16(converted, sft_data, tmp_path, tmp
     default; Mixtral PP=2 x CP=2 with its experts split over the CP ranks, in both. bf16 ZeRO-1 saved at step 2
     resumes bit for bit; and moves, its optimizer state with it, to another E (2 -> 1; fp32 ZeRO-1 DP=4 x E=2 -> 4),
     PP and E (fp32 ZeRO-1 PP=2 x DP=2 x E=2 -> PP=1 x DP=2 x E=1) and TP (fp32 ZeRO-1 Qwen2-MoE TP=2 -> PP=2; Llama 4's
-    x @ W experts TP=2 x E=2 -> PP=2 x E=1; gpt-oss's experts with their biases TP=2 x E=2 -> PP=2 x E=1). gpt-oss
+    x @ W experts TP=2 x E=2 -> PP=2 x E=1; gpt-oss's experts with their biases and Qwen3.5-MoE's experts fused on the
+    hub, each TP=2 x E=2 -> PP=2 x E=1). gpt-oss
     at TP=2 x EP=2 holds each down bias whole on both TP ranks: bf16's first grad norm within 5e-3 of fp32's (counted
     once per TP rank it is 6% higher)."""
     from transformers import AutoConfig
@@ -130,6 +133,9 @@ def test_expert_parallel_under_zero1_and_bf16(converted, sft_data, tmp_path, tmp
         # moved alike), each down bias whole on both TP ranks and counted once in the norm by each optimizer
         "fp32_zero1_gpt_oss": ("gpt_oss-tp2-dp2-ep2", {"deepspeed.zero_stage": 1, "save_steps": 2}),
         "bf16_zero1_gpt_oss": ("gpt_oss-tp2-dp2-ep2", {"deepspeed": "bf16_zero1"}),
+        # Qwen3.5-MoE over TP=2 x EP=2: linear attention split by heads, its experts fused on the hub ([E, 2I, H])
+        "fp32_zero1_qwen3_5_moe": ("qwen3_5_moe-tp2-dp2-ep2", {"deepspeed.zero_stage": 1, "save_steps": 2}),
+        "bf16_zero1_qwen3_5_moe": ("qwen3_5_moe-tp2-dp2-ep2", {"deepspeed": "bf16_zero1"}),
     }
     for name, (layout, more) in runs.items():
         fp32 = Path(layout_run(layout, converted, sft_data, tmp_path_factory))
@@ -192,6 +198,12 @@ def test_expert_parallel_under_zero1_and_bf16(converted, sft_data, tmp_path, tmp
         "fp32 ZeRO-1 Llama 4 TP=2 x DP=2 x E=2 -> PP=2 x DP=2 x E=1 (x @ W experts)": (
             "fp32_zero1_llama4",
             "llama4-tp2-dp2-ep2",
+            4,
+            {"deepspeed.zero_stage": 1, "tensor_parallel_size": 1, "num_stages": 2, "expert_parallel_size": 1},
+        ),
+        "fp32 ZeRO-1 Qwen3.5-MoE TP=2 x DP=2 x E=2 -> PP=2 x DP=2 x E=1 (experts fused on the hub)": (
+            "fp32_zero1_qwen3_5_moe",
+            "qwen3_5_moe-tp2-dp2-ep2",
             4,
             {"deepspeed.zero_stage": 1, "tensor_parallel_size": 1, "num_stages": 2, "expert_parallel_size": 1},
         ),

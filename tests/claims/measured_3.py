@@ -141,6 +141,21 @@ CLAIMS = (
     Benchmark(
         says="Losses of the async and synchronous runs equal bit for bit over 16 steps.", by="benchmarks/gpu_check.sh"
     ),
+    # Qwen3.5-MoE under DeepSpeed's optimizers (row 52)
+    Claim(
+        says="Qwen3.5-MoE TP=2 x DP=2 x EP=2 4.41e-7 (2026-11-28, an AMD EPYC machine);",
+        test="tests/test_expert_parallel_training.py::FP32_WEIGHT_BOUNDS",
+        holds='"fp32_zero1_qwen3_5_moe": 2e-6',
+        bound=2e-6,
+        figure=4.41e-7,
+    ),
+    Claim(
+        says="Qwen3.5-MoE TP=2 x E=2 -> PP=2 x E=1 with its experts fused on the hub 2.15e-6,",
+        test="tests/test_expert_parallel_training.py::MOVE_BOUNDS",
+        holds='"fp32_zero1_qwen3_5_moe": 1e-5',
+        bound=1e-5,
+        figure=2.15e-6,
+    ),
     # whole MoE models trained on a GPU (gpu_check.sh moe_train)
     Benchmark(says="bf16 logits: **0 of 65,536,000 differ** for either family.", by="benchmarks/gpu_parity.py"),
     Benchmark(
