@@ -196,6 +196,9 @@ class DecoderPipe:
         self.sparse, self.model_config = sparse, config
         # Linear attention (Qwen3-Next's Gated DeltaNet) mixes tokens by a recurrence: no mask, no keys to attend.
         self.linear = is_linear_attention(config, layer_idx)
+        self.always_mask = family_of(config).always_mask  # DeepSeek-V3.2's indexer scores against the mask
+        for name in family_of(config).frozen:  # run without gradients by transformers (DeepSeek-V3.2's indexer)
+            self.get_submodule(name).requires_grad_(False)
         self.moe_block_name = family_of(config).moe.block if sparse else None
         if self.sparse:
             (ep or ExpertParallel()).split(self.moe_block(), config, options.routed_experts)
@@ -279,7 +282,9 @@ class DecoderPipe:
             pass
         elif self.attn_implementation == "flash_attention_2":
             extra.update(flash_varlen_kwargs(position_ids) if packed else {})
-        elif packed or window is not None or chunk is not None or self.attn_implementation == "eager":
+        elif (
+            packed or window is not None or chunk is not None or self.attn_implementation == "eager" or self.always_mask
+        ):
             mask = attention_mask(position_ids, packed, window, chunk)
             if self.attn_implementation == "eager":  # additive: 0 where allowed, the dtype's minimum elsewhere
                 mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(

@@ -154,12 +154,12 @@ def attention_replicas(attention, config) -> list:
     """The parameters of a decoder layer's attention (`attention`, transformers' module) that every tensor-parallel
     rank holds whole although only its heads use their output (MLA's low-rank `q_a_proj`, `kv_a_proj_with_mqa` and
     their norms): each rank's gradient is partial, so it is summed over TP. Per-head q/k norms and the row layer's
-    bias have rules of their own (models/tensor_parallel.py)."""
+    bias have rules of their own (models/tensor_parallel.py); frozen ones (DeepSeek-V3.2's indexer) take none."""
     own = ("o_proj.", *(f"{n.removeprefix('self_attn.')}." for n in QK_NORMS))
     return [
         p
         for name, p in attention.named_parameters()
-        if not name.startswith(own) and tp_split(DECODER, f"self_attn.{name}", config) == REPLICA
+        if p.requires_grad and not name.startswith(own) and tp_split(DECODER, f"self_attn.{name}", config) == REPLICA
     ]
 
 

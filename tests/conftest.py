@@ -86,6 +86,8 @@ MODEL_VARIANTS = {
     # GLM-4.5 with q/k norms and q/k/v biases, DeepSeek-V3 with multi-head latent attention.
     "glm4_moe": dict(model_type="glm4_moe", num_key_value_heads=2, use_qk_norm=True, attention_bias=True),
     "deepseek_v3": dict(model_type="deepseek_v3"),
+    # DeepSeek-V3.2: DeepSeek-V3 with its sparse attention (an indexer keeping 4 keys a query).
+    "deepseek_v32": dict(model_type="deepseek_v32"),
     # Mistral 4: DeepSeek-V3's MLA with queries scaled by position (from position 8), a softmax router (2 groups, top-2
     # scaled by 2.5), a dense first layer, shared experts, its experts fused on the hub as transformers keeps them.
     "mistral4": dict(model_type="mistral4"),
@@ -104,7 +106,7 @@ NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5"
 NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss", "qwen3_next", "qwen3_5"]
 CARRYING_VARIANTS = {"deepseek_v3": "layers", "qwen3_next": "mtp"}  # with a multi-token-prediction layer
 MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss")
-MOE_VARIANTS += ("qwen3_next", "qwen3_5_moe")
+MOE_VARIANTS += ("qwen3_next", "qwen3_5_moe", "deepseek_v32")
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
 FAMILY_VARIANTS += NEW_FAMILY_VARIANTS
 

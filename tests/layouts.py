@@ -97,6 +97,9 @@ LAYOUTS = {
     # ... and over TP=2 x EP=2 with sequence parallelism: its linear attention split by heads, its experts over TP
     # (rows) and EP at once, the shared expert and its gate over TP.
     "qwen3_5_moe-tp2-dp2-ep2": ("qwen3_5_moe", "false", 1, 2, "", 0),
+    # DeepSeek-V3.2: DeepSeek-V3's MLA split by heads over TP=2 with its (frozen, replicated) indexer choosing each
+    # query's keys, its experts over EP=2.
+    "deepseek_v32-tp2-dp2-ep2": ("deepseek_v32", "false", 1, 2, "", 0),
     # Qwen3.5's linear attention split by heads (q/k/v in one projection and the convolution part by part) and its
     # gated full attention, over two stages.
     "qwen3_5-pp2-tp2": ("qwen3_5", "false", 2, 2, "", 0),

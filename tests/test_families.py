@@ -60,6 +60,7 @@ FAMILY_CONFIGS = {
     "glm4_moe-qk-norm-biases": ("glm4_moe", dict(use_qk_norm=True, attention_bias=True)),
     "deepseek_v3-mla": ("deepseek_v3", dict(num_key_value_heads=4)),
     "deepseek_v3-mla-q-proj": ("deepseek_v3", dict(num_key_value_heads=4, q_lora_rank=None, rope_interleave=False)),
+    "deepseek_v32-sparse-attention": ("deepseek_v32", dict(num_key_value_heads=4)),
     # Mistral 4: DeepSeek-V3's MLA with queries scaled by position (from position 8), a softmax router (2 groups of
     # which 1 is chosen, weights scaled by 2.5), experts fused on the hub as in memory.
     "mistral4-mla-scaled": ("mistral4", dict(num_key_value_heads=4)),
@@ -157,9 +158,9 @@ def test_other_model_types_are_refused(tmp_path):
     for model_type in ("kimi_linear", "falcon_h1"):  # what we do not build (its linear attention, Mamba layers)
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         supported = (
-            "supported: deepseek_v3, ernie4_5, gemma3, gemma3_text, glm4, glm4_moe, gpt_oss, helium, kimi_k2, "
-            "kimi_k25, llama, llama4, llama4_text, ministral3, mistral, mistral3, mistral4, mixtral, olmo2, olmo3, "
-            "phi3, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, "
+            "supported: deepseek_v3, deepseek_v32, ernie4_5, gemma3, gemma3_text, glm4, glm4_moe, gpt_oss, helium, "
+            "kimi_k2, kimi_k25, llama, llama4, llama4_text, ministral3, mistral, mistral3, mistral4, mixtral, olmo2, "
+            "olmo3, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, "
             "qwen3_next, seed_oss, smollm3"
         )
         with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported \\({supported}\\)"):
@@ -233,6 +234,7 @@ PLAN_STYLES = {
     "replicated_with_grad_allreduce": {"replica"},
     "packed_colwise": {"gate_up"},
     "packed_rowwise": {"gate_up_out"},
+    "mla_kv_a_proj": {"replica"},  # DeepSeek-V3.2's plan: MLA's compressed keys/values, whole on every rank
 }
 
 
@@ -394,3 +396,23 @@ def test_a_containers_head_is_tied_by_the_containers_config():
     assert text_config_json(untied)["tie_word_embeddings"] is False
     qwen = {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "tie_word_embeddings": True}}
     assert text_config_json(qwen)["tie_word_embeddings"] is False
+
+
+def test_deepseek_v32_attention_is_really_sparse(tmp_path):
+    """The tiny DeepSeek-V3.2's indexer keeps 4 keys of rows of 12: keeping every key changes the logits (so the
+    bit-identical cases above compare sparse attention), and our layers equal transformers' either way."""
+    from transformers import AutoModelForCausalLM
+
+    logits = []
+    for topk in (4, 64):
+        config = tiny_config("deepseek_v32", num_hidden_layers=3, num_key_value_heads=4, index_topk=topk)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(config).eval()
+        hf.save_pretrained(tmp_path / str(topk))
+        ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            reference = hf(input_ids=ids).logits
+        logits.append(pipeline_logits(config, hf_state(str(tmp_path / str(topk))), ids))
+        assert torch.equal(logits[-1], reference), topk
+    assert not torch.equal(*logits)

@@ -345,6 +345,12 @@ def test_llama4_routed_experts_equal_transformers_dense_block():
         ("qwen3_next", ["data.packing=true"], "data.packing/concatenate: qwen3_next's linear-attention layers carry"),
         ("qwen3_next", ["context_parallel_size=2"], "context_parallel_size=2: qwen3_next's linear-attention layers"),
         ("gpt_oss", ["model.attn_implementation=sdpa"], "model.attn_implementation=sdpa: transformers runs gpt_oss"),
+        ("deepseek_v32", ["context_parallel_size=2"], "context_parallel_size=2: deepseek_v32's indexer scores"),
+        (
+            "deepseek_v32",
+            ["model.attn_implementation=flash_attention_2"],
+            "model.attn_implementation=flash_attention_2: transformers' deepseek_v32 does not support it",
+        ),
         ("deepseek_v3", ["lora.enabled=true"], "lora.target_modules: 'q_proj' is not in deepseek_v3's attention (q_a_"),
         (
             "deepseek_v3",

@@ -45,10 +45,11 @@ CASES = [
     ("gpt_oss", "eager-packed"),
     ("qwen3_next", "sdpa"),  # Qwen3.5's linear attention is the same generic path (its training parity: PP=2)
     ("qwen3_5_moe", "sdpa"),  # ... and Qwen3.5-MoE's, with its own rotary embedding and experts fused on the hub
+    ("deepseek_v32", "sdpa-packed"),  # the indexer's keys chosen within each document
 ]
 MOE = {f"{m}-{attn}" for m, attn in CASES if m in MOE_VARIANTS}
 NO_TP = {f"{m}-{attn}" for m, attn in CASES if MODEL_VARIANTS[m].get("model_type") in TP_NOT_BUILT}
-NO_CP = {f"{m}-{attn}" for m, attn in CASES if m in ("qwen3_next", "qwen3_5_moe")}  # linear attention (validate.py)
+NO_CP = {f"{m}-{attn}" for m, attn in CASES if m in ("qwen3_next", "qwen3_5_moe", "deepseek_v32")}  # (validate.py)
 
 
 def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):

@@ -86,6 +86,8 @@ def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
     for what, on in ((f"context_parallel_size={cp}", cp > 1), ("data.packing/concatenate", shared)):
         refusal = linear_attention_refusal(model_config, what) if on else None
         need(refusal is None, refusal or "")
+    reason = family_of(model_config).cp_refused
+    need(cp == 1 or not reason, f"context_parallel_size={cp}: {model_config.model_type}'s {reason}" if reason else "")
     if is_moe(model_config):
         validate_experts(cfg, model_config)
     else:

@@ -132,6 +132,11 @@ class Family:
     tp_refused: str = ""
     # Attention parameters with one entry per head (gpt-oss's `self_attn.sinks`): split with the heads under TP.
     per_head: tuple[str, ...] = ()
+    # The attention reads an explicit causal mask even on unpacked rows (DeepSeek-V3.2's indexer scores against it).
+    always_mask: bool = False
+    # Decoder modules transformers runs without gradients (DeepSeek-V3.2's indexer): frozen in training.
+    frozen: tuple[str, ...] = ()
+    cp_refused: str = ""  # why context parallelism is refused for the family, after "<model_type>'s" ("": it splits)
     # A config.json value the family's attention would silently ignore: refused at load with the reason.
     refused_fields: dict[str, str] = field(default_factory=dict, compare=False)
     tiny: dict = field(default_factory=dict, compare=False)  # config overrides of the tiny test model

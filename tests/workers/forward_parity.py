@@ -49,8 +49,8 @@ CP_LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (1, 2, True)]
 EP_CP_LAYOUTS = [(1, 1, False), (2, 1, False)]  # experts split over EP=2 ranks of the data axis under CP=2
 
 
-def cp_refused(config) -> bool:  # what context parallelism refuses (training/validate.py): linear attention
-    return linear_attention_refusal(config, "") is not None
+def cp_refused(config) -> bool:  # what context parallelism refuses (training/validate.py): linear attention, DSA
+    return linear_attention_refusal(config, "") is not None or bool(FAMILIES[config.model_type].cp_refused)
 
 
 TP_NOT_BUILT = {name for name, family in FAMILIES.items() if family.tp_refused}  # (`Family.tp_refused`)
