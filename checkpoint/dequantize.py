@@ -52,6 +52,11 @@ def _quantization(config) -> dict:
     method, block = quant.get("quant_method"), quant.get("weight_block_size")
     if method == "compressed-tensors":
         _int4_weights(quant)
+        if has_expert_parts(config):
+            raise CheckpointError(
+                f"quantization_config compressed-tensors on {config.model_type}, whose experts are fused on the hub: "
+                "only experts stored one key per expert (Kimi K2's) are dequantized; convert a bf16 copy of the model"
+            )
     elif quant and not (method == "mxfp4" or (method == "fp8" and (block is None or len(block) == 2))):
         raise CheckpointError(
             f"quantization_config {method!r} (weight_block_size={block}): only FP8 (in blocks or per tensor), "
@@ -67,8 +72,11 @@ def _int4_weights(quant: dict) -> dict:
     schemes = [g.get("weights") or {} for g in groups]
     args = schemes[0] if schemes else {}
     fields = ("num_bits", "type", "symmetric", "strategy")
+    extras = ("kv_cache_scheme", "sparsity_config", "transform_config")
     supported = (
         quant.get("format") == "pack-quantized"
+        and not any(quant.get(k) for k in extras)
+        and args.get("actorder") is None  # else the columns may be permuted (`weight_g_idx`)
         and all(s == args for s in schemes)
         and not any(g.get("input_activations") for g in groups)
         and tuple(args.get(f) for f in fields) in {(4, "int", True, "group"), (4, "int", True, "channel")}
@@ -76,7 +84,8 @@ def _int4_weights(quant: dict) -> dict:
     if not supported:
         raise CheckpointError(
             f"quantization_config compressed-tensors (format {quant.get('format')!r}, weights "
-            f"{ {f: args.get(f) for f in fields} }): only symmetric INT4 weights, pack-quantized by group or "
+            f"{ {f: args.get(f) for f in (*fields, 'actorder')} }, "
+            f"{ {k: bool(quant.get(k)) for k in extras} }): only symmetric INT4 weights, pack-quantized by group or "
             "channel (Kimi K2 Thinking's and K2.5's), are dequantized at conversion; convert a bf16 copy of the model"
         )
     return args

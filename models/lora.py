@@ -34,7 +34,12 @@ def attention_modules(config) -> list[str]:
     """The linear layers of a family's attention, as named in its decoder layer (MLA: q_a_proj, kv_b_proj, ...)."""
     block = next(b for b in range(config.num_hidden_layers) if not is_linear_attention(config, b))
     modules = [k.removesuffix(".weight") for k in decoder_keys(config, block) if k.endswith(".weight")]
-    return [m for m in modules if m.startswith("self_attn.") and "_proj" in m.rsplit(".", 1)[-1]]
+    frozen = tuple(f"{name}." for name in family_of(config).frozen)  # no gradients: nothing for an adapter to learn
+    return [
+        m
+        for m in modules
+        if m.startswith("self_attn.") and "_proj" in m.rsplit(".", 1)[-1] and not m.startswith(frozen)
+    ]
 
 
 def check_target_modules(targets: list[str], config=None) -> None:
@@ -42,8 +47,8 @@ def check_target_modules(targets: list[str], config=None) -> None:
     last dotted parts; it only complains when nothing at all matches); with `config`, an attention entry one of
     the family's own (`q_proj` names nothing in DeepSeek's latent attention), linear attention's projections where
     the family has them (Qwen3.5's `in_proj_qkv`, `in_proj_z`, `out_proj` ...). With experts: adapters go on
-    attention and dense MLP layers; the fused experts (PEFT's `target_parameters`) and a shared expert's layers are
-    refused. Raises ValueError naming the entry."""
+    attention, dense MLP layers and shared experts, never on the routed experts (PEFT's `target_parameters`), nor
+    on modules transformers runs without gradients (DeepSeek-V3.2's indexer). Raises ValueError naming the entry."""
     dense = config is not None and family_of(config).moe is None
     modules = linear_modules(config if dense else None)  # a dense family's own (fused q/k/v: qkv_proj)
     attention = attention_modules(config) if config is not None else []

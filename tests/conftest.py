@@ -86,8 +86,6 @@ MODEL_VARIANTS = {
     # GLM-4.5 with q/k norms and q/k/v biases, DeepSeek-V3 with multi-head latent attention.
     "glm4_moe": dict(model_type="glm4_moe", num_key_value_heads=2, use_qk_norm=True, attention_bias=True),
     "deepseek_v3": dict(model_type="deepseek_v3"),
-    # DeepSeek-V3.2: DeepSeek-V3 with its sparse attention (an indexer keeping 4 keys a query).
-    "deepseek_v32": dict(model_type="deepseek_v32"),
     # Mistral 4: DeepSeek-V3's MLA with queries scaled by position (from position 8), a softmax router (2 groups, top-2
     # scaled by 2.5), a dense first layer, shared experts, its experts fused on the hub as transformers keeps them.
     "mistral4": dict(model_type="mistral4"),
@@ -101,6 +99,9 @@ MODEL_VARIANTS = {
     # expert in every layer, its experts fused as its hub checkpoints keep them, its load-balancing loss on.
     "qwen3_5": dict(model_type="qwen3_5_text", num_key_value_heads=2),
     "qwen3_5_moe": dict(model_type="qwen3_5_moe_text", num_key_value_heads=2) | MOE_AUX,
+    # DeepSeek-V3.2: DeepSeek-V3 with its sparse attention (an indexer keeping 4 keys a query). Last: each model's
+    # weights are seeded by its place here (`hf_models`), and the measured figures of those above depend on theirs.
+    "deepseek_v32": dict(model_type="deepseek_v32"),
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
 NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss", "qwen3_next", "qwen3_5"]

@@ -382,7 +382,7 @@ def test_lora_on_linear_attention_with_experts_matches_peft(stages, tp, hf_model
     targets = ["q_proj", "v_proj", "in_proj_qkv", "in_proj_z", "out_proj", "up_proj", "down_proj"]
     cfg = parity_cfg(sft_data[0])
     cfg.lora = LoraSettings(enabled=True, r=4, alpha=8.0, target_modules=targets)
-    cfg.optim.max_grad_norm = 0.24  # this model's adapter gradients: norms 0.22-0.30, so clipping engages
+    cfg.optim.max_grad_norm = 0.1  # this model's adapter gradients: norms 0.15-0.30 (by the suite's seed): clipped
     run = tmp_path / "run"
     lora = ["lora.enabled=true", "lora.r=4", "lora.alpha=8.0", f"lora.target_modules=[{','.join(targets)}]"]
     more = dict(expert_parallel_size=2, tensor_parallel_size=tp)

@@ -348,6 +348,11 @@ def test_llama4_routed_experts_equal_transformers_dense_block():
         ("deepseek_v32", ["context_parallel_size=2"], "context_parallel_size=2: deepseek_v32's indexer scores"),
         (
             "deepseek_v32",
+            ["lora.enabled=true", "lora.target_modules=[q_a_proj,weights_proj]"],
+            "lora.target_modules: 'weights_proj' is not a linear layer of the decoder",
+        ),
+        (
+            "deepseek_v32",
             ["model.attn_implementation=flash_attention_2"],
             "model.attn_implementation=flash_attention_2: transformers' deepseek_v32 does not support it",
         ),

@@ -432,3 +432,23 @@ def test_fp8_experts_stored_one_key_per_expert_are_dequantized_then_fused(tmp_pa
             continue
         assert value.dtype == torch.bfloat16 and torch.equal(value, want), key
     assert experts == config.num_hidden_layers
+
+
+def test_int4_schemes_not_built_are_refused_in_one_line():
+    """INT4 with a quantized KV cache, permuted columns (`actorder: group`), or on a family whose experts are fused
+    on the hub (Qwen3.5-MoE: its per-expert saves would need assembling from packed parts) is refused, naming why."""
+    from checkpoint.dequantize import is_quantized
+    from checkpoint.errors import CheckpointError
+    from tools.tiny_models import tiny_config
+
+    cases = [
+        ("deepseek_v3", int4_config() | {"kv_cache_scheme": {"num_bits": 8}}, "'kv_cache_scheme': True"),
+        ("deepseek_v3", int4_config(actorder="group"), "'actorder': 'group'"),
+        ("qwen3_5_moe_text", int4_config(), "qwen3_5_moe_text, whose experts are fused on the hub"),
+    ]
+    for model_type, quant, fragment in cases:
+        config = tiny_config(model_type)
+        config.quantization_config = quant
+        with pytest.raises(CheckpointError) as refused:
+            is_quantized(config)
+        assert fragment in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
