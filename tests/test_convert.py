@@ -68,6 +68,7 @@ PRESETS = {
     "llama4_scout": ("model.layers.47.feed_forward.experts.gate_up_proj", (16, 5120, 2 * 8192), 107.77, 17.17),
     "phi4": ("model.layers.39.self_attn.qkv_proj.weight", (5120 + 2 * 10 * 128, 5120), 14.66, None),  # q, k, v rows
     "deepseek_v3": ("model.layers.60.self_attn.kv_b_proj.weight", (128 * (128 + 128), 512), 671.03, 37.55),
+    "deepseek_v32": ("model.layers.60.self_attn.indexer.wq_b.weight", (64 * 128, 1536), 671.88, 38.40),
     "kimi_k2": ("model.layers.60.mlp.experts.383.down_proj.weight", (7168, 2048), 1026.41, 32.86),
     "gpt_oss_120b": ("model.layers.35.mlp.experts.gate_up_proj_bias", (128, 2 * 2880), 116.83, 5.71),
     "glm4_5_air": ("model.layers.45.self_attn.q_proj.bias", (96 * 128,), 106.85, 13.42),
@@ -86,6 +87,7 @@ PRESETS = {
 # The real-size mixtures of 2026 and the dense families' presets of 2026 in the slow tier (~2 s each, meta device).
 SLOW_PRESETS = (
     "deepseek_v3",
+    "deepseek_v32",
     "kimi_k2",
     "gpt_oss_120b",
     "glm4_5_air",
