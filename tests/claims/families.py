@@ -107,11 +107,12 @@ CLAIMS = (
         figure=None,
     ),
     Claim(
-        says="Every family's tiny model, both stages of PP=2, is within 3% of the bytes autograd saves on the CPU",
+        says="Every family's tiny model, both stages of PP=2, is within 3% (GLM-4.5: 4%) of the bytes autograd saves on "
+        "the CPU",
         test="tests/test_memory_estimate.py::test_every_familys_stages_match_measurement",
-        holds="assert abs(kept / measured - 1) <= FAMILY_TOLERANCE, (stage, kept / measured - 1)",
-        bound=0.03,
-        figure=0.027,
+        holds="assert abs(kept / measured - 1) <= tolerance, (stage, kept / measured - 1)",
+        bound=0.04,
+        figure=0.030,
     ),
     Claim(
         says="Qwen3.5 and OLMo 2 at TP=2 with and without sequence parallelism within 0.5% (+0.2%, +0.0%)",
