@@ -1,8 +1,18 @@
-from tests.claims.held import DPO_REFERENCE, ONE_PCT_OF_LR, PARITY, PARITY_2E6, PEFT, PLANNER, REFERENCE, TP_BLOCK
+from tests.claims.held import (
+    DPO_REFERENCE,
+    ONE_PCT_OF_LR,
+    PARITY,
+    PARITY_2E6,
+    PEFT,
+    PLANNER,
+    REFERENCE,
+    SCHED,
+    SCHED_BOUND,
+    TP_BLOCK,
+)
 from tests.claims.kinds import Benchmark, Claim
 
 SP_TRAIN = "tests/test_tp_training.py::test_sequence_parallel_training_equals_tp_without_it"
-SCHED = "tests/test_schedules.py::test_schedule_trains_as_1f1b_and_the_reference"
 
 CLAIMS = (
     # 1-2: replicated parameters' gradients identical on both TP ranks (without and with SP)
@@ -123,7 +133,7 @@ CLAIMS = (
     Claim(
         says="train as 1F1B does (weights within 5.6e-8 and 0, held at 1e-6)",
         test=SCHED,
-        holds='bound = 1e-5 if "mixtral" in layout else 1e-6',
+        holds=SCHED_BOUND,
         bound=1e-6,
         figure=5.6e-8,
     ),
@@ -227,7 +237,7 @@ CLAIMS = (
     Claim(
         says="of 1F1B, weights within 1e-6",
         test=SCHED,
-        holds='bound = 1e-5 if "mixtral" in layout else 1e-6',
+        holds=SCHED_BOUND,
         bound=1e-6,
     ),
     # 20
