@@ -216,9 +216,9 @@ SCHEDULE_CASES.append(("dualpipev", "gpt_oss-pp2-dp2-ep2"))
 @pytest.mark.parametrize("schedule,layout", SCHEDULE_CASES)
 def test_schedule_trains_as_1f1b_and_the_reference(schedule, layout, hf_models, converted, sft_data, tmp_path_factory):
     """4 AdamW steps with clipping active: losses and grad norms within 1e-6 relative of 1F1B on the same batches,
-    weights within 1e-6 (1e-5 for DualPipeV with experts over EP=2), evaluation within 1e-6; and the single-process HF reference
-    as for 1F1B (tied embeddings, TP=2, packing, recompute and the chunked loss across the three layouts; Mixtral's
-    experts with the load-balancing loss)."""
+    weights within 1e-6 (1e-5 for DualPipeV with experts over EP=2), evaluation within 1e-6; and the single-process
+    HF reference as for 1F1B (tied embeddings, TP=2, packing, recompute and the chunked loss across the three layouts;
+    Mixtral's, DeepSeek-V3's and gpt-oss's experts with their balancing)."""
     from tests.test_training import LAYOUTS, STEPS, assert_matches_reference, layout_config, layout_run
 
     gas = 4 if schedule == "dualpipev" else None  # DualPipeV needs 2 x PP micro-batches; others: the layout's
