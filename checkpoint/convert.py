@@ -69,7 +69,8 @@ def convert_layers(
         # Quantized weights (FP8, MXFP4) arrive dequantized (checkpoint/dequantize.py).
         for name, tensor in plain_tensors(hf_dir, config, wanted, DTYPES[dtype or "bf16"], pool):
             index, ours = hf_key_to_layer(name, config, index_of)
-            keep = family_of(config).keeps_fp32(ours)  # stays fp32 as transformers keeps it (a router's bias)
+            # stays fp32 as transformers keeps it in this dtype (a router's score bias; fp16: V3.2's weights_proj)
+            keep = family_of(config).keeps_fp32(name, DTYPES[dtype or "bf16"])
             if dtype and tensor.is_floating_point() and tensor.dtype != DTYPES[dtype] and not keep:
                 cast = pool.take(tensor.numel() * DTYPES[dtype].itemsize).view(DTYPES[dtype]).view(tensor.shape)
                 cast.copy_(tensor)

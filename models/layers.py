@@ -70,35 +70,38 @@ from models.pipe_layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
 
 
 class _Fp32Rotary:
-    """Mixin for HF's rotary embedding: `inv_freq` stays fp32 when the module is cast to bf16/fp16.
-
-    NOTE: DeepSpeed casts the whole module (buffers included) to the training dtype; a bf16
-    `inv_freq` shifts RoPE angles by whole radians at long positions.
-    """
+    """Mixin for HF's rotary embedding: its tables (`inv_freq`, `original_inv_freq`, one per layer type where the
+    family keeps them so) stay fp32 when the module is cast: a bf16 `inv_freq` shifts RoPE angles by whole radians at
+    long positions."""
 
     def _apply(self, fn, recurse=True):
-        # Every table: `inv_freq`, `original_inv_freq`, and one of each per layer type where the family keeps them
-        # so (`full_attention_inv_freq`, ...).
         return apply_keeping_fp32(
-            self, lambda name: name.endswith("inv_freq"), lambda: super(_Fp32Rotary, self)._apply(fn, recurse)
+            self, lambda name, _: name.endswith("inv_freq"), fn, lambda: super(_Fp32Rotary, self)._apply(fn, recurse)
         )
 
 
-def apply_keeping_fp32(module: nn.Module, keep, apply) -> nn.Module:
-    """`apply()` (a cast of `module`) with the buffers whose names `keep` selects left fp32."""
-    kept = {name: b.float() for name, b in module.named_buffers() if keep(name)}
+def apply_keeping_fp32(module: nn.Module, keep, fn, apply) -> nn.Module:
+    """`apply()` (`module._apply(fn)`: a cast or a move) with the buffers and parameters that `keep(name, dtype)`
+    selects for the dtype `fn` casts to left fp32, on the device `fn` moves them to."""
+    dtype = fn(torch.zeros(())).dtype  # what the cast makes of an fp32 tensor (a move alone leaves it fp32)
+    tensors = [*module.named_buffers(), *module.named_parameters()]
+    kept = {name: t.data.float() for name, t in tensors if keep(name, dtype)}  # (.data: apply() replaces it)
     apply()
-    for name, table in kept.items():
+    for name, data in kept.items():
         owner, _, leaf = name.rpartition(".")
         holder = module.get_submodule(owner)
-        holder._buffers[leaf] = table.to(holder._buffers[leaf].device)
+        if leaf in holder._buffers:
+            holder._buffers[leaf] = data.to(holder._buffers[leaf].device)
+        else:
+            holder._parameters[leaf].data = data.to(holder._parameters[leaf].device)
     return module
 
 
 def on_family_class(mixin: type, model_type: str, hf_suffix: str, name: str) -> type[nn.Module]:
     """A class `<Prefix><name>` that puts `mixin` in front of the family's transformers `<Prefix><hf_suffix>`."""
     family = FAMILIES[model_type]
-    return type(family.prefix + name, (mixin, family.hf_class(hf_suffix)), {"__module__": mixin.__module__})
+    attrs = {"__module__": mixin.__module__, "model_type": model_type}
+    return type(family.prefix + name, (mixin, family.hf_class(hf_suffix)), attrs)
 
 
 @functools.cache
@@ -223,9 +226,9 @@ class DecoderPipe:
             moe = family_of(config).moe
             context_parallel.tile_mlp(getattr(self, moe.block if moe else "mlp"), options.mlp_tiles)
 
-    def _apply(self, fn, recurse=True):  # buffers transformers keeps fp32 in any dtype stay so (`Family.keeps_fp32`)
+    def _apply(self, fn, recurse=True):  # what transformers keeps fp32 in the dtype cast to (`Family.keeps_fp32`)
         keep = family_of(self.model_config).keeps_fp32
-        return apply_keeping_fp32(self, keep, lambda: super(DecoderPipe, self)._apply(fn, recurse))
+        return apply_keeping_fp32(self, keep, fn, lambda: super(DecoderPipe, self)._apply(fn, recurse))
 
     def moe_block(self) -> nn.Module:
         """The sparse block (`mlp`; Llama 4's `feed_forward`) of a sparse layer."""
@@ -316,6 +319,10 @@ class _NormPipe:
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         hidden, _, *moe = inputs
         return super().forward(hidden) if not moe else (super().forward(hidden), moe[1])
+
+    def _apply(self, fn, recurse=True):  # kept fp32 where transformers keeps `model.norm` so (gpt-oss's, in fp16)
+        keep = lambda name, dtype: FAMILIES[self.model_type].keeps_fp32(f"model.norm.{name}", dtype)  # noqa: E731
+        return apply_keeping_fp32(self, keep, fn, lambda: super(_NormPipe, self)._apply(fn, recurse))
 
 
 @functools.cache

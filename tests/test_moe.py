@@ -356,6 +356,13 @@ def test_llama4_routed_experts_equal_transformers_dense_block():
             ["model.attn_implementation=flash_attention_2"],
             "model.attn_implementation=flash_attention_2: transformers' deepseek_v32 does not support it",
         ),
+        ("gpt_oss", ["model.attn_implementation=flash_attention_2"], "model.attn_implementation=flash_attention_2: "),
+        (
+            "gpt_oss",
+            ["deepspeed.precision=fp16"],
+            "deepspeed.precision=fp16: transformers keeps gpt_oss's input_layernorm, norm, post_attention_layernorm in "
+            "fp32 under fp16",
+        ),
         ("deepseek_v3", ["lora.enabled=true"], "lora.target_modules: 'q_proj' is not in deepseek_v3's attention (q_a_"),
         (
             "deepseek_v3",
@@ -373,8 +380,9 @@ def test_llama4_routed_experts_equal_transformers_dense_block():
 )
 def test_what_a_family_cannot_run_is_refused_in_one_line(model_type, extra, message, tmp_path):
     """Qwen3-Next's recurrence runs along the whole row (no packed documents, no context parallelism); LoRA on its
-    MLP targets would adapt the shared experts; gpt-oss's sinks have no SDPA, and its experts' down biases (whole on
-    every TP rank) no norm that counts them once under TP x EP. One line naming the key."""
+    MLP targets would adapt the shared experts; gpt-oss's sinks have no SDPA or flash-attn, its experts' down biases
+    (whole on every TP rank) no norm that counts them once under TP x EP, and its norms, fp32 under fp16 in
+    transformers, would be trained by DeepSpeed's fp16 optimizer. One line naming the key."""
     from tests.catalogue import config_error
 
     tiny_config(model_type).save_pretrained(tmp_path / "m")

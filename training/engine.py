@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import deepspeed
 import torch
@@ -14,6 +14,7 @@ from deepspeed.runtime.utils import clip_grad_norm_
 from checkpoint.universal import universal_info
 from models.context_parallel import ContextParallel
 from models.expert_parallel import ExpertParallel
+from models.families import family_of
 from models.layers import DecoderOptions, init_weights
 from models.moe import is_moe, num_experts
 from models.pipeline import build_pipeline_module
@@ -246,6 +247,20 @@ def keep_buffer_dtypes(engine) -> None:
     engine._allocate_or_extend_buffers = same_dtype
 
 
+@contextmanager
+def frozen_weights_kept_fp32(module, precision: str):
+    """DeepSpeed casts every parameter to the training dtype, frozen ones too. transformers keeps some in fp32 in
+    that dtype (`Family.keeps_fp32`: DeepSeek-V3.2's frozen `indexer.weights_proj` under fp16): the frozen ones go
+    back to their fp32 values after it (no optimizer holds them). Trained ones are refused (training/validate.py)."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(str(precision))
+    keep = family_of(module.model_config).keeps_fp32
+    named = module.named_parameters()
+    kept = [(p, p.data.float()) for name, p in named if dtype and not p.requires_grad and keep(name, dtype)]
+    yield
+    for param, data in kept:
+        param.data = data.to(param.device)
+
+
 def initialize_forward_engine(cfg: TrainConfig, coords: Coords, module):
     """DeepSpeed's pipeline engine for forward passes only (`eval_batch`): no optimizer, no optimizer state; the
     stage cast to the run's precision. The reference pass of `objective=dpo` runs it, then drops it."""
@@ -253,7 +268,8 @@ def initialize_forward_engine(cfg: TrainConfig, coords: Coords, module):
     config["zero_optimization"] = {"stage": 0}  # nothing to partition without an optimizer
     if module._ep.size > 1:  # each rank's own experts (as initialize_engine)
         keep_from_broadcast(module)
-    engine, _, _, _ = deepspeed.initialize(model=module, config=config)
+    with frozen_weights_kept_fp32(module, cfg.deepspeed.precision):
+        engine, _, _, _ = deepspeed.initialize(model=module, config=config)
     keep_buffer_dtypes(engine)
     return engine
 
@@ -278,7 +294,8 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
         keep_from_broadcast(module)
     optimizer, scheduler = make_optimizer(cfg, module.named_parameters(), total_steps)
     config = deepspeed_config(cfg, coords, load_universal, experts=is_moe(module.model_config))
-    with deepspeed_sees_experts(module, num_experts(module.model_config)) if deepspeed_experts else nullcontext():
+    experts = deepspeed_sees_experts(module, num_experts(module.model_config)) if deepspeed_experts else nullcontext()
+    with experts, frozen_weights_kept_fp32(module, cfg.deepspeed.precision):
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     # NOTE: DeepSpeed copies its zero_to_fp32.py and zero_to_torch.py into every ZeRO checkpoint. They cannot read
     # pipeline checkpoints (the layer files carry no parameter shapes for them: "'NoneType' object has no attribute

@@ -5,7 +5,10 @@ the launch). Each raises ValueError with one line naming the key. Nothing here c
 
 from __future__ import annotations
 
+import re
+
 from models.families import FAMILIES, family_of, linear_attention_refusal, tp_refusal
+from models.key_table import all_layer_keys
 from models.lora import check_target_modules, lora_tp_refusal
 from models.moe import is_moe, num_experts
 from models.sharding import tp_indivisible
@@ -82,6 +85,7 @@ def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
     need(refused is None, f"lora.enabled with tensor_parallel_size={tp}: {refused}")
     validate_context_parallel(cfg, model_config)
     validate_expert_parallel(cfg, world_size, model_config)
+    validate_fp16(cfg, model_config)
     cp, shared = cfg.context_parallel_size, cfg.data.documents_share_rows
     for what, on in ((f"context_parallel_size={cp}", cp > 1), ("data.packing/concatenate", shared)):
         refusal = linear_attention_refusal(model_config, what) if on else None
@@ -112,6 +116,25 @@ def validate_context_parallel(cfg: TrainConfig, model_config) -> None:
         kv % cp == 0 or cp % kv == 0,
         f"context_parallel_size={cp} and the model's {kv} key/value heads{per_tp} (num_key_value_heads="
         f"{model_config.num_key_value_heads}): one must divide the other (fewer KV heads than C are replicated)",
+    )
+
+
+def validate_fp16(cfg: TrainConfig, model_config) -> None:
+    """fp16 where transformers keeps trained weights in fp32 (`_keep_in_fp32_modules`: gpt-oss's norms): DeepSpeed's
+    fp16 optimizer trains fp16 weights. Frozen ones stay fp32 (training/engine.py): DeepSeek-V3.2's indexer, and
+    every base weight under LoRA."""
+    if cfg.deepspeed.precision != "fp16" or cfg.lora.enabled:
+        return
+    family = family_of(model_config)
+    frozen = tuple(f".{name}." for name in family.frozen)
+    keys = [k for layer in all_layer_keys(model_config).values() for k in layer.values() if not k.startswith(frozen)]
+    keys = [k for k in keys if not any(f in k for f in frozen)]
+    names = sorted(n for n in family.fp32_in_fp16() if any(re.search(n, k) for k in keys))
+    need(
+        not names,
+        f"deepspeed.precision=fp16: transformers keeps {model_config.model_type}'s {', '.join(names)} in fp32 under "
+        "fp16 (_keep_in_fp32_modules), and DeepSpeed's fp16 optimizer trains fp16 weights; use bf16 or fp32 (or LoRA, "
+        "which keeps them frozen in fp32)",
     )
 
 

@@ -32,7 +32,10 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
+import re
 from dataclasses import dataclass, field
+
+import torch
 
 # The family of a config that names none (old LLaMA checkpoints have no model_type).
 DEFAULT_MODEL_TYPE = "llama"
@@ -160,10 +163,19 @@ class Family:
     def config_class(self) -> str:
         return self.config_name or self.prefix + "Config"
 
-    def keeps_fp32(self, key: str) -> bool:
-        """Whether `key` stays fp32 in a model of any dtype, as transformers keeps it
-        (`_keep_in_fp32_modules_strict` of the family's PreTrainedModel: DeepSeek's `e_score_correction_bias`)."""
-        return any(name in key.split(".") for name in _fp32_names(self.module()))
+    def keeps_fp32(self, key: str, dtype=None) -> bool:
+        """Whether `key` (a hub key, or a parameter's or buffer's name in a layer) stays fp32 in a model of `dtype`,
+        as transformers keeps it: `_keep_in_fp32_modules_strict` of the family's PreTrainedModel in any dtype
+        (DeepSeek's `e_score_correction_bias`), its `_keep_in_fp32_modules` under fp16 only (DeepSeek-V3.2's
+        `indexer.weights_proj`, gpt-oss's norms). Each name is searched for in the key, as transformers does."""
+        names = _fp32_names(self.module(), strict=True)
+        if dtype == torch.float16:
+            names |= _fp32_names(self.module(), strict=False)
+        return any(re.search(name, key) for name in names)
+
+    def fp32_in_fp16(self) -> frozenset[str]:
+        """What transformers keeps fp32 under fp16 only (`_keep_in_fp32_modules`: gpt-oss's norms)."""
+        return _fp32_names(self.module(), strict=False)
 
     def ignored_on_load(self) -> tuple[str, ...]:
         """The patterns of hub keys transformers' model of the family skips at load (its multi-token-prediction
@@ -212,10 +224,11 @@ def resolve_attention(config, requested: str | None) -> str:
 
 
 @functools.cache
-def _fp32_names(module) -> frozenset[str]:
-    """`_keep_in_fp32_modules_strict` of every PreTrainedModel class of a transformers modeling module."""
-    classes = _pretrained_classes(module)
-    return frozenset(n for cls in classes for n in getattr(cls, "_keep_in_fp32_modules_strict", None) or ())
+def _fp32_names(module, strict: bool) -> frozenset[str]:
+    """`_keep_in_fp32_modules_strict` (`strict`) or `_keep_in_fp32_modules` of every PreTrainedModel class of a
+    transformers modeling module."""
+    attr = "_keep_in_fp32_modules_strict" if strict else "_keep_in_fp32_modules"
+    return frozenset(n for cls in _pretrained_classes(module) for n in getattr(cls, attr, None) or ())
 
 
 @dataclass(frozen=True)

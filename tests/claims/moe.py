@@ -19,6 +19,8 @@ from tests.claims.held import (
 from tests.claims.kinds import Benchmark, Claim, NotAClaim
 
 EP = "tests/test_expert_parallel_training.py"
+FP16 = "tests/test_families.py::test_fp16_keeps_fp32_what_transformers_keeps"
+FP16_EXACT = "assert torch.equal(pipeline_logits(config, state, ids, dtype=torch.float16), fp16(input_ids=ids).logits)"
 
 CLAIMS = (
     Claim(
@@ -471,6 +473,18 @@ CLAIMS = (
         says="the vision tower and projector carried and written back on export (every tensor bit for bit, loaded by its own class)",
         test="tests/test_convert.py::test_multimodal_checkpoint_converts_its_text_model",
         holds="assert all(torch.equal(exported[k].view(torch.uint8), v.view(torch.uint8)) for k, v in source.items())",
+        bound=0,
+    ),
+    Claim(
+        says="in our layers cast to fp16 (logits bit-identical to transformers' fp16 model)",
+        test=FP16,
+        holds=FP16_EXACT,
+        bound=0,
+    ),
+    Claim(
+        says="our layers cast to fp16 give transformers' fp16 logits bit for bit",
+        test=FP16,
+        holds=FP16_EXACT,
         bound=0,
     ),
 )
