@@ -74,10 +74,11 @@ LAYOUTS = {
     "olmo3-pp2-tp2": ("olmo3", "false", 2, 2, "", 0),
     # DeepSeek's router, dense first layers, shared experts: DeepSeek-V3's MLA split by heads over TP=2, its experts
     # over EP=2 across two stages, both with its score biases balanced after every step; GLM-4.5's experts over
-    # TP=2 x EP=2 with sequence parallelism.
+    # TP=2 x EP=2 with sequence parallelism, and over EP=2 across two stages with its score biases balanced.
     "deepseek_v3-pp2-tp2-balanced": ("deepseek_v3", "false", 2, 2, "", 0),
     "deepseek_v3-pp2-dp2-ep2-balanced": ("deepseek_v3", "false", 2, 1, "", 0),
     "glm4_moe-tp2-dp2-ep2": ("glm4_moe", "false", 1, 2, "", 0),
+    "glm4_moe-pp2-dp2-ep2-balanced": ("glm4_moe", "false", 2, 1, "", 0),
     # Mistral 4: DeepSeek-V3's MLA with position-scaled queries and a softmax router; its experts (fused on the hub)
     # split over EP=2 across two stages.
     "mistral4-pp2-dp2-ep2": ("mistral4", "false", 2, 1, "", 0),

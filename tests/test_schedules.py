@@ -210,6 +210,15 @@ SCHEDULE_CASES += [("dualpipev", "gqa-pp2-cp2-packed-recompute-chunked-tiled"), 
 # DualPipeV through gpt-oss's sinks, sliding and full layers and biased experts.
 SCHEDULE_CASES += [(s, "deepseek_v3-pp2-dp2-ep2-balanced") for s in ("zero_bubble", "dualpipev")]
 SCHEDULE_CASES.append(("dualpipev", "gpt_oss-pp2-dp2-ep2"))
+# Each other family with experts under one of the two: gpt-oss's sinks and GLM-4.5's balanced score biases, Mistral
+# 4's position-scaled MLA, Qwen3-Next's recomputed linear attention and Qwen3.5-MoE's gated shared expert.
+SCHEDULE_CASES += [
+    ("zero_bubble", "gpt_oss-pp2-dp2-ep2"),
+    ("dualpipev", "glm4_moe-pp2-dp2-ep2-balanced"),
+    ("zero_bubble", "mistral4-pp2-dp2-ep2"),
+    ("zero_bubble", "qwen3_next-pp2-dp2-ep2-recompute"),
+    ("dualpipev", "qwen3_5_moe-pp2-dp2-ep2"),
+]
 
 
 @pytest.mark.slow
@@ -237,11 +246,13 @@ def test_schedule_trains_as_1f1b_and_the_reference(schedule, layout, hf_models, 
     from checkpoint.pipeline_reader import load_hf_state_dict
 
     wa, wb = load_hf_state_dict(base), load_hf_state_dict(ours)
-    worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
-    # NOTE: with experts, DualPipeV's other micro-batch order sums each expert's gradient in another order, and
-    # Adam turns those fp32 rounding differences of near-zero gradients into steps of about lr (3e-3): 2.15e-6 here.
-    bound = 1e-5 if "-ep2" in layout and schedule == "dualpipev" else 1e-6
-    assert wa.keys() == wb.keys() and worst <= bound, worst
+    worst, where = max((float((wa[k] - wb[k]).abs().max()), k) for k in wa)
+    # NOTE: DualPipeV's other micro-batch order sums gradients in another order, and Adam turns those fp32 rounding
+    # differences of nearly cancelling gradients into steps of up to 1% of lr (3e-3): each expert's (Mixtral 2.15e-6)
+    # and the linear attention's per-head decay `A_log` (Qwen3.5-MoE 1.67e-5).
+    bound = 1e-6 if schedule != "dualpipev" or "-ep2" not in layout else 1e-5
+    bound = 6e-5 if schedule == "dualpipev" and layout.startswith("qwen3_5_moe") else bound
+    assert wa.keys() == wb.keys() and worst <= bound, (worst, where)
     variant, _, stages, tp, _, _ = LAYOUTS[layout]
     dp = 4 // (stages * tp * (2 if "-cp2" in layout else 1))
     assert_matches_reference(ours, layout_config(layout, sft_data, gas), hf_models[variant], sft_data, dp, layout)
