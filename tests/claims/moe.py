@@ -84,13 +84,13 @@ CLAIMS = (
         bound=0,
     ),
     Claim(
-        says="every export of it, trained or not, holds it byte for byte",
+        says="every export of them, trained or not, holds it byte for byte",
         test=ROUND_TRIP,
         holds=ROUND_TRIP_EXACT,
         bound=0,
     ),
     Claim(
-        says="every export of it, trained or not, holds it byte for byte",
+        says="every export of them, trained or not, holds it byte for byte",
         test="tests/test_training.py::test_training_matches_single_process_reference",
         holds="assert torch.equal(exported[key].view(torch.uint8), ours[key].view(torch.uint8)), key",
         bound=0,
