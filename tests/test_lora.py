@@ -240,6 +240,28 @@ def test_lora_on_latent_attention_matches_peft(hf_models, converted, tokenizer_d
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "variant,targets",
+    [
+        ("gpt_oss", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+        ("glm4_moe", ["q_proj", "v_proj", "gate_proj", "down_proj"]),
+    ],
+)
+def test_lora_with_experts_matches_peft(variant, targets, hf_models, converted, tokenizer_dir, sft_data, tmp_path):
+    """gpt-oss (sinks, biased q/k/v/o, every layer sparse) and GLM-4.5 (biased q/k/v; its first layer's dense MLP and
+    the others' shared experts), experts frozen and split over EP=2, at PP=2 x DP=2: 4 AdamW steps with clipping equal
+    PEFT's single-process training; the merged export equals PEFT's unmerged model."""
+    cfg = parity_cfg(sft_data[0])
+    cfg.lora = LoraSettings(enabled=True, r=4, alpha=8.0, target_modules=targets)
+    run = tmp_path / "run"
+    lora = ["lora.enabled=true", "lora.r=4", "lora.alpha=8.0", f"lora.target_modules=[{','.join(targets)}]"]
+    check(launch(4, *overrides(cfg, converted[variant], str(run), 2, expert_parallel_size=2), *lora))
+    ours = assert_matches_peft(run, cfg, hf_models[variant], tokenizer_dir, dp=2)
+    assert len(ours) == 4 * len(targets) * 2  # layers x targets x (A, B): every layer has each target
+    assert_merged_export_is_peft(run, hf_models[variant], ours, targets, tmp_path / "merged")
+
+
+@pytest.mark.slow
 def test_lora_on_linear_attention_matches_peft(hf_models, converted, tokenizer_dir, sft_data, tmp_path):
     """Qwen3.5 (Gated DeltaNet linear attention in layers 0-2, gated full attention in layer 3) with adapters on both
     kinds of attention and the MLP, at PP=2 x TP=2: q/k/v in one linear-attention projection (its B split part by
