@@ -105,7 +105,11 @@ MODEL_VARIANTS = {
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
 NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss", "qwen3_next", "qwen3_5"]
-CARRYING_VARIANTS = {"deepseek_v3": "layers", "glm4_moe": "layers", "qwen3_next": "mtp"}  # with a multi-token-prediction layer
+CARRYING_VARIANTS = {
+    "deepseek_v3": "layers",
+    "glm4_moe": "layers",
+    "qwen3_next": "mtp",
+}  # with a multi-token-prediction layer
 MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss")
 MOE_VARIANTS += ("qwen3_next", "qwen3_5_moe", "deepseek_v32")
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]

@@ -22,14 +22,21 @@ GPT_OSS_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_
 
 
 @pytest.mark.parametrize(
-    "layout", ["mixtral-pp2-dp2-ep2-recompute", "gpt_oss-pp2-dp2-ep2", "deepseek_v3-pp2-dp2-ep2-balanced"]
+    "layout",
+    [
+        "mixtral-pp2-dp2-ep2-recompute",
+        "gpt_oss-pp2-dp2-ep2",
+        "deepseek_v3-pp2-dp2-ep2-balanced",
+        "qwen3_next-pp2-dp2-ep2-recompute",
+    ],
 )
 def test_expert_parallel_checkpoint_resumes_with_any_ep(layout, converted, sft_data, tmp_path, tmp_path_factory):
     """A run saved at step 2 of 4 with its experts split over EP=2 (the parity layout's, PP=2 x DP=2): Mixtral;
     gpt-oss (experts fused on the hub, with biases); DeepSeek-V3 with its score biases balanced every step (the
-    biases saved with the weights, the step's counts not). The layer files hold every expert (the hub's 4 per layer,
+    biases saved with the weights, the step's counts not); Qwen3-Next (linear attention, a gated shared expert, every
+    block recomputed). The layer files hold every expert (the hub's 4 per layer,
     biases included) and the optimizer state every expert's Adam moments, so resuming with EP=2 continues the run's
-    losses and grad norms bit for bit, and with EP=1 within 1e-6; gpt-oss and DeepSeek-V3 also move to PP=1 x DP=2
+    losses and grad norms bit for bit, and with EP=1 within 1e-6; the others also move to PP=1 x DP=2
     x EP=1 (the state reshaped by parameter name), continuing the curve within 1e-5 (losses) and 1e-4 (norms)."""
     full = Path(layout_run(layout, converted, sft_data, tmp_path_factory))
     layer = load_pt(str(full / "global_step2" / "layer_02-model_00-model_states.pt"))  # block 1: sparse in all three

@@ -73,6 +73,7 @@ RESUMED = {
     "gqa-pp2-cp2-packed-recompute-chunked-tiled",
     "gpt_oss-pp2-dp2-ep2",
     "deepseek_v3-pp2-dp2-ep2-balanced",
+    "qwen3_next-pp2-dp2-ep2-recompute",
 }
 
 # Micro-batches per step: 3, or 4 where tests/test_schedules.py's DualPipeV (which needs 2 x PP) shares the 1F1B run.

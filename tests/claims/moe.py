@@ -1,3 +1,4 @@
+from tests.claims import moe_2
 from tests.claims.converting import INT4_HOLDS, INT4_TEST
 from tests.claims.held import (
     DPO_REFERENCE,
@@ -19,8 +20,6 @@ from tests.claims.held import (
 from tests.claims.kinds import Benchmark, Claim, NotAClaim
 
 EP = "tests/test_expert_parallel_training.py"
-FP16 = "tests/test_families.py::test_fp16_keeps_fp32_what_transformers_keeps"
-FP16_EXACT = "assert torch.equal(pipeline_logits(config, state, ids, dtype=torch.float16), fp16(input_ids=ids).logits)"
 
 CLAIMS = (
     Claim(
@@ -475,23 +474,4 @@ CLAIMS = (
         holds="assert all(torch.equal(exported[k].view(torch.uint8), v.view(torch.uint8)) for k, v in source.items())",
         bound=0,
     ),
-    Claim(
-        says="in our layers cast to fp16 (logits bit-identical to transformers' fp16 model)",
-        test=FP16,
-        holds=FP16_EXACT,
-        bound=0,
-    ),
-    Claim(
-        says="our layers cast to fp16 give transformers' fp16 logits bit for bit",
-        test=FP16,
-        holds=FP16_EXACT,
-        bound=0,
-    ),
-    Claim(
-        says="Qwen3.5-MoE's within 2% of lr (`A_log`: 1.67e-5)",
-        test=SCHED,
-        holds='bound = 6e-5 if schedule == "dualpipev" and layout.startswith("qwen3_5_moe") else bound',
-        bound=6e-5,
-        figure=1.67e-5,
-    ),
-)
+) + moe_2.CLAIMS

@@ -1,0 +1,36 @@
+"""docs/moe.md, continued (under the line budget): fp16's fp32 tensors, DualPipeV's `A_log`, moved optimizer state."""
+
+from tests.claims.held import SCHED
+from tests.claims.kinds import Claim
+
+EP = "tests/test_expert_parallel_training.py"
+FP16 = "tests/test_families.py::test_fp16_keeps_fp32_what_transformers_keeps"
+FP16_EXACT = "assert torch.equal(pipeline_logits(config, state, ids, dtype=torch.float16), fp16(input_ids=ids).logits)"
+
+CLAIMS = (
+    Claim(
+        says="in our layers cast to fp16 (logits bit-identical to transformers' fp16 model)",
+        test=FP16,
+        holds=FP16_EXACT,
+        bound=0,
+    ),
+    Claim(
+        says="our layers cast to fp16 give transformers' fp16 logits bit for bit",
+        test=FP16,
+        holds=FP16_EXACT,
+        bound=0,
+    ),
+    Claim(
+        says="Qwen3.5-MoE's within 2% of lr (`A_log`: 1.67e-5)",
+        test=SCHED,
+        holds='bound = 6e-5 if schedule == "dualpipev" and layout.startswith("qwen3_5_moe") else bound',
+        bound=6e-5,
+        figure=1.67e-5,
+    ),
+    Claim(
+        says="the optimizer state reshaped by parameter name (losses within 1e-5, grad norms within 1e-4)",
+        test=f"{EP}::test_expert_parallel_checkpoint_resumes_with_any_ep",
+        holds='assert b["lr"] == a["lr"] and b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)',
+        bound=1e-5,
+    ),
+)
