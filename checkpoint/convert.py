@@ -76,6 +76,10 @@ def convert_layers(
                 cast.copy_(tensor)
                 pool.give(tensor)
                 tensor = cast
+            elif dtype and keep and tensor.is_floating_point() and tensor.dtype != torch.float32:
+                upcast = tensor.float()  # as transformers loads it, from bf16 too
+                pool.give(tensor)
+                tensor = upcast
             tensor = own_storage(tensor)
             pending.setdefault(index, {})[ours] = tensor
             pending_bytes += tensor.numel() * tensor.element_size()

@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from models import context_parallel
 from models.attention_masks import attention_mask, flash_varlen_kwargs
+from models.cast import apply_keeping_fp32
 from models.context_parallel import ContextParallel
 from models.expert_parallel import ExpertParallel
 from models.families import (
@@ -78,23 +79,6 @@ class _Fp32Rotary:
         return apply_keeping_fp32(
             self, lambda name, _: name.endswith("inv_freq"), fn, lambda: super(_Fp32Rotary, self)._apply(fn, recurse)
         )
-
-
-def apply_keeping_fp32(module: nn.Module, keep, fn, apply) -> nn.Module:
-    """`apply()` (`module._apply(fn)`: a cast or a move) with the buffers and parameters that `keep(name, dtype)`
-    selects for the dtype `fn` casts to left fp32, on the device `fn` moves them to."""
-    dtype = fn(torch.zeros(())).dtype  # what the cast makes of an fp32 tensor (a move alone leaves it fp32)
-    tensors = [*module.named_buffers(), *module.named_parameters()]
-    kept = {name: t.data.float() for name, t in tensors if keep(name, dtype)}  # (.data: apply() replaces it)
-    apply()
-    for name, data in kept.items():
-        owner, _, leaf = name.rpartition(".")
-        holder = module.get_submodule(owner)
-        if leaf in holder._buffers:
-            holder._buffers[leaf] = data.to(holder._buffers[leaf].device)
-        else:
-            holder._parameters[leaf].data = data.to(holder._parameters[leaf].device)
-    return module
 
 
 def on_family_class(mixin: type, model_type: str, hf_suffix: str, name: str) -> type[nn.Module]:
@@ -226,9 +210,11 @@ class DecoderPipe:
             moe = family_of(config).moe
             context_parallel.tile_mlp(getattr(self, moe.block if moe else "mlp"), options.mlp_tiles)
 
-    def _apply(self, fn, recurse=True):  # what transformers keeps fp32 in the dtype cast to (`Family.keeps_fp32`)
-        keep = family_of(self.model_config).keeps_fp32
-        return apply_keeping_fp32(self, keep, fn, lambda: super(DecoderPipe, self)._apply(fn, recurse))
+    def keeps_fp32(self, name: str, dtype) -> bool:  # what transformers keeps fp32 in `dtype` (`Family.keeps_fp32`)
+        return family_of(self.model_config).keeps_fp32(name, dtype)
+
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_fp32(self, self.keeps_fp32, fn, lambda: super(DecoderPipe, self)._apply(fn, recurse))
 
     def moe_block(self) -> nn.Module:
         """The sparse block (`mlp`; Llama 4's `feed_forward`) of a sparse layer."""
@@ -320,9 +306,11 @@ class _NormPipe:
         hidden, _, *moe = inputs
         return super().forward(hidden) if not moe else (super().forward(hidden), moe[1])
 
-    def _apply(self, fn, recurse=True):  # kept fp32 where transformers keeps `model.norm` so (gpt-oss's, in fp16)
-        keep = lambda name, dtype: FAMILIES[self.model_type].keeps_fp32(f"model.norm.{name}", dtype)  # noqa: E731
-        return apply_keeping_fp32(self, keep, fn, lambda: super(_NormPipe, self)._apply(fn, recurse))
+    def keeps_fp32(self, name: str, dtype) -> bool:  # where transformers keeps `model.norm` so (gpt-oss's, in fp16)
+        return FAMILIES[self.model_type].keeps_fp32(f"model.norm.{name}", dtype)
+
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_fp32(self, self.keeps_fp32, fn, lambda: super(_NormPipe, self)._apply(fn, recurse))
 
 
 @functools.cache

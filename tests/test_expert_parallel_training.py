@@ -39,7 +39,7 @@ def test_expert_parallel_checkpoint_resumes_with_any_ep(layout, converted, sft_d
     losses and grad norms bit for bit, and with EP=1 within 1e-6; the others also move to PP=1 x DP=2
     x EP=1 (the state reshaped by parameter name), continuing the curve within 1e-5 (losses) and 1e-4 (norms)."""
     full = Path(layout_run(layout, converted, sft_data, tmp_path_factory))
-    layer = load_pt(str(full / "global_step2" / "layer_02-model_00-model_states.pt"))  # block 1: sparse in all three
+    layer = load_pt(str(full / "global_step2" / "layer_02-model_00-model_states.pt"))  # block 1: sparse in all four
     experts = {k: v for k, v in layer.items() if ".experts." in k}
     if layout.startswith("mixtral"):
         names = ("w1", "w2", "w3")
@@ -174,6 +174,10 @@ def test_expert_parallel_under_zero1_and_bf16(converted, sft_data, tmp_path, tmp
         print(f"{name} vs fp32 ZeRO-0 (EP=2) after {STEPS} steps: max |weight diff| {worst:.3g}")
         # About 5x the figure each run measured (docs/measured.md); bf16 rounds weights every step (0.0119-0.0134).
         assert worst < (FP32_WEIGHT_BOUNDS[name] if exact else 0.03), (name, worst)
+        biases = [k for k in reference if k.endswith("e_score_correction_bias")]  # balanced: fp32, as fp32's
+        if layout.endswith("-balanced"):
+            assert any(reference[k].any() for k in biases), "not balanced"
+            assert all(ours[k].dtype == torch.float32 and torch.equal(ours[k], reference[k]) for k in biases), name
         if name == "fp32_zero1":  # saved at step 2 (the resume tests' layout): ZeRO-1 shards on every rank
             files = set(os.listdir(out / "global_step2"))
             assert {f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for d in range(2) for s in range(2)} <= files

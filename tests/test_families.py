@@ -157,15 +157,20 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
 @pytest.mark.parametrize("model_type", ["deepseek_v32", "gpt_oss"])
 def test_fp16_keeps_fp32_what_transformers_keeps(model_type, tmp_path):
     """In fp16 transformers keeps its `_keep_in_fp32_modules` in fp32 (DeepSeek-V3.2's indexer `weights_proj`,
-    gpt-oss's norms), beside what it keeps in any dtype (score biases). Conversion to fp16 keeps the same tensors
-    fp32, our layers cast to fp16 give transformers' fp16 logits bit for bit, and DeepSpeed's cast of every
-    parameter to fp16 leaves the frozen ones (V3.2's indexer) fp32 (`frozen_weights_kept_fp32`; gpt-oss's trained
-    norms are refused in fp16: tests/test_moe.py)."""
+    gpt-oss's norms) beside what it keeps in fp16 and bf16 (score biases), from a bf16 checkpoint too. Conversion to
+    fp16 keeps the same tensors fp32, our layers cast to fp16 give transformers' fp16 logits bit for bit, and after
+    DeepSpeed's cast of every parameter to fp16 (its `_cast_module_mixed_precision`, run here on a stage of two
+    layers) the frozen ones are fp32 again (`frozen_weights_kept_fp32`): V3.2's indexer, and under LoRA gpt-oss's
+    norms, the final one included. fp16 passes validation for V3.2 and for gpt-oss with LoRA (without, its trained
+    norms are refused: tests/test_moe.py)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
+    from torch import nn
     from transformers import AutoModelForCausalLM
 
     from checkpoint.convert import convert_hf_to_pipeline
     from checkpoint.pipeline_reader import load_hf_state_dict
+    from models.pipe_layout import NORM
+    from tests.catalogue import config_error
     from training.engine import frozen_weights_kept_fp32
 
     config = tiny_config(model_type, num_hidden_layers=3)
@@ -173,30 +178,42 @@ def test_fp16_keeps_fp32_what_transformers_keeps(model_type, tmp_path):
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config)
     perturb(hf)
-    hf.save_pretrained(tmp_path / "hf")
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "hf")  # as the hub keeps them
     fp16 = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float16).eval()
     kept = {k for k, t in fp16.state_dict().items() if t.dtype == torch.float32}
-    assert any("weights_proj" in k or "layernorm" in k for k in kept), kept
+    if model_type == "gpt_oss":
+        norms = ("input_layernorm", "post_attention_layernorm")
+        assert kept == {"model.norm.weight"} | {f"model.layers.{i}.{n}.weight" for i in range(3) for n in norms}
+    else:
+        biases = {f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in range(3) if is_sparse_layer(config, i)}
+        assert kept == {f"model.layers.{i}.self_attn.indexer.weights_proj.weight" for i in range(3)} | biases
     convert_hf_to_pipeline(str(tmp_path / "hf"), str(tmp_path / "ckpt"), dtype="fp16", log=lambda *_: None)
     assert {k for k, t in load_hf_state_dict(str(tmp_path / "ckpt")).items() if t.dtype == torch.float32} == kept
     ids = torch.randint(0, config.vocab_size, (2, 12))
     state = fuse_per_expert(hf_state(str(tmp_path / "hf")), config)
     with torch.no_grad():
         assert torch.equal(pipeline_logits(config, state, ids, dtype=torch.float16), fp16(input_ids=ids).logits)
-    layer = pipe_layers(3, config.tie_word_embeddings)[1]  # decoder block 0
+    layers = pipe_layers(3, config.tie_word_embeddings)
+    block, norm = layers[1], next(layer for layer in layers if layer.kind == NORM)  # decoder block 0, the norm
+    half = build_layer(block, config).half()
     block_kept = {k.removeprefix("model.layers.0.") for k in kept if k.startswith("model.layers.0.")}
-    half = build_layer(layer, config).half()
     assert {k for k, t in half.state_dict().items() if t.dtype == torch.float32} == block_kept
-    for lora in (False, True):  # LoRA: every base weight frozen, so gpt-oss's norms stay fp32 too
-        block = build_layer(layer, config)
+    for lora in (False, True):  # LoRA: every base weight frozen, gpt-oss's norms too
+        stage = nn.Sequential(build_layer(block, config), build_layer(norm, config))  # named as a stage's layers
         if lora:
-            block.requires_grad_(False)
-        with frozen_weights_kept_fp32(block, "fp16"):
-            engine = dataclasses.make_dataclass("Engine", ["module"])(block)  # DeepSpeed's own cast of a stage
+            stage.requires_grad_(False)
+        with frozen_weights_kept_fp32(stage, "fp16"):
+            engine = dataclasses.make_dataclass("Engine", ["module"])(stage)
             DeepSpeedEngine._cast_module_mixed_precision(engine, torch.half, None, False)
-        norms = {"input_layernorm.weight", "post_attention_layernorm.weight"} if lora else set()
-        want = {"deepseek_v32": {"self_attn.indexer.weights_proj.weight"}, "gpt_oss": norms}[model_type]
-        assert {n for n, p in block.named_parameters() if p.dtype == torch.float32} == want
+        norms = {"0.input_layernorm.weight", "0.post_attention_layernorm.weight", "1.weight"} if lora else set()
+        want = {"deepseek_v32": {"0.self_attn.indexer.weights_proj.weight"}, "gpt_oss": norms}[model_type]
+        assert {n for n, p in stage.named_parameters() if p.dtype == torch.float32} == want
+    config.save_pretrained(tmp_path / "m")
+    run = [f"train_file={tmp_path}/t.jsonl", f"output_dir={tmp_path}/out", f"model_name_or_path={tmp_path}/m"]
+    run += ["seq_length=64", "deepspeed=fp32", "deepspeed.precision=fp16"]
+    run += ["lora.enabled=true", "lora.target_modules=[q_proj,v_proj]"] if model_type == "gpt_oss" else []
+    with pytest.raises(AssertionError, match="no error for"):
+        config_error(run, world_size=4)
 
 
 def test_other_model_types_are_refused(tmp_path):

@@ -356,7 +356,11 @@ def test_llama4_routed_experts_equal_transformers_dense_block():
             ["model.attn_implementation=flash_attention_2"],
             "model.attn_implementation=flash_attention_2: transformers' deepseek_v32 does not support it",
         ),
-        ("gpt_oss", ["model.attn_implementation=flash_attention_2"], "model.attn_implementation=flash_attention_2: "),
+        (
+            "gpt_oss",
+            ["model.attn_implementation=flash_attention_2"],
+            "model.attn_implementation=flash_attention_2: transformers' gpt_oss does not support it",
+        ),
         (
             "gpt_oss",
             ["deepspeed.precision=fp16"],

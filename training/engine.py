@@ -14,7 +14,6 @@ from deepspeed.runtime.utils import clip_grad_norm_
 from checkpoint.universal import universal_info
 from models.context_parallel import ContextParallel
 from models.expert_parallel import ExpertParallel
-from models.families import family_of
 from models.layers import DecoderOptions, init_weights
 from models.moe import is_moe, num_experts
 from models.pipeline import build_pipeline_module
@@ -253,9 +252,9 @@ def frozen_weights_kept_fp32(module, precision: str):
     that dtype (`Family.keeps_fp32`: DeepSeek-V3.2's frozen `indexer.weights_proj` under fp16): the frozen ones go
     back to their fp32 values after it (no optimizer holds them). Trained ones are refused (training/validate.py)."""
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(str(precision))
-    keep = family_of(module.model_config).keeps_fp32
-    named = module.named_parameters()
-    kept = [(p, p.data.float()) for name, p in named if dtype and not p.requires_grad and keep(name, dtype)]
+    layers = [m for m in module.modules() if hasattr(m, "keeps_fp32")]  # each by its own names (models/layers.py)
+    named = [(layer.keeps_fp32, n, p) for layer in layers for n, p in layer.named_parameters()]
+    kept = [(p, p.data.float()) for keep, n, p in named if dtype and not p.requires_grad and keep(n, dtype)]
     yield
     for param, data in kept:
         param.data = data.to(param.device)
@@ -266,6 +265,7 @@ def initialize_forward_engine(cfg: TrainConfig, coords: Coords, module):
     stage cast to the run's precision. The reference pass of `objective=dpo` runs it, then drops it."""
     config = deepspeed_config(cfg, coords, experts=is_moe(module.model_config))
     config["zero_optimization"] = {"stage": 0}  # nothing to partition without an optimizer
+    module.requires_grad_(False)  # nothing trains: what transformers keeps fp32 stays so (`frozen_weights_kept_fp32`)
     if module._ep.size > 1:  # each rank's own experts (as initialize_engine)
         keep_from_broadcast(module)
     with frozen_weights_kept_fp32(module, cfg.deepspeed.precision):

@@ -127,7 +127,7 @@ def validate_fp16(cfg: TrainConfig, model_config) -> None:
         return
     family = family_of(model_config)
     frozen = tuple(f".{name}." for name in family.frozen)
-    keys = [k for layer in all_layer_keys(model_config).values() for k in layer.values() if not k.startswith(frozen)]
+    keys = [k for layer in all_layer_keys(model_config).values() for k in layer.values()]
     keys = [k for k in keys if not any(f in k for f in frozen)]
     names = sorted(n for n in family.fp32_in_fp16() if any(re.search(n, k) for k in keys))
     need(

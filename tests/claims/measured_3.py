@@ -209,14 +209,14 @@ CLAIMS = (
     Claim(
         says="its load-balancing loss 3.46e-5 (in `A_log`, a per-head decay whose gradient nearly cancels: 1.15% of lr",
         test=held.REFERENCE,
-        holds='"qwen3_next-pp2-dp2-ep2-recompute": 0.02',
+        holds='wider["qwen3_next-pp2-dp2-ep2-recompute"] = 0.02',
         bound=6e-5,
         figure=3.46e-5,
     ),
     Claim(
-        says="2.81e-5 under DualPipeV; both held at 2% of lr",
+        says="2.81e-5 under DualPipeV, held at 2% of lr",
         test=held.REFERENCE,
-        holds='"qwen3_5_moe-pp2-dp2-ep2": 0.02',
+        holds='wider["qwen3_5_moe-pp2-dp2-ep2"] = 0.02',
         bound=6e-5,
         figure=2.81e-5,
     ),
