@@ -61,3 +61,20 @@ def multimodal(family: str):
         text_config=text, vision_config=vision | dict(patch_size=8), mm_tokens_per_image=4
     )
     return transformers.Gemma3ForConditionalGeneration(config), "vision_tower.", "gemma3_text", "Gemma3ForCausalLM"
+
+
+def kimi_k25_as_on_the_hub(mm_dir) -> None:
+    """A saved Kimi_K25ForConditionalGeneration directory as the hub keeps it: its text layers `layers`
+    (transformers 5.23 saves them as `blocks`: its vision tower's `blocks` -> `layers` rename, reversed on save,
+    reaches the text model too) and its text model's type `kimi_k2`."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    path = Path(mm_dir) / "model.safetensors"
+    hub = {k.replace(".model.blocks.", ".model.layers."): v for k, v in load_file(path).items()}
+    save_file(hub, path, metadata={"format": "pt"})
+    conf = json.loads((Path(mm_dir) / "config.json").read_text())
+    conf["text_config"]["model_type"] = "kimi_k2"
+    (Path(mm_dir) / "config.json").write_text(json.dumps(conf))

@@ -19,7 +19,7 @@ from checkpoint.pipeline_reader import load_hf_state_dict
 from models.key_table import is_carried, layer_keys
 from models.pipe_layout import pipe_layers
 from tests.conftest import CARRYING_VARIANTS, FAMILY_VARIANTS, hf_state, one_error_line, run_cmd
-from tests.multimodal import multimodal
+from tests.multimodal import kimi_k25_as_on_the_hub, multimodal
 from tools.tiny_models import make_hf_model, tiny_config
 
 
@@ -434,16 +434,8 @@ def test_multimodal_checkpoint_converts_its_text_model(family, tmp_path):
     if family.startswith("qwen3_5"):
         as_on_the_hub(str(tmp_path / "mm"), model.config.text_config)  # Qwen3.5-MoE's experts fused, as on the hub
         add_mtp_layer(str(tmp_path / "mm"), "mtp")
-    if family == "kimi_k25":  # the hub's text layers are `layers`; transformers 5.23 saves them as `blocks` (its
-        # vision tower's `blocks` -> `layers` rename, reversed on save, reaches the text model too)
-        from safetensors.torch import load_file, save_file
-
-        path = tmp_path / "mm" / "model.safetensors"
-        hub = {k.replace(".model.blocks.", ".model.layers."): v for k, v in load_file(path).items()}
-        save_file(hub, path, metadata={"format": "pt"})
-        conf = json.loads((tmp_path / "mm" / "config.json").read_text())  # and its text model's type, `kimi_k2`
-        conf["text_config"]["model_type"] = "kimi_k2"
-        (tmp_path / "mm" / "config.json").write_text(json.dumps(conf))
+    if family == "kimi_k25":
+        kimi_k25_as_on_the_hub(tmp_path / "mm")
     source = hf_state(str(tmp_path / "mm"))
     assert any(k.startswith(vision_keys) for k in source)
     ckpt, export = tmp_path / "ckpt", tmp_path / "export"

@@ -300,20 +300,54 @@ def test_int4_experts_are_dequantized_as_transformers_loads_them(hf_models, tmp_
     assert "does not fit" in one_error_line(refused, quantized[0]) and not (tmp_path / "bad").exists()
 
 
-def test_an_fp8_container_exports_a_plain_config(tmp_path):
-    """A container checkpoint quantized at its top level (DeepSeek-style FP8) converts to plain bf16 weights: its
-    export's config.json is the container's again, without the `quantization_config` its weights no longer have."""
-    from checkpoint.export import write_container_config
-    from checkpoint.names import CONTAINER_CONFIG
+def test_kimi_k25_container_with_int4_experts(tmp_path):
+    """Kimi K2.5 as the hub keeps it: a Kimi_K25ForConditionalGeneration directory whose text model's routed experts
+    are INT4 (compressed-tensors, groups of 32), its `quantization_config` at the container's top level. Each expert
+    converts to what compressed-tensors' decompressor computes from it (bf16, bit for bit), the rest to the original
+    in bf16; the export is the container in bf16 without a `quantization_config`, its vision tower and projector
+    byte for byte, loaded by its own class (a container's export drops the `quantization_config` its weights no longer
+    have)."""
+    import transformers
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor as Packed
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    fp8 = {"quant_method": "fp8", "weight_block_size": [16, 16]}
-    container = {"model_type": "kimi_k25", "text_config": {"model_type": "kimi_k2"}, "quantization_config": fp8}
-    (tmp_path / CONTAINER_CONFIG).write_text(json.dumps(container))
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k2", "dtype": "bfloat16"}))
-    write_container_config(str(tmp_path))
-    exported = json.loads((tmp_path / "config.json").read_text())
-    assert "quantization_config" not in exported and exported["dtype"] == "bfloat16"
-    assert exported["text_config"]["model_type"] == "kimi_k2" and not (tmp_path / CONTAINER_CONFIG).exists()
+    from tests.conftest import convert_in_process
+    from tests.multimodal import kimi_k25_as_on_the_hub, multimodal
+
+    torch.manual_seed(0)
+    mm, ckpt, export = tmp_path / "mm", tmp_path / "ckpt", tmp_path / "export"
+    multimodal("kimi_k25")[0].save_pretrained(mm)
+    kimi_k25_as_on_the_hub(mm)
+    original = hf_state(str(mm))
+    quant = int4_config()
+    scheme = QuantizationScheme(
+        targets=["Linear"], weights=QuantizationArgs(**quant["config_groups"]["group_0"]["weights"])
+    )
+    state, want = dict(original), {}
+    for key in [k for k in original if ".mlp.experts." in k]:
+        w = state.pop(key).to(torch.bfloat16)
+        scale = (w.float().unflatten(1, (-1, 32)).abs().amax(-1) / 7.5).to(torch.bfloat16)
+        packed = Packed.compress({"weight": w, "weight_scale": scale}, scheme)
+        want[key] = Packed.decompress(dict(packed), scheme)["weight"].to(torch.bfloat16)
+        state |= {key.removesuffix("weight") + name: t for name, t in packed.items()}
+    save_file(state, mm / "model.safetensors", metadata={"format": "pt"})
+    quant["ignore"] += ["re:.*vision_tower.*", "re:.*mm_projector.*"]
+    (mm / "config.json").write_text(
+        json.dumps(json.loads((mm / "config.json").read_text()) | {"quantization_config": quant})
+    )
+    assert convert_in_process(["--input", str(mm), "--output", str(ckpt)]).returncode == 0
+    ours = load_hf_state_dict(str(ckpt))
+    assert len(want) == 36 and {f"language_model.{k}" for k in ours} >= set(want)
+    for key, value in ours.items():
+        expected = want.get("language_model." + key, original["language_model." + key])
+        dtype = value.dtype if key.endswith("e_score_correction_bias") else torch.bfloat16
+        assert value.dtype == dtype and torch.equal(value, expected.to(dtype)), key
+    assert convert_in_process(["--to-hf", "--input", str(ckpt), "--output", str(export)]).returncode == 0
+    exported, conf = hf_state(str(export)), json.loads((export / "config.json").read_text())
+    towers = [k for k in original if not k.startswith("language_model.")]
+    assert towers and all(torch.equal(exported[k].view(torch.uint8), original[k].view(torch.uint8)) for k in towers)
+    assert set(exported) == set(original) and "quantization_config" not in conf and conf["model_type"] == "kimi_k25"
+    transformers.Kimi_K25ForConditionalGeneration.from_pretrained(str(export))
 
 
 def quantize_per_tensor(mm_dir: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -102,7 +102,7 @@ CLAIMS = (
     ),
     Claim(
         says="K2.5's `quantization_config` at the container's top level): dequantized at conversion to the weights "
-        "transformers loads from them, bit for bit in bf16 ([converting.md](converting.md));",
+        "transformers loads from them, bit for bit in bf16 ([converting.md](converting.md);",
         test=INT4_TEST,
         holds=INT4_HOLDS,
         bound=0,
