@@ -82,7 +82,7 @@ def stage0_parameters(config, layers: int, lora=None) -> tuple[int, int, int]:
         ("mixtral_8x7b_2node", 4, 16, "bf16", 54),
         ("llama4_scout_4node", 8, 32, "bf16", 66),
         ("deepseek_v3_32node", 16, 256, "bf16", 66),
-        ("deepseek_v32_32node", 16, 256, "bf16", 66),
+        ("deepseek_v32_32node", 16, 256, "bf16", 69),
         ("kimi_k2_48node", 16, 384, "bf16", 58),
         ("gpt_oss_120b_8node", 4, 64, "bf16", 50),
         ("glm4_5_air_4node", 8, 32, "bf16", 68),

@@ -411,3 +411,31 @@ def test_planner_adapters_are_peft_adapters_on_each_tp_rank(model_type):
                 inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8.0, target_modules=targets), module)
             peft = sum(p.numel() for name, p in module.named_parameters() if ".lora_" in name)
             assert counts[layer.index] == peft > 0, (tp_size, layer)
+
+
+def test_a_lightning_indexers_scores_are_planned_as_they_peak():
+    """DeepSeek-V3.2's indexer scores every key of the row for each query and head in fp32 while its layer runs,
+    nothing of it kept for backward: the planner's transient bytes (`transient_bytes`, added to every stage's
+    activations) within 3% of the peak transformers' indexer allocates above its inputs (torch's profiler, CPU,
+    a row of 512); a family without an indexer has none."""
+    import transformers.models.deepseek_v32.modeling_deepseek_v32 as v32
+    from torch.profiler import ProfilerActivity, profile
+
+    from tools.activation_bytes import transient_bytes
+
+    config = tiny_config("deepseek_v32", num_hidden_layers=2)
+    indexer = v32.DeepseekV32DecoderLayer(config, 1).self_attn.indexer
+    b, s = 1, 512
+    hidden, q_resid = torch.randn(b, s, config.hidden_size), torch.randn(b, s, config.q_lora_rank)
+    positions = torch.arange(s)[None]
+    rotary = v32.DeepseekV32RotaryEmbedding(config)(hidden, positions)
+    mask = torch.ones(b, s, s, dtype=torch.bool).tril()
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        indexer(hidden, q_resid, rotary, mask, positions)
+    held = peak = 0  # allocations (ops' own) and frees ([memory] events) in the order they happened
+    for event in sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start):
+        held += event.self_cpu_memory_usage
+        peak = max(peak, held)
+    print(f"indexer peak {peak} bytes, planned {transient_bytes(config, b, s):.0f}")
+    assert peak == pytest.approx(transient_bytes(config, b, s), rel=0.03), (peak, transient_bytes(config, b, s))
+    assert transient_bytes(tiny_config("deepseek_v3"), b, s) == 0

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 
 from models.families import family_of, resolve_attention
-from tools.activation_bytes import deferred_weight_grad_bytes, stage_activation_bytes
+from tools.activation_bytes import deferred_weight_grad_bytes, stage_activation_bytes, transient_bytes
 
 GIB = 1024**3
 
@@ -131,7 +131,7 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
         blocks = sum(1 for r in own for i in r if block_of(i, n) is not None)
         states = memory_states(schedule, cfg.gradient_accumulation_steps, pp, stage)
         held = max(a * kept[0] + c * kept[1] + w * blocks * deferred for a, c, w in states)
-        activations = held + max(live for _, live in per_half)
+        activations = held + max(live for _, live in per_half) + transient_bytes(config, b, s)
         vocab = padded_vocab(config.vocab_size, tp, cfg.model.vocab_pad_multiple) // tp  # vocab-parallel head
         chunk = min(cfg.model.loss_chunk_size or b * s, b * s)
         # Logits in the compute dtype and their gradient, plus fp32 logits and softmax of one chunk of tokens.

@@ -54,4 +54,11 @@ CLAIMS = (
         holds="assert value.dtype == dtype and torch.equal(value, expected.to(dtype)), key",
         bound=0,
     ),
+    Claim(
+        says="within 1.0% of the peak transformers' indexer allocates",
+        test="tests/test_memory_estimate.py::test_a_lightning_indexers_scores_are_planned_as_they_peak",
+        holds="assert peak == pytest.approx(transient_bytes(config, b, s), rel=0.03)",
+        bound=0.03,
+        figure=0.01,
+    ),
 )
