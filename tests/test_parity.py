@@ -41,8 +41,10 @@ CASES = [
     ("olmo3", "eager-packed"),
     ("glm4_moe", "sdpa"),
     ("deepseek_v3", "eager-packed"),
+    ("deepseek_v3", "sdpa"),  # unpacked rows: bit-identical at PP=1, 2, 4
     ("mistral4", "sdpa"),
     ("gpt_oss", "eager-packed"),
+    ("gpt_oss", "eager"),
     ("qwen3_next", "sdpa"),  # Qwen3.5's linear attention is the same generic path (its training parity: PP=2)
     ("qwen3_5_moe", "sdpa"),  # ... and Qwen3.5-MoE's, with its own rotary embedding and experts fused on the hub
     ("deepseek_v32", "sdpa-packed"),  # the indexer's keys chosen within each document
