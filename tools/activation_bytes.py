@@ -95,11 +95,15 @@ def layer_activation_bytes(
 def transient_bytes(config, b: int, s: int) -> float:
     """Bytes a decoder block holds only while it runs, beyond what it keeps, where they dwarf it: a lightning
     indexer's scores (DeepSeek-V3.2's, `index_n_heads` in the config) of every key of the row for each query and
-    head, in fp32: two at once (the product and its scaled or rectified copy), beside their weighted sum [B, S, S].
-    Replicated under TP (the indexer is whole on every rank). Measured on transformers' indexer against torch's
-    profiler (tests/test_memory_estimate.py). 0 without an indexer."""
+    head, in fp32: two at once (the product and its scaled or rectified copy), or with several rows a micro-batch the
+    product beside the keys torch's matmul broadcasts to every query ([B, S, head_dim, S]); plus about one [B, S, S]
+    of small tensors. Replicated under TP (the indexer is whole on every rank). Measured on transformers' indexer
+    against torch's profiler (tests/test_memory_estimate.py). 0 without an indexer."""
     heads = getattr(config, "index_n_heads", None) or 0
-    return b * s * s * 4 * (2 * heads + 1) if heads else 0.0
+    if not heads:
+        return 0.0
+    keys = config.index_head_dim if b > 1 else 0
+    return b * s * s * 4 * (max(2 * heads, heads + keys) + 1)
 
 
 _MEASURED: dict[tuple, tuple] = {}  # (id(config), ...) -> (the config, kept alive; what it measured)

@@ -48,11 +48,11 @@ CLAIMS = (
         bound=0,
     ),
     Claim(
-        says="within 1.0% of the peak transformers' indexer allocates",
+        says="within 1.6% of the peak transformers' indexer allocates",
         test="tests/test_memory_estimate.py::test_a_lightning_indexers_scores_are_planned_as_they_peak",
-        holds="assert peak == pytest.approx(transient_bytes(config, b, s), rel=0.03)",
+        holds="assert peak == pytest.approx(planned, rel=0.03), (b, peak, planned)",
         bound=0.03,
-        figure=0.01,
+        figure=0.016,
     ),
     Claim(
         says="eager single process and at PP=1, 2, 4 on unpacked rows",
