@@ -311,6 +311,7 @@ def test_kimi_k25_container_with_int4_experts(tmp_path):
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor as Packed
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
+    from checkpoint.names import CONTAINER_CONFIG
     from tests.conftest import convert_in_process
     from tests.multimodal import kimi_k25_as_on_the_hub, multimodal
 
@@ -347,7 +348,10 @@ def test_kimi_k25_container_with_int4_experts(tmp_path):
     towers = [k for k in original if not k.startswith("language_model.")]
     assert towers and all(torch.equal(exported[k].view(torch.uint8), original[k].view(torch.uint8)) for k in towers)
     assert set(exported) == set(original) and "quantization_config" not in conf and conf["model_type"] == "kimi_k25"
-    transformers.Kimi_K25ForConditionalGeneration.from_pretrained(str(export))
+    assert conf["dtype"] == "bfloat16" and conf["text_config"]["model_type"] == "kimi_k2"
+    assert not (export / CONTAINER_CONFIG).exists()
+    _, info = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(str(export), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
 def quantize_per_tensor(mm_dir: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
