@@ -165,13 +165,14 @@ class Family:
 
     def keeps_fp32(self, key: str, dtype=None) -> bool:
         """Whether `key` (a hub key, or a parameter's or buffer's name in a layer) stays fp32 in a model of `dtype`,
-        as transformers keeps it: `_keep_in_fp32_modules_strict` of the family's PreTrainedModel in any dtype
-        (DeepSeek's `e_score_correction_bias`), its `_keep_in_fp32_modules` under fp16 only (DeepSeek-V3.2's
-        `indexer.weights_proj`, gpt-oss's norms). Each name is searched for in the key, as transformers does."""
+        as transformers keeps it: `_keep_in_fp32_modules_strict` of the family's PreTrainedModel in fp16 and bf16
+        (DeepSeek's `e_score_correction_bias`; in fp32 keeping is moot), its `_keep_in_fp32_modules` in fp16 only
+        (DeepSeek-V3.2's `indexer.weights_proj`, gpt-oss's norms). Each name, its `*` any characters, is searched
+        for in the key, as transformers does."""
         names = _fp32_names(self.module(), strict=True)
         if dtype == torch.float16:
             names |= _fp32_names(self.module(), strict=False)
-        return any(re.search(name, key) for name in names)
+        return any(re.search(name.replace("*", ".*"), key) for name in names)
 
     def fp32_in_fp16(self) -> frozenset[str]:
         """What transformers keeps fp32 under fp16 only (`_keep_in_fp32_modules`: gpt-oss's norms)."""
