@@ -16,6 +16,7 @@ from checkpoint.names import ZERO_FILE, engine_file, parse_layer_file_name
 from checkpoint.pipeline_reader import PipelineCheckpoint
 from checkpoint.safe_load import load_pt
 from checkpoint.universal import read_layout
+from models.layer_config import global_attr, layer_attr
 
 
 def experts_of(config) -> dict:
@@ -34,6 +35,7 @@ def describe(ckpt_dir: str, tag: str | None = None) -> dict:
     """Everything `--inspect` prints, as a dict."""
     ckpt = PipelineCheckpoint(ckpt_dir, tag)  # its engine files' pickles scanned: none is unsafe
     config, step_dir, names = ckpt.config, ckpt.step_dir, ckpt.names
+    layers = config.num_hidden_layers
     layer_files = {n: parsed for n in names if (parsed := parse_layer_file_name(n))}
     zero_files = [m for n in names if (m := ZERO_FILE.fullmatch(n))]
     tp_ranks = sorted({tp for _, tp, _ in layer_files.values()}) or [0]
@@ -65,7 +67,9 @@ def describe(ckpt_dir: str, tag: str | None = None) -> dict:
             "num_hidden_layers": config.num_hidden_layers,
             "hidden_size": config.hidden_size,
             "num_attention_heads": config.num_attention_heads,
-            "num_key_value_heads": config.num_key_value_heads,
+            # as config.json states it; each layer's where layers differ (Gemma 4's global layers)
+            "num_key_value_heads": global_attr(config, "num_key_value_heads"),
+            "kv_heads_by_layer": sorted({layer_attr(config, b, "num_key_value_heads") for b in range(layers)}),
             "vocab_size": config.vocab_size,
             "tie_word_embeddings": config.tie_word_embeddings,
             **experts_of(config),
@@ -91,7 +95,8 @@ def format_description(info: dict) -> str:
     lines = [
         f"checkpoint   {info['checkpoint']} ({info['source']}, step {info['step']})",
         f"model        {m['num_hidden_layers']} layers, hidden {m['hidden_size']}, heads {m['num_attention_heads']} "
-        f"(KV {m['num_key_value_heads']}), vocab {m['vocab_size']}, tied embeddings {m['tie_word_embeddings']}"
+        f"(KV {'/'.join(str(n) for n in m['kv_heads_by_layer'])}), vocab {m['vocab_size']}, "
+        f"tied embeddings {m['tie_word_embeddings']}"
         + (
             f", {m['experts']} experts (top-{m['experts_per_token']}) in {m['sparse_layers']} layers"
             if "experts" in m

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 
 from models.families import ALIASES, CONTAINERS, DEFAULT_MODEL_TYPE, FAMILIES
+from models.layer_config import global_attr
 from schema.model import ModelSettings
 
 # Architecture fields a preset may set; checked against a checkpoint's config.json.
@@ -174,8 +175,8 @@ def differing_field(light: ConfigFields, config) -> str | None:
     from dataclasses import fields
 
     for f in fields(ConfigFields):
-        if getattr(light, f.name) != getattr(config, f.name, f.default):
-            return f"{f.name}={getattr(light, f.name)!r} (transformers reads {getattr(config, f.name, f.default)!r})"
+        if getattr(light, f.name) != (have := global_attr(config, f.name, f.default)):
+            return f"{f.name}={getattr(light, f.name)!r} (transformers reads {have!r})"
     return None
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from models.layer_config import layer_attr
+
 ATTENTION_KEY = "context_parallel"  # the transformers attention-interface key of a CP layer's attention
 
 
@@ -183,9 +185,11 @@ def attach(attention: torch.nn.Module, config, cp: ContextParallel, implementati
         kernel = ALL_ATTENTION_FUNCTIONS[implementation]
     if hasattr(attention, "sinks"):  # gpt-oss: a sink logit per head; this rank attends with its heads only
         kernel = _with_local_sinks(kernel, cp)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    block = getattr(attention, "layer_idx", 0)  # its layer's shape where layers differ (Gemma 4's global layers)
+    head_dim = layer_attr(config, block, "head_dim") or config.hidden_size // config.num_attention_heads
     head_dim = getattr(attention, "qk_head_dim", head_dim)  # MLA: query and key heads hold a nope and a rope part
-    shape = (config.num_attention_heads, head_dim, config.num_key_value_heads, config.num_hidden_layers)
+    kv = layer_attr(config, block, "num_key_value_heads")
+    shape = (config.num_attention_heads, head_dim, kv, config.num_hidden_layers)
     ulysses = cp.exchanges.get((kernel, cp.group, *shape))
     if ulysses is None:
         ulysses = cp.exchanges[(kernel, cp.group, *shape)] = ulysses_class()(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 
+from models.carry import unread_hub_keys
 from models.families import DEFAULT_MODEL_TYPE, FAMILIES, family_of, is_sparse_layer
 from models.pipe_layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer, pipe_layers
 
@@ -72,6 +73,12 @@ FUSED_MOE_KEYS: dict[str, str] = {
     "router": "{block}.{router}.weight",
     "gate_up": "{block}.experts.gate_up_proj",  # x @ W [E, H, 2I] (Llama 4, gpt-oss) or [E, 2I, H] (Mistral 4)
     "down": "{block}.experts.down_proj",  # [E, I, H] or [E, H, I]
+}
+# Model-level tensors a decoder block's layer holds: Gemma 4's per-layer embeddings (PLE), made in block 0 and
+# carried to every later block (models/carry.py `PerLayerInputs`, under these names).
+PER_LAYER_INPUT_KEYS: dict[str, str] = {
+    f"ple.{name}.weight": f"model.{name}.weight"
+    for name in ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
 }
 # HF keys that hold no weights (old checkpoints saved RoPE buffers): dropped on import.
 DROPPED_HF_KEYS: tuple[str, ...] = ("model.layers.{}.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq")
@@ -182,8 +189,14 @@ def layer_keys(layer: PipeLayer, config) -> dict[str, str]:
     if not layer.has_file:
         return {}
     if layer.kind == DECODER:
-        return {ours: DECODER_PREFIX.format(layer.block) + ours for ours in decoder_keys(config, layer.block)}
+        keys = {ours: DECODER_PREFIX.format(layer.block) + ours for ours in decoder_keys(config, layer.block)}
+        return keys | (PER_LAYER_INPUT_KEYS if layer.block == 0 and makes_per_layer_inputs(config) else {})
     return dict(KEY_TABLE[layer.kind])
+
+
+def makes_per_layer_inputs(config) -> bool:
+    """Whether the model has per-layer inputs (Gemma 4's PLE), which decoder block 0's layer makes and holds."""
+    return "per_layer_inputs" in family_of(config).carries and bool(getattr(config, "hidden_size_per_layer_input", 0))
 
 
 # The config field counting the multi-token-prediction layers a hub checkpoint keeps after the last decoder layer
@@ -200,8 +213,8 @@ def is_carried(hf_key: str, config) -> bool:
     extra = getattr(config, MTP_LAYERS_FIELD, 0) or 0
     if block and config.num_hidden_layers <= int(block.group(1)) < config.num_hidden_layers + extra:
         return True
-    if block:  # transformers' patterns name the released models' layer numbers; decoder layers are never carried
-        return False
+    if block:  # transformers' patterns name the released models' layer numbers; a decoder layer's own unread keys
+        return hf_key.startswith(tuple(unread_hub_keys(config)))
     return any(re.search(p, hf_key) for p in family_of(config).ignored_on_load())
 
 

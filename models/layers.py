@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from models import context_parallel
 from models.attention_masks import attention_mask, flash_varlen_kwargs
+from models.carry import INPUT_IDS, LayerCarry, PerLayerInputs, layout
 from models.cast import apply_keeping_fp32
 from models.context_parallel import ContextParallel
 from models.expert_parallel import ExpertParallel
@@ -49,7 +50,6 @@ from models.families import (
     FAMILIES,
     attention_chunk,
     family_of,
-    hf_classes,
     is_linear_attention,
     is_sparse_layer,
     resolve_attention,
@@ -67,7 +67,7 @@ from models.moe import (
     token_mask,
     with_load,
 )
-from models.pipe_layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
+from models.pipe_layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer, decoder_index
 
 
 class _Fp32Rotary:
@@ -110,31 +110,38 @@ class EmbeddingPipe(nn.Embedding):
 
     def __init__(self, config):
         super().__init__(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.moe_config = config if is_moe(config) else None
-        self.scale, self.logit_cap = embedding_scale(config), getattr(config, "final_logit_softcapping", None)
+        embedding_setup(self, config)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         input_ids, *rest = inputs  # [B, S]; position_ids [B, S] (and lengths [B] with experts)
         hidden = super().forward(input_ids)  # [B, S, H]
-        return embedded(self, hidden, rest)
+        return embedded(self, hidden, input_ids, rest)
 
 
-def embedded(embedding: nn.Module, hidden: torch.Tensor, rest: list) -> tuple[torch.Tensor, ...]:
-    """The embedding's output tuple: (hidden, position_ids), and the router statistics of no layer yet with
-    experts."""
+def embedding_setup(embedding: nn.Module, config) -> None:
+    """What an embedding layer keeps besides its weight: the model's experts (their statistics start here), its
+    scale and the tied head's soft-cap, and the carry it starts (models/carry.py)."""
+    embedding.moe_config = config if is_moe(config) else None
+    embedding.scale, embedding.logit_cap = embedding_scale(config), getattr(config, "final_logit_softcapping", None)
+    embedding.carry = layout(config)
+
+
+def embedded(embedding: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, rest: list) -> tuple:
+    """The embedding's output tuple (models/carry.py): (hidden, position_ids), and with experts each row's length
+    and the router statistics of no layer yet; the tokens where a layer reads them."""
     grad = torch.is_grad_enabled()
     if embedding.scale is not None:  # as transformers' scaled embedding: the factor in the weights' dtype
         hidden = hidden * torch.tensor(embedding.scale).to(embedding.weight.dtype)
     if grad and not embedding.weight.requires_grad:
         # NOTE: a frozen embedding (LoRA) still has to hand the next stage a tensor that takes a gradient.
         hidden.requires_grad_()
-    if embedding.moe_config is None:
-        return hidden, *rest
-    if len(rest) == 1:  # no lengths given: every position is a real token (hidden may hold S/T of them under SP)
-        position_ids = rest[0]
-        rest.append(torch.full(position_ids.shape[:1], position_ids.shape[-1], dtype=torch.long, device=hidden.device))
-    stats = empty_stats(embedding.moe_config, hidden.device).requires_grad_(grad)
-    return hidden, *rest, stats
+    state = {"hidden": hidden, "position_ids": rest[0], INPUT_IDS: input_ids}
+    if embedding.moe_config is not None:
+        # no lengths given: every position is a real token (hidden may hold S/T of them under SP)
+        seq = rest[0].shape[-1]
+        state["lengths"] = rest[1] if len(rest) > 1 else torch.full(rest[0].shape[:1], seq, device=hidden.device)
+        state["stats"] = empty_stats(embedding.moe_config, hidden.device).requires_grad_(grad)
+    return embedding.carry.pack(0, state)
 
 
 @dataclass(frozen=True)
@@ -201,6 +208,9 @@ class DecoderPipe:
         self.rotary_args = (config.layer_types[layer_idx],) if takes_type else ()
         self.options = options
         self.recompute = self.options.recompute(layer_idx)
+        self.index, self.carry = decoder_index(layer_idx), LayerCarry(config, layer_idx)
+        if self.carry.makes_per_layer_inputs:  # Gemma 4's PLE of every block, made here (models/carry.py)
+            self.ple = PerLayerInputs(config)
         self.window = None if self.linear else sliding_window(config, self.self_attn)
         self.chunk = attention_chunk(config, layer_idx)
         self.cp = options.context
@@ -212,6 +222,10 @@ class DecoderPipe:
 
     def keeps_fp32(self, name: str, dtype) -> bool:  # what transformers keeps fp32 in `dtype` (`Family.keeps_fp32`)
         return family_of(self.model_config).keeps_fp32(name, dtype)
+
+    def own_positions(self, x: torch.Tensor) -> torch.Tensor:
+        """The positions of a [B, S, ...] tensor of the whole (CP-local) row that this layer's hidden holds: all."""
+        return x
 
     def _apply(self, fn, recurse=True):
         return apply_keeping_fp32(self, self.keeps_fp32, fn, lambda: super(DecoderPipe, self)._apply(fn, recurse))
@@ -225,26 +239,36 @@ class DecoderPipe:
         self._router_choice = outputs[2] if self.router_choice else None  # [B * S, k]: its own choice (DeepSeek's)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        hidden, position_ids, *moe = inputs  # [B, S, H], [B, S]; with experts: lengths [B], stats [2E + 2]
-        run = self._sparse_block if self.sparse else self._block
-        args = (hidden, position_ids, moe[0]) if self.sparse else (hidden, position_ids)
+        # The carry by name (models/carry.py): hidden [B, S, H], position_ids [B, S]; with experts lengths [B] and
+        # stats [2E + 2]; and the carried tensors of the family's layers.
+        state = self.carry.layout.unpack(self.index - 1, inputs)
+        carried = {name: state[name] for name in self.carry.reads}
+        args = (state["hidden"], state["position_ids"], state.get("lengths"), carried)
         if self.recompute and torch.is_grad_enabled():
             # Non-reentrant: works with a frozen input (LoRA) and restores the RNG state (dropout) on recompute.
-            out = checkpoint(run, *args, use_reentrant=False)
+            hidden, stats, made = checkpoint(self._run, *args, use_reentrant=False)
         else:
-            out = run(*args)
-        if not self.sparse:
-            return out, position_ids, *moe
-        hidden, stats = out
-        if self.router_choice and torch.is_grad_enabled():  # the step's expert loads (models/moe.py `balance`)
-            self.expert_counts = count_chosen(stats, getattr(self, "expert_counts", None))
-        return hidden, position_ids, moe[0], add_stats(moe[1], stats)
+            hidden, stats, made = self._run(*args)
+        state.update(made, hidden=hidden)
+        if self.sparse:
+            if self.router_choice and torch.is_grad_enabled():  # the step's expert loads (models/moe.py `balance`)
+                self.expert_counts = count_chosen(stats, getattr(self, "expert_counts", None))
+            state["stats"] = add_stats(state["stats"], stats)
+        return self.carry.layout.pack(self.index, state)
 
-    def _sparse_block(self, hidden: torch.Tensor, position_ids: torch.Tensor, lengths: torch.Tensor):
+    def _run(self, hidden, position_ids, lengths, carried: dict):
+        """(hidden, the sparse block's router statistics or None, the carried tensors this layer made)."""
+        if self.sparse:
+            (out, made), stats = self._sparse_block(hidden, position_ids, lengths, carried)
+            return out, stats, made
+        out, made = self._block(hidden, position_ids, carried)
+        return out, None, made
+
+    def _sparse_block(self, hidden: torch.Tensor, position_ids: torch.Tensor, lengths: torch.Tensor, carried: dict):
         """The block's output and its router statistics (models/moe.py), over the row's real tokens. Under context
         parallelism the router saw this rank's S/C positions: the sums are the CP group's (the whole rows'), so
         every rank of the group carries the same statistics to the load-balancing loss."""
-        out = self._block(hidden, position_ids)
+        out = self._block(hidden, position_ids, carried)
         logits, self._router_logits = self._router_logits, None
         batch, seq = position_ids.shape
         mask = token_mask(lengths, seq).view(batch, seq)
@@ -253,7 +277,7 @@ class DecoderPipe:
         sums = context_parallel.sum_over_context(sums, self.cp)
         return out, with_load(sums)
 
-    def _block(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def _block(self, hidden: torch.Tensor, position_ids: torch.Tensor, carried: dict) -> tuple[torch.Tensor, dict]:
         # position_ids: the whole row's; hidden may hold S/T positions (sequence parallel) of this rank's S/C
         # (context parallel), which attention sees: RoPE turns this rank's S/C positions into angles.
         local_positions = context_parallel.shard(position_ids, self.cp.rank, self.cp.size)
@@ -279,9 +303,11 @@ class DecoderPipe:
                 mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
                     ~mask, torch.finfo(hidden.dtype).min
                 )
-        return super().forward(
-            hidden, attention_mask=mask, position_ids=local_positions, position_embeddings=cos_sin, **extra
+        kwargs, context = self.carry.kwargs(self, hidden, carried)  # what it reads of the carry (models/carry.py)
+        out = super().forward(
+            hidden, attention_mask=mask, position_ids=local_positions, position_embeddings=cos_sin, **extra, **kwargs
         )
+        return self.carry.finish(out, kwargs, context)  # (hidden [B, S, H], the carried tensors it made)
 
 
 def block_index(layer: nn.Module) -> int:
@@ -366,23 +392,3 @@ def layer_class_and_args(
 def build_layer(layer: PipeLayer, config, options: DecoderOptions | None = None) -> nn.Module:
     cls, args = layer_class_and_args(layer, config, options)
     return cls(*args)
-
-
-@torch.no_grad()
-def init_weights(module: nn.Module, initializer_range: float) -> None:
-    """HF LLaMA initialisation, for runs that start from scratch instead of a checkpoint."""
-    for m in module.modules():
-        if isinstance(m, nn.Linear):
-            m.weight.normal_(0.0, initializer_range)
-            if m.bias is not None:
-                m.bias.zero_()
-        elif isinstance(m, nn.Embedding):
-            m.weight.normal_(0.0, initializer_range)
-            if m.padding_idx is not None:
-                m.weight[m.padding_idx].zero_()
-        elif isinstance(m, hf_classes("RMSNorm")):  # every family's, our final norm and q/k norms included
-            family = next(f for f in FAMILIES.values() if isinstance(m, f.hf_class("RMSNorm")))
-            m.weight.fill_(family.initial_norm_weight())  # 1, or 0 for (1 + w) norms
-        elif type(m).__name__.endswith(("Experts", "TopKRouter")):  # fused experts, routers: as transformers does
-            for p in m.parameters(recurse=False):
-                p.normal_(0.0, initializer_range)

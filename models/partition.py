@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from models.families import is_linear_attention, is_sparse_layer
+from models.key_table import makes_per_layer_inputs
 from models.layers import build_layer
 from models.moe import num_experts
 from models.pipe_layout import DECODER, LM_HEAD, num_pipe_layers, pipe_layers, stage_bounds_from_blocks
@@ -24,10 +25,14 @@ PARTITION_METHODS = ("parameters", "compute", "uniform")
 
 def _shape_of(layer, config) -> tuple:
     """Layers of the same shape have the same parameter count (decoder blocks: sparse or dense, linear attention or
-    attention over keys)."""
+    attention over keys, their attention type and K/V sharing where layers differ by them (Gemma 4's global layers'
+    wider heads, its reusing layers' missing k/v projections), block 0 making the per-layer inputs)."""
     if layer.kind != DECODER:
         return (layer.kind, None)
-    return (layer.kind, is_sparse_layer(config, layer.block), is_linear_attention(config, layer.block))
+    block = layer.block
+    kinds = [getattr(config, name, None) for name in ("layer_types", "kv_sharing_modes")]
+    own = tuple(k[block] if k else None for k in kinds) + (block == 0 and makes_per_layer_inputs(config),)
+    return (layer.kind, is_sparse_layer(config, block), is_linear_attention(config, block), *own)
 
 
 def layer_param_counts(config, tp=None, active: bool = False, ep: int = 1, experts_only: bool = False) -> list[int]:

@@ -73,6 +73,12 @@ class PipelineStageModule(PipelineModule):
         block, held = block_index(layer), self._ep.local_experts(num_experts(self.model_config))
         return [key for name in names for key in file_keys_of(self.model_config, block, name, held)]
 
+    def forward(self, forward_input):
+        """The stage's layers; a carried tensor that is a view of a larger one (the per-layer inputs still to come,
+        models/carry.py) is made contiguous before the pipeline sends it."""
+        out = super().forward(forward_input)
+        return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out
+
     def local_layer_indices(self) -> list[int]:
         """The pipeline layers this rank holds."""
         return list(range(self._local_start, self._local_stop))

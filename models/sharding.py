@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from models.layer_config import global_attr, layer_attr
+
 COLUMN, ROW, VOCAB, REPLICA = "column", "row", "vocab", "replica"
 GATE_UP, EXPERT_ROW = "gate_up", "expert_row"
 GATE_UP_OUT, EXPERT_IN = "gate_up_out", "expert_in"
@@ -64,9 +66,11 @@ def tp_indivisible(config, tp_size: int) -> tuple[str, int] | None:
     does not divide, or None."""
     experts = [n for n in (*_OPTIONAL_WIDTHS, *LINEAR_HEADS) if getattr(config, n, None)]
     for name in (*TP_DIVIDES, *experts):
-        value = getattr(config, name)
-        if tp_size < 1 or value % tp_size:
-            return name, value
+        # each layer's where the config keeps it per layer (Gemma 4's global layers' KV heads)
+        values = {global_attr(config, name)} | {layer_attr(config, b, name) for b in range(config.num_hidden_layers)}
+        for value in sorted(values):
+            if tp_size < 1 or value % tp_size:
+                return name, value
     return None
 
 

@@ -34,21 +34,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.carry import per_layer_params
 from models.families import family_of
+from models.layer_config import global_attr, layer_attr
 from models.layers import (
     DecoderOptions,
     EmbeddingPipe,
     LMHeadPipe,
     decoder_layer_class,
     embedded,
-    embedding_scale,
+    embedding_setup,
     layer_class_and_args,
     norm_class,
     softcap,
     tied_lm_head_forward,
     with_stats,
 )
-from models.moe import is_moe
 from models.pipe_layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
 from models.sharding import LINEAR_HEADS, padded_vocab, tp_indivisible
 from models.tp_collectives import SumOverTP, TensorParallel, copy_to_tp, enter_tp, leave_tp, sum_grad_over_tp
@@ -58,13 +59,16 @@ from models.vocab_parallel_loss import vocab_parallel_token_cross_entropy
 
 def local_config(config, tp: TensorParallel):
     """A copy of `config` describing this rank's shard of every block (same head_dim, fewer heads)."""
-    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    heads, kv = config.num_attention_heads, global_attr(config, "num_key_value_heads")
     bad = tp_indivisible(config, tp.size)
     if bad:
         raise ValueError(f"{bad[0]}={bad[1]} does not split into tensor_parallel_size={tp.size} equal parts")
     local = copy.deepcopy(config)
-    local.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    local.head_dim = global_attr(config, "head_dim") or config.hidden_size // heads
     local.num_attention_heads, local.num_key_value_heads = heads // tp.size, kv // tp.size
+    for layer in getattr(getattr(local, "_heterogeneity_spec", None), "per_layer_overrides", {}).values():
+        if "num_key_value_heads" in layer:  # a layer of its own shape (Gemma 4's global layers)
+            layer["num_key_value_heads"] //= tp.size
     local.intermediate_size = config.intermediate_size // tp.size
     widths = ("moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size_mlp")  # as MLPs are
     for name in (*widths, *LINEAR_HEADS):  # and linear attention's heads, as attention's
@@ -125,12 +129,16 @@ class TPDecoderPipe:
                 norm.register_forward_hook(lambda _module, _inputs, out: enter_tp(out, self.tp))
             if tp.sp:
                 sum_grad_over_tp(norm.weight, tp)
+        if tp.sp:  # replicated modules outside the split regions see this rank's positions only (Gemma 4's PLE)
+            for param in per_layer_params(self):
+                sum_grad_over_tp(param, tp)
         if not family.tp_entry_norms:  # no norm before attention or the MLP: the split regions start at their inputs
             for region in (self.self_attn, getattr(self, moe.block if moe else "mlp")):
                 region.register_forward_pre_hook(self._enter_region, with_kwargs=True)
 
     def _split_attention(self, config, local, tp: TensorParallel) -> None:
-        width, o_proj = local.num_attention_heads * local.head_dim, self.self_attn.o_proj
+        width = local.num_attention_heads * layer_attr(local, self.self_attn.layer_idx, "head_dim")
+        o_proj = self.self_attn.o_proj
         if o_proj.in_features == config.hidden_size != width:  # declared hidden x hidden (Helium's): this rank's heads
             self.self_attn.o_proj = nn.Linear(width, o_proj.out_features, bias=o_proj.bias is not None)
         _row_parallel(self.self_attn.o_proj, tp)
@@ -138,11 +146,15 @@ class TPDecoderPipe:
             sum_grad_over_tp(param, tp)
         family = family_of(config)
         if family.has(family.qk_norm, config):
-            for norm in (self.self_attn.q_norm, self.self_attn.k_norm):
+            for norm in filter(None, (self.self_attn.q_norm, getattr(self.self_attn, "k_norm", None))):
                 if family.qk_norm_whole:  # this rank's rows of the weight; the statistics of every rank's heads
                     norm.forward = functools.partial(_whole_projection_norm, norm, tp)
                 else:
                     sum_grad_over_tp(norm.weight, tp)
+
+    def own_positions(self, x: torch.Tensor) -> torch.Tensor:
+        """Under sequence parallelism this rank's S/T positions of a whole-row [B, S, ...] tensor."""
+        return x.chunk(self.tp.size, dim=1)[self.tp.rank] if self.tp.sp else x
 
     def _enter_region(self, _module, args, kwargs):
         if args:
@@ -224,8 +236,7 @@ class VocabParallelEmbeddingPipe(EmbeddingPipe):
         nn.Embedding.__init__(
             self, padded_vocab(config.vocab_size, tp.size, tp.vocab_multiple) // tp.size, config.hidden_size
         )
-        self.moe_config = config if is_moe(config) else None
-        self.scale, self.logit_cap = embedding_scale(config), getattr(config, "final_logit_softcapping", None)
+        embedding_setup(self, config)
         self.tp, self.start = tp, tp.rank * self.num_embeddings
         pad = config.pad_token_id
         if pad is not None and self.start <= pad < self.start + self.num_embeddings:
@@ -237,7 +248,7 @@ class VocabParallelEmbeddingPipe(EmbeddingPipe):
         outside = (local < 0) | (local >= self.num_embeddings)
         hidden = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)  # [B, S, H]
         hidden = leave_tp(hidden.masked_fill(outside[..., None], 0.0), self.tp)  # [B, S/T, H] under SP
-        return embedded(self, hidden, rest)
+        return embedded(self, hidden, input_ids, rest)
 
 
 class VocabParallelLMHeadPipe(LMHeadPipe):

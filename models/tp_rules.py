@@ -129,7 +129,8 @@ def tp_split(kind: str, key: str, config=None) -> str:
     if moe is not None and moe.interleaved_gate_up and key.startswith(f"{moe.block}.experts."):
         return INTERLEAVED.get(key.removeprefix(f"{moe.block}.experts."), REPLICA)
     lora = _LORA_KEY.fullmatch(key)
-    module, param = (lora.group(1), "weight") if lora else key.replace(".base_layer", "").rsplit(".", 1)
+    name = key.replace(".base_layer", "")
+    module, param = (lora.group(1), "weight") if lora else (name.rsplit(".", 1) if "." in name else (name, ""))
     rule = COLUMN if module in TP_COLUMN_MODULES else ROW if module in TP_ROW_MODULES else REPLICA
     if module in QK_NORMS and config is not None and family_of(config).qk_norm_whole:  # one weight per q/k row
         return COLUMN

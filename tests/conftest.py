@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from data.sources import write_jsonl  # noqa: E402
 from demo.arithmetic import addition_rows  # noqa: E402, F401 - the demo's task, shared with the tests
+from tests.hub_extras import add_mtp_layer, add_unread_kv, hf_state, temper_attention  # noqa: E402, F401
 from tests.zygote import Zygote  # noqa: E402
 from tools.free_port import free_port  # noqa: E402, F401 - the tests' launches use it
 from tools.tiny_models import make_hf_model, make_sp_tokenizer, tiny_config  # noqa: E402
@@ -102,14 +102,19 @@ MODEL_VARIANTS = {
     # DeepSeek-V3.2: DeepSeek-V3 with its sparse attention (an indexer keeping 4 keys a query). Last: each model's
     # weights are seeded by its place here (`hf_models`), and the measured figures of those above depend on theirs.
     "deepseek_v32": dict(model_type="deepseek_v32"),
+    # Gemma 4 (after the others, for their seeds): per-layer inputs (PLE), the last two layers reusing the K/V of the
+    # last local and global layers before them (models/carry.py), global layers of their own head width and K/V
+    # heads (values = keys), tied embeddings and logits soft-capped at 2; its hub's unread k/v tensors carried.
+    "gemma4": dict(model_type="gemma4_text", tie_word_embeddings=True),
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
-NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss", "qwen3_next", "qwen3_5"]
+NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss", "qwen3_next", "qwen3_5", "gemma4"]
 CARRYING_VARIANTS = {
     "deepseek_v3": "layers",
     "glm4_moe": "layers",
     "qwen3_next": "mtp",
-}  # with a multi-token-prediction layer
+    "gemma4": "unread_kv",
+}  # with a multi-token-prediction layer, or the unread k/v tensors of Gemma 4's reusing layers
 MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss")
 MOE_VARIANTS += ("qwen3_next", "qwen3_5_moe", "deepseek_v32")
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
@@ -117,60 +122,6 @@ FAMILY_VARIANTS += NEW_FAMILY_VARIANTS
 
 
 LAUNCHER = str(Path(sys.executable).parent / "deepspeed")  # the `deepspeed` launcher of this environment
-
-
-def hf_state(hf_dir: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face directory's safetensors shards."""
-    from safetensors.torch import load_file
-
-    state = {}
-    for name in sorted(os.listdir(hf_dir)):
-        if name.endswith(".safetensors"):
-            state.update(load_file(os.path.join(hf_dir, name)))
-    return state
-
-
-def add_mtp_layer(hf_dir: str, under: str = "layers") -> list[str]:
-    """Give an HF directory a multi-token-prediction layer, as the hub checkpoints keep one (transformers builds none
-    and skips it at load): after the last decoder layer as DeepSeek-V3's and GLM-4.5's (`under="layers"`; config.json
-    counts it, `num_nextn_predict_layers`), or under `mtp.` as Qwen3-Next's (`under="mtp"`): the last decoder layer's
-    tensors again, its own norms, projection and head, one tensor FP8 with its scale, in a shard of its own listed
-    in the index. Returns its keys."""
-    from safetensors.torch import save_file
-
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        config = json.load(f)
-    text = config.get("text_config", config)  # a multimodal container's text model (Qwen3.5's)
-    last = text["num_hidden_layers"] - 1
-    mtp = f"model.layers.{last + 1}." if under == "layers" else "mtp.layers.0."
-    layer = f"model.language_model.layers.{last}." if text is not config else f"model.layers.{last}."
-    state = hf_state(hf_dir)
-    extra = {mtp + k.removeprefix(layer): v.clone() for k, v in state.items() if k.startswith(layer)}
-    hidden = text["hidden_size"]
-    generator = torch.Generator().manual_seed(3)
-    extra |= {
-        mtp + "enorm.weight": torch.rand(hidden, generator=generator),
-        mtp + "hnorm.weight": torch.rand(hidden, generator=generator),
-        mtp + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=generator).to(torch.float8_e4m3fn),
-        mtp + "eh_proj.weight_scale_inv": torch.rand(1, 2, generator=generator),
-        mtp + "shared_head.norm.weight": torch.rand(hidden, generator=generator),
-    }
-    save_file(extra, os.path.join(hf_dir, "model-mtp.safetensors"), metadata={"format": "pt"})
-    index_path = os.path.join(hf_dir, "model.safetensors.index.json")
-    if not os.path.exists(index_path):  # one shard: index it, as a sharded checkpoint is
-        weight_map = {k: "model.safetensors" for k in state}
-        with open(index_path, "w") as f:
-            json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    with open(index_path) as f:
-        index = json.load(f)
-    index["weight_map"] |= {k: "model-mtp.safetensors" for k in extra}
-    with open(index_path, "w") as f:
-        json.dump(index, f, indent=2)
-    if under == "layers":
-        config["num_nextn_predict_layers"] = 1
-    with open(os.path.join(hf_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    return sorted(extra)
 
 
 def one_error_line(proc: subprocess.CompletedProcess, fragment: str, prefix: str = "") -> str:
@@ -395,7 +346,11 @@ def hf_models(workdir, tokenizer_dir) -> dict[str, str]:
     def build():
         for i, (name, overrides) in enumerate(MODEL_VARIANTS.items()):
             make_hf_model(out[name], tiny_config(**overrides), seed=i, tokenizer_dir=tokenizer_dir)
-            if name in CARRYING_VARIANTS:
+            if name == "gemma4":  # q/k norms at 0.5, as a trained model tempers them (see `temper_attention`)
+                temper_attention(out[name])
+            if CARRYING_VARIANTS.get(name) == "unread_kv":
+                add_unread_kv(out[name])
+            elif name in CARRYING_VARIANTS:
                 add_mtp_layer(out[name], CARRYING_VARIANTS[name])
 
     built_once(workdir / "hf_models", build)

@@ -104,4 +104,9 @@ LAYOUTS = {
     # Qwen3.5's linear attention split by heads (q/k/v in one projection and the convolution part by part) and its
     # gated full attention, over two stages.
     "qwen3_5-pp2-tp2": ("qwen3_5", "false", 2, 2, "", 0),
+    # Gemma 4: its per-layer inputs and the local layers' shared K/V carried across the cut (the global layers' K/V
+    # made and read on the second stage), their gradients back to their makers; under TP=2 with sequence parallelism
+    # each rank carries its own K/V heads and its positions of the per-layer inputs.
+    "gemma4-pp2-dp2": ("gemma4", "false", 2, 1, "", 0),
+    "gemma4-pp2-tp2": ("gemma4", "false", 2, 2, "", 0),
 }

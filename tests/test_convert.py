@@ -425,7 +425,8 @@ def test_multimodal_checkpoint_converts_its_text_model(family, tmp_path):
     tower and the rest aside;
     `--verify --against` the multimodal directory finds transformers' text logits (max difference 0), and the export
     is the multimodal checkpoint again, in its own layout, every tensor bit for bit, loaded by its own class."""
-    from tests.conftest import add_mtp_layer, convert_in_process
+    from tests.conftest import convert_in_process
+    from tests.hub_extras import add_mtp_layer
     from tools.tiny_models import as_on_the_hub
 
     torch.manual_seed(0)

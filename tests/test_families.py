@@ -220,7 +220,8 @@ def test_other_model_types_are_refused(tmp_path):
     for model_type in ("kimi_linear", "falcon_h1"):  # what we do not build (its linear attention, Mamba layers)
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         supported = (
-            "supported: deepseek_v3, deepseek_v32, ernie4_5, gemma3, gemma3_text, glm4, glm4_moe, gpt_oss, helium, "
+            "supported: deepseek_v3, deepseek_v32, ernie4_5, gemma3, gemma3_text, gemma4, gemma4_text, glm4, glm4_moe, "
+            "gpt_oss, helium, "
             "kimi_k2, kimi_k25, llama, llama4, llama4_text, ministral3, mistral, mistral3, mistral4, mixtral, olmo2, "
             "olmo3, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, "
             "qwen3_next, seed_oss, smollm3"
@@ -233,7 +234,8 @@ def test_other_model_types_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "model_type", ["llama", "mistral", "qwen2", "qwen3", "helium", "smollm3", "ministral3", "phi3", "olmo2", "glm4"]
+    "model_type",
+    ["llama", "mistral", "qwen2", "qwen3", "helium", "smollm3", "ministral3", "phi3", "olmo2", "glm4", "gemma4_text"],
 )
 def test_config_fields_read_without_transformers_equal_transformers_reading(model_type, tmp_path):
     """What conversion reads of config.json before transformers is imported equals transformers' own reading,
@@ -316,6 +318,8 @@ def test_tp_rules_agree_with_transformers_tp_plan(model_type):
     plan = config.base_model_tp_plan or {}  # gpt-oss has none
     plan = {k.removeprefix("layers.*."): v for k, v in plan.items() if v != "moe_tp_experts"}
     dense_mlp = any(not is_sparse_layer(config, b) for b in range(config.num_hidden_layers))
+    if getattr(config, "enable_moe_block", None) is False:  # Gemma 4's experts beside the MLP: refused, not built
+        plan = {k: v for k, v in plan.items() if not k.startswith("experts.")}
     for module, style in plan.items():
         name = module if module in names else f"{module}.weight"
         # A model with experts in every layer of the tiny config has no dense MLP for the plan's dense entries.

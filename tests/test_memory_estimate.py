@@ -21,6 +21,7 @@ from tools.tiny_models import tiny_config
 def measured_stage(config, layers: range, b: int, s: int, options: DecoderOptions, dtype, tp=None) -> tuple[int, int]:
     """(bytes of the distinct tensors saved for backward in one micro-batch's forward, parameters) of a stage;
     with `tp` (a TensorParallel with its group), this rank's shard of it."""
+    from models.carry import carried_tensors
     from models.layers import tied_lm_head_forward
     from models.tensor_parallel import tp_layer_class_and_args, tp_tied_head_forward
 
@@ -50,6 +51,10 @@ def measured_stage(config, layers: range, b: int, s: int, options: DecoderOption
         x = (torch.randn(b, shard, config.hidden_size, dtype=dtype, requires_grad=True), position_ids)
         if is_moe(config):  # and each row's length and the router statistics so far
             x = (*x, torch.full((b,), s), empty_stats(config).requires_grad_())
+        # and what the family's layers carry across the cut (models/carry.py: Gemma 4's K/V and per-layer inputs)
+        width = tp.size if tp is not None else 1
+        carried = carried_tensors(config, layers[0] - 1, b, s, shard, dtype, width, device="cpu")
+        x = (*x, *(t.normal_().requires_grad_() if t.is_floating_point() else t for t in carried.values()))
     tied_head = config.tie_word_embeddings and layers[-1] == len(specs) - 1
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for i, module in zip(layers, modules):

@@ -136,7 +136,7 @@ def test_decoder_layer_options_apply_to_sparse_blocks():
 
 def test_training_from_scratch_initialises_experts_and_routers():
     """`init_weights` (no checkpoint) draws the fused experts and the routers as transformers does: N(0, std)."""
-    from models.layers import init_weights
+    from models.initialization import init_weights
 
     config = tiny_config("qwen3_moe", num_hidden_layers=1)
     layer = decoder_layer_class("qwen3_moe")(config, 0)

@@ -48,7 +48,12 @@ CASES = [
     ("qwen3_next", "sdpa"),  # Qwen3.5's linear attention is the same generic path (its training parity: PP=2)
     ("qwen3_5_moe", "sdpa"),  # ... and Qwen3.5-MoE's, with its own rotary embedding and experts fused on the hub
     ("deepseek_v32", "sdpa-packed"),  # the indexer's keys chosen within each document
+    # Gemma 4: per-layer inputs and shared K/V carried across every cut (PP=2 cuts between each K/V's maker and its
+    # reader for the local layers, not for the global ones), packed documents through the shared K/V
+    ("gemma4", "sdpa"),
+    ("gemma4", "eager-packed"),
 ]
+ATOL = {"gemma4": 5e-6}  # the logits' bound under TP, CP and packed rows where it is not 2e-6 (the worker's)
 MOE = {f"{m}-{attn}" for m, attn in CASES if m in MOE_VARIANTS}
 NO_TP = {f"{m}-{attn}" for m, attn in CASES if MODEL_VARIANTS[m].get("model_type") in TP_NOT_BUILT}
 NO_CP = {f"{m}-{attn}" for m, attn in CASES if m in ("qwen3_next", "qwen3_5_moe", "deepseek_v32")}  # (validate.py)
@@ -68,6 +73,7 @@ def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
             "attn": attn.split("-")[0],
             "packed": attn.endswith("-packed"),
         }
+        | ({"atol": ATOL[m]} if m in ATOL else {})
         for m, attn in CASES
     ]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
@@ -114,23 +120,29 @@ def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
     assert {(t["tp"], t["sp"]) for t in traffic} == {(1, False), (2, False), (2, True)}
     for t in traffic:
         if t["stage"] == 0:
-            # With experts, the router statistics too ([2E + 2] fp32), and DeepSpeed's partitioning is off (it
-            # takes only outputs whose later tensors need no gradient): TP ranks without SP send the whole hidden.
-            split = t["tp"] if not t["stats_bytes"] or t["sp"] else 1
-            assert t["sent_float_bytes"] == t["hidden_bytes"] // split + t["stats_bytes"], t
+            # With experts, the router statistics too ([2E + 2] fp32), with Gemma 4 its carried per-layer inputs and
+            # K/V (models/carry.py), and DeepSpeed's partitioning is off (it takes only outputs whose later tensors
+            # need no gradient): TP ranks without SP send the whole hidden.
+            extra = t["stats_bytes"] + t["carried_bytes"]
+            split = t["tp"] if not extra or t["sp"] else 1
+            assert t["sent_float_bytes"] == t["hidden_bytes"] // split + extra, t
         else:  # forward only: stage 1 sends nothing back
             shards = t["cp"] * (2 if t["sp"] else 1)
             assert t["sent_float_bytes"] == 0 and t["received_positions"] == [SEQ // shards], t
     sent = {
         (t["tp"], t["sp"]): t["sent_float_bytes"]
         for t in traffic
-        if t["stage"] == 0 and not t["stats_bytes"] and t["cp"] == 1
+        if t["stage"] == 0 and not t["stats_bytes"] + t["carried_bytes"] and t["cp"] == 1
     }
     print(
         f"stage-to-stage bytes per rank and micro-batch: TP=1 {sent[1, False]}, TP=2 {sent[2, False]} "
         f"(stage 1 all-gathers them), TP=2 + SP {sent[2, True]} (stage 1 keeps the shard)"
     )
-    cp2 = {t["sent_float_bytes"] for t in traffic if t["stage"] == 0 and t["cp"] == 2 and not t["stats_bytes"]}
+    cp2 = {
+        t["sent_float_bytes"]
+        for t in traffic
+        if t["stage"] == 0 and t["cp"] == 2 and not t["stats_bytes"] + t["carried_bytes"]
+    }
     assert cp2 == {sent[1, False] // 2}
 
 

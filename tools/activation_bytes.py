@@ -12,6 +12,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from models.carry import carried_bytes, per_layer_input_bytes, stand_ins
 from models.families import family_of, is_linear_attention, is_sparse_layer
 
 
@@ -155,7 +156,10 @@ def measured_block_bytes(
             setattr(module, moe.block if moe is not None else "mlp", _KeepsInput(as_tuple, shard))
         # NOTE: the storages of the module's own tensors, taken now: a storage freed with a replaced block may be
         # reused by an activation (on the meta device tensors are told apart by their storage's address).
-        held = {t.untyped_storage()._cdata for t in [*module.parameters(), *module.buffers()]}
+        # The carried tensors it reads (Gemma 4's K/V and per-layer inputs) are their maker's, or the stage's received
+        # input (`stage_activation_bytes` counts them): not this block's.
+        carried = stand_ins(config, block, 1, s, shard, dtype, tp)
+        held = {t.untyped_storage()._cdata for t in [*module.parameters(), *module.buffers(), *carried.values()]}
         saved: dict[int, int] = {}
 
         def pack(t, saved=saved, held=held):
@@ -166,7 +170,7 @@ def measured_block_bytes(
 
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _torch_paths(module):
-                module._block(hidden, positions)
+                module._block(hidden, positions, carried)
             break
         except (TypeError, ValueError) as error:
             if not stand_in:
@@ -326,6 +330,11 @@ def stage_activation_bytes(
     recomputed = [i for i in layers if block_of(i, n) is not None and every and block_of(i, n) % every == 0]
     if recomputed:  # a recomputed block keeps its inputs: the hidden shard and the whole row's position_ids (once)
         kept += b * (row or s) * 8
+    # What crosses into the stage and its micro-batch keeps until backward: the carried tensors (models/carry.py),
+    # and the per-layer inputs block 0 makes, where it makes them (the later blocks' slices are views of them).
+    cp = (row or s) // s
+    kept += carried_bytes(config, layers[0] - 1, b, row or s, act_bytes, tp, cp, sp) if layers[0] > 0 else 0
+    kept += per_layer_input_bytes(config, b, s // shards, act_bytes) if 1 in layers else 0
     for index in layers:
         block = block_of(index, n)
         own = own_bytes(block) if block is not None else 0.0

@@ -12,10 +12,12 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from deepspeed.runtime.utils import clip_grad_norm_
 
 from checkpoint.universal import universal_info
+from models.carry import floating_slots
 from models.context_parallel import ContextParallel
 from models.expert_parallel import ExpertParallel
-from models.layers import DecoderOptions, init_weights
-from models.moe import is_moe, num_experts
+from models.initialization import init_weights
+from models.layers import DecoderOptions
+from models.moe import num_experts
 from models.pipeline import build_pipeline_module
 from models.sharding import REPLICA
 from models.tensor_parallel import TensorParallel
@@ -51,7 +53,8 @@ def deepspeed_config(cfg: TrainConfig, coords: Coords, load_universal: bool = Fa
         cfg: run config.
         coords: where this rank sits (the DP size).
         load_universal: the checkpoint to resume is a DeepSpeed universal checkpoint (layout change).
-        experts: the model has experts (its stages send router statistics that take a gradient).
+        experts: the stages send floating tensors besides the hidden states that take a gradient (a model's
+            router statistics, carried K/V or per-layer inputs: `models.carry.floating_slots`).
     """
     ds = cfg.deepspeed
     if not is_resolved(ds):
@@ -83,7 +86,8 @@ def deepspeed_config(cfg: TrainConfig, coords: Coords, load_universal: bool = Fa
         # they are (DeepSpeed's partitioning would cut a tensor that differs between ranks). Without it,
         # DeepSpeed's DualPipeV engine cannot split stage-to-stage tensors across the TP group, and its 1F1B
         # engine splits only stage outputs whose tensors after the first take no gradient (a model with experts
-        # sends its router statistics): each TP rank sends the whole activation (T times the per-rank traffic).
+        # sends its router statistics, Gemma 4 its per-layer inputs and shared K/V, each TP rank's own heads):
+        # each TP rank sends the whole activation (T times the per-rank traffic).
         conf["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if ds.offload_optimizer:
         conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
@@ -263,7 +267,7 @@ def frozen_weights_kept_fp32(module, precision: str):
 def initialize_forward_engine(cfg: TrainConfig, coords: Coords, module):
     """DeepSpeed's pipeline engine for forward passes only (`eval_batch`): no optimizer, no optimizer state; the
     stage cast to the run's precision. The reference pass of `objective=dpo` runs it, then drops it."""
-    config = deepspeed_config(cfg, coords, experts=is_moe(module.model_config))
+    config = deepspeed_config(cfg, coords, experts=floating_slots(module.model_config) > 0)
     config["zero_optimization"] = {"stage": 0}  # nothing to partition without an optimizer
     module.requires_grad_(False)  # nothing trains: what transformers keeps fp32 stays so (`frozen_weights_kept_fp32`)
     if module._ep.size > 1:  # each rank's own experts (as initialize_engine)
@@ -293,7 +297,7 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
     elif ep.size > 1:  # each rank's own experts: DeepSpeed must not broadcast DP rank 0's over them
         keep_from_broadcast(module)
     optimizer, scheduler = make_optimizer(cfg, module.named_parameters(), total_steps)
-    config = deepspeed_config(cfg, coords, load_universal, experts=is_moe(module.model_config))
+    config = deepspeed_config(cfg, coords, load_universal, experts=floating_slots(module.model_config) > 0)
     experts = deepspeed_sees_experts(module, num_experts(module.model_config)) if deepspeed_experts else nullcontext()
     with experts, frozen_weights_kept_fp32(module, cfg.deepspeed.precision):
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config)

@@ -18,6 +18,7 @@ family module calls `register(Family(...))` with what is particular to it, as da
 - what transformers already says is read, not declared: SDPA support (`resolve_attention`), tensors kept fp32
   (`keeps_fp32`), hub keys its model skips at load (`ignored_on_load`: carried by conversion), linear-attention
   layers (`is_linear_attention`);
+- the tensors its layers share across layers (`carries`: mechanisms of models/carry.py, carried between stages);
 - `tiny`: the config overrides of the family's tiny test model (tools/tiny_models.py);
 - a multimodal checkpoint whose text model it is (`register_container`).
 
@@ -139,6 +140,9 @@ class Family:
     always_mask: bool = False
     # Decoder modules transformers runs without gradients (DeepSeek-V3.2's indexer): frozen in training.
     frozen: tuple[str, ...] = ()
+    # Tensors its layers share across layers, by mechanism (models/carry.py: "per_layer_inputs", "shared_kv",
+    # "shared_index"): carried across stage boundaries by name, from the layer that makes one to its last reader.
+    carries: tuple[str, ...] = ()
     cp_refused: str = ""  # why context parallelism is refused for the family, after "<model_type>'s" ("": it splits)
     # A config.json value the family's attention would silently ignore: refused at load with the reason.
     refused_fields: dict[str, str] = field(default_factory=dict, compare=False)

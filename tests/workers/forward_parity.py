@@ -24,6 +24,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from models.carry import carried_bytes
 from models.context_parallel import shard
 from models.families import FAMILIES, linear_attention_refusal
 from models.layers import split_stats
@@ -177,7 +178,8 @@ def main():
             loss_fn = CausalLMLoss(ce)
             if is_moe(config):
                 loss_fn = WithAuxLoss(loss_fn, 0.1)
-            module = build_module(cfg, coords, config, loss_fn, tp, stage_bounds(config, pp, cfg.model.partition))
+            bounds = stage_bounds(config, pp, cfg.model.partition)
+            module = build_module(cfg, coords, config, loss_fn, tp, bounds)
             load_stage_weights(module, os.path.join(case["ckpt_dir"], "global_step0"), config, tp)
             module._synchronize_tied_weights()
             engine = initialize_engine(cfg, coords, module, 1)
@@ -206,6 +208,8 @@ def main():
                         "received_positions": received[:1],
                         "hidden_bytes": BATCH * SEQ * config.hidden_size * 4 // cp,
                         "stats_bytes": empty_stats(config).numel() * 4 if is_moe(config) else 0,
+                        # the family's carried tensors at the cut (Gemma 4's per-layer inputs and shared K/V)
+                        "carried_bytes": carried_bytes(config, bounds[1] - 1, BATCH, SEQ, 4, tp_size, cp, sp),
                     }
                 )
             if coords.is_last and tp_size > 1:  # this rank's vocabulary rows: gather them all
@@ -224,9 +228,13 @@ def main():
                     dist.all_reduce(sums, group=module._cp.group)
                     loss_sum, tokens = float(sums[0]), int(sums[1])
                 err, key = None, (case["name"], pp, coords.dp_rank, coords.tp_rank)
+                # A case's own bound (`atol`): Gemma 4's six layers of soft-capped logits measured 2.89e-6 under TP=2.
+                atol = case.get("atol")
                 try:
+                    if atol is not None and (tp_size > 1 or packed or cp > 1):
+                        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=atol)
                     # TP and CP: max 5.07e-7 over every family's checks (docs/measured.md); held at 2e-6, no rtol
-                    if cp > 1:  # attention over the whole row after the all-to-all; the same kernel, other strides
+                    elif cp > 1:  # attention over the whole row after the all-to-all; the same kernel, other strides
                         torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-6)
                     elif ep > 1:  # the experts' matmuls on other sets of rows: fp32 rounding of another blocking
                         torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-6)

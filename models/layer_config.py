@@ -1,0 +1,19 @@
+"""Reading a transformers config whose layers differ in shape (`per_layer_config`: Gemma 4's global layers keep their
+own `head_dim` and `num_key_value_heads`, and transformers refuses to read those globally)."""
+
+from __future__ import annotations
+
+
+def global_attr(config, name: str, default=None):
+    """A config attribute as config.json states it, also where transformers' config keeps it per layer and refuses to
+    read it globally (Gemma 4's `head_dim` and `num_key_value_heads`: `per_layer_config`; `layer_attr` has each
+    layer's)."""
+    read = getattr(config, "_getattr_without_heterogeneous_validation", None)
+    return read(name, default) if read is not None else getattr(config, name, default)
+
+
+def layer_attr(config, block: int, name: str, default=None):
+    """A config attribute of decoder block `block`: its `per_layer_config` entry where the config has one."""
+    if getattr(config, "is_heterogeneous", False):
+        return getattr(config.per_layer_config[block], name, default)
+    return getattr(config, name, default)
