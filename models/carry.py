@@ -265,13 +265,22 @@ class LayerCarry:
 
 
 def carried_bytes(
-    config, after: int, batch: int, seq: int, dtype_bytes: int, tp: int = 1, cp: int = 1, sp: bool = False
+    config,
+    after: int,
+    batch: int,
+    seq: int,
+    dtype_bytes: int,
+    tp: int = 1,
+    cp: int = 1,
+    sp: bool = False,
+    integers: bool = False,
 ) -> int:
     """Bytes of the floating carried tensors one rank sends after pipeline layer `after` for a micro-batch of
     `batch` rows of `seq` tokens (the hidden states and router statistics aside): the per-layer inputs of the blocks
     still to come for this rank's positions (S/C; S/(C x T) under sequence parallelism `sp`), the shared K/V of
-    this TP rank's heads over the CP rank's positions (whole rows under SP: attention's own)."""
-    total, positions = 0, seq // cp
+    this TP rank's heads over the CP rank's positions (whole rows under SP: attention's own); with `integers`, also
+    the integer ones (the tokens, GLM-5's shared index: int32 [B, S, topk] of the whole row)."""
+    total, positions, ints = 0, seq // cp, 0
     for name in layout(config).carried(after):
         if name == PER_LAYER_INPUTS:
             shard = positions // tp if sp else positions
@@ -283,7 +292,11 @@ def carried_bytes(
             )
             heads = layer_attr(config, store, "num_key_value_heads") // max(tp, 1)
             total += batch * heads * positions * layer_attr(config, store, "head_dim")
-    return total * dtype_bytes
+        elif name == INPUT_IDS:
+            ints += batch * positions * 8
+        elif name.startswith("index."):
+            ints += batch * positions * min(config.index_topk, seq) * 4
+    return total * dtype_bytes + (ints if integers else 0)
 
 
 def per_layer_input_bytes(config, batch: int, positions: int, dtype_bytes: int) -> int:

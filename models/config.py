@@ -216,11 +216,12 @@ def check_preset(config, model: ModelSettings, where: str) -> None:
     """A preset named on the command line must describe the checkpoint's model. Raises ValueError."""
     for key, want in preset_values(model).items():
         field = config_field(getattr(config, "model_type", None), key)
-        have = config.rope_parameters.get("rope_theta") if key == "rope_theta" else getattr(config, field, None)
+        have = config.rope_parameters.get("rope_theta") if key == "rope_theta" else global_attr(config, field)
         if have != want:
             raise ValueError(f"model.{key}={want} (preset {model.name}) but {where} has {key}={have}")
     for key, want in _config_fields(model, config.model_type).items():
-        have = getattr(config, key, None)
+        # a per-layer table (Gemma 4's `per_layer_config`) as config.json writes it
+        have = config.to_dict().get(key) if key == "per_layer_config" else getattr(config, key, None)
         if not _agrees(want, have):
             raise ValueError(f"model.config_fields.{key}={want} (preset {model.name}) but {where} has {key}={have}")
 

@@ -192,7 +192,10 @@ class DecoderPipe:
         self.linear = is_linear_attention(config, layer_idx)
         self.always_mask = family_of(config).always_mask  # DeepSeek-V3.2's indexer scores against the mask
         for name in family_of(config).frozen:  # run without gradients by transformers (DeepSeek-V3.2's indexer)
-            self.get_submodule(name).requires_grad_(False)
+            for part in (frozen := self, *name.split("."))[1:]:
+                frozen = getattr(frozen, part, None)  # None in a layer without it (GLM-5's shared-index layers)
+            if frozen is not None:
+                frozen.requires_grad_(False)
         self.moe_block_name = family_of(config).moe.block if sparse else None
         if self.sparse:
             (ep or ExpertParallel()).split(self.moe_block(), config, options.routed_experts)

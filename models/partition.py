@@ -25,12 +25,13 @@ PARTITION_METHODS = ("parameters", "compute", "uniform")
 
 def _shape_of(layer, config) -> tuple:
     """Layers of the same shape have the same parameter count (decoder blocks: sparse or dense, linear attention or
-    attention over keys, their attention type and K/V sharing where layers differ by them (Gemma 4's global layers'
-    wider heads, its reusing layers' missing k/v projections), block 0 making the per-layer inputs)."""
+    attention over keys, their attention type, K/V sharing and indexer where layers differ by them (Gemma 4's global
+    layers' wider heads, its reusing layers' missing k/v projections, GLM-5's layers without an indexer), block 0
+    making the per-layer inputs)."""
     if layer.kind != DECODER:
         return (layer.kind, None)
     block = layer.block
-    kinds = [getattr(config, name, None) for name in ("layer_types", "kv_sharing_modes")]
+    kinds = [getattr(config, name, None) for name in ("layer_types", "kv_sharing_modes", "indexer_types")]
     own = tuple(k[block] if k else None for k in kinds) + (block == 0 and makes_per_layer_inputs(config),)
     return (layer.kind, is_sparse_layer(config, block), is_linear_attention(config, block), *own)
 

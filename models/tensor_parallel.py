@@ -124,7 +124,9 @@ class TPDecoderPipe:
             _row_parallel(getattr(self, moe.block if moe else "mlp").down_proj, tp)
         family = family_of(config)
         for name in family.norms:
-            norm = getattr(self, name)
+            norm = getattr(self, name, None)
+            if norm is None:  # a norm of an optional part the model has not (Gemma 4's PLE norm without PLE)
+                continue
             if name in family.tp_entry_norms:  # its output is the input of q/k/v or of gate/up
                 norm.register_forward_hook(lambda _module, _inputs, out: enter_tp(out, self.tp))
             if tp.sp:

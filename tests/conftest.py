@@ -106,6 +106,9 @@ MODEL_VARIANTS = {
     # last local and global layers before them (models/carry.py), global layers of their own head width and K/V
     # heads (values = keys), tied embeddings and logits soft-capped at 2; its hub's unread k/v tensors carried.
     "gemma4": dict(model_type="gemma4_text", tie_word_embeddings=True),
+    # GLM-5: DeepSeek-V3.2's sparse attention with the index of block 1 shared by blocks 2 and 3 (models/carry.py),
+    # DeepSeek's router and shared experts after a dense first layer; a multi-token-prediction layer carried.
+    "glm_moe_dsa": dict(model_type="glm_moe_dsa"),
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
 NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss", "qwen3_next", "qwen3_5", "gemma4"]
@@ -114,9 +117,10 @@ CARRYING_VARIANTS = {
     "glm4_moe": "layers",
     "qwen3_next": "mtp",
     "gemma4": "unread_kv",
+    "glm_moe_dsa": "layers",
 }  # with a multi-token-prediction layer, or the unread k/v tensors of Gemma 4's reusing layers
 MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss")
-MOE_VARIANTS += ("qwen3_next", "qwen3_5_moe", "deepseek_v32")
+MOE_VARIANTS += ("qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa")
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
 FAMILY_VARIANTS += NEW_FAMILY_VARIANTS
 

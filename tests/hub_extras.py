@@ -56,12 +56,15 @@ def add_unread_kv(hf_dir: str) -> list[str]:
     builds none and skips them at load), in a shard of their own. Returns their keys."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(hf_dir)
+    config = AutoConfig.from_pretrained(hf_dir).get_text_config()  # a container's (Gemma4ForConditionalGeneration)
+    layers = (
+        "model.language_model.layers." if any(".language_model." in k for k in hf_state(hf_dir)) else "model.layers."
+    )
     generator, extra = torch.Generator().manual_seed(4), {}
     for block, mode in enumerate(config.kv_sharing_modes):
         if mode == "reuse":
             layer = config.per_layer_config[block]
-            rows, prefix = layer.num_key_value_heads * layer.head_dim, f"model.layers.{block}.self_attn."
+            rows, prefix = layer.num_key_value_heads * layer.head_dim, f"{layers}{block}.self_attn."
             extra[prefix + "k_proj.weight"] = torch.randn(rows, config.hidden_size, generator=generator)
             if not (config.attention_k_eq_v and config.layer_types[block] != "sliding_attention"):  # values = keys
                 extra[prefix + "v_proj.weight"] = torch.randn(rows, config.hidden_size, generator=generator)

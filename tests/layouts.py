@@ -109,4 +109,8 @@ LAYOUTS = {
     # each rank carries its own K/V heads and its positions of the per-layer inputs.
     "gemma4-pp2-dp2": ("gemma4", "false", 2, 1, "", 0),
     "gemma4-pp2-tp2": ("gemma4", "false", 2, 2, "", 0),
+    # GLM-5: block 1's sparse-attention index carried to blocks 2 and 3 on the second stage, its experts over EP=2;
+    # under TP=2 with SP its (frozen, replicated) indexers choose the same keys on both ranks.
+    "glm_moe_dsa-pp2-dp2-ep2": ("glm_moe_dsa", "false", 2, 1, "", 0),
+    "glm_moe_dsa-pp2-tp2": ("glm_moe_dsa", "false", 2, 2, "", 0),
 }

@@ -52,6 +52,21 @@ def multimodal(family: str):
         config = getattr(transformers, f"{prefix}Config")(text_config=text, vision_config=vision)
         model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
         return model, "model.visual.", f"{family}_text", f"{prefix}ForCausalLM"
+    if family == "gemma4":  # Gemma 4 E2B/E4B: vision and audio towers beside the text model (PLE, shared K/V)
+        text = tiny_config("gemma4_text", tie_word_embeddings=True).to_dict()
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
+        audio = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[8, 4])
+        config = transformers.Gemma4Config(
+            text_config=text,
+            vision_config=vision | dict(num_key_value_heads=2),
+            audio_config=audio | dict(output_proj_dims=32),
+        )
+        return (
+            transformers.Gemma4ForConditionalGeneration(config),
+            "model.audio_tower.",
+            "gemma4_text",
+            "Gemma4ForCausalLM",
+        )
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32)
     # No logit soft-cap, as the hub's Gemma 3 configs: Gemma3ForConditionalGeneration's forward applies none even when
     # set, where Gemma3ForCausalLM (the text model we convert to) applies it.

@@ -58,6 +58,10 @@ def stage0_parameters(config, layers: int, lora=None) -> tuple[int, int, int]:
             settings = LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=list(lora.target_modules))
             model = inject_adapter_in_model(settings, model)
     dense, experts, adapters = model.get_input_embeddings().weight.numel(), 0, 0
+    # Gemma 4's per-layer embeddings, model-level modules block 0's layer holds (models/carry.py)
+    dense += sum(
+        p.numel() for n, p in model.model.named_parameters() if n.startswith(("embed_tokens_per", "per_layer"))
+    )
     for layer in model.model.layers[:layers]:
         for name, p in layer.named_parameters():
             if ".lora_" in name:
@@ -87,6 +91,8 @@ def stage0_parameters(config, layers: int, lora=None) -> tuple[int, int, int]:
         ("gpt_oss_120b_8node", 4, 64, "bf16", 50),
         ("glm4_5_air_4node", 8, 32, "bf16", 68),
         ("qwen3_next_80b_a3b_4node", 4, 32, "bf16", 56),
+        ("gemma4_31b_2node", 4, 16, "bf16", 53),
+        ("gemma4_e4b_8gpu", 4, 8, "bf16", 44),
         ("deepseek_v3_lora_4node", 8, 32, "bf16", 54),
         ("kimi_k2_lora_8node", 8, 64, "bf16", 44),
     ],

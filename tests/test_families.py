@@ -72,6 +72,14 @@ FAMILY_CONFIGS = {
     "qwen3_next-hybrid": ("qwen3_next", dict(num_hidden_layers=4)),
     "qwen3_5-hybrid": ("qwen3_5_text", dict(num_hidden_layers=4)),
     "qwen3_5_moe-hybrid": ("qwen3_5_moe_text", dict(num_hidden_layers=4)),
+    # State shared across layers (models/carry.py): Gemma 4's per-layer inputs and K/V reused by its last two layers
+    # (local layers with a window of 4), its 31B-like shape (neither); GLM-5's index shared by layers 2 and 3.
+    "gemma4-ple-shared-kv": ("gemma4_text", dict(num_hidden_layers=6, num_key_value_heads=4)),
+    "gemma4-31b-like": (
+        "gemma4_text",
+        dict(num_hidden_layers=6, num_key_value_heads=4, num_kv_shared_layers=0),
+    ),
+    "glm_moe_dsa-shared-index": ("glm_moe_dsa", dict(num_hidden_layers=4, num_key_value_heads=4)),
 }
 
 
@@ -221,7 +229,7 @@ def test_other_model_types_are_refused(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         supported = (
             "supported: deepseek_v3, deepseek_v32, ernie4_5, gemma3, gemma3_text, gemma4, gemma4_text, glm4, glm4_moe, "
-            "gpt_oss, helium, "
+            "glm_moe_dsa, gpt_oss, helium, "
             "kimi_k2, kimi_k25, llama, llama4, llama4_text, ministral3, mistral, mistral3, mistral4, mixtral, olmo2, "
             "olmo3, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, "
             "qwen3_next, seed_oss, smollm3"
@@ -373,6 +381,7 @@ DPO_CASES = [
     "olmo2-biases",
     "olmo3-local",
     "qwen3_5-hybrid",
+    "gemma4-ple-shared-kv",  # its per-layer inputs and shared K/V
 ]
 
 

@@ -52,11 +52,14 @@ CASES = [
     # reader for the local layers, not for the global ones), packed documents through the shared K/V
     ("gemma4", "sdpa"),
     ("gemma4", "eager-packed"),
+    # GLM-5: the shared index (int32) carried across the cut (PP=2: block 1 -> blocks 2, 3), within each document
+    ("glm_moe_dsa", "sdpa"),
+    ("glm_moe_dsa", "sdpa-packed"),
 ]
 ATOL = {"gemma4": 5e-6}  # the logits' bound under TP, CP and packed rows where it is not 2e-6 (the worker's)
 MOE = {f"{m}-{attn}" for m, attn in CASES if m in MOE_VARIANTS}
 NO_TP = {f"{m}-{attn}" for m, attn in CASES if MODEL_VARIANTS[m].get("model_type") in TP_NOT_BUILT}
-NO_CP = {f"{m}-{attn}" for m, attn in CASES if m in ("qwen3_next", "qwen3_5_moe", "deepseek_v32")}  # (validate.py)
+NO_CP = {f"{m}-{attn}" for m, attn in CASES if m in ("qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa")}
 
 
 def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from checkpoint.expert_layouts import fuse_per_expert
 from models.carry import carried_bytes, carried_tensors, layout
 from models.key_table import all_layer_keys, is_carried
 from models.layers import DecoderOptions, build_layer, split_stats, tied_lm_head_forward
@@ -74,52 +75,68 @@ def cut_run(config, state: dict, ids: torch.Tensor, labels: torch.Tensor, cuts: 
         outputs.append(x)
         x = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in x)  # the next stage's receive
         received.append(x)
-    logits = split_stats(tied_lm_head_forward(modules[0], x) if config.tie_word_embeddings else x)[0]
+    logits, stats = split_stats(tied_lm_head_forward(modules[0], x) if config.tie_word_embeddings else x)
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    if stats is not None:  # the router statistics get their (zero: no load-balancing loss) gradient back
+        loss = loss + 0.0 * stats.sum()
     loss.backward()
     for out, inp in zip(reversed(outputs), reversed(received[1:])):  # each stage's backward from its outputs
         pairs = [(o, i.grad) for o, i in zip(out, inp) if o.is_floating_point()]
         assert all(g is not None for _, g in pairs), "a carried floating tensor got no gradient back"
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-    grads = {}
+    grads = {}  # by transformers' in-memory names (our layers are its layers: the same names below each)
     for layer, module in zip(layers, modules):
-        for ours, param in module.named_parameters():
-            grads[keys[layer.index][ours]] = param.grad
+        for name, param in module.named_parameters():
+            if not param.requires_grad:  # frozen as transformers computes it without gradients (GLM-5's indexer)
+                continue
+            if layer.kind == "decoder":
+                hf = f"model.{name[4:]}" if name.startswith("ple.") else f"model.layers.{layer.block}.{name}"
+            else:
+                hf = keys[layer.index][name]
+            grads[hf] = param.grad
     return logits, loss, grads
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [{}, dict(num_kv_shared_layers=0), dict(num_kv_shared_layers=0, hidden_size_per_layer_input=0)],
-    ids=["ple-shared-kv", "ple", "31b-like"],  # (transformers' model fails on shared K/V without PLE: no such model)
-)
-def test_every_cut_gives_transformers_logits_and_gradients(overrides, tmp_path):
+CUT_MODELS = {
+    "gemma4-ple-shared-kv": gemma4,
+    "gemma4-ple": lambda: gemma4(num_kv_shared_layers=0),
+    "gemma4-31b-like": lambda: gemma4(num_kv_shared_layers=0, hidden_size_per_layer_input=0),
+    # GLM-5: blocks 0 and 1 run the indexer, 2 and 3 share block 1's top-k keys (rows of 16, 4 keys kept)
+    "glm_moe_dsa": lambda: tiny_config("glm_moe_dsa", num_key_value_heads=4),
+}  # (transformers' Gemma 4 fails on shared K/V without PLE: no such model exists)
+
+
+@pytest.mark.parametrize("name", list(CUT_MODELS))
+def test_every_cut_gives_transformers_logits_and_gradients(name, tmp_path):
     """Gemma 4 cut into two stages after each of its 6 blocks in turn (cuts between each K/V's maker and its reader,
-    cuts that keep them on one stage), and into a stage per block: logits bit-identical to transformers', and the
-    gradient of every weight (the K/V makers' projections and norms, block 0's per-layer embeddings, every layer's
-    per-layer gate) bit-identical to transformers' own backward: the carried tensors' gradients come back through
-    the cut and add up in transformers' order."""
+    cuts that keep them on one stage), and into a stage per block; GLM-5 likewise (its shared index made by block 1,
+    read by blocks 2 and 3): logits bit-identical to transformers', and the gradient of every weight (the K/V
+    makers' projections and norms, block 0's per-layer embeddings, every layer's per-layer gate; GLM-5's latent
+    attention, routers and experts) bit-identical to transformers' own backward: the carried tensors' gradients come
+    back through the cut and add up in transformers' order."""
     from transformers import AutoModelForCausalLM
 
-    config = gemma4(**overrides)
+    config = CUT_MODELS[name]()
+    config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config)
     perturb(hf)
     hf.save_pretrained(tmp_path)
-    state = hf_state(str(tmp_path))
-    ids = torch.randint(0, config.vocab_size, (2, 12))
+    state = fuse_per_expert(hf_state(str(tmp_path)), config)
+    ids = torch.randint(0, config.vocab_size, (2, 16))
     labels = torch.roll(ids, -1, dims=1)
     logits = hf(input_ids=ids).logits
     F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
-    reference = {name: p.grad for name, p in hf.named_parameters()}
-    reference["lm_head.weight"] = None  # tied: the embedding's gradient holds the head's
+    reference = {key: p.grad for key, p in hf.named_parameters()}
+    if config.tie_word_embeddings:
+        reference["lm_head.weight"] = None  # tied: the embedding's gradient holds the head's
     n = config.num_hidden_layers
     for cuts in [(), *[(c,) for c in range(1, n + 1)], tuple(range(1, n + 1))]:
         ours, _, grads = cut_run(config, state, ids, labels, cuts)
         assert torch.equal(ours, logits), cuts
         assert set(grads) == {k for k, v in reference.items() if v is not None}, cuts
-        for name, grad in grads.items():
-            assert torch.equal(grad, reference[name]), (name, cuts, float((grad - reference[name]).abs().max()))
+        for key, grad in grads.items():
+            assert torch.equal(grad, reference[key]), (key, cuts, float((grad - reference[key]).abs().max()))
 
 
 def test_dropping_a_carried_tensor_changes_the_logits(tmp_path):
@@ -156,3 +173,40 @@ def test_dropping_a_carried_tensor_changes_the_logits(tmp_path):
     dropped = (cut_run(config, zero_ple, ids, labels, (3,))[0] - reference).abs().max()
     print(f"max |logit difference|: K/V recomputed in the reusing layers {recomputed:.3g}, no PLE {dropped:.3g}")
     assert recomputed > 1e-2 and dropped > 1e-2  # logits of at most 2 (soft-capped); equal ones differ by 0
+
+
+def test_dropping_the_shared_index_changes_the_logits(tmp_path, monkeypatch):
+    """GLM-5's negative control: its shared layers attending every key (the shared index dropped: an index holding
+    every position, which leaves only the causal mask) change the logits, where the carried index gives
+    transformers' own; the index crosses the cut between blocks 1 and 2 as int32, with no gradient."""
+    from transformers import AutoModelForCausalLM
+
+    from models.carry import LayerCarry
+
+    config = CUT_MODELS["glm_moe_dsa"]()
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config)
+    perturb(hf)
+    hf.save_pretrained(tmp_path)
+    state = fuse_per_expert(hf_state(str(tmp_path)), config)
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    labels = torch.roll(ids, -1, dims=1)
+    with torch.no_grad():
+        reference = hf(input_ids=ids).logits
+    assert layout(config).carried(2) == ("index.1",)
+    assert carried_tensors(config, 2, 2, 16, 16, torch.float32)["index.1"].dtype == torch.int32
+    assert torch.equal(cut_run(config, state, ids, labels, (2,))[0], reference)
+    kwargs = LayerCarry.kwargs
+
+    def every_key(self, layer, hidden, carried):
+        out, context = kwargs(self, layer, hidden, carried)
+        if out.get("prev_topk_indices") is not None:
+            b, s, _ = out["prev_topk_indices"].shape
+            out["prev_topk_indices"] = torch.arange(s, dtype=torch.int32).expand(b, s, s)
+        return out, context
+
+    monkeypatch.setattr(LayerCarry, "kwargs", every_key)
+    dense = (cut_run(config, state, ids, labels, (2,))[0] - reference).abs().max()
+    print(f"GLM-5's shared layers attending every key: max |logit difference| {dense:.3g}")
+    assert dense > 1e-3

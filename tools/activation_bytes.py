@@ -333,7 +333,7 @@ def stage_activation_bytes(
     # What crosses into the stage and its micro-batch keeps until backward: the carried tensors (models/carry.py),
     # and the per-layer inputs block 0 makes, where it makes them (the later blocks' slices are views of them).
     cp = (row or s) // s
-    kept += carried_bytes(config, layers[0] - 1, b, row or s, act_bytes, tp, cp, sp) if layers[0] > 0 else 0
+    kept += carried_bytes(config, layers[0] - 1, b, row or s, act_bytes, tp, cp, sp, integers=True) if layers[0] else 0
     kept += per_layer_input_bytes(config, b, s // shards, act_bytes) if 1 in layers else 0
     for index in layers:
         block = block_of(index, n)
