@@ -13,8 +13,9 @@ what recomputing each on the reading stage would need instead:
   stages;
 - the shared K/V: the hidden states of the layer that makes them (2H bytes a token) and its k/v projections.
 
-Also measured here, on this machine's CPU: the time to make the per-layer inputs of `--tokens` tokens (transformers'
-own modules, models/carry.py `PerLayerInputs`), against one decoder layer's forward on the same tokens.
+Also measured here, on this machine's CPU (one thread, medians of 3): the time to make every layer's per-layer inputs
+of `--tokens` tokens (transformers' own modules, models/carry.py `PerLayerInputs`; its table cut to 32,768 rows to fit
+memory, which a lookup does not feel), against one decoder layer's forward on the same tokens.
 """
 
 from __future__ import annotations
@@ -58,25 +59,26 @@ def configs() -> dict:
 
 
 def cut_table(name: str, config) -> None:
-    from models.carry import carried_bytes
+    from models.carry import PER_LAYER_INPUTS, carried_bytes, layout
 
     hidden = 2 * config.hidden_size
     print(f"{name}: {config.num_hidden_layers} layers, hidden {config.hidden_size} ({hidden} bytes a token in bf16)")
-    print("  cut after block   carried (bytes a token)   x hidden   recompute instead (bytes a token)")
+    print("  cut after block   carried   recomputed instead   (bytes a token, besides the hidden states)")
     for block in range(0, config.num_hidden_layers - 1, 4):
-        carried = carried_bytes(config, block + 1, 1, 1, 2)
-        print(
-            f"  {block:15d}   {carried:23d}   {carried / hidden:8.2f}   {hidden:d} (the embeddings) + K/V makers' input"
-        )
+        names = layout(config).carried(block + 1)
+        # recomputed: the embeddings the per-layer inputs are projected from, each K/V maker's input hidden states
+        instead = hidden * ((PER_LAYER_INPUTS in names) + len([n for n in names if n.endswith(".k")]))
+        print(f"  {block:15d}   {carried_bytes(config, block + 1, 1, 1, 2):7d}   {instead:18d}")
     ple_table = config.vocab_size_per_layer_input * config.hidden_size_per_layer_input * 2
     print(f"  per-layer table rows of one layer on its stage if recomputed: {ple_table / 2**20:.0f} MiB (bf16)")
 
 
-def timing(config, tokens: int, repeats: int = 5) -> None:
+def timing(config, tokens: int, repeats: int = 3) -> None:
     from models.carry import PerLayerInputs, carried_tensors
     from models.layers import decoder_layer_class
 
     small = config.__class__.from_dict(config.to_dict() | {"vocab_size_per_layer_input": 32768})  # CPU memory
+    small._attn_implementation = "sdpa"
     torch.manual_seed(0)
     ple, layer = PerLayerInputs(small), decoder_layer_class("gemma4_text")(small, 1)  # block 1 reads its slice
     ids = torch.randint(0, 32768, (1, tokens))

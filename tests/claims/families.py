@@ -1,3 +1,4 @@
+from tests.claims import families_2
 from tests.claims.held import FAMILIES, PARITY, PARITY_2E6, PARITY_EXACT, ROUND_TRIP, ROUND_TRIP_EXACT
 from tests.claims.kinds import Claim, NotAClaim
 
@@ -125,4 +126,4 @@ CLAIMS = (
         says="Until this stop the planner counted LLaMA's block for every family: Qwen3's tiny model measured -47%",
         why="how far the replaced model was off (measured once, by hand, before the change; the test's comment keeps it)",
     ),
-)
+) + families_2.CLAIMS

@@ -220,4 +220,10 @@ CLAIMS = (
         bound=6e-5,
         figure=2.81e-5,
     ),
+    Claim(
+        says="logits at PP=1/2/4 bit-identical to transformers (both);",
+        test=held.PARITY,
+        holds=held.PARITY_EXACT,
+        bound=0,
+    ),
 )
