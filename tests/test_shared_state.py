@@ -50,7 +50,7 @@ def test_the_carry_names_what_crosses_each_boundary():
     assert not layout(tiny_config("llama")).slots  # other families carry only the hidden states (and positions)
 
 
-def cut_run(config, state: dict, ids: torch.Tensor, labels: torch.Tensor, cuts: tuple[int, ...]):
+def cut_run(config, state: dict, ids: torch.Tensor, labels: torch.Tensor, cuts: tuple[int, ...], options=None):
     """The pipeline's layers on `ids` in stages cut after the pipeline layers `cuts`, each stage's output handed to
     the next as DeepSpeed's pipeline does (a detached copy; floating tensors take a gradient) and the gradient of
     each handed tensor sent back; returns (logits, the loss, {HF key: gradient})."""
@@ -58,7 +58,7 @@ def cut_run(config, state: dict, ids: torch.Tensor, labels: torch.Tensor, cuts: 
     layers = [x for x in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings) if x.has_file]
     modules = []
     for layer in layers:
-        module = build_layer(layer, config, DecoderOptions())
+        module = build_layer(layer, config, options or DecoderOptions())
         module.load_state_dict({ours: state[hf].clone() for ours, hf in keys[layer.index].items()})
         modules.append(module)
     x = (ids, torch.arange(ids.shape[1]).expand_as(ids))
@@ -113,7 +113,7 @@ def test_every_cut_gives_transformers_logits_and_gradients(name, tmp_path):
     read by blocks 2 and 3): logits bit-identical to transformers', and the gradient of every weight (the K/V
     makers' projections and norms, block 0's per-layer embeddings, every layer's per-layer gate; GLM-5's latent
     attention, routers and experts) bit-identical to transformers' own backward: the carried tensors' gradients come
-    back through the cut and add up in transformers' order."""
+    back through the cut and add up in transformers' order; the same with every block recomputed in backward."""
     from transformers import AutoModelForCausalLM
 
     config = CUT_MODELS[name]()
@@ -131,8 +131,9 @@ def test_every_cut_gives_transformers_logits_and_gradients(name, tmp_path):
     if config.tie_word_embeddings:
         reference["lm_head.weight"] = None  # tied: the embedding's gradient holds the head's
     n = config.num_hidden_layers
-    for cuts in [(), *[(c,) for c in range(1, n + 1)], tuple(range(1, n + 1))]:
-        ours, _, grads = cut_run(config, state, ids, labels, cuts)
+    every = [((), DecoderOptions(checkpoint_every=1))]  # every block recomputed in backward: what it made, remade
+    for cuts, options in [*((c, None) for c in [(), *[(c,) for c in range(1, n + 1)], tuple(range(1, n + 1))]), *every]:
+        ours, _, grads = cut_run(config, state, ids, labels, cuts, options)
         assert torch.equal(ours, logits), cuts
         assert set(grads) == {k for k, v in reference.items() if v is not None}, cuts
         for key, grad in grads.items():
