@@ -17,6 +17,7 @@ from checkpoint.pipeline_reader import PipelineCheckpoint
 from checkpoint.safe_load import load_pt
 from checkpoint.universal import read_layout
 from models.layer_config import global_attr, layer_attr
+from models.moe import experts_per_token
 
 
 def experts_of(config) -> dict:
@@ -28,7 +29,7 @@ def experts_of(config) -> dict:
         return {}
     sparse = sum(is_sparse_layer(config, b) for b in range(config.num_hidden_layers))
     experts = getattr(config, moe.num_experts)
-    return {"experts": experts, "experts_per_token": config.num_experts_per_tok, "sparse_layers": sparse}
+    return {"experts": experts, "experts_per_token": experts_per_token(config), "sparse_layers": sparse}
 
 
 def describe(ckpt_dir: str, tag: str | None = None) -> dict:

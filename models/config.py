@@ -150,7 +150,7 @@ def read_config_fields(path: str) -> ConfigFields | None:
 
     raw = _read_config_json(path)
     family = FAMILIES[raw["model_type"]]
-    if family.moe is not None:  # experts: their count and layout need the config class
+    if family.moe is not None and (not family.moe_when or raw.get(family.moe_when)):  # experts: the config class's
         return None
     named = {b for b in (family.qkv_bias, family.o_bias, family.mlp_bias) if isinstance(b, str)}
     if named - {"attention_bias", "mlp_bias"}:  # a bias field read here only through transformers

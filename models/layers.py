@@ -4,21 +4,15 @@ classes (models/families/: the registry, one module per family, dense and mixtur
 Data flow through one micro-batch (B = micro-batch size, S = sequence length, H = hidden size):
 
     (input_ids[B,S] long, position_ids[B,S] long)
-      -> EmbeddingPipe    -> (hidden[B,S,H], position_ids)
-      -> the family's decoder layer (DecoderPipe) -> (hidden[B,S,H], position_ids)   x num_hidden_layers
-      -> the final norm   -> hidden[B,S,H]
-      -> LMHeadPipe       -> logits[B,S,V]
+      -> EmbeddingPipe    -> (hidden[B,S,H], position_ids, + carried)
+      -> the family's decoder layer (DecoderPipe) -> (hidden[B,S,H], position_ids, + carried)   x num_hidden_layers
+      -> the final norm   -> hidden[B,S,H]      -> LMHeadPipe -> logits[B,S,V]
 
-Only `hidden` is a floating tensor, so it is the only tensor that crosses a stage boundary with a
-gradient. RoPE cos/sin and the causal mask are rebuilt inside every decoder layer from the integer
-`position_ids`: a float mask would need a gradient, cost B*S*S of traffic and block SDPA/flash.
-
-Mixture-of-experts models (models/moe.py) carry two more tensors from the embedding to the norm: each row's
-length (long [B], where padding starts) and the router statistics of the sparse layers so far (fp32 [2E + 2],
-with a gradient); the norm hands the statistics on to the head and the loss:
-
-    (input_ids, position_ids, lengths) -> (hidden, position_ids, lengths, stats) x L -> (hidden, stats)
-      -> (logits, stats)
+What each tuple holds is declared by name (models/carry.py): with experts each row's length (long [B]) and the
+router statistics of the sparse layers so far (fp32 [2E + 2], with a gradient; models/moe.py), which the norm hands
+on to the head and the loss ((logits, stats)); and the tensors a family's layers share across layers. RoPE cos/sin
+and the causal mask are rebuilt inside every decoder layer from the integer `position_ids`: a float mask would need
+a gradient, cost B*S*S of traffic and block SDPA/flash.
 
 Packed rows (`data.packing`): several documents share a row and `position_ids` restart at 0 at each
 one. Each decoder layer rebuilds the per-document causal mask from them (models/attention_masks.py; flash-attn
@@ -59,8 +53,10 @@ from models.moe import (
     DEFAULT_EXPERTS_IMPLEMENTATION,
     add_stats,
     count_chosen,
+    dense_mlp,
     empty_stats,
     expert_keys,
+    experts_per_token,
     is_moe,
     layer_sums,
     router_of,
@@ -199,7 +195,7 @@ class DecoderPipe:
         self.moe_block_name = family_of(config).moe.block if sparse else None
         if self.sparse:
             (ep or ExpertParallel()).split(self.moe_block(), config, options.routed_experts)
-            self.top_k = config.num_experts_per_tok
+            self.top_k = experts_per_token(config)
             self.router_logits_at = family_of(config).moe.router_logits
             self.router_choice = family_of(config).moe.router_choice
             router_of(self.moe_block(), config).register_forward_hook(self._keep_router_logits)
@@ -220,8 +216,7 @@ class DecoderPipe:
         if self.cp.size > 1:  # (refused for linear attention: training/validate.py)
             context_parallel.attach(self.self_attn, self.self_attn.config, self.cp, self.attn_implementation)
         if options.mlp_tiles > 1 and not sparse:
-            moe = family_of(config).moe
-            context_parallel.tile_mlp(getattr(self, moe.block if moe else "mlp"), options.mlp_tiles)
+            context_parallel.tile_mlp(getattr(self, dense_mlp(config)), options.mlp_tiles)
 
     def keeps_fp32(self, name: str, dtype) -> bool:  # what transformers keeps fp32 in `dtype` (`Family.keeps_fp32`)
         return family_of(self.model_config).keeps_fp32(name, dtype)
@@ -234,8 +229,9 @@ class DecoderPipe:
         return apply_keeping_fp32(self, self.keeps_fp32, fn, lambda: super(DecoderPipe, self)._apply(fn, recurse))
 
     def moe_block(self) -> nn.Module:
-        """The sparse block (`mlp`; Llama 4's `feed_forward`) of a sparse layer."""
-        return getattr(self, self.moe_block_name)
+        """The sparse block (`mlp`; Llama 4's `feed_forward`) of a sparse layer; the layer itself where its experts sit
+        beside its dense MLP (Gemma 4's)."""
+        return getattr(self, self.moe_block_name) if self.moe_block_name else self
 
     def _keep_router_logits(self, _module, _inputs, outputs) -> None:
         self._router_logits = outputs[self.router_logits_at]  # [B * S, E]
@@ -273,6 +269,8 @@ class DecoderPipe:
         every rank of the group carries the same statistics to the load-balancing loss."""
         out = self._block(hidden, position_ids, carried)
         logits, self._router_logits = self._router_logits, None
+        if family_of(self.model_config).moe.router_probabilities:  # (Gemma 4's router gives them): their log
+            logits = logits.log()
         batch, seq = position_ids.shape
         mask = token_mask(lengths, seq).view(batch, seq)
         mask = context_parallel.shard(mask, self.cp.rank, self.cp.size).reshape(-1)  # this rank's positions
@@ -284,6 +282,7 @@ class DecoderPipe:
         # position_ids: the whole row's; hidden may hold S/T positions (sequence parallel) of this rank's S/C
         # (context parallel), which attention sees: RoPE turns this rank's S/C positions into angles.
         local_positions = context_parallel.shard(position_ids, self.cp.rank, self.cp.size)
+        self._batch = hidden.shape[0]  # rows of flattened [B * S, H] tensors (models/tensor_parallel.py `enter`)
         cos_sin = self.rotary_emb(hidden, local_positions, *self.rotary_args)  # 2 x [B, S/C, head_dim]
         packed, seq = self.options.packed, position_ids.shape[-1]
         window = self.window if self.window is not None and self.window < seq else None

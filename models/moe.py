@@ -46,6 +46,23 @@ def is_moe(config) -> bool:
     return family_of(config).moe is not None
 
 
+def experts_per_token(config) -> int:
+    """The experts a token is routed to (`MoeSpec.top_k`'s config field)."""
+    return getattr(config, family_of(config).moe.top_k)
+
+
+def dense_mlp(config) -> str:
+    """The name of a decoder layer's dense MLP: `mlp`, or the sparse block's name in a family whose dense layers hold
+    their MLP under it (Llama 4's `feed_forward`)."""
+    moe = family_of(config).moe
+    return "mlp" if moe is None or moe.beside_mlp else moe.block
+
+
+def in_block(block: str, name: str) -> str:
+    """`name` inside a sparse block named `block` ("" : the layer itself, Gemma 4's `MoeSpec.beside_mlp`)."""
+    return f"{block}.{name}" if block else name
+
+
 def empty_stats(config, device=None) -> torch.Tensor:
     """The statistics of no layer yet: zeros [2E + 2] fp32."""
     return torch.zeros(2 * num_experts(config) + 2, dtype=torch.float32, device=device)
@@ -128,12 +145,12 @@ def router_of(block: nn.Module, config) -> nn.Module:
 def router_param(config) -> str:
     """The in-memory name of a sparse layer's router weight (`mlp.gate.weight`, `feed_forward.router.weight`)."""
     moe = family_of(config).moe
-    return f"{moe.block}.{moe.router}.weight"
+    return in_block(moe.block, f"{moe.router}.weight")
 
 
 def _fused_names(config, prefix: str) -> tuple[str, str]:
     block = family_of(config).moe.block
-    return prefix + block + ".experts.gate_up_proj", prefix + block + ".experts.down_proj"
+    return prefix + in_block(block, "experts.gate_up_proj"), prefix + in_block(block, "experts.down_proj")
 
 
 def _hub_names(config, prefix: str) -> tuple[str, str, str, str]:
@@ -191,7 +208,7 @@ def _fused_expert_keys(layer: nn.Module, config, mine: range) -> None:
     if len(mine) == num_experts(config):
         return
 
-    experts = family_of(config).moe.block + ".experts."
+    experts = in_block(family_of(config).moe.block, "experts.")
 
     def to_hub(module, state_dict, prefix, local_metadata):
         gathered = getattr(module, "gathered_experts", None)

@@ -17,7 +17,7 @@ import torch
 from models.families import is_linear_attention, is_sparse_layer
 from models.key_table import makes_per_layer_inputs
 from models.layers import build_layer
-from models.moe import num_experts
+from models.moe import experts_per_token, num_experts
 from models.pipe_layout import DECODER, LM_HEAD, num_pipe_layers, pipe_layers, stage_bounds_from_blocks
 
 PARTITION_METHODS = ("parameters", "compute", "uniform")
@@ -59,7 +59,7 @@ def layer_param_counts(config, tp=None, active: bool = False, ep: int = 1, exper
                 if (active or ep > 1 or experts_only) and shape[1]:
                     experts = module.moe_block().experts
                     fused = sum(p.numel() for p in experts.parameters())
-                    kept = config.num_experts_per_tok if active else num_experts(config) // ep
+                    kept = experts_per_token(config) if active else num_experts(config) // ep
                     count += fused * kept // num_experts(config) - (0 if experts_only else fused)
                 sizes[shape] = count
     first = layers[0]

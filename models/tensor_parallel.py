@@ -50,6 +50,7 @@ from models.layers import (
     tied_lm_head_forward,
     with_stats,
 )
+from models.moe import dense_mlp
 from models.pipe_layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
 from models.sharding import LINEAR_HEADS, padded_vocab, tp_indivisible
 from models.tp_collectives import SumOverTP, TensorParallel, copy_to_tp, enter_tp, leave_tp, sum_grad_over_tp
@@ -119,23 +120,23 @@ class TPDecoderPipe:
             self._split_attention(config, local, tp)
         moe = family_of(config).moe
         if self.sparse:
-            split_sparse_block(self.moe_block(), tp, moe.router, moe.router_logits)
-        else:
-            _row_parallel(getattr(self, moe.block if moe else "mlp").down_proj, tp)
+            split_sparse_block(self.moe_block(), tp, moe.router, moe.router_logits, self if moe.beside_mlp else None)
+        if not self.sparse or moe.beside_mlp:  # (Gemma 4's experts sit beside a dense MLP of its own)
+            _row_parallel(getattr(self, dense_mlp(config)).down_proj, tp)
         family = family_of(config)
         for name in family.norms:
             norm = getattr(self, name, None)
             if norm is None:  # a norm of an optional part the model has not (Gemma 4's PLE norm without PLE)
                 continue
-            if name in family.tp_entry_norms:  # its output is the input of q/k/v or of gate/up
-                norm.register_forward_hook(lambda _module, _inputs, out: enter_tp(out, self.tp))
+            if name in family.tp_entry_norms:  # its output is the input of q/k/v or of gate/up (or of the experts)
+                norm.register_forward_hook(lambda _module, _inputs, out: self.enter(out))
             if tp.sp:
                 sum_grad_over_tp(norm.weight, tp)
         if tp.sp:  # replicated modules outside the split regions see this rank's positions only (Gemma 4's PLE)
             for param in per_layer_params(self):
                 sum_grad_over_tp(param, tp)
         if not family.tp_entry_norms:  # no norm before attention or the MLP: the split regions start at their inputs
-            for region in (self.self_attn, getattr(self, moe.block if moe else "mlp")):
+            for region in (self.self_attn, getattr(self, dense_mlp(config))):
                 region.register_forward_pre_hook(self._enter_region, with_kwargs=True)
 
     def _split_attention(self, config, local, tp: TensorParallel) -> None:
@@ -153,6 +154,17 @@ class TPDecoderPipe:
                     norm.forward = functools.partial(_whole_projection_norm, norm, tp)
                 else:
                     sum_grad_over_tp(norm.weight, tp)
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """`enter_tp`; a [B * S, H] tensor (Gemma 4's router and experts see the layer's positions flattened) as the
+        [B, S, H] it is, so that sequence parallelism gathers each row's positions."""
+        if x.dim() != 2:
+            return enter_tp(x, self.tp)
+        return enter_tp(x.view(self._batch, -1, x.shape[-1]), self.tp).reshape(-1, x.shape[-1])
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        """`leave_tp` of partial sums, a [B * S, H] tensor as `enter` takes it."""
+        return leave_tp(x.view(self._batch, -1, x.shape[-1]), self.tp).reshape(-1, x.shape[-1])
 
     def own_positions(self, x: torch.Tensor) -> torch.Tensor:
         """Under sequence parallelism this rank's S/T positions of a whole-row [B, S, ...] tensor."""
@@ -174,17 +186,22 @@ def _whole_projection_norm(norm: nn.Module, tp: TensorParallel, x: torch.Tensor)
     return (norm.weight * x).to(dtype)
 
 
-def split_sparse_block(block: nn.Module, tp: TensorParallel, router: str = "gate", logits_at: int = 0) -> None:
+def split_sparse_block(
+    block: nn.Module, tp: TensorParallel, router: str = "gate", logits_at: int = 0, beside=None
+) -> None:
     """A sparse MLP block (transformers' router, fused experts, shared expert) with each expert split as a dense
     MLP is (the layer was built from `local_config`). Its input is whole on every rank (`enter_tp` after the norm),
     its output partial: summed over TP once, after the routed and shared experts are added (`leave_tp`). The router
     (`router`; its logits at `logits_at` of its outputs) is replicated and routes every rank's tokens alike; its
     scores multiply partial expert outputs (Llama 4's: the experts' inputs), so their gradient is summed over TP,
     and the router's whole gradient reaching its (already copied) input is divided by T so that the input's TP sum
-    counts it once. A shared expert's gate multiplies the partial shared output: its gradient is summed over TP."""
+    counts it once. A shared expert's gate multiplies the partial shared output: its gradient is summed over TP.
+    `beside`: the TP decoder layer whose experts sit beside its dense MLP, the layer itself the block (Gemma 4's): the
+    router's input is outside any split region, entered here (its experts' at their own norm), and the experts'
+    output, not the layer's, is summed over TP."""
 
     def router_input(_module, args):
-        x = args[0].view_as(args[0])
+        x = beside.enter(args[0]) if beside is not None else args[0].view_as(args[0])
         if x.requires_grad:
             x.register_hook(lambda grad: grad / tp.size)
         return (x, *args[1:])
@@ -193,6 +210,8 @@ def split_sparse_block(block: nn.Module, tp: TensorParallel, router: str = "gate
         return tuple(copy_to_tp(t, tp) if i == 1 - logits_at else t for i, t in enumerate(out))
 
     def block_output(_module, inputs, out):  # Llama 4's block returns (hidden [B * S, H], router logits)
+        if beside is not None:  # the experts' output [B * S, H]
+            return beside.leave(out)
         if isinstance(out, tuple):
             return leave_tp(out[0].view(inputs[0].shape), tp), *out[1:]
         return leave_tp(out, tp)
@@ -201,7 +220,7 @@ def split_sparse_block(block: nn.Module, tp: TensorParallel, router: str = "gate
     getattr(block, router).register_forward_hook(router_output)
     if hasattr(block, "shared_expert_gate"):
         sum_grad_over_tp(block.shared_expert_gate.weight, tp)
-    block.register_forward_hook(block_output)
+    (block.experts if beside is not None else block).register_forward_hook(block_output)
     if isinstance(getattr(block.experts, "down_proj_bias", None), nn.Parameter):
         _down_bias_once(block.experts, tp)
 

@@ -13,7 +13,7 @@ from models.key_table import MOE_SPECS, alternatives
 from models.pipe_layout import DECODER, EMBED, LM_HEAD, TIED_PARAM, pipe_layers
 from models.sharding import COLUMN, EXPERT_IN, EXPERT_ROW, GATE_UP, GATE_UP_OUT, REPLICA, ROW, VOCAB, parts_rule
 
-_MLP_BLOCKS = ("mlp", *dict.fromkeys(m.block for m in MOE_SPECS if m.block != "mlp"))  # a dense MLP's names
+_MLP_BLOCKS = ("mlp", *dict.fromkeys(m.block for m in MOE_SPECS if m.block not in ("mlp", "")))  # a dense MLP's names
 _SHARED = ("shared_expert", "shared_experts")  # Qwen's and Llama 4's; DeepSeek's, GLM-4.5's and Mistral 4's
 TP_COLUMN_MODULES = (
     "self_attn.q_proj",
@@ -67,6 +67,10 @@ _EXPERT_ROW = re.compile(
 # (`MoeSpec.hub_fused`: also their layer files' keys) are x @ W: gate_up [E, H, 2I] by columns of each half
 # (GATE_UP_OUT), down [E, I, H] by rows (EXPERT_IN).
 FUSED_GATE_UP, FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+# The same [E, 2I, H] and [E, H, I] experts in a layer that is their own block (`MoeSpec.beside_mlp`: Gemma 4's).
+BESIDE = {m.beside_mlp for m in MOE_SPECS}
+FUSED_GATE_UP_KEYS = {FUSED_GATE_UP} | ({"experts.gate_up_proj"} if True in BESIDE else set())
+FUSED_DOWN_KEYS = {FUSED_DOWN} | ({"experts.down_proj"} if True in BESIDE else set())
 FUSED_XW = {
     **{f"{m.block}.experts.gate_up_proj": GATE_UP_OUT for m in MOE_SPECS if m.hub_fused},
     **{f"{m.block}.experts.down_proj": EXPERT_IN for m in MOE_SPECS if m.hub_fused},
@@ -140,9 +144,9 @@ def tp_split(kind: str, key: str, config=None) -> str:
         rule = COLUMN
     elif _EXPERT_ROW.fullmatch(module):
         rule = ROW
-    elif key == FUSED_GATE_UP:
+    elif key in FUSED_GATE_UP_KEYS:
         return GATE_UP
-    elif key == FUSED_DOWN:
+    elif key in FUSED_DOWN_KEYS:
         return EXPERT_ROW
     elif key in FUSED_XW:
         return FUSED_XW[key]

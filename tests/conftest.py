@@ -109,6 +109,9 @@ MODEL_VARIANTS = {
     # GLM-5: DeepSeek-V3.2's sparse attention with the index of block 1 shared by blocks 2 and 3 (models/carry.py),
     # DeepSeek's router and shared experts after a dense first layer; a multi-token-prediction layer carried.
     "glm_moe_dsa": dict(model_type="glm_moe_dsa"),
+    # Gemma 4 26B-A4B's shape: 4 experts (top-2) beside the dense MLP in every layer, on the tiny model above.
+    "gemma4_moe": dict(model_type="gemma4_text", tie_word_embeddings=True, enable_moe_block=True)
+    | dict(num_experts=4, top_k_experts=2, moe_intermediate_size=32),
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
 NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss", "qwen3_next", "qwen3_5", "gemma4"]
@@ -118,9 +121,10 @@ CARRYING_VARIANTS = {
     "qwen3_next": "mtp",
     "gemma4": "unread_kv",
     "glm_moe_dsa": "layers",
+    "gemma4_moe": "unread_kv",
 }  # with a multi-token-prediction layer, or the unread k/v tensors of Gemma 4's reusing layers
 MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss")
-MOE_VARIANTS += ("qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa")
+MOE_VARIANTS += ("qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "gemma4_moe")
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
 FAMILY_VARIANTS += NEW_FAMILY_VARIANTS
 
@@ -350,7 +354,7 @@ def hf_models(workdir, tokenizer_dir) -> dict[str, str]:
     def build():
         for i, (name, overrides) in enumerate(MODEL_VARIANTS.items()):
             make_hf_model(out[name], tiny_config(**overrides), seed=i, tokenizer_dir=tokenizer_dir)
-            if name == "gemma4":  # q/k norms at 0.5, as a trained model tempers them (see `temper_attention`)
+            if name.startswith("gemma4"):  # q/k norms at 0.5, as a trained model tempers them (`temper_attention`)
                 temper_attention(out[name])
             if CARRYING_VARIANTS.get(name) == "unread_kv":
                 add_unread_kv(out[name])

@@ -113,4 +113,8 @@ LAYOUTS = {
     # under TP=2 with SP its (frozen, replicated) indexers choose the same keys on both ranks.
     "glm_moe_dsa-pp2-dp2-ep2": ("glm_moe_dsa", "false", 2, 1, "", 0),
     "glm_moe_dsa-pp2-tp2": ("glm_moe_dsa", "false", 2, 2, "", 0),
+    # Gemma 4's MoE block (26B-A4B: experts beside the dense MLP): its experts over EP=2 across two stages, and over
+    # TP=2 with SP (the router's input entered outside any split region, the experts' output summed before its norm).
+    "gemma4_moe-pp2-dp2-ep2": ("gemma4_moe", "false", 2, 1, "", 0),
+    "gemma4_moe-pp2-tp2": ("gemma4_moe", "false", 2, 2, "", 0),
 }

@@ -75,6 +75,7 @@ PRESETS = {
     "gemma3_27b": ("model.layers.61.self_attn.k_proj.weight", (16 * 128, 5376), 27.01, None),
     "gemma4_31b": ("model.layers.59.self_attn.k_proj.weight", (4 * 512, 5376), 30.7, None),  # a global layer's: 4 x 512
     "gemma4_e4b": ("model.embed_tokens_per_layer.weight", (262144, 42 * 256), 7.46, None),  # its PLE table: 2.82B
+    "gemma4_26b_a4b": ("model.layers.29.experts.gate_up_proj", (128, 2 * 704, 2816), 25.23, 3.82),
     "olmo3_32b": ("model.layers.63.self_attn.k_norm.weight", (8 * 128,), 32.23, None),  # q/k norms: whole projections
     "qwen3_5_27b": ("model.layers.62.linear_attn.in_proj_qkv.weight", (2 * 16 * 128 + 48 * 128, 5120), 26.9, None),
     "qwen3_next_80b_a3b": (
@@ -93,9 +94,7 @@ SLOW_PRESETS = (
     "kimi_k2",
     "gpt_oss_120b",
     "glm4_5_air",
-    "gemma3_27b",
-    "gemma4_31b",
-    "gemma4_e4b",
+    *("gemma3_27b", "gemma4_31b", "gemma4_e4b", "gemma4_26b_a4b"),
     "olmo3_32b",
     "qwen3_5_27b",
     "qwen3_next_80b_a3b",
@@ -118,7 +117,7 @@ def test_layer_modules_match_hf_at_preset_shapes(preset_name):
 
     from models.config import check_preset, config_from_preset
     from models.layers import build_layer
-    from models.moe import num_experts
+    from models.moe import experts_per_token, num_experts
     from models.partition import layer_param_counts
     from schema.compose import compose_config
 
@@ -147,9 +146,10 @@ def test_layer_modules_match_hf_at_preset_shapes(preset_name):
     assert sum(counts) - tied * counts[-1] == total - saved_buffers  # every layer kind counted as it is built
     if per_token is not None:  # k of E routed experts
         routed = sum(math.prod(shape) for key, shape in hf.items() if ".experts." in key)
-        active = total - routed * (1 - config.num_experts_per_tok / num_experts(config))
+        active = total - routed * (1 - experts_per_token(config) / num_experts(config))
         assert round(active / 1e9, 2) == per_token
-        assert sum(layer_param_counts(config, active=True)) == active - saved_buffers  # what memory_estimate prints
+        per_layer = layer_param_counts(config, active=True)  # what memory_estimate prints (a tied head once)
+        assert sum(per_layer) - tied * per_layer[-1] == active - saved_buffers
 
 
 def hub_shapes(model) -> dict[str, tuple[int, ...]]:

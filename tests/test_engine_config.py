@@ -67,7 +67,7 @@ def stage0_parameters(config, layers: int, lora=None) -> tuple[int, int, int]:
             if ".lora_" in name:
                 adapters += p.numel()
                 continue
-            routed = ".experts." in name and "shared" not in name
+            routed = (".experts." in name or name.startswith("experts.")) and "shared" not in name
             experts, dense = experts + routed * p.numel(), dense + (not routed) * p.numel()
     return dense, experts, adapters
 
@@ -93,6 +93,7 @@ def stage0_parameters(config, layers: int, lora=None) -> tuple[int, int, int]:
         ("qwen3_next_80b_a3b_4node", 4, 32, "bf16", 56),
         ("gemma4_31b_2node", 4, 16, "bf16", 53),
         ("gemma4_e4b_8gpu", 4, 8, "bf16", 44),
+        ("gemma4_26b_a4b_2node", 4, 16, "bf16", 48),
         ("deepseek_v3_lora_4node", 8, 32, "bf16", 54),
         ("kimi_k2_lora_8node", 8, 64, "bf16", 44),
     ],

@@ -80,6 +80,10 @@ FAMILY_CONFIGS = {
         dict(num_hidden_layers=6, num_key_value_heads=4, num_kv_shared_layers=0),
     ),
     "glm_moe_dsa-shared-index": ("glm_moe_dsa", dict(num_hidden_layers=4, num_key_value_heads=4)),
+    "gemma4-moe": (
+        "gemma4_text",
+        dict(num_hidden_layers=6, num_key_value_heads=4, enable_moe_block=True, num_experts=4),
+    ),
 }
 
 

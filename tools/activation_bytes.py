@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from models.carry import carried_bytes, per_layer_input_bytes, stand_ins
 from models.families import family_of, is_linear_attention, is_sparse_layer
+from models.moe import experts_per_token
 
 
 def norm_bytes(h: int, act_bytes: int) -> int:
@@ -38,7 +39,7 @@ def sparse_mlp_bytes(config, tp: int, act_bytes: int, routed: bool = False, gate
     keeps E copies, not k, unless its experts run on their `routed` tokens only (`moe.routed_experts`, or expert
     parallelism)."""
     moe = family_of(config).moe
-    experts, k, h = getattr(config, moe.num_experts), config.num_experts_per_tok, config.hidden_size
+    experts, k, h = getattr(config, moe.num_experts), experts_per_token(config), config.hidden_size
     width = getattr(config, moe.expert_size)
     copies = experts if moe.scaled_inputs and not routed else k
     gate = 4 * width / tp * act_bytes if gate_bytes is None else gate_bytes
@@ -143,7 +144,7 @@ def measured_block_bytes(
         module.attn_implementation = "eager" if eager else FUSED_KERNEL  # eager: the additive mask built
     moe = family_of(config).moe
     stand_in = is_sparse_layer(config, block) or tiled
-    experts = getattr(getattr(module, moe.block), "experts", None) if is_sparse_layer(config, block) else None
+    experts = module.moe_block().experts if is_sparse_layer(config, block) else None
     gate_bytes = _gate_bytes(experts, dtype) if experts is not None else None
     shard = s // tp if sp and tp > 1 else s
     hidden = torch.empty(1, shard, config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
@@ -152,7 +153,9 @@ def measured_block_bytes(
     # family's layer takes.
     first = None  # the error of the first try, raised with the second's
     for as_tuple in (False, True) if stand_in else (False,):
-        if stand_in:
+        if stand_in and experts is not None and moe.beside_mlp:  # the experts beside a dense MLP (Gemma 4's)
+            module.experts = _KeepsInput(False, None)
+        elif stand_in:
             setattr(module, moe.block if moe is not None else "mlp", _KeepsInput(as_tuple, shard))
         # NOTE: the storages of the module's own tensors, taken now: a storage freed with a replaced block may be
         # reused by an activation (on the meta device tensors are told apart by their storage's address).
@@ -276,7 +279,7 @@ class _KeepsInput(torch.nn.Module):
         super().__init__()
         self.as_tuple, self.positions = as_tuple, positions  # the residual's (this rank's under SP)
 
-    def forward(self, x):
+    def forward(self, x, *_routing):  # (experts beside a dense MLP are called with the router's choice and weights)
         out = _SavesInput.apply(x, self.positions)
         return (out, None) if self.as_tuple else out
 
@@ -285,7 +288,7 @@ class _SavesInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, positions):
         ctx.save_for_backward(x)
-        return x.new_empty(x.shape[0], positions, x.shape[-1])
+        return x.new_empty(x.shape if positions is None else (x.shape[0], positions, x.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad):

@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 
 from models.families import family_of, resolve_attention
+from models.moe import experts_per_token
 from tools.activation_bytes import deferred_weight_grad_bytes, stage_activation_bytes, transient_bytes
 
 GIB = 1024**3
@@ -261,7 +262,7 @@ def main(argv: list[str]) -> int:
         experts = getattr(config, moe.num_experts)
         print(
             f"parameters: {(sum(counts) - tied) / 1e9:.2f}B in all, {(sum(active) - tied) / 1e9:.2f}B used per "
-            f"token ({experts} experts, {config.num_experts_per_tok} routed per token)"
+            f"token ({experts} experts, {experts_per_token(config)} routed per token)"
         )
     if gpu:
         gib = float(gpu[-1].split("=", 1)[1])

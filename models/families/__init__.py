@@ -9,20 +9,16 @@ family module calls `register(Family(...))` with what is particular to it, as da
 - its decoder layer's norms (`norms`) and which of them feed a tensor-parallel region (`tp_entry_norms`), whether its
   embeddings are scaled (`scaled_embedding`); the head's `final_logit_softcapping` and a rotary embedding that takes
   the layer's type (`config.layer_types`) are read from transformers' config and classes, not declared;
-- which config fields switch its biases (`qkv_bias`, `o_bias`, `mlp_bias`: what conversion's quick reading of
-  config.json checks against transformers'), whether it has per-head q/k norms (`qk_norm`: tensor parallelism sums
-  their gradients), where its sliding window applies (`window_everywhere`), its dense MLP's width field
-  (`dense_size`). A layer's keys are not declared: models/key_table.py takes them from transformers' own layer built
-  on the meta device;
-- a mixture-of-experts family's `MoeSpec`: hub key layout, router, shared expert, which layers are sparse;
-- what transformers already says is read, not declared: SDPA support (`resolve_attention`), tensors kept fp32
-  (`keeps_fp32`), hub keys its model skips at load (`ignored_on_load`: carried by conversion), linear-attention
-  layers (`is_linear_attention`);
-- the tensors its layers share across layers (`carries`: mechanisms of models/carry.py, carried between stages);
-- `tiny`: the config overrides of the family's tiny test model (tools/tiny_models.py);
-- a multimodal checkpoint whose text model it is (`register_container`).
+- the config fields of its biases (`qkv_bias`, `o_bias`, `mlp_bias`), per-head q/k norms (`qk_norm`), where its
+  window applies (`window_everywhere`), its dense MLP's width field (`dense_size`); a layer's keys are not declared:
+  models/key_table.py takes them from transformers' own layer built on the meta device;
+- a mixture-of-experts family's `MoeSpec` (hub key layout, router, shared expert, which layers are sparse; `moe_when`);
+- read from transformers, not declared: SDPA support (`resolve_attention`), tensors kept fp32 (`keeps_fp32`), hub
+  keys its model skips at load (`ignored_on_load`), linear-attention layers (`is_linear_attention`);
+- the tensors its layers share across layers (`carries`: models/carry.py), its tiny test model's fields (`tiny`),
+  a multimodal checkpoint whose text model it is (`register_container`).
 
-Adding a family that is built like one already here is one module in this package (and a row in docs/families.md);
+Adding a family built like one here is one module in this package (and a row in docs/families.md);
 tests/test_structure.py fails when a family's name appears in code outside it.
 
 Model code only: no DeepSpeed, no distributed code.
@@ -34,7 +30,7 @@ import functools
 import importlib
 import pkgutil
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -95,6 +91,9 @@ class MoeSpec:
     scaled_inputs: bool = False
     moe_layers: bool = False
     aux_loss: bool = True
+    top_k: str = "num_experts_per_tok"  # the config field of the experts a token is routed to
+    router_probabilities: bool = False  # the router returns probabilities, not logits (Gemma 4's): their log stands in
+    beside_mlp: bool = False  # experts beside the layer's dense MLP, the layer itself their block (`block` "": Gemma 4)
 
 
 @dataclass(frozen=True)
@@ -113,6 +112,8 @@ class Family:
     qk_norm_whole: bool = False
     window_everywhere: bool = False  # config.sliding_window applies to every layer (else per attention module)
     moe: MoeSpec | None = None  # a mixture-of-experts family
+    # The config field that switches the experts on (Gemma 4's `enable_moe_block`): `moe` applies only where it is set.
+    moe_when: str = ""
     package: str = ""  # transformers' models/<package> (default: the model type)
     dense_size: str = "intermediate_size"  # the config field with a dense layer's MLP width
     # Why flash-attn cannot run the family's attention as transformers computes it ("" where it can); whether SDPA
@@ -276,7 +277,8 @@ def register(family: Family) -> Family:
     """Add a family (called once by its module in this package)."""
     if family.model_type in FAMILIES:
         raise ValueError(f"model_type={family.model_type!r} registered twice")
-    if not family.tp_refused and len(family.tp_entry_norms) not in (0, 2):  # TP enters twice per layer
+    entries = (0, 2, 3) if family.moe is not None and family.moe.beside_mlp else (0, 2)  # and the experts' own
+    if not family.tp_refused and len(family.tp_entry_norms) not in entries:  # TP enters twice per layer
         raise ValueError(f"{family.model_type}: tp_entry_norms must name the norms before attention and the MLP")
     FAMILIES[family.model_type] = family
     return family
@@ -315,8 +317,17 @@ def hf_classes(suffix: str) -> tuple[type, ...]:
 
 
 def family_of(config) -> Family:
-    """The family of a transformers config (KeyError for a model type not in FAMILIES)."""
-    return FAMILIES[getattr(config, "model_type", None) or DEFAULT_MODEL_TYPE]
+    """The family of a transformers config (KeyError for a model type not in FAMILIES): without its experts where
+    the config leaves them off (`Family.moe_when`)."""
+    family = FAMILIES[getattr(config, "model_type", None) or DEFAULT_MODEL_TYPE]
+    if family.moe_when and not getattr(config, family.moe_when, False):
+        return _dense(family)
+    return family
+
+
+@functools.cache
+def _dense(family: Family) -> Family:
+    return replace(family, moe=None)
 
 
 def sliding_window(config, attention) -> int | None:

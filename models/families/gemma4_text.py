@@ -17,20 +17,43 @@ quarter of a head) plus what is Gemma 4's own, read from transformers' config an
 - `layer_scalar`, a saved buffer scaling each layer's output.
 
 Under tensor parallelism the heads split per layer shape; the PLE modules and each layer's per-layer gate and
-projection are replicated (their gradients summed over TP under sequence parallelism, as the norms'). Context
-parallelism is refused where layers share K/V (the carried keys are each CP rank's own positions). Bidirectional
-attention (`use_bidirectional_attention`, for embedding and vision-language models) is refused. The MoE block
-(`enable_moe_block`, 26B-A4B: experts beside the dense MLP) is refused until it is built here.
+projection are replicated (their gradients summed over TP under sequence parallelism, as the norms'). With
+`enable_moe_block` (26B-A4B) every layer runs experts beside its dense MLP, each with norms of its own, their outputs
+summed (`GEMMA4_MOE`: the layer itself the sparse block; under TP the experts split as a dense MLP does and their
+output is summed over TP before its norm; under expert parallelism the tokens travel to their experts by all-to-all).
+Bidirectional attention (`use_bidirectional_attention`, for embedding and vision-language models) is refused.
 """
 
-from models.families import Container, Family, register, register_container
+from models.families import Container, Family, MoeSpec, register, register_container
 
+# The MoE block's own norms: before the experts (their input: it enters the TP split region), after the dense MLP and
+# after the experts (whole outputs), besides the four of every layer and the per-layer inputs' norm.
+MOE_NORMS = ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2")
 NORMS = (
     "input_layernorm",
     "post_attention_layernorm",
     "pre_feedforward_layernorm",
     "post_feedforward_layernorm",
     "post_per_layer_input_norm",
+    *MOE_NORMS,
+)
+# 26B-A4B's experts: in every layer beside the dense MLP (the layer itself their block), fused on the hub as in
+# memory ([E, 2I, H], [E, H, I]); a router of its own (a scale-free norm, a scale per channel and per expert; softmax,
+# top-k renormalised, then scaled per expert) returning probabilities; transformers adds no load-balancing loss.
+GEMMA4_MOE = MoeSpec(
+    "",
+    ("gate_proj", "up_proj", "down_proj"),
+    "num_experts",
+    "moe_intermediate_size",
+    every_layer=True,
+    router_choice=True,
+    block="",
+    router="router",
+    hub_fused=True,
+    aux_loss=False,
+    top_k="top_k_experts",
+    router_probabilities=True,
+    beside_mlp=True,
 )
 
 register(
@@ -49,7 +72,9 @@ register(
         o_bias="attention_bias",
         qk_norm=True,
         norms=NORMS,
-        tp_entry_norms=("input_layernorm", "pre_feedforward_layernorm"),
+        tp_entry_norms=("input_layernorm", "pre_feedforward_layernorm", "pre_feedforward_layernorm_2"),
+        moe=GEMMA4_MOE,
+        moe_when="enable_moe_block",
         scaled_embedding=True,
         carries=("per_layer_inputs", "shared_kv"),
         config_defaults={"tie_word_embeddings": True},  # Gemma4TextConfig's, where config.json leaves it out
@@ -57,7 +82,6 @@ register(
         refused_fields={
             "use_bidirectional_attention": "bidirectional attention (an embedding or vision-language model's) is not "
             "a causal LM to train here",
-            "enable_moe_block": "its MoE block (experts beside the dense MLP: Gemma 4 26B-A4B) is not built yet",
         },
         # Local (window 4) and global layers alternating, the global ones with heads twice as wide and half as many
         # K/V heads (values = keys), per-layer inputs of 8, the last two layers reusing K/V (and MLPs twice as
@@ -77,6 +101,9 @@ register(
             sliding_window=4,
             final_logit_softcapping=2.0,
             pad_token_id=0,
+            num_experts=4,  # (with enable_moe_block: 4 experts of 32, top-2, beside the MLP in every layer)
+            top_k_experts=2,
+            moe_intermediate_size=32,
         ),
     )
 )

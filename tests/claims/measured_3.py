@@ -226,4 +226,11 @@ CLAIMS = (
         holds=held.PARITY_EXACT,
         bound=0,
     ),
+    Claim(
+        says="Gemma 4's MoE block 7.0e-6 (PP2xDP2xEP2), 1.26e-4 (PP2xTP2, one element, 4.22% of lr)",
+        test=held.REFERENCE,
+        holds='wider |= {"gemma4-pp2-tp2": 0.03, "gemma4_moe-pp2-tp2": 0.05}',
+        bound=0.05,
+        figure=0.0422,
+    ),
 )
