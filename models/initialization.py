@@ -21,7 +21,9 @@ def init_weights(module: nn.Module, initializer_range: float) -> None:
             m.weight.normal_(0.0, initializer_range)
             if m.padding_idx is not None:
                 m.weight[m.padding_idx].zero_()
-        elif isinstance(m, hf_classes("RMSNorm")):  # every family's, our final norm and q/k norms included
+        elif (
+            isinstance(m, hf_classes("RMSNorm")) and getattr(m, "weight", None) is not None
+        ):  # (Gemma 4's v_norm: none)
             family = next(f for f in FAMILIES.values() if isinstance(m, f.hf_class("RMSNorm")))
             m.weight.fill_(family.initial_norm_weight())  # 1, or 0 for (1 + w) norms
         elif type(m).__name__.endswith(("Experts", "TopKRouter")):  # fused experts, routers: as transformers does

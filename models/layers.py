@@ -270,7 +270,7 @@ class DecoderPipe:
         out = self._block(hidden, position_ids, carried)
         logits, self._router_logits = self._router_logits, None
         if family_of(self.model_config).moe.router_probabilities:  # (Gemma 4's router gives them): their log
-            logits = logits.log()
+            logits = logits.clamp_min(torch.finfo(logits.dtype).tiny).log()  # (an underflowed 0: no NaN gradient)
         batch, seq = position_ids.shape
         mask = token_mask(lengths, seq).view(batch, seq)
         mask = context_parallel.shard(mask, self.cp.rank, self.cp.size).reshape(-1)  # this rank's positions

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.families import family_of, hf_classes, is_linear_attention, is_sparse_layer
+from models.families import family_of, hf_classes, is_linear_attention
 from models.key_table import decoder_keys, linear_modules
 from models.layers import block_index
+from models.partition import layer_shape
 from models.pipe_layout import DECODER
 from models.sharding import REPLICA, ROW, shard
 from models.tensor_parallel import TensorParallel, TPDecoderPipe, leave_tp, sum_grad_over_tp
@@ -104,11 +105,16 @@ def add_lora(
     """
     from peft import LoraConfig, inject_adapter_in_model
 
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules))
     for p in module.parameters():
         p.requires_grad_(False)
     for layer in module.modules():
         if isinstance(layer, hf_classes("DecoderLayer")):  # ours (built on HF's) or HF's own (the reference)
+            # the targets this layer has (Gemma 4's K/V-reusing layers have no k/v projections: PEFT would refuse)
+            names = [name for name, _ in layer.named_modules()]
+            present = [t for t in target_modules if any(_matches(name, t) for name in names)]
+            if not present:
+                continue
+            config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=present)
             with torch.random.fork_rng(devices=[]):  # injection draws random numbers: keep the global stream
                 inject_adapter_in_model(config, layer, adapter_name=ADAPTER)
             _init_adapters(layer, seed, tp_rank, tp_size)
@@ -153,7 +159,7 @@ def adapter_param_counts(config, targets: list[str], r: int, tp_size: int = 1) -
             if layer.kind != DECODER:
                 counts.append(0)
                 continue
-            kind = (is_sparse_layer(config, layer.block), is_linear_attention(config, layer.block))
+            kind = layer_shape(layer, config)  # (layers of their own shape: Gemma 4's reusing and global layers)
             if kind not in built:
                 n = 0
                 for name, module in build_layer(layer, config).named_modules():

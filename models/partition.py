@@ -23,7 +23,7 @@ from models.pipe_layout import DECODER, LM_HEAD, num_pipe_layers, pipe_layers, s
 PARTITION_METHODS = ("parameters", "compute", "uniform")
 
 
-def _shape_of(layer, config) -> tuple:
+def layer_shape(layer, config) -> tuple:
     """Layers of the same shape have the same parameter count (decoder blocks: sparse or dense, linear attention or
     attention over keys, their attention type, K/V sharing and indexer where layers differ by them (Gemma 4's global
     layers' wider heads, its reusing layers' missing k/v projections, GLM-5's layers without an indexer), block 0
@@ -46,7 +46,7 @@ def layer_param_counts(config, tp=None, active: bool = False, ep: int = 1, exper
     sizes = {}
     with torch.device("meta"):
         for layer in layers:
-            shape = _shape_of(layer, config)
+            shape = layer_shape(layer, config)
             if layer.kind != LM_HEAD and shape not in sizes:
                 if tp is None:
                     module = build_layer(layer, config)
@@ -63,8 +63,8 @@ def layer_param_counts(config, tp=None, active: bool = False, ep: int = 1, exper
                     count += fused * kept // num_experts(config) - (0 if experts_only else fused)
                 sizes[shape] = count
     first = layers[0]
-    sizes[LM_HEAD, None] = sizes[_shape_of(first, config)]  # the head costs what the embedding costs, tied or not
-    return [sizes[_shape_of(layer, config)] for layer in layers]
+    sizes[LM_HEAD, None] = sizes[layer_shape(first, config)]  # the head costs what the embedding costs, tied or not
+    return [sizes[layer_shape(layer, config)] for layer in layers]
 
 
 def balanced_partition(weights: Sequence[float], num_parts: int) -> list[int]:

@@ -76,6 +76,7 @@ PRESETS = {
     "gemma4_31b": ("model.layers.59.self_attn.k_proj.weight", (4 * 512, 5376), 30.7, None),  # a global layer's: 4 x 512
     "gemma4_e4b": ("model.embed_tokens_per_layer.weight", (262144, 42 * 256), 7.46, None),  # its PLE table: 2.82B
     "gemma4_26b_a4b": ("model.layers.29.experts.gate_up_proj", (128, 2 * 704, 2816), 25.23, 3.82),
+    "glm5": ("model.layers.6.self_attn.indexer.wq_b.weight", (32 * 128, 2048), 743.38, 41.25),  # a "full" layer's
     "olmo3_32b": ("model.layers.63.self_attn.k_norm.weight", (8 * 128,), 32.23, None),  # q/k norms: whole projections
     "qwen3_5_27b": ("model.layers.62.linear_attn.in_proj_qkv.weight", (2 * 16 * 128 + 48 * 128, 5120), 26.9, None),
     "qwen3_next_80b_a3b": (
@@ -94,7 +95,7 @@ SLOW_PRESETS = (
     "kimi_k2",
     "gpt_oss_120b",
     "glm4_5_air",
-    *("gemma3_27b", "gemma4_31b", "gemma4_e4b", "gemma4_26b_a4b"),
+    *("gemma3_27b", "gemma4_31b", "gemma4_e4b", "gemma4_26b_a4b", "glm5"),
     "olmo3_32b",
     "qwen3_5_27b",
     "qwen3_next_80b_a3b",

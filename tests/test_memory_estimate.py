@@ -388,11 +388,13 @@ def test_one_32k_token_row_through_sequence_and_context_parallelism(tmp_path):
         assert abs(kept / measured - 1) <= 0.002, (r, kept)  # measured +0.0% on every rank
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2_moe", "gemma4_text"])
 def test_planner_adapters_are_peft_adapters_on_each_tp_rank(model_type):
     """The planner's LoRA parameters per pipeline layer (models/lora.py `adapter_param_counts`) equal what PEFT
     injects into one tensor-parallel rank's decoder layer, at TP=1 and TP=2: a column layer's A whole and B split, a
-    row layer's A split and B whole (dense and sparse layers; experts take none)."""
+    row layer's A split and B whole (dense and sparse layers; experts take none; Gemma 4's layers of their own
+    shape: global ones with wider heads and no v_proj, K/V-reusing ones with no k/v projections and MLPs twice as
+    wide)."""
     from peft import LoraConfig, inject_adapter_in_model
 
     from models.lora import adapter_param_counts
@@ -400,7 +402,8 @@ def test_planner_adapters_are_peft_adapters_on_each_tp_rank(model_type):
     from models.tensor_parallel import TensorParallel, tp_layer_class_and_args
 
     config = tiny_config(model_type, num_key_value_heads=2)
-    targets = ["q_proj", "v_proj", "o_proj"] + (["gate_proj", "down_proj"] if model_type == "llama" else [])
+    targets = ["q_proj", "v_proj", "o_proj"] + (["gate_proj", "down_proj"] if model_type != "qwen2_moe" else [])
+    targets += ["k_proj"] if model_type == "gemma4_text" else []
     for tp_size in (1, 2):
         counts = adapter_param_counts(config, targets, 4, tp_size)
         for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):

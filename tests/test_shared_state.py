@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from checkpoint.expert_layouts import fuse_per_expert
 from models.carry import carried_bytes, carried_tensors, layout
+from models.families import FAMILIES
 from models.key_table import all_layer_keys, is_carried
 from models.layers import DecoderOptions, build_layer, split_stats, tied_lm_head_forward
 from models.pipe_layout import pipe_layers
@@ -299,3 +300,40 @@ def test_tp2_gives_the_whole_models_gradients_through_the_moe_block(tmp_path):
                 assert torch.equal(ranks[0][sp][index, name], ranks[1][sp][index, name]), (sp, name)
     print(f"TP=2 Gemma 4 MoE: parameter gradients within {worst:.3g} of the whole model's (relative)")
     assert worst < 1e-5
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_every_norm_a_family_names_is_a_norm_of_its_layers(model_type):
+    """`Family.norms` (summed over TP under sequence parallelism, entering TP regions) names modules its layers have:
+    TP skips a norm a layer lacks (Gemma 4's PLE and MoE norms where those are off), so a misspelled one would
+    silently lose its gradient sum. Each name is a norm of some layer of the tiny model (with its experts on too)."""
+    from models.layers import decoder_layer_class
+
+    family = FAMILIES[model_type]
+    configs = [tiny_config(model_type)] + (
+        [tiny_config(model_type, **{family.moe_when: True})] if family.moe_when else []
+    )
+    names = set()
+    with torch.device("meta"):
+        for config in configs:
+            for block in range(config.num_hidden_layers):
+                names |= {n for n, _ in decoder_layer_class(model_type)(config, block).named_children()}
+    assert set(family.norms) <= names and set(family.tp_entry_norms) <= set(family.norms), set(family.norms) - names
+
+
+def test_lora_and_fresh_weights_on_layers_of_their_own_shape():
+    """Gemma 4's layers differ: its K/V-reusing layers have no k/v projections, its global layers (values = keys) no
+    v_proj, and some norms no weight (`v_norm`, the MoE router's). LoRA on k_proj and v_proj adapts exactly the layers
+    that have them (PEFT refuses a layer with none of its targets: such a layer is left as it is), and a run from
+    scratch initialises every layer (`init_weights`)."""
+    from models.initialization import init_weights
+    from models.lora import add_lora
+
+    config = gemma4(enable_moe_block=True)
+    layers = [build_layer(x, config) for x in pipe_layers(config.num_hidden_layers, True) if x.kind == "decoder"]
+    add_lora(torch.nn.ModuleList(layers), 4, 8.0, 0.0, ["k_proj", "v_proj"], seed=0)
+    adapted = [sorted({n.split(".lora_")[0] for n, _ in m.named_parameters() if ".lora_" in n}) for m in layers]
+    assert adapted == [["self_attn.k_proj", "self_attn.v_proj"], ["self_attn.k_proj"]] * 2 + [[], []]
+    for layer in layers:
+        init_weights(layer, 0.02)
+    assert all(torch.equal(m.layer_scalar, torch.ones(1)) for m in layers)

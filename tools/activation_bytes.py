@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from models.carry import carried_bytes, per_layer_input_bytes, stand_ins
 from models.families import family_of, is_linear_attention, is_sparse_layer
+from models.layer_config import layer_attr
 from models.moe import experts_per_token
 
 
@@ -333,11 +334,12 @@ def stage_activation_bytes(
     recomputed = [i for i in layers if block_of(i, n) is not None and every and block_of(i, n) % every == 0]
     if recomputed:  # a recomputed block keeps its inputs: the hidden shard and the whole row's position_ids (once)
         kept += b * (row or s) * 8
-    # What crosses into the stage and its micro-batch keeps until backward: the carried tensors (models/carry.py),
-    # and the per-layer inputs block 0 makes, where it makes them (the later blocks' slices are views of them).
+    # What crosses into the stage and its micro-batch keeps until backward: the carried tensors (models/carry.py);
+    # and the per-layer inputs block 0 makes, where it is recomputed (else its own bytes hold them: the later blocks'
+    # slices are views of them).
     cp = (row or s) // s
     kept += carried_bytes(config, layers[0] - 1, b, row or s, act_bytes, tp, cp, sp, integers=True) if layers[0] else 0
-    kept += per_layer_input_bytes(config, b, s // shards, act_bytes) if 1 in layers else 0
+    kept += per_layer_input_bytes(config, b, s // shards, act_bytes) if 1 in recomputed else 0
     for index in layers:
         block = block_of(index, n)
         own = own_bytes(block) if block is not None else 0.0
@@ -356,8 +358,10 @@ def stage_activation_bytes(
 # The linear layers of a decoder block: (the tensor that is its input, input width, output width), with TP's split.
 def _linear_layers(config, tp: int) -> dict[str, tuple[str, float, float]]:
     h, heads, inter = config.hidden_size, config.num_attention_heads, getattr(config, family_of(config).dense_size)
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    q, kv = heads * head_dim / tp, config.num_key_value_heads * head_dim / tp
+    # the widest layer's where layers differ in shape (Gemma 4's global layers: wider heads, fewer K/V heads)
+    shapes = [(layer_attr(config, b, "head_dim") or h // heads, layer_attr(config, b, "num_key_value_heads"))
+              for b in range(config.num_hidden_layers)]  # fmt: skip
+    q, kv = heads * max(d for d, _ in shapes) / tp, max(d * n for d, n in shapes) / tp
     return {
         "q_proj": ("norm1", h, q),
         "k_proj": ("norm1", h, kv),

@@ -32,6 +32,7 @@ from checkpoint.staging import fsync_dir
 from data.dataset import cache_root
 from data.sampling import eval_batches, eval_indices, eval_num_batches
 from models.config import load_hf_config
+from models.layer_config import global_attr
 from models.preference import ReferenceScorer
 from models.tensor_parallel import token_cross_entropy_for
 from schema.train import TrainConfig, eval_micro_batch_size
@@ -65,6 +66,18 @@ ARCHITECTURE = (
     "use_sliding_window",
     "max_window_layers",
     "layer_types",
+    # layers of their own shape, state shared across layers, experts switched on (Gemma 4's, GLM-5's)
+    "per_layer_config",
+    "hidden_size_per_layer_input",
+    "num_kv_shared_layers",
+    "attention_k_eq_v",
+    "use_double_wide_mlp",
+    "enable_moe_block",
+    "indexer_types",
+    "num_experts",
+    "top_k_experts",
+    "moe_intermediate_size",
+    "final_logit_softcapping",
 )
 
 
@@ -107,12 +120,17 @@ def check_architecture(cfg: TrainConfig, model_config) -> None:
     except ValueError as e:
         raise RunError(f"dpo.reference_model: {e}") from None
     for key in ARCHITECTURE:
-        mine, theirs = getattr(model_config, key, None), getattr(reference, key, None)
+        mine, theirs = (_field(c, key) for c in (model_config, reference))
         if mine != theirs:
             raise RunError(
                 f"dpo.reference_model {path}: {key}={theirs} but the policy has {key}={mine} (the "
                 "reference must have the policy's architecture)"
             )
+
+
+def _field(config, key: str):
+    """A config's `key` as config.json writes it (layers of their own shape: `per_layer_config`, Gemma 4's)."""
+    return config.to_dict().get(key) if key == "per_layer_config" else global_attr(config, key)
 
 
 def cache_file(cfg: TrainConfig, fingerprint: str, identity: dict) -> str:

@@ -9,6 +9,7 @@ import re
 
 from models.families import FAMILIES, family_of, linear_attention_refusal, tp_refusal
 from models.key_table import all_layer_keys
+from models.layer_config import layer_attr
 from models.lora import check_target_modules, lora_tp_refusal
 from models.moe import is_moe, num_experts
 from models.sharding import tp_indivisible
@@ -105,18 +106,20 @@ def validate_context_parallel(cfg: TrainConfig, model_config) -> None:
     if cp == 1:
         return
     heads = model_config.num_attention_heads // cfg.tensor_parallel_size
-    kv = model_config.num_key_value_heads // cfg.tensor_parallel_size
     per_tp = " per tensor-parallel rank" if cfg.tensor_parallel_size > 1 else ""
     need(
         heads % cp == 0,
         f"context_parallel_size={cp} must divide the model's {heads} attention heads{per_tp} (num_attention_heads="
         f"{model_config.num_attention_heads}): each CP rank attends with heads / C of them",
     )
-    need(
-        kv % cp == 0 or cp % kv == 0,
-        f"context_parallel_size={cp} and the model's {kv} key/value heads{per_tp} (num_key_value_heads="
-        f"{model_config.num_key_value_heads}): one must divide the other (fewer KV heads than C are replicated)",
-    )
+    layers = range(model_config.num_hidden_layers)  # each layer's where they differ (Gemma 4's global layers)
+    for whole in sorted({layer_attr(model_config, b, "num_key_value_heads") for b in layers}, reverse=True):
+        kv = whole // cfg.tensor_parallel_size
+        need(
+            kv % cp == 0 or cp % kv == 0,
+            f"context_parallel_size={cp} and the model's {kv} key/value heads{per_tp} (num_key_value_heads="
+            f"{whole}): one must divide the other (fewer KV heads than C are replicated)",
+        )
 
 
 def validate_fp16(cfg: TrainConfig, model_config) -> None:

@@ -278,7 +278,7 @@ def register(family: Family) -> Family:
     if family.model_type in FAMILIES:
         raise ValueError(f"model_type={family.model_type!r} registered twice")
     entries = (0, 2, 3) if family.moe is not None and family.moe.beside_mlp else (0, 2)  # and the experts' own
-    if not family.tp_refused and len(family.tp_entry_norms) not in entries:  # TP enters twice per layer
+    if not family.tp_refused and len(family.tp_entry_norms) not in entries:  # TP enters twice per layer (or 3 times)
         raise ValueError(f"{family.model_type}: tp_entry_norms must name the norms before attention and the MLP")
     FAMILIES[family.model_type] = family
     return family
