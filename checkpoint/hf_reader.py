@@ -8,6 +8,7 @@ checkpoint fails before anything is written.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -37,15 +38,57 @@ def read_model_config(path: str):
 
 def container_of(hf_dir: str):
     """The container a multimodal checkpoint is (models/families `CONTAINERS`: where its text model's keys sit), or
-    None for a text model. Every function here names tensors by the text model's keys and skips the other towers'
-    tensors (which checkpoint/carried.py keeps aside), unless asked for the hub's own names (`raw`)."""
-    from models.families import CONTAINERS
+    a checkpoint in its family's own release layout (`ReleaseNames`), or None for a text model in transformers'
+    layout. Every function here names tensors by the text model's keys as transformers saves them and skips the
+    other towers' tensors (which checkpoint/carried.py keeps aside), unless asked for the hub's own names (`raw`)."""
+    from models.families import CONTAINERS, FAMILIES
 
     try:
         with open(os.path.join(hf_dir, "config.json")) as f:
-            return CONTAINERS.get(json.load(f).get("model_type"))
+            model_type = json.load(f).get("model_type")
     except (OSError, ValueError, AttributeError):
         return None
+    if model_type in CONTAINERS:
+        return CONTAINERS[model_type]
+    family = FAMILIES.get(model_type)
+    if family is None or not family.hub_renames:
+        return None
+    return _release_names(hf_dir, *(os.stat(os.path.join(hf_dir, n)).st_mtime_ns for n in list_shards(hf_dir)[0][:1]))
+
+
+class ReleaseNames:
+    """A checkpoint whose tensors carry its family's own release names (DeepSeek-V4's `layers.0.attn.wq_a.weight`,
+    `embed.weight`, `hc_head_fn`: no `model.` prefix), read under the names transformers saves (models/key_table.py
+    `hub_key`), as a container's text model is read under its own."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def text_key(self, hub_key: str) -> str:
+        from models.key_table import hub_key as saved_name
+        from models.key_table import memory_key
+
+        return saved_name(self.config, memory_key(self.config, hub_key))
+
+    def hub_key(self, text_key: str) -> str:
+        from models.key_table import release_key
+
+        return release_key(self.config, text_key)
+
+
+@functools.lru_cache(maxsize=16)
+def _release_names(hf_dir: str, _stamp: int) -> ReleaseNames | None:
+    """`ReleaseNames` where no tensor of the checkpoint is under `model.` (the release layout), else None."""
+    shards, weight_map = list_shards(hf_dir)
+    if weight_map is not None:
+        keys = list(weight_map)
+    elif shards[0].endswith(".safetensors"):
+        keys = check_safetensors(os.path.join(hf_dir, shards[0]))
+    else:
+        keys = list(_load_bin(os.path.join(hf_dir, shards[0])))
+    if any(k.startswith("model.") for k in keys):
+        return None
+    return ReleaseNames(read_model_config(hf_dir))
 
 
 def _text_keys(mapping: dict[str, str], container) -> dict[str, str]:

@@ -5,7 +5,7 @@ tensor that takes a gradient gets its gradient back by the same path. Every pipe
 returns one; what each position means after pipeline layer i (its output, the next layer's input) is declared here,
 once per model, from its config (`layout`):
 
-    hidden        [B, S, H] float, with a gradient            every model
+    hidden        [B, S, H] float, with a gradient            every model (DeepSeek-V4's N streams: [B, S, N, H])
     position_ids  [B, S] long                                  every model
     lengths       [B] long, where each row's padding starts    models with experts
     stats         [2E + 2] fp32, with a gradient               models with experts (models/moe.py)
@@ -24,6 +24,8 @@ comes back to its maker through the pipeline's own backward wherever the cut fal
                       "reuse" layers
     index.<block>     GLM-5's shared sparse-attention index, [B, S, topk] int32: made by a "full" indexer layer, read
                       by the "shared" layers after it
+    input_ids         (as above) DeepSeek-V4's tokens, to the layers whose router picks experts by token id
+                      ("hash_moe" in `mlp_layer_types`: a fixed table `tid2eid`), wherever they sit
 
 Carry or recompute (docs/families.md): K/V cost a whole attention projection of an earlier layer's input and PLE the
 embedding of every token plus a projection of it (the embedding table lives on the first stage only), so both are
@@ -129,6 +131,13 @@ def shared_index_slots(config) -> list[Slot]:
     return slots
 
 
+def routing_token_slots(config) -> list[Slot]:
+    """DeepSeek-V4's hash routing: the tokens, from the embedding to every layer whose router picks experts by token
+    id ("hash_moe")."""
+    readers = tuple(decoder_index(b) for b, kind in enumerate(config.mlp_layer_types) if kind == "hash_moe")
+    return [Slot(INPUT_IDS, 0, readers)] if readers else []
+
+
 def unread_hub_keys(config) -> list[str]:
     """The hub keys of decoder layers that transformers' model skips at load: Gemma 4's reusing layers keep their own
     k/v projections and norms on the hub (its model builds none: they reuse another layer's K/V). Conversion carries
@@ -153,6 +162,7 @@ MECHANISMS = {
     "per_layer_inputs": per_layer_input_slots,
     "shared_kv": shared_kv_slots,
     "shared_index": shared_index_slots,
+    "routing_tokens": routing_token_slots,
 }
 
 
@@ -226,8 +236,8 @@ class LayerCarry:
         self.makes_per_layer_inputs = PER_LAYER_INPUTS in self.makes
 
     def kwargs(self, layer: nn.Module, hidden: torch.Tensor, carried: dict) -> tuple[dict, dict]:
-        """The layer's keyword arguments (per_layer_input, shared_kv_states, prev_topk_indices), and what `finish`
-        needs besides them (the per-layer inputs still to come)."""
+        """The layer's keyword arguments (per_layer_input, shared_kv_states, prev_topk_indices, input_ids), and what
+        `finish` needs besides them (the per-layer inputs still to come)."""
         kwargs, context = {}, {}
         if "per_layer_inputs" in self.kinds and PER_LAYER_INPUTS in self.reads + self.makes:
             if self.block == 0:  # PLE of every block, from the tokens and their embeddings (this layer's input)
@@ -244,6 +254,8 @@ class LayerCarry:
                     kind = name[3:-2]
                     shared[kind] = carried[name], carried[f"kv.{kind}.v"]
             kwargs["shared_kv_states"] = shared
+        if "routing_tokens" in self.kinds and INPUT_IDS in self.reads:  # this rank's positions of them (SP)
+            kwargs["input_ids"] = layer.own_positions(carried[INPUT_IDS])
         if "shared_index" in self.kinds:
             index = [name for name in self.reads if name.startswith("index.")]
             kwargs["prev_topk_indices"] = carried[index[0]] if index else None

@@ -14,11 +14,12 @@ With tied input/output embeddings the LM head is a second use of layer 0's modul
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
 from models.carry import unread_hub_keys
-from models.families import DEFAULT_MODEL_TYPE, FAMILIES, family_of, is_sparse_layer
+from models.families import DEFAULT_MODEL_TYPE, FAMILIES, family_of, is_sparse_layer, residual_streams
 from models.pipe_layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer, pipe_layers
 
 DECODER_PREFIX = "model.layers.{}."  # HF name of decoder block {} (the module; its keys follow)
@@ -190,8 +191,67 @@ def layer_keys(layer: PipeLayer, config) -> dict[str, str]:
         return {}
     if layer.kind == DECODER:
         keys = {ours: DECODER_PREFIX.format(layer.block) + ours for ours in decoder_keys(config, layer.block)}
-        return keys | (PER_LAYER_INPUT_KEYS if layer.block == 0 and makes_per_layer_inputs(config) else {})
-    return dict(KEY_TABLE[layer.kind])
+        keys |= PER_LAYER_INPUT_KEYS if layer.block == 0 and makes_per_layer_inputs(config) else {}
+    else:
+        keys = dict(KEY_TABLE[layer.kind])
+        if layer.kind == NORM and residual_streams(config) > 1:  # the streams' head, which the norm's layer runs
+            keys |= {f"hc_head.{k}": f"model.hc_head.{k}" for k in _stream_head_keys(config)}
+    if family_of(config).hub_renames:
+        return {ours: hub_key(config, hf) for ours, hf in keys.items()}
+    return keys
+
+
+def _stream_head_keys(config) -> list[str]:
+    """The keys of the family's `HyperHead` (DeepSeek-V4's: `hc_fn`, `hc_base`, `hc_scale`), from transformers' own."""
+    import torch
+
+    with torch.device("meta"):
+        return list(family_of(config).hf_class("HyperHead")(config).state_dict())
+
+
+# ---------------------------------------------------------------------------------------------------- hub renames
+
+
+@functools.cache
+def _renamings(model_type: str) -> tuple[list, list]:
+    """transformers' key renames of a family (its conversion mapping's `WeightRenaming`s: hub name -> in-memory
+    name), and the same reversed as its `save_pretrained` applies them (in-memory -> hub)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    forward = [t for t in get_checkpoint_conversion_mapping(model_type) or [] if isinstance(t, WeightRenaming)]
+    return forward, [t.reverse_transform() for t in reversed(forward)]
+
+
+def hub_key(config, key: str) -> str:
+    """The hub's name of transformers' in-memory key `key` (`model.layers.0.self_attn.q_a_proj.weight` ->
+    `model.layers.0.attn.wq_a.weight`), as its `save_pretrained` writes it (`Family.hub_renames`); other families'
+    keys are the same in both."""
+    if not family_of(config).hub_renames:
+        return key
+    from transformers.core_model_loading import apply_renamings
+
+    return apply_renamings(key, _renamings(family_of(config).model_type)[1])
+
+
+def memory_key(config, key: str) -> str:
+    """transformers' in-memory name of a hub key, as its `from_pretrained` reads it: renamed (`Family.hub_renames`),
+    under `model.` where the family's release leaves it out (DeepSeek-V4's `layers.0.attn.wq_a.weight`)."""
+    if not family_of(config).hub_renames:
+        return key
+    from transformers.core_model_loading import apply_renamings
+
+    key = apply_renamings(key.removeprefix("model."), _renamings(family_of(config).model_type)[0])  # as the release
+    return key if key.startswith("lm_head.") else "model." + key
+
+
+def release_key(config, key: str) -> str:
+    """The name a family's own release gives our table's key `key` (`memory_key` inverted: no `model.` prefix,
+    `embed.weight`, `head.weight`): DeepSeek-V4's checkpoints as DeepSeek publishes them."""
+    from transformers.core_model_loading import apply_renamings
+
+    memory = memory_key(config, key)
+    return apply_renamings(memory.removeprefix("model."), _renamings(family_of(config).model_type)[1])
 
 
 def makes_per_layer_inputs(config) -> bool:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +37,7 @@ from models import context_parallel
 from models.attention_masks import attention_mask, flash_varlen_kwargs
 from models.carry import INPUT_IDS, LayerCarry, PerLayerInputs, layout
 from models.cast import apply_keeping_fp32
-from models.context_parallel import ContextParallel
+from models.decoder_options import DecoderOptions
 from models.expert_parallel import ExpertParallel
 from models.families import (
     FAMILIES,
@@ -46,6 +45,7 @@ from models.families import (
     family_of,
     is_linear_attention,
     is_sparse_layer,
+    residual_streams,
     resolve_attention,
     sliding_window,
 )
@@ -119,7 +119,7 @@ def embedding_setup(embedding: nn.Module, config) -> None:
     scale and the tied head's soft-cap, and the carry it starts (models/carry.py)."""
     embedding.moe_config = config if is_moe(config) else None
     embedding.scale, embedding.logit_cap = embedding_scale(config), getattr(config, "final_logit_softcapping", None)
-    embedding.carry = layout(config)
+    embedding.carry, embedding.streams = layout(config), residual_streams(config)
 
 
 def embedded(embedding: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, rest: list) -> tuple:
@@ -131,6 +131,8 @@ def embedded(embedding: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor
     if grad and not embedding.weight.requires_grad:
         # NOTE: a frozen embedding (LoRA) still has to hand the next stage a tensor that takes a gradient.
         hidden.requires_grad_()
+    if embedding.streams > 1:  # DeepSeek-V4's residual streams: each token's vector N times, [B, S, N, H]
+        hidden = hidden.unsqueeze(2).expand(-1, -1, embedding.streams, -1).contiguous()
     state = {"hidden": hidden, "position_ids": rest[0], INPUT_IDS: input_ids}
     if embedding.moe_config is not None:
         # no lengths given: every position is a real token (hidden may hold S/T of them under SP)
@@ -138,30 +140,6 @@ def embedded(embedding: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor
         state["lengths"] = rest[1] if len(rest) > 1 else torch.full(rest[0].shape[:1], seq, device=hidden.device)
         state["stats"] = empty_stats(embedding.moe_config, hidden.device).requires_grad_(grad)
     return embedding.carry.pack(0, state)
-
-
-@dataclass(frozen=True)
-class DecoderOptions:
-    """How decoder layers run (not what they hold: no effect on weights or keys).
-
-    packed: rows hold several documents (position_ids restart at 0 at each); attention stays inside each.
-    checkpoint_every: recompute every k-th decoder block (block % k == 0) in backward; 0 never, 1 every block.
-    routed_experts: Llama 4's experts run on their routed tokens only (`moe.routed_experts`; always so with
-        expert parallelism), not every expert on every token as transformers runs them.
-    context: context parallelism (models/context_parallel.py): hidden holds this rank's S/C positions of each row,
-        attention goes through Ulysses over `context.group` (set once the process group exists).
-    mlp_tiles: > 1: a dense MLP runs its positions in this many tiles, recomputing each in backward
-        (`models.context_parallel.tile_mlp`).
-    """
-
-    packed: bool = False
-    checkpoint_every: int = 0
-    routed_experts: bool = False
-    context: ContextParallel = field(default_factory=ContextParallel, compare=False)
-    mlp_tiles: int = 0
-
-    def recompute(self, block: int) -> bool:
-        return self.checkpoint_every > 0 and block % self.checkpoint_every == 0
 
 
 class DecoderPipe:
@@ -198,13 +176,20 @@ class DecoderPipe:
             self.top_k = experts_per_token(config)
             self.router_logits_at = family_of(config).moe.router_logits
             self.router_choice = family_of(config).moe.router_choice
-            router_of(self.moe_block(), config).register_forward_hook(self._keep_router_logits)
+            router = router_of(self.moe_block(), config)
+            router.register_forward_hook(self._keep_router_logits)
+            # Its choice steered by a score bias, which `moe.bias_update_rate` moves (not DeepSeek-V4's hash routers)
+            self.balanced = self.router_choice and hasattr(router, "e_score_correction_bias")
             expert_keys(self, config, ep)
         self.attn_implementation = config._attn_implementation or resolve_attention(config, None)
         self.rotary_emb = rotary_class(family_of(config).model_type)(config)  # non-persistent buffers: no keys
         # A rotary embedding with tables per layer type (Gemma's) is called with this layer's type.
         takes_type = "layer_type" in inspect.signature(type(self.rotary_emb).forward).parameters
         self.rotary_args = (config.layer_types[layer_idx],) if takes_type else ()
+        tables = getattr(self.rotary_emb, "layer_types", None) or ()
+        # Tables by a kind of RoPE other than the layer types (DeepSeek-V4's "main" and "compress"): the layer takes
+        # them all by name, as transformers' model hands them over.
+        self.rotary_kinds = tuple(tables) if takes_type and self.rotary_args[0] not in tables else ()
         self.options = options
         self.recompute = self.options.recompute(layer_idx)
         self.index, self.carry = decoder_index(layer_idx), LayerCarry(config, layer_idx)
@@ -218,8 +203,10 @@ class DecoderPipe:
         if options.mlp_tiles > 1 and not sparse:
             context_parallel.tile_mlp(getattr(self, dense_mlp(config)), options.mlp_tiles)
 
-    def keeps_fp32(self, name: str, dtype) -> bool:  # what transformers keeps fp32 in `dtype` (`Family.keeps_fp32`)
-        return family_of(self.model_config).keeps_fp32(name, dtype)
+    def keeps_fp32(self, name: str, dtype) -> bool:
+        """What transformers keeps fp32 in `dtype` (`Family.keeps_fp32`), and the RoPE tables of rotary embeddings
+        inside the layer (DeepSeek-V4's compressors' own), which transformers computes in fp32."""
+        return name.endswith("inv_freq") or family_of(self.model_config).keeps_fp32(name, dtype)
 
     def own_positions(self, x: torch.Tensor) -> torch.Tensor:
         """The positions of a [B, S, ...] tensor of the whole (CP-local) row that this layer's hidden holds: all."""
@@ -250,7 +237,7 @@ class DecoderPipe:
             hidden, stats, made = self._run(*args)
         state.update(made, hidden=hidden)
         if self.sparse:
-            if self.router_choice and torch.is_grad_enabled():  # the step's expert loads (models/moe.py `balance`)
+            if self.balanced and torch.is_grad_enabled():  # the step's expert loads (models/moe.py `balance`)
                 self.expert_counts = count_chosen(stats, getattr(self, "expert_counts", None))
             state["stats"] = add_stats(state["stats"], stats)
         return self.carry.layout.pack(self.index, state)
@@ -283,7 +270,10 @@ class DecoderPipe:
         # (context parallel), which attention sees: RoPE turns this rank's S/C positions into angles.
         local_positions = context_parallel.shard(position_ids, self.cp.rank, self.cp.size)
         self._batch = hidden.shape[0]  # rows of flattened [B * S, H] tensors (models/tensor_parallel.py `enter`)
-        cos_sin = self.rotary_emb(hidden, local_positions, *self.rotary_args)  # 2 x [B, S/C, head_dim]
+        if self.rotary_kinds:  # {kind: (cos, sin)}
+            cos_sin = {kind: self.rotary_emb(hidden, local_positions, kind) for kind in self.rotary_kinds}
+        else:
+            cos_sin = self.rotary_emb(hidden, local_positions, *self.rotary_args)  # 2 x [B, S/C, head_dim]
         packed, seq = self.options.packed, position_ids.shape[-1]
         window = self.window if self.window is not None and self.window < seq else None
         chunk = self.chunk if self.chunk is not None and self.chunk < seq else None
@@ -305,6 +295,8 @@ class DecoderPipe:
                 mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
                     ~mask, torch.finfo(hidden.dtype).min
                 )
+            # one per row, as transformers' masks are (a view): DeepSeek-V4's compressors append theirs
+            mask = mask.expand(hidden.shape[0], *mask.shape[1:])
         kwargs, context = self.carry.kwargs(self, hidden, carried)  # what it reads of the carry (models/carry.py)
         out = super().forward(
             hidden, attention_mask=mask, position_ids=local_positions, position_embeddings=cos_sin, **extra, **kwargs
@@ -324,14 +316,19 @@ def decoder_layer_class(model_type: str) -> type[nn.Module]:
 
 
 class _NormPipe:
-    """Mixin: the family's final RMSNorm as a pipeline layer. Keys: `weight` = HF `model.norm.weight`.
-    Drops `position_ids`."""
+    """Mixin: the family's final RMSNorm as a pipeline layer. Keys: `weight` = HF `model.norm.weight` (and with
+    residual streams `hc_head.*` = `model.hc_head.*`: the family's `HyperHead`, which mixes the N streams into one
+    before the norm, as transformers' model runs it). Drops `position_ids`."""
 
     def __init__(self, config):
         super().__init__(config.hidden_size, eps=config.rms_norm_eps)
+        if residual_streams(config) > 1:
+            self.hc_head = FAMILIES[self.model_type].hf_class("HyperHead")(config)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         hidden, _, *moe = inputs
+        if hasattr(self, "hc_head"):  # [B, S, N, H] -> [B, S, H]
+            hidden = self.hc_head(hidden)
         return super().forward(hidden) if not moe else (super().forward(hidden), moe[1])
 
     def keeps_fp32(self, name: str, dtype) -> bool:  # where transformers keeps `model.norm` so (gpt-oss's, in fp16)

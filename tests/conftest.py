@@ -112,6 +112,9 @@ MODEL_VARIANTS = {
     # Gemma 4 26B-A4B's shape: 4 experts (top-2) beside the dense MLP in every layer, on the tiny model above.
     "gemma4_moe": dict(model_type="gemma4_text", tie_word_embeddings=True, enable_moe_block=True)
     | dict(num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+    # DeepSeek-V4: 3 residual streams, sliding-window / compressed sparse / heavily compressed attention, hash routers
+    # in layers 0, 1 and 3 (the tokens carried to them), top-k routers with score biases, its hub's own key names.
+    "deepseek_v4": dict(model_type="deepseek_v4"),
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
 NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss", "qwen3_next", "qwen3_5", "gemma4"]
@@ -124,7 +127,7 @@ CARRYING_VARIANTS = {
     "gemma4_moe": "unread_kv",
 }  # with a multi-token-prediction layer, or the unread k/v tensors of Gemma 4's reusing layers
 MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss")
-MOE_VARIANTS += ("qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "gemma4_moe")
+MOE_VARIANTS += ("qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "gemma4_moe", "deepseek_v4")
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
 FAMILY_VARIANTS += NEW_FAMILY_VARIANTS
 

@@ -1,5 +1,6 @@
 """What hub checkpoints hold beyond what transformers' save_pretrained writes for a tiny model, added to a saved
-directory: multi-token-prediction layers, Gemma 4's unread k/v tensors; and a trained model's tempered attention."""
+directory: multi-token-prediction layers, Gemma 4's unread k/v tensors; a trained model's tempered attention; and
+weights moved off their initial values (`perturb`)."""
 
 from __future__ import annotations
 
@@ -104,3 +105,23 @@ def add_hub_tensors(hf_dir: str, extra: dict, shard: str) -> None:
     index["weight_map"] |= {k: shard for k in extra}
     with open(index_path, "w") as f:
         json.dump(index, f, indent=2)
+
+
+@torch.no_grad()
+def perturb(model) -> None:
+    """Norms, biases and routers' score biases moved off their init (ones, zeros), so a key the pipeline dropped
+    or read into the wrong place would show in the logits; DeepSeek-V4's hyper-connection biases and scales and its
+    compressors' position biases too, and its hash routers' token -> experts tables (zeros at init: every token to
+    expert 0) made distinct experts per token."""
+    generator = torch.Generator().manual_seed(1)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and (
+            "norm" in name
+            or name.endswith(("bias", "e_score_correction_bias", "sinks"))
+            or name.endswith(("hc.base", "hc.scale", "hc_base", "hc_scale", "position_bias"))
+        ):
+            tensor.add_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * 0.2)
+        elif name.endswith("tid2eid"):  # [V, k] experts of each token
+            experts, k = model.config.n_routed_experts, tensor.shape[1]
+            rows = [torch.randperm(experts, generator=generator)[:k] for _ in range(tensor.shape[0])]
+            tensor.copy_(torch.stack(rows))

@@ -23,7 +23,7 @@ from tests.multimodal import kimi_k25_as_on_the_hub, multimodal
 from tools.tiny_models import make_hf_model, tiny_config
 
 
-@pytest.mark.parametrize("variant", ["mha", "gqa", "tied", *FAMILY_VARIANTS, "glm_moe_dsa"])
+@pytest.mark.parametrize("variant", ["mha", "gqa", "tied", *FAMILY_VARIANTS, "glm_moe_dsa", "deepseek_v4"])
 def test_every_tensor_lands_once_in_its_file(variant, hf_models, converted):
     hf_dir, ckpt = hf_models[variant], converted[variant]
     from transformers import AutoConfig

@@ -15,7 +15,9 @@ from tests.baseline import hf_model
 from tests.conftest import FAMILY_VARIANTS, hf_state, one_error_line, run_cmd
 
 
-@pytest.mark.parametrize("variant", ["mha", "gqa", "tied", *FAMILY_VARIANTS, "deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize(
+    "variant", ["mha", "gqa", "tied", *FAMILY_VARIANTS, "deepseek_v32", "glm_moe_dsa", "deepseek_v4"]
+)
 def test_round_trip_is_bit_identical(variant, hf_models, converted, tmp_path):
     """HF -> pipeline -> HF: every tensor bit-identical, and the export loads as the same family."""
     from transformers import AutoTokenizer

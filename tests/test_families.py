@@ -12,10 +12,11 @@ import torch
 from checkpoint.expert_layouts import fuse_per_expert
 from models.config import ConfigFields, differing_field, load_hf_config, read_config_fields
 from models.families import FAMILIES, family_of, is_sparse_layer, resolve_attention
-from models.key_table import all_layer_keys
+from models.key_table import all_layer_keys, memory_key
 from models.layers import DecoderOptions, build_layer, decoder_layer_class, split_stats, tied_lm_head_forward
 from models.pipe_layout import pipe_layers
 from tests.conftest import LLAMA3_ROPE, hf_state
+from tests.hub_extras import perturb
 from tools.tiny_models import tiny_config
 
 FAMILY_CONFIGS = {
@@ -84,19 +85,10 @@ FAMILY_CONFIGS = {
         "gemma4_text",
         dict(num_hidden_layers=6, num_key_value_heads=4, enable_moe_block=True, num_experts=4),
     ),
+    # DeepSeek-V4: 3 residual streams, sliding / compressed sparse / heavily compressed attention, hash and top-k
+    # routers (the tokens carried to hash layers 0, 1 and 3), its hub's own key names.
+    "deepseek_v4-streams-hash": ("deepseek_v4", dict(num_hidden_layers=6, num_key_value_heads=1)),
 }
-
-
-@torch.no_grad()
-def perturb(model) -> None:
-    """Norms, biases and routers' score biases moved off their init (ones, zeros), so a key the pipeline dropped
-    or read into the wrong place would show in the logits."""
-    generator = torch.Generator().manual_seed(1)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_floating_point() and (
-            "norm" in name or name.endswith(("bias", "e_score_correction_bias", "sinks"))
-        ):
-            tensor.add_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * 0.2)
 
 
 def pipeline_logits(config, state: dict, ids: torch.Tensor, device="cpu", dtype=None) -> torch.Tensor:
@@ -157,7 +149,9 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
         assert not torch.equal(pipeline_logits(full, state, ids), reference)
     if "rope_interleave" not in overrides and family_of(config).keeps_fp32("e_score_correction_bias"):
         # The routers' score biases change the choice of experts at this size: dropping them would show.
-        unbiased = {k: torch.zeros_like(v) if k.endswith("e_score_correction_bias") else v for k, v in state.items()}
+        biases = [k for k in state if memory_key(config, k).endswith("e_score_correction_bias")]  # (V4: `gate.bias`)
+        assert biases
+        unbiased = state | {k: torch.zeros_like(state[k]) for k in biases}
         assert not torch.equal(pipeline_logits(config, unbiased, ids), reference)
     if "chunked" in name:  # the chunk and the temperature matter at this length: ignoring either would show
         for ignored in (dict(attention_chunk_size=64), dict(attn_temperature_tuning=False)):
@@ -232,8 +226,8 @@ def test_other_model_types_are_refused(tmp_path):
     for model_type in ("kimi_linear", "falcon_h1"):  # what we do not build (its linear attention, Mamba layers)
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         supported = (
-            "supported: deepseek_v3, deepseek_v32, ernie4_5, gemma3, gemma3_text, gemma4, gemma4_text, glm4, glm4_moe, "
-            "glm_moe_dsa, gpt_oss, helium, "
+            "supported: deepseek_v3, deepseek_v32, deepseek_v4, ernie4_5, gemma3, gemma3_text, gemma4, gemma4_text, "
+            "glm4, glm4_moe, glm_moe_dsa, gpt_oss, helium, "
             "kimi_k2, kimi_k25, llama, llama4, llama4_text, ministral3, mistral, mistral3, mistral4, mixtral, olmo2, "
             "olmo3, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, "
             "qwen3_next, seed_oss, smollm3"

@@ -12,12 +12,12 @@ import torch.nn.functional as F
 
 from checkpoint.expert_layouts import fuse_per_expert
 from models.carry import carried_bytes, carried_tensors, layout
-from models.families import FAMILIES
-from models.key_table import all_layer_keys, is_carried
+from models.families import FAMILIES, resolve_attention
+from models.key_table import all_layer_keys, is_carried, memory_key
 from models.layers import DecoderOptions, build_layer, split_stats, tied_lm_head_forward
 from models.pipe_layout import pipe_layers
 from tests.conftest import hf_state
-from tests.test_families import perturb
+from tests.hub_extras import perturb
 from tools.tiny_models import tiny_config
 
 
@@ -94,8 +94,8 @@ def cut_run(config, state: dict, ids: torch.Tensor, labels: torch.Tensor, cuts: 
                 continue
             if layer.kind == "decoder":
                 hf = f"model.{name[4:]}" if name.startswith("ple.") else f"model.layers.{layer.block}.{name}"
-            else:
-                hf = keys[layer.index][name]
+            else:  # (DeepSeek-V4's hub names its head `head.weight`)
+                hf = memory_key(config, keys[layer.index][name])
             grads[hf] = param.grad
     return logits, loss, grads
 
@@ -108,6 +108,8 @@ CUT_MODELS = {
     "glm_moe_dsa": lambda: tiny_config("glm_moe_dsa", num_key_value_heads=4),
     # Gemma 4 26B-A4B's MoE block (experts beside the dense MLP in every layer) on the tiny model above
     "gemma4-moe": lambda: gemma4(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+    # DeepSeek-V4: 3 residual streams through every cut, hash layers 0, 1 and 3 reading the carried tokens
+    "deepseek_v4": lambda: tiny_config("deepseek_v4"),
 }  # (transformers' Gemma 4 fails on shared K/V without PLE: no such model exists)
 
 
@@ -122,7 +124,7 @@ def test_every_cut_gives_transformers_logits_and_gradients(name, tmp_path):
     from transformers import AutoModelForCausalLM
 
     config = CUT_MODELS[name]()
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = resolve_attention(config, None)  # (DeepSeek-V4's: eager)
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config)
     perturb(hf)
@@ -216,6 +218,52 @@ def test_dropping_the_shared_index_changes_the_logits(tmp_path, monkeypatch):
     dense = (cut_run(config, state, ids, labels, (2,))[0] - reference).abs().max()
     print(f"GLM-5's shared layers attending every key: max |logit difference| {dense:.3g}")
     assert dense > 1e-3
+
+
+def test_dropping_a_stream_or_the_routing_tokens_changes_the_logits(tmp_path, monkeypatch):
+    """DeepSeek-V4's negative controls: one of its 3 residual streams zeroed from the embedding on (the streams
+    are [B, S, N, H] through every layer and cut), and its hash layers routed by other tokens than the row's (the
+    carried tokens dropped: the next position's), each change the logits, where the carried streams and tokens give
+    transformers' own; the tokens cross the cut after block 2 as integers, to hash layer 3 only."""
+    from transformers import AutoModelForCausalLM
+
+    from models.carry import LayerCarry
+    from models.layers import embedded
+
+    config = CUT_MODELS["deepseek_v4"]()
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config)
+    perturb(hf)
+    hf.save_pretrained(tmp_path)
+    state = hf_state(str(tmp_path))
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    labels = torch.roll(ids, -1, dims=1)
+    with torch.no_grad():
+        reference = hf(input_ids=ids).logits
+    assert layout(config).carried(3) == ("input_ids",) and layout(config).carried(4) == ()
+    assert torch.equal(cut_run(config, state, ids, labels, (3,))[0], reference)
+
+    def one_stream_dropped(*args):
+        out = embedded(*args)
+        hidden = out[0].clone()
+        hidden[:, :, 1] = 0.0  # [B, S, N, H]: stream 1 of 3
+        return (hidden, *out[1:])
+
+    with monkeypatch.context() as patch:
+        patch.setattr("models.layers.embedded", one_stream_dropped)
+        streams = (cut_run(config, state, ids, labels, (3,))[0] - reference).abs().max()
+    kwargs = LayerCarry.kwargs
+
+    def other_tokens(self, layer, hidden, carried):
+        out, context = kwargs(self, layer, hidden, carried)
+        if "input_ids" in out:
+            out["input_ids"] = torch.roll(out["input_ids"], -1, dims=1)
+        return out, context
+
+    monkeypatch.setattr(LayerCarry, "kwargs", other_tokens)
+    tokens = (cut_run(config, state, ids, labels, (3,))[0] - reference).abs().max()
+    print(f"DeepSeek-V4 max |logit difference|: one stream dropped {streams:.3g}, other tokens routed {tokens:.3g}")
+    assert streams > 1e-3 and tokens > 1e-3
 
 
 def _tp_model_worker(rank: int, store: str, out: str) -> None:

@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from models.carry import carried_bytes, per_layer_input_bytes, stand_ins
-from models.families import family_of, is_linear_attention, is_sparse_layer
+from models.families import family_of, is_linear_attention, is_sparse_layer, residual_streams
 from models.layer_config import layer_attr
 from models.moe import experts_per_token
+from tools import module_bytes
+from tools.module_bytes import KeepsInput, stream_head_bytes
 
 
 def norm_bytes(h: int, act_bytes: int) -> int:
@@ -30,12 +32,15 @@ def sharded_norm_bytes(h: int, act_bytes: int, shards: int) -> float:
     return (norm_bytes(h, act_bytes) - h * act_bytes) / shards + h * act_bytes
 
 
-def sparse_mlp_bytes(config, tp: int, act_bytes: int, routed: bool = False, gate_bytes: float | None = None) -> float:
+def sparse_mlp_bytes(
+    config, tp: int, act_bytes: int, routed: bool = False, gate_bytes: float | None = None, shared_bytes=None
+) -> float:
     """Per token, what a sparse block saves (models/moe.py), in place of the dense MLP: for each of its k routed
     copies the gathered row and the expert's output (2h) and what the expert's gate keeps (`gate_bytes`, measured
     by `measured_block_bytes` on the family's own gate: gate/up, act(gate) and down's input, 4 x the expert width
     split over TP, for SwiGLU; more for gpt-oss's clamped one); the router's logits and probabilities and the top-k
-    (fp32); a shared expert's four MLP tensors and its gated output. Measured on every family's blocks
+    (fp32); a shared expert's four MLP tensors (`shared_bytes`, measured on the family's own: more for DeepSeek-V4's
+    clamped SwiGLU) and its gated output. Measured on every family's blocks
     (tests/test_memory_estimate.py). Llama 4's block as transformers runs it runs every expert on every token, so it
     keeps E copies, not k, unless its experts run on their `routed` tokens only (`moe.routed_experts`, or expert
     parallelism)."""
@@ -47,7 +52,8 @@ def sparse_mlp_bytes(config, tp: int, act_bytes: int, routed: bool = False, gate
     per_token = copies * (2 * h * act_bytes + gate) + (2 * experts + 2 * k + 10) * 4
     if moe.shared_expert:
         shared = getattr(config, "shared_expert_intermediate_size", None) or width  # Llama 4's: the experts' width
-        per_token += (4 * shared / tp + h) * act_bytes + 4
+        own = 4 * shared / tp * act_bytes if shared_bytes is None else shared_bytes
+        per_token += own + h * act_bytes + 4
     return per_token
 
 
@@ -83,10 +89,10 @@ def layer_activation_bytes(
     heads = config.num_attention_heads
     sparse = is_sparse_layer(config, block)
     eager = attn == "eager" and row == s  # the family's own eager attention, measured (not under CP)
-    block_bytes, gate_bytes = measured_block_bytes(config, block, s, tp, sp, act_bytes, tiled, eager)
+    block_bytes, gate_bytes, shared_bytes = measured_block_bytes(config, block, s, tp, sp, act_bytes, tiled, eager)
     per_token = block_bytes / s
     if sparse:  # a sparse block (`sparse_mlp_bytes`): the experts' and the router's tensors
-        per_token += sparse_mlp_bytes(config, tp, act_bytes, routed, gate_bytes)
+        per_token += sparse_mlp_bytes(config, tp, act_bytes, routed, gate_bytes, shared_bytes)
     if not is_linear_attention(config, block):
         if attn == "eager" and not eager:
             per_token += heads / tp * row * act_bytes
@@ -146,18 +152,22 @@ def measured_block_bytes(
     moe = family_of(config).moe
     stand_in = is_sparse_layer(config, block) or tiled
     experts = module.moe_block().experts if is_sparse_layer(config, block) else None
-    gate_bytes = _gate_bytes(experts, dtype) if experts is not None else None
+    gate_bytes = module_bytes.gate_bytes(experts, dtype) if experts is not None else None
+    shared = module.moe_block() if is_sparse_layer(config, block) else None
+    shared = getattr(shared, "shared_experts", None) or getattr(shared, "shared_expert", None)
+    shared_bytes = module_bytes.mlp_bytes(shared, config.hidden_size, dtype) if shared is not None else None
     shard = s // tp if sp and tp > 1 else s
-    hidden = torch.empty(1, shard, config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+    streams = (residual_streams(config),) if residual_streams(config) > 1 else ()  # [B, S, N, H]: DeepSeek-V4's
+    hidden = torch.empty(1, shard, *streams, config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
     positions = torch.arange(s, device="meta").view(1, s)
     # A sparse block returns its output alone, or with its router's logits (Llama 4's, gpt-oss's): whichever the
     # family's layer takes.
     first = None  # the error of the first try, raised with the second's
     for as_tuple in (False, True) if stand_in else (False,):
         if stand_in and experts is not None and moe.beside_mlp:  # the experts beside a dense MLP (Gemma 4's)
-            module.experts = _KeepsInput(False, None)
+            module.experts = KeepsInput(False, None)
         elif stand_in:
-            setattr(module, moe.block if moe is not None else "mlp", _KeepsInput(as_tuple, shard))
+            setattr(module, moe.block if moe is not None else "mlp", KeepsInput(as_tuple, shard))
         # NOTE: the storages of the module's own tensors, taken now: a storage freed with a replaced block may be
         # reused by an activation (on the meta device tensors are told apart by their storage's address).
         # The carried tensors it reads (Gemma 4's K/V and per-layer inputs) are their maker's, or the stage's received
@@ -182,7 +192,7 @@ def measured_block_bytes(
             if as_tuple:
                 raise error from first
             first = error
-    _MEASURED[key] = (config, (sum(saved.values()), gate_bytes))
+    _MEASURED[key] = (config, (sum(saved.values()), gate_bytes, shared_bytes))
     return _MEASURED[key][1]
 
 
@@ -208,29 +218,6 @@ def _torch_paths(module: torch.nn.Module):
     finally:
         for namespace, key, value in swapped:
             namespace[key] = value
-
-
-def _gate_bytes(experts: torch.nn.Module, dtype) -> float | None:
-    """Bytes an experts module's gate (transformers' `_apply_gate`: SwiGLU, gpt-oss's clamped SwiGLU) keeps per
-    routed token, its input (gate and up) and its output (down's input) included; None where the module has no
-    gate of transformers' experts interface."""
-    gate_up = getattr(experts, "gate_up_proj", None)
-    if gate_up is None or not hasattr(experts, "_apply_gate"):
-        return None
-    width = gate_up.shape[-1] if getattr(experts, "is_transposed", False) else gate_up.shape[-2]  # 2 x this rank's
-    tokens = 64
-    x = torch.empty(tokens, width, dtype=dtype, device="meta", requires_grad=True)
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-        return t
-
-    pack(x)  # gate and up: the up projection's output, which it keeps
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = experts._apply_gate(x)
-        _SavesInput.apply(out.unsqueeze(0), tokens)  # down's input
-    return sum(saved.values()) / tokens
 
 
 FUSED_KERNEL = "planner_fused_kernel"  # a transformers attention implementation (`register_fused_kernel`)
@@ -266,30 +253,6 @@ class _FusedKernelSaves(torch.autograd.Function):
             out = out.transpose(1, 2).contiguous()
         ctx.save_for_backward(q, k, v, out, q.new_empty(batch, heads, seq, dtype=torch.float32))
         return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise NotImplementedError("a stand-in for measuring the memory planner's saved bytes")
-
-
-class _KeepsInput(torch.nn.Module):
-    """A sparse block (or a tiled MLP) on the meta device: keeps its input for backward, as the router's matmul and
-    a tiled MLP do; what else a sparse block keeps is `sparse_mlp_bytes`."""
-
-    def __init__(self, as_tuple: bool, positions: int):
-        super().__init__()
-        self.as_tuple, self.positions = as_tuple, positions  # the residual's (this rank's under SP)
-
-    def forward(self, x, *_routing):  # (experts beside a dense MLP are called with the router's choice and weights)
-        out = _SavesInput.apply(x, self.positions)
-        return (out, None) if self.as_tuple else out
-
-
-class _SavesInput(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, positions):
-        ctx.save_for_backward(x)
-        return x.new_empty(x.shape if positions is None else (x.shape[0], positions, x.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad):
@@ -344,12 +307,14 @@ def stage_activation_bytes(
         block = block_of(index, n)
         own = own_bytes(block) if block is not None else 0.0
         if index in recomputed:
-            kept, live = kept + b * s * config.hidden_size * act_bytes / shards, max(live, own)
+            width = residual_streams(config) * config.hidden_size  # its input: the residual streams
+            kept, live = kept + b * s * width * act_bytes / shards, max(live, own)
         elif block is not None:
             kept += own
         elif kinds[index] == NORM:
             # the LM head saves the norm's output, which `norm_bytes` counts (the vocab-parallel head saves none)
             kept += b * s * sharded_norm_bytes(config.hidden_size, act_bytes, shards)
+            kept += b * s * stream_head_bytes(config, act_bytes) / shards  # (DeepSeek-V4's streams mixed into one)
         elif kinds[index] == EMBED:
             kept += b * s * (9 if split_vocab else 8)  # token ids (vocab-parallel: this rank's ids and a bool mask)
     return kept, live

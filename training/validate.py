@@ -93,6 +93,13 @@ def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
         need(refusal is None, refusal or "")
     reason = family_of(model_config).cp_refused
     need(cp == 1 or not reason, f"context_parallel_size={cp}: {model_config.model_type}'s {reason}" if reason else "")
+    reason = family_of(model_config).packing_refused
+    need(
+        not shared or not reason,
+        f"data.packing/concatenate: {model_config.model_type}'s {reason}; pad each document to its own row"
+        if reason
+        else "",
+    )
     if is_moe(model_config):
         validate_experts(cfg, model_config)
     else:

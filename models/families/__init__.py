@@ -34,6 +34,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from models.families.container import Container
+
 # The family of a config that names none (old LLaMA checkpoints have no model_type).
 DEFAULT_MODEL_TYPE = "llama"
 
@@ -142,9 +144,18 @@ class Family:
     # Decoder modules transformers runs without gradients (DeepSeek-V3.2's indexer): frozen in training.
     frozen: tuple[str, ...] = ()
     # Tensors its layers share across layers, by mechanism (models/carry.py: "per_layer_inputs", "shared_kv",
-    # "shared_index"): carried across stage boundaries by name, from the layer that makes one to its last reader.
+    # "shared_index", "routing_tokens"): carried across stage boundaries by name, from the layer that makes one to its
+    # last reader.
     carries: tuple[str, ...] = ()
     cp_refused: str = ""  # why context parallelism is refused for the family, after "<model_type>'s" ("": it splits)
+    packing_refused: str = ""  # why packed rows are refused for the family, after "<model_type>'s" ("": they run)
+    # The config field of the number of residual streams (DeepSeek-V4's hyper-connections, `hc_mult`): the hidden
+    # states are [B, S, N, H] from the embedding (each token's vector repeated N times) to the family's
+    # `HyperHead`, which the final norm's layer holds and runs before the norm. "": one stream, [B, S, H].
+    streams: str = ""
+    # transformers renames the family's hub keys at load and back at save (its conversion mapping: DeepSeek-V4's
+    # `attn.wq_a`): the key table holds the names as transformers saves them (models/key_table.py `hub_key`).
+    hub_renames: bool = False
     # A config.json value the family's attention would silently ignore: refused at load with the reason.
     refused_fields: dict[str, str] = field(default_factory=dict, compare=False)
     tiny: dict = field(default_factory=dict, compare=False)  # config overrides of the tiny test model
@@ -235,37 +246,6 @@ def _fp32_names(module, strict: bool) -> frozenset[str]:
     transformers modeling module."""
     attr = "_keep_in_fp32_modules_strict" if strict else "_keep_in_fp32_modules"
     return frozenset(n for cls in _pretrained_classes(module) for n in getattr(cls, attr, None) or ())
-
-
-@dataclass(frozen=True)
-class Container:
-    """A multimodal checkpoint whose text model is one of FAMILIES: its config.json nests the text model's config
-    under `config_key`, and its weights carry `prefix` before the text model's keys (the other towers' keys are
-    not read). Conversion takes the text model only; the pipeline checkpoint is that text model's."""
-
-    config_key: str
-    prefix: str
-    # transformers' class of the text model; "" where the container holds several families' text models (Mistral
-    # 3's: Mistral, Ministral 3, Mistral 4): the text family's `<Prefix>ForCausalLM`.
-    text_architecture: str = ""
-    # Where the text model's keys sit when it is not one prefix before all of them: (hub prefix, text model prefix)
-    # pairs (Qwen3.5's `model.language_model.layers.0...` is the text model's `model.layers.0...`, its `lm_head.` the
-    # same); empty: `prefix` before every text key.
-    renames: tuple[tuple[str, str], ...] = ()
-
-    def text_key(self, hub_key: str) -> str | None:
-        """The text model's key of a hub key, or None for another tower's (kept aside: checkpoint/carried.py)."""
-        for hub, text in self.renames or ((self.prefix, ""),):
-            if hub_key.startswith(hub):
-                return text + hub_key[len(hub) :]
-        return None
-
-    def hub_key(self, text_key: str) -> str:
-        """The hub key of a text model's key (`text_key` inverted)."""
-        for hub, text in self.renames or ((self.prefix, ""),):
-            if text_key.startswith(text):
-                return hub + text_key[len(text) :]
-        raise KeyError(f"{text_key}: not a key of the text model")
 
 
 FAMILIES: dict[str, Family] = {}
@@ -361,6 +341,12 @@ def linear_attention_refusal(config, what: str) -> str | None:
         f"{what}: {config.model_type}'s linear-attention layers carry a recurrent state along the whole row, which "
         "transformers' torch path neither resets per packed document nor splits over ranks"
     )
+
+
+def residual_streams(config) -> int:
+    """How many residual streams the hidden states hold (`Family.streams`: DeepSeek-V4's `hc_mult`), 1 for most."""
+    field_name = family_of(config).streams
+    return int(getattr(config, field_name)) if field_name else 1
 
 
 def is_sparse_layer(config, block: int) -> bool:
