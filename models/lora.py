@@ -80,8 +80,9 @@ def lora_tp_refusal(config) -> str | None:
     extra = [m for m in attention_modules(config) if m not in linear_modules()]
     if not extra:
         return None
+    kind = "replicated" if family_of(config).replicated_attention else "latent"  # (DeepSeek-V4's: whole per rank)
     return (
-        f"LoRA on {config.model_type}'s latent attention ({extra[0].rsplit('.', 1)[-1]}, ...) is not split over "
+        f"LoRA on {config.model_type}'s {kind} attention ({extra[0].rsplit('.', 1)[-1]}, ...) is not split over "
         "tensor-parallel ranks; use pipeline, expert and data parallelism"
     )
 

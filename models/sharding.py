@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from models.families import family_of
 from models.layer_config import global_attr, layer_attr
 
 COLUMN, ROW, VOCAB, REPLICA = "column", "row", "vocab", "replica"
@@ -62,10 +63,12 @@ def _parts(rule: str, rows: int) -> list[int] | None:
 
 def tp_indivisible(config, tp_size: int) -> tuple[str, int] | None:
     """The one rule for a tensor-parallel degree: it must divide the heads, the KV heads (GQA), the MLP widths (the
-    experts' and the shared expert's too) and linear attention's heads. Returns the first (config field, value) it
+    experts' and the shared expert's too) and linear attention's heads (not the heads of an attention that stays
+    whole on every rank: `Family.replicated_attention`). Returns the first (config field, value) it
     does not divide, or None."""
     experts = [n for n in (*_OPTIONAL_WIDTHS, *LINEAR_HEADS) if getattr(config, n, None)]
-    for name in (*TP_DIVIDES, *experts):
+    whole = ("num_attention_heads", "num_key_value_heads") if family_of(config).replicated_attention else ()
+    for name in (*(n for n in TP_DIVIDES if n not in whole), *experts):
         # each layer's where the config keeps it per layer (Gemma 4's global layers' KV heads)
         values = {global_attr(config, name)} | {layer_attr(config, b, name) for b in range(config.num_hidden_layers)}
         for value in sorted(values):

@@ -66,7 +66,8 @@ def local_config(config, tp: TensorParallel):
         raise ValueError(f"{bad[0]}={bad[1]} does not split into tensor_parallel_size={tp.size} equal parts")
     local = copy.deepcopy(config)
     local.head_dim = global_attr(config, "head_dim") or config.hidden_size // heads
-    local.num_attention_heads, local.num_key_value_heads = heads // tp.size, kv // tp.size
+    if not family_of(config).replicated_attention:  # (DeepSeek-V4's attention: whole on every rank)
+        local.num_attention_heads, local.num_key_value_heads = heads // tp.size, kv // tp.size
     for layer in getattr(getattr(local, "_heterogeneity_spec", None), "per_layer_overrides", {}).values():
         if "num_key_value_heads" in layer:  # a layer of its own shape (Gemma 4's global layers)
             layer["num_key_value_heads"] //= tp.size
@@ -116,6 +117,8 @@ class TPDecoderPipe:
         if self.linear:  # Gated DeltaNet with this rank's key and value heads; its gated norm sees only their values
             _row_parallel(self.linear_attn.out_proj, tp)
             sum_grad_over_tp(self.linear_attn.norm.weight, tp)
+        elif family_of(config).replicated_attention:  # whole on every rank: the same inputs, outputs and gradients
+            pass
         else:
             self._split_attention(config, local, tp)
         moe = family_of(config).moe

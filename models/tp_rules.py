@@ -127,6 +127,8 @@ def tp_split(kind: str, key: str, config=None) -> str:
         return VOCAB
     if kind != DECODER:
         return REPLICA
+    if config is not None and family_of(config).replicated_attention and key.startswith("self_attn."):
+        return REPLICA  # whole on every rank, as transformers' plan keeps it (DeepSeek-V4's)
     if key in PER_HEAD or key in LINEAR_PER_HEAD:
         return COLUMN
     moe = family_of(config).moe if config is not None else None

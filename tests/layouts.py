@@ -1,6 +1,7 @@
 """The 4-rank training layouts that tests/test_training.py (and the resume, schedule and move tests built on it)
 hold to a single-process transformers reference. A layout's name says what it adds: `-ep2` expert parallelism,
-`-cp2` context parallelism, `-tiled` DeepSpeed's TiledMLP, `-balanced` DeepSeek-V3's bias balancing."""
+`-cp2` context parallelism, `-tiled` DeepSpeed's TiledMLP, `-balanced` DeepSeek-V3's bias balancing, `-nosp` TP
+without sequence parallelism."""
 
 # (model, activation_checkpointing, stages, TP, rows arranged: "", "packing" or "concatenate", model.loss_chunk_size)
 LAYOUTS = {
@@ -117,4 +118,10 @@ LAYOUTS = {
     # TP=2 with SP (the router's input entered outside any split region, the experts' output summed before its norm).
     "gemma4_moe-pp2-dp2-ep2": ("gemma4_moe", "false", 2, 1, "", 0),
     "gemma4_moe-pp2-tp2": ("gemma4_moe", "false", 2, 2, "", 0),
+    # DeepSeek-V4: its 3 residual streams and the tokens to hash layer 3 across the cut, its experts over EP=2, the
+    # top-k routers' score biases balanced after every step (the hash routers' choice is their table).
+    "deepseek_v4-pp2-dp2-ep2-balanced": ("deepseek_v4", "false", 2, 1, "", 0),
+    # ... and over TP=2 as transformers' plan splits it: its attention and hyper-connections whole on both ranks, its
+    # experts and shared expert split (no sequence parallelism: its attention needs every position).
+    "deepseek_v4-pp2-tp2-nosp": ("deepseek_v4", "false", 2, 2, "", 0),
 }

@@ -355,6 +355,8 @@ def test_tp_rules_agree_with_transformers_tp_plan(model_type):
             # transformers 5.23 has no plan for gpt-oss: every split is ours (its sinks with the heads, not weights)
             "gpt_oss": {f"self_attn.{p}_proj.weight" for p in "qkvo"}
             | {f"mlp.experts.{p}" for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj")},
+            # transformers leaves DeepSeek-V4's shared expert whole too ("too small to be worth sharding")
+            "deepseek_v4": {f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")},
         }.get(model_type, set())
         # Linear attention's depthwise convolution splits with its heads (transformers' plan leaves it whole).
         beyond |= {n for n in names if n == "linear_attn.conv1d.weight"}

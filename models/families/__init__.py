@@ -137,6 +137,10 @@ class Family:
     # Why tensor parallelism is refused for the family until its split is built (a fused projection, a q/k norm
     # over the whole projection); "" where it splits.
     tp_refused: str = ""
+    # transformers' tensor-parallel plan keeps the attention whole on every rank (DeepSeek-V4's, one K=V head): only
+    # the MLP (its experts, its shared expert) splits; the attention's one entry norm is no TP entry (`tp_entry_norms`
+    # names the MLP's), and sequence parallelism, which would hand it S/T positions, is refused.
+    replicated_attention: bool = False
     # Attention parameters with one entry per head (gpt-oss's `self_attn.sinks`): split with the heads under TP.
     per_head: tuple[str, ...] = ()
     # The attention reads an explicit causal mask even on unpacked rows (DeepSeek-V3.2's indexer scores against it).
@@ -258,6 +262,7 @@ def register(family: Family) -> Family:
     if family.model_type in FAMILIES:
         raise ValueError(f"model_type={family.model_type!r} registered twice")
     entries = (0, 2, 3) if family.moe is not None and family.moe.beside_mlp else (0, 2)  # and the experts' own
+    entries = (1,) if family.replicated_attention else entries  # the MLP's only
     if not family.tp_refused and len(family.tp_entry_norms) not in entries:  # TP enters twice per layer (or 3 times)
         raise ValueError(f"{family.model_type}: tp_entry_norms must name the norms before attention and the MLP")
     FAMILIES[family.model_type] = family

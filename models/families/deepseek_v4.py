@@ -53,7 +53,9 @@ register(
             "routers only, not the experts its routers choose (score bias, hash table) that the pipeline's router "
             "statistics count; leave it off, as the released configs do",
         },
-        tp_refused="its attention is one shared K=V head that transformers' plan keeps replicated; not split yet",
+        # transformers' plan: the attention (one K=V head) whole on every TP rank, the experts split
+        replicated_attention=True,
+        tp_entry_norms=("post_attention_layernorm",),
         # 6 layers: each attention kind (sliding window, compressed sparse with its indexer, heavily compressed) and
         # each router (hash, top-k) on both stages at PP=2 (hash layers 0, 1 and 3: the tokens cross the cut);
         # 3 streams, windows of 8 positions, a compressed entry every 4 (CSA) or 8 (HCA) positions, 2 chosen a query.
