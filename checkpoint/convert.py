@@ -37,7 +37,7 @@ from checkpoint.writer import TAG, ConvertStats, check_tp, finish_converted, fin
 from common.progress import Progress
 from models.config import read_config_fields
 from models.families import family_of
-from models.key_table import all_layer_keys, hf_key_to_layer, hub_index
+from models.key_table import all_layer_keys, hf_key_to_layer, hub_index, memory_key
 from models.pipe_layout import pipe_layers
 
 
@@ -70,7 +70,7 @@ def convert_layers(
         for name, tensor in plain_tensors(hf_dir, config, wanted, DTYPES[dtype or "bf16"], pool):
             index, ours = hf_key_to_layer(name, config, index_of)
             # stays fp32 as transformers keeps it in this dtype (a router's score bias; fp16: V3.2's weights_proj)
-            keep = family_of(config).keeps_fp32(name, DTYPES[dtype or "bf16"])
+            keep = family_of(config).keeps_fp32(memory_key(config, name), DTYPES[dtype or "bf16"])  # (by its own name)
             if dtype and tensor.is_floating_point() and tensor.dtype != DTYPES[dtype] and not keep:
                 cast = pool.take(tensor.numel() * DTYPES[dtype].itemsize).view(DTYPES[dtype]).view(tensor.shape)
                 cast.copy_(tensor)

@@ -20,6 +20,13 @@ stored as `X_blocks` (two 4-bit e2m1 values per byte, 32 values per block) and `
 per block); transformers' own pure-torch routine (`integrations/mxfp4.py` `convert_moe_packed_tensors`) turns the
 pair into `X` in transformers' x @ W layout, and conversion calls it as each expert tensor arrives.
 
+DeepSeek-V4's official checkpoints (V4-Flash) keep FP8 blocks with power-of-two scales (`scale_fmt: ue8m0`: one
+byte, float8_e8m0fnu) under DeepSeek's `<module>.scale`, which transformers' FP8 loader reads as `weight_scale_inv`
+(so does conversion: checkpoint/hf_reader.py `FP8_SCALE_ALIAS`), and their routed experts in FP4 (`expert_dtype:
+fp4`): each expert's weight int8 [rows, cols / 2], two e2m1 values a byte (the low nibble first), one scale per row
+and 32 columns. Every int8 weight of an FP8 checkpoint is such an FP4 one, unpacked and scaled by its grid's blocks,
+as transformers' `Fp8Dequantize` does.
+
 Kimi K2 Thinking's and Kimi K2.5's official checkpoints keep their routed experts in INT4 (`quant_method:
 compressed-tensors`, `format: pack-quantized`, weights symmetric, 4 bits, in groups of 32 along the input): each
 `<module>.weight` is stored as `weight_packed` (int32, eight values per word, the lowest nibble first, each value
@@ -40,6 +47,8 @@ from checkpoint.expert_layouts import Assembly, has_expert_parts, is_expert_part
 from checkpoint.hf_reader import iter_tensors, validate
 
 SCALE_SUFFIX = "_scale_inv"  # `<module>.weight_scale_inv` beside `<module>.weight`
+# The e2m1 values of an FP4 nibble (sign bit high), as transformers' `Fp8Dequantize` reads them.
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 MXFP4_PARTS = ("_blocks", "_scales")  # `X_blocks`, `X_scales` in place of `X`
@@ -190,6 +199,10 @@ def dequantize(
         for piece, w, s in zip(out.view_as(matrices), matrices, scale.reshape(len(matrices), *grid), strict=True):
             piece.copy_(dequantize(w, s, block, dtype))
         return out
+    if weight.dtype == torch.int8:  # FP4, two e2m1 values a byte (DeepSeek-V4's experts): blocks by the scale's grid
+        weight, block = unpack_fp4(weight), None
+    if scale.dtype == torch.uint8:  # power-of-two exponents (+ 127), as transformers reads one-byte scales
+        scale = torch.exp2(scale.to(torch.float32) - 127.0)
     rows, cols = weight.shape
     scale = scale.reshape(1, 1) if scale.numel() == 1 else scale
     if block is None:
@@ -203,6 +216,13 @@ def dequantize(
         )
     grid = scale.to(torch.float32).repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
     return (weight.to(torch.float32) * grid[:rows, :cols]).to(dtype)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """An FP4 weight [rows, cols / 2] (int8: two e2m1 values a byte, the low nibble first) as fp32 [rows, cols]."""
+    table = torch.tensor(E2M1, dtype=torch.float32)
+    bytes_ = packed.contiguous().view(torch.uint8).long()
+    return torch.stack((table[bytes_ & 0xF], table[bytes_ >> 4]), dim=-1).reshape(*packed.shape[:-1], -1)
 
 
 def _fp8_scales(hf_dir: str, weights: set[str], present) -> dict[str, torch.Tensor]:
@@ -235,8 +255,13 @@ def plain_tensors(
         if name in scales:  # an FP8 weight, or one expert's piece of a fused one
             piece = dequantize(tensor, scales.pop(name), blocks, dtype)
             pool.give(tensor)
-        elif tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1 and is_fp8(config):
-            raise CheckpointError(f"{hf_dir}: {name} is FP8 without its scale ({scale_key(name)})")
+        elif (
+            tensor.dtype.itemsize == 1
+            and (tensor.dtype.is_floating_point or tensor.dtype == torch.int8)
+            and is_fp8(config)
+        ):
+            kind = "FP4" if tensor.dtype == torch.int8 else "FP8"
+            raise CheckpointError(f"{hf_dir}: {name} is {kind} without its scale ({scale_key(name)})")
         else:
             piece = tensor
         if key == name:

@@ -21,6 +21,7 @@ SAFETENSORS_CODES = {
     torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3",  # FP8 hub weights (DeepSeek-V3's), dequantized at conversion
     torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e8m0fnu: "F8_E8M0",  # power-of-two block scales (DeepSeek-V4's `scale_fmt: ue8m0`)
 }
 SAFETENSORS_DTYPES = {code: dtype for dtype, code in SAFETENSORS_CODES.items()}
 

@@ -23,6 +23,8 @@ from checkpoint.read_ahead import ReadAhead, whole_files
 from checkpoint.safe_load import load_pt
 
 SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
+# DeepSeek-V4's release name of an FP8 weight's scales, and transformers' (its FP8 loader renames the one to the other)
+FP8_SCALE_ALIAS = (".scale", ".weight_scale_inv")
 BIN_INDEX, BIN_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
 
 
@@ -58,22 +60,30 @@ def container_of(hf_dir: str):
 
 class ReleaseNames:
     """A checkpoint whose tensors carry its family's own release names (DeepSeek-V4's `layers.0.attn.wq_a.weight`,
-    `embed.weight`, `hc_head_fn`: no `model.` prefix), read under the names transformers saves (models/key_table.py
-    `hub_key`), as a container's text model is read under its own."""
+    `embed.weight`, `hc_head_fn`: no `model.` prefix; an FP8 weight's scales `<module>.scale`), read under the names
+    transformers saves (models/key_table.py `hub_key`; the scales as `weight_scale_inv`), as a container's text model
+    is read under its own."""
 
     def __init__(self, config):
-        self.config = config
+        quant = getattr(config, "quantization_config", None) or {}
+        quant = quant if isinstance(quant, dict) else quant.to_dict()
+        self.config, self.scales = config, FP8_SCALE_ALIAS if quant.get("quant_method") == "fp8" else None
 
     def text_key(self, hub_key: str) -> str:
         from models.key_table import hub_key as saved_name
         from models.key_table import memory_key
 
+        if self.scales and hub_key.endswith(self.scales[0]):
+            hub_key = hub_key.removesuffix(self.scales[0]) + self.scales[1]
         return saved_name(self.config, memory_key(self.config, hub_key))
 
     def hub_key(self, text_key: str) -> str:
         from models.key_table import release_key
 
-        return release_key(self.config, text_key)
+        key = release_key(self.config, text_key)
+        if self.scales and key.endswith(self.scales[1]):
+            key = key.removesuffix(self.scales[1]) + self.scales[0]
+        return key
 
 
 @functools.lru_cache(maxsize=16)

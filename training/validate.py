@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from models.families import FAMILIES, family_of, linear_attention_refusal, tp_refusal
-from models.key_table import all_layer_keys
+from models.key_table import all_layer_keys, memory_key
 from models.layer_config import layer_attr
 from models.lora import check_target_modules, lora_tp_refusal
 from models.moe import is_moe, num_experts
@@ -143,7 +143,7 @@ def validate_fp16(cfg: TrainConfig, model_config) -> None:
         return
     family = family_of(model_config)
     frozen = tuple(f".{name}." for name in family.frozen)
-    keys = [k for layer in all_layer_keys(model_config).values() for k in layer.values()]
+    keys = [memory_key(model_config, k) for layer in all_layer_keys(model_config).values() for k in layer.values()]
     keys = [k for k in keys if not any(f in k for f in frozen)]
     names = sorted(n for n in family.fp32_in_fp16() if any(re.search(n, k) for k in keys))
     need(
