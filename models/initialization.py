@@ -26,6 +26,15 @@ def init_weights(module: nn.Module, initializer_range: float) -> None:
         ):  # (Gemma 4's v_norm: none)
             family = next(f for f in FAMILIES.values() if isinstance(m, f.hf_class("RMSNorm")))
             m.weight.fill_(family.initial_norm_weight())  # 1, or 0 for (1 + w) norms
-        elif type(m).__name__.endswith(("Experts", "TopKRouter")):  # fused experts, routers: as transformers does
+        elif type(m).__name__.endswith(("Experts", "TopKRouter", "HashRouter")):  # fused experts, routers
             for p in m.parameters(recurse=False):
                 p.normal_(0.0, initializer_range)
+        elif type(m).__name__.endswith(("HyperConnection", "HyperHead")):  # DeepSeek-V4's, as transformers does
+            biases, weights, scales = (p for _, p in sorted(m.named_parameters(recurse=False)))  # base, fn, scale
+            weights.normal_(0.0, initializer_range)
+            biases.zero_()
+            scales.fill_(1.0)
+        elif type(m).__name__.endswith(("Attention", "Compressor", "Indexer")):  # sinks, position biases: zeros
+            for name, p in m.named_parameters(recurse=False):
+                if name in ("sinks", "position_bias"):
+                    p.zero_()

@@ -9,12 +9,13 @@ parameter is frozen. Keys inside a layer follow peft: the base `self_attn.q_proj
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from models.families import family_of, hf_classes, is_linear_attention
+from models.families import FAMILIES, family_of, hf_classes, is_linear_attention
 from models.key_table import decoder_keys, linear_modules
 from models.layers import block_index
 from models.partition import layer_shape
@@ -32,14 +33,21 @@ def _matches(module: str, target: str) -> bool:
 
 
 def attention_modules(config) -> list[str]:
-    """The linear layers of a family's attention, as named in its decoder layer (MLA: q_a_proj, kv_b_proj, ...)."""
+    """The linear layers of a family's attention, as named in its decoder layer (MLA: q_a_proj, kv_b_proj, ...): not
+    one of other maths that subclasses nn.Linear (DeepSeek-V4's grouped `o_a_proj`: PEFT's adapter would treat it as
+    one matrix)."""
     block = next(b for b in range(config.num_hidden_layers) if not is_linear_attention(config, b))
     modules = [k.removesuffix(".weight") for k in decoder_keys(config, block) if k.endswith(".weight")]
     frozen = tuple(f"{name}." for name in family_of(config).frozen)  # no gradients: nothing for an adapter to learn
+    with torch.device("meta"):
+        layer = family_of(config).hf_class("DecoderLayer")(config, block)
     return [
         m
         for m in modules
-        if m.startswith("self_attn.") and "_proj" in m.rsplit(".", 1)[-1] and not m.startswith(frozen)
+        if m.startswith("self_attn.")
+        and "_proj" in m.rsplit(".", 1)[-1]
+        and not m.startswith(frozen)
+        and type(layer.get_submodule(m)).forward is nn.Linear.forward
     ]
 
 
@@ -115,7 +123,16 @@ def add_lora(
             present = [t for t in target_modules if any(_matches(name, t) for name in names)]
             if not present:
                 continue
-            config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=present)
+            # never inside a module no gradient reaches (DeepSeek-V4's indexer has a `q_b_proj` too)
+            family = next(f for f in FAMILIES.values() if isinstance(layer, f.hf_class("DecoderLayer")))
+            frozen = [re.escape(f) for f in family.frozen if f in names]  # (where the layer has one: PEFT warns else)
+            config = LoraConfig(
+                r=r,
+                lora_alpha=alpha,
+                lora_dropout=dropout,
+                target_modules=present,
+                exclude_modules=f"(.*\\.)?({'|'.join(frozen)})\\..*" if frozen else None,
+            )
             with torch.random.fork_rng(devices=[]):  # injection draws random numbers: keep the global stream
                 inject_adapter_in_model(config, layer, adapter_name=ADAPTER)
             _init_adapters(layer, seed, tp_rank, tp_size)

@@ -95,12 +95,15 @@ def defer_weight_gradients(modules, store: WeightGradStore) -> int:
     forward adds more (the row-parallel layer's reduction) declares a `matmul` attribute (x, weight) -> x W^T
     that is replaced instead of the whole forward. A weight whose gradient a hook post-processes
     (`grad_summed_by_hook`: LoRA's A on a tensor-parallel column layer, summed over TP) stays with autograd:
-    hooks do not see gradients written by a W pass. Returns the number of layers deferred."""
+    hooks do not see gradients written by a W pass. A subclass with a forward of its own and no `matmul` stays with
+    autograd too. Returns the number of layers deferred."""
     count = 0
     for module in modules:
         for layer in module.modules():
             if not isinstance(layer, nn.Linear) or getattr(layer.weight, "grad_summed_by_hook", False):
                 continue
+            if type(layer).forward is not nn.Linear.forward and not hasattr(layer, "matmul"):
+                continue  # a linear layer of other maths (DeepSeek-V4's grouped projection, Llama 4's router)
             if hasattr(layer, "matmul"):
                 layer.matmul = lambda x, weight, store=store: deferred_linear(x, weight, None, store)
             else:

@@ -77,6 +77,7 @@ PRESETS = {
     "gemma4_e4b": ("model.embed_tokens_per_layer.weight", (262144, 42 * 256), 7.46, None),  # its PLE table: 2.82B
     "gemma4_26b_a4b": ("model.layers.29.experts.gate_up_proj", (128, 2 * 704, 2816), 25.23, 3.82),
     "glm5": ("model.layers.6.self_attn.indexer.wq_b.weight", (32 * 128, 2048), 743.38, 41.25),  # a "full" layer's
+    "deepseek_v4_flash": ("model.layers.42.attn.wo_a.weight", (8 * 1024, 8 * 512), 284.33, 13.80),
     "olmo3_32b": ("model.layers.63.self_attn.k_norm.weight", (8 * 128,), 32.23, None),  # q/k norms: whole projections
     "qwen3_5_27b": ("model.layers.62.linear_attn.in_proj_qkv.weight", (2 * 16 * 128 + 48 * 128, 5120), 26.9, None),
     "qwen3_next_80b_a3b": (
@@ -95,7 +96,7 @@ SLOW_PRESETS = (
     "kimi_k2",
     "gpt_oss_120b",
     "glm4_5_air",
-    *("gemma3_27b", "gemma4_31b", "gemma4_e4b", "gemma4_26b_a4b", "glm5"),
+    *("gemma3_27b", "gemma4_31b", "gemma4_e4b", "gemma4_26b_a4b", "glm5", "deepseek_v4_flash"),
     "olmo3_32b",
     "qwen3_5_27b",
     "qwen3_next_80b_a3b",

@@ -95,6 +95,7 @@ def stage0_parameters(config, layers: int, lora=None) -> tuple[int, int, int]:
         ("gemma4_e4b_8gpu", 4, 8, "bf16", 44),
         ("gemma4_26b_a4b_2node", 4, 16, "bf16", 48),
         ("glm5_32node", 16, 256, "bf16", 69),
+        ("deepseek_v4_flash_16node", 16, 128, "bf16", 72),
         ("deepseek_v3_lora_4node", 8, 32, "bf16", 54),
         ("kimi_k2_lora_8node", 8, 64, "bf16", 44),
     ],

@@ -245,19 +245,25 @@ def test_lora_on_latent_attention_matches_peft(hf_models, converted, tokenizer_d
     [
         ("gpt_oss", ["q_proj", "k_proj", "v_proj", "o_proj"]),
         ("glm4_moe", ["q_proj", "v_proj", "gate_proj", "down_proj"]),
+        # its low-rank query, its grouped output's second projection and its shared experts, its streams and the
+        # tokens to its hash layers across the cut
+        ("deepseek_v4", ["q_a_proj", "q_b_proj", "o_b_proj", "up_proj", "down_proj"]),
     ],
 )
 def test_lora_with_experts_matches_peft(variant, targets, hf_models, converted, tokenizer_dir, sft_data, tmp_path):
-    """gpt-oss (sinks, biased q/k/v/o, every layer sparse) and GLM-4.5 (biased q/k/v; its first layer's dense MLP and
-    the others' shared experts), experts frozen and split over EP=2, at PP=2 x DP=2: 4 AdamW steps with clipping equal
-    PEFT's single-process training; the merged export equals PEFT's unmerged model."""
+    """gpt-oss (sinks, biased q/k/v/o, every layer sparse), GLM-4.5 (biased q/k/v; its first layer's dense MLP and
+    the others' shared experts) and DeepSeek-V4, experts frozen and split over EP=2, at PP=2 x DP=2: 4 AdamW steps
+    with clipping equal PEFT's single-process training; the merged export equals PEFT's unmerged model."""
+    from transformers import AutoConfig
+
     cfg = parity_cfg(sft_data[0])
     cfg.lora = LoraSettings(enabled=True, r=4, alpha=8.0, target_modules=targets)
     run = tmp_path / "run"
     lora = ["lora.enabled=true", "lora.r=4", "lora.alpha=8.0", f"lora.target_modules=[{','.join(targets)}]"]
     check(launch(4, *overrides(cfg, converted[variant], str(run), 2, expert_parallel_size=2), *lora))
     ours = assert_matches_peft(run, cfg, hf_models[variant], tokenizer_dir, dp=2)
-    assert len(ours) == 4 * len(targets) * 2  # layers x targets x (A, B): every layer has each target
+    layers = AutoConfig.from_pretrained(hf_models[variant]).num_hidden_layers
+    assert len(ours) == layers * len(targets) * 2  # layers x targets x (A, B): every layer has each target
     assert_merged_export_is_peft(run, hf_models[variant], ours, targets, tmp_path / "merged")
 
 

@@ -222,6 +222,8 @@ SCHEDULE_CASES += [
 # State that crosses layers (models/carry.py) through the other schedules: Gemma 4's per-layer inputs and shared K/V
 # through DualPipeV's two stages per rank (and back, their gradients), GLM-5's shared index under zero-bubble.
 SCHEDULE_CASES += [("dualpipev", "gemma4-pp2-dp2"), ("zero_bubble", "glm_moe_dsa-pp2-dp2-ep2")]
+# DeepSeek-V4's residual streams and hash routing under zero-bubble (its grouped output projection left to autograd).
+SCHEDULE_CASES += [("zero_bubble", "deepseek_v4-pp2-dp2-ep2-balanced")]
 
 
 @pytest.mark.slow

@@ -373,7 +373,10 @@ def test_lora_and_fresh_weights_on_layers_of_their_own_shape():
     """Gemma 4's layers differ: its K/V-reusing layers have no k/v projections, its global layers (values = keys) no
     v_proj, and some norms no weight (`v_norm`, the MoE router's). LoRA on k_proj and v_proj adapts exactly the layers
     that have them (PEFT refuses a layer with none of its targets: such a layer is left as it is), and a run from
-    scratch initialises every layer (`init_weights`)."""
+    scratch initialises every layer (`init_weights`); DeepSeek-V4's hyper-connections, sinks and position biases too,
+    as transformers initialises them."""
+    from transformers import AutoModelForCausalLM
+
     from models.initialization import init_weights
     from models.lora import add_lora
 
@@ -385,3 +388,21 @@ def test_lora_and_fresh_weights_on_layers_of_their_own_shape():
     for layer in layers:
         init_weights(layer, 0.02)
     assert all(torch.equal(m.layer_scalar, torch.ones(1)) for m in layers)
+    # DeepSeek-V4 from scratch: every tensor set as transformers' own initialisation sets it (none left torch.empty)
+    config = CUT_MODELS["deepseek_v4"]()
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config)
+    layers = [build_layer(x, config) for x in pipe_layers(config.num_hidden_layers, False) if x.has_file]
+    for layer in layers:
+        layer.apply(lambda m: [p.data.fill_(float("nan")) for p in m.parameters(recurse=False)])
+        init_weights(layer, config.initializer_range)
+    hub = {h: memory_key(config, h) for keys in all_layer_keys(config).values() for h in keys.values()}
+    ours = {hub[h]: t for layer, keys in zip(layers, all_layer_keys(config).values()) for o, h in keys.items()
+            for t in [layer.state_dict()[o]]}  # fmt: skip
+    for name, tensor in hf.state_dict().items():
+        theirs = ours.get(name)
+        if theirs is None or not tensor.is_floating_point():  # fused experts (ours per expert), integer tables
+            continue
+        assert not theirs.isnan().any(), name
+        if tensor.std() == 0 or name.endswith(("norm.weight", "_layernorm.weight")):  # constants: equal
+            assert torch.equal(theirs, tensor), name
