@@ -225,6 +225,13 @@ def per_layer_params(layer: nn.Module) -> list[nn.Parameter]:
     return [p for module in modules for p in module.parameters() if p.requires_grad]
 
 
+def stream_mixer_params(layer: nn.Module) -> list[nn.Parameter]:
+    """The trained parameters of a decoder layer's residual-stream mixers (DeepSeek-V4's `attn_hc` and `ffn_hc`:
+    transformers' `...HyperConnection` modules), which work position by position outside the split regions."""
+    mixers = [m for m in layer.modules() if type(m).__name__.endswith("HyperConnection")]
+    return [p for module in mixers for p in module.parameters() if p.requires_grad]
+
+
 class LayerCarry:
     """What one decoder block does with the carry: the keyword arguments its transformers layer takes from the
     carried tensors it reads, and the carried tensors it makes (from those arguments, or from the layer's output)."""
@@ -254,8 +261,8 @@ class LayerCarry:
                     kind = name[3:-2]
                     shared[kind] = carried[name], carried[f"kv.{kind}.v"]
             kwargs["shared_kv_states"] = shared
-        if "routing_tokens" in self.kinds and INPUT_IDS in self.reads:  # this rank's positions of them (SP)
-            kwargs["input_ids"] = layer.own_positions(carried[INPUT_IDS])
+        if "routing_tokens" in self.kinds and INPUT_IDS in self.reads:  # the whole row, as the experts see (SP too)
+            kwargs["input_ids"] = carried[INPUT_IDS]
         if "shared_index" in self.kinds:
             index = [name for name in self.reads if name.startswith("index.")]
             kwargs["prev_topk_indices"] = carried[index[0]] if index else None

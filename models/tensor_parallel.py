@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.carry import per_layer_params
+from models.carry import per_layer_params, stream_mixer_params
 from models.families import family_of
 from models.layer_config import global_attr, layer_attr
 from models.layers import (
@@ -118,7 +118,8 @@ class TPDecoderPipe:
             _row_parallel(self.linear_attn.out_proj, tp)
             sum_grad_over_tp(self.linear_attn.norm.weight, tp)
         elif family_of(config).replicated_attention:  # whole on every rank: the same inputs, outputs and gradients
-            pass
+            if tp.sp:  # it sees the whole row, gathered, and gives back this rank's positions of its output
+                self._replicate_attention_on_positions(tp)
         else:
             self._split_attention(config, local, tp)
         moe = family_of(config).moe
@@ -135,12 +136,22 @@ class TPDecoderPipe:
                 norm.register_forward_hook(lambda _module, _inputs, out: self.enter(out))
             if tp.sp:
                 sum_grad_over_tp(norm.weight, tp)
-        if tp.sp:  # replicated modules outside the split regions see this rank's positions only (Gemma 4's PLE)
-            for param in per_layer_params(self):
+        if tp.sp:  # replicated modules outside the split regions see this rank's positions only (Gemma 4's PLE,
+            for param in per_layer_params(self) + stream_mixer_params(self):  # DeepSeek-V4's hyper-connections)
                 sum_grad_over_tp(param, tp)
         if not family.tp_entry_norms:  # no norm before attention or the MLP: the split regions start at their inputs
             for region in (self.self_attn, getattr(self, dense_mlp(config))):
                 region.register_forward_pre_hook(self._enter_region, with_kwargs=True)
+
+    def _replicate_attention_on_positions(self, tp: TensorParallel) -> None:
+        """Sequence parallelism around an attention kept whole on every rank (DeepSeek-V4's): its input gathered
+        (backward: the ranks' gradients reduce-scattered), its output cut to this rank's positions, and its
+        parameters' gradients, each rank's from its own positions' outputs, summed over TP."""
+        self.self_attn.register_forward_pre_hook(self._enter_region, with_kwargs=True)
+        self.self_attn.register_forward_hook(lambda _module, _args, out: (self.own_positions(out[0]), *out[1:]))
+        for param in self.self_attn.parameters():
+            if param.requires_grad:
+                sum_grad_over_tp(param, tp)
 
     def _split_attention(self, config, local, tp: TensorParallel) -> None:
         width = local.num_attention_heads * layer_attr(local, self.self_attn.layer_idx, "head_dim")
@@ -306,7 +317,8 @@ class SequenceParallelNorm:
 
     def __init__(self, config, tp: TensorParallel):
         super().__init__(config)
-        sum_grad_over_tp(self.weight, tp)
+        for param in (self.weight, *(self.hc_head.parameters() if hasattr(self, "hc_head") else ())):
+            sum_grad_over_tp(param, tp)  # (DeepSeek-V4's stream head too)
 
 
 @functools.cache

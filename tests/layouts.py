@@ -1,7 +1,6 @@
 """The 4-rank training layouts that tests/test_training.py (and the resume, schedule and move tests built on it)
 hold to a single-process transformers reference. A layout's name says what it adds: `-ep2` expert parallelism,
-`-cp2` context parallelism, `-tiled` DeepSpeed's TiledMLP, `-balanced` DeepSeek-V3's bias balancing, `-nosp` TP
-without sequence parallelism."""
+`-cp2` context parallelism, `-tiled` DeepSpeed's TiledMLP, `-balanced` DeepSeek-V3's bias balancing."""
 
 # (model, activation_checkpointing, stages, TP, rows arranged: "", "packing" or "concatenate", model.loss_chunk_size)
 LAYOUTS = {
@@ -122,6 +121,6 @@ LAYOUTS = {
     # top-k routers' score biases balanced after every step (the hash routers' choice is their table).
     "deepseek_v4-pp2-dp2-ep2-balanced": ("deepseek_v4", "false", 2, 1, "", 0),
     # ... and over TP=2 as transformers' plan splits it: its attention and hyper-connections whole on both ranks, its
-    # experts and shared expert split (no sequence parallelism: its attention needs every position).
-    "deepseek_v4-pp2-tp2-nosp": ("deepseek_v4", "false", 2, 2, "", 0),
+    # experts and shared expert split; under sequence parallelism the attention gathers the row and keeps its positions.
+    "deepseek_v4-pp2-tp2": ("deepseek_v4", "false", 2, 2, "", 0),
 }

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig
 
 from tests.conftest import MODEL_VARIANTS, MOE_VARIANTS, check, torchrun
-from tests.workers.forward_parity import CP_LAYOUTS, EP_CP_LAYOUTS, EP_LAYOUTS, LAYOUTS, NO_SP, SEQ, TP_NOT_BUILT
+from tests.workers.forward_parity import CP_LAYOUTS, EP_CP_LAYOUTS, EP_LAYOUTS, LAYOUTS, SEQ, TP_NOT_BUILT
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 
@@ -57,12 +57,11 @@ CASES = [
     ("glm_moe_dsa", "sdpa-packed"),
     ("gemma4_moe", "sdpa"),  # its experts beside the dense MLP, over EP=2 and TP=2 (with SP) too
     # DeepSeek-V4: its 3 residual streams across every cut, the tokens to its hash layers (PP=2: to block 3), EP=2,
-    # TP=2 as transformers' plan splits it (its attention whole on every rank, its experts split; no SP)
+    # TP=2 as transformers' plan splits it (its attention whole on every rank, its experts split; with and without SP)
     ("deepseek_v4", "eager"),
 ]
 MOE = {f"{m}-{attn}" for m, attn in CASES if m in MOE_VARIANTS}
 NO_TP = {f"{m}-{attn}" for m, attn in CASES if MODEL_VARIANTS[m].get("model_type") in TP_NOT_BUILT}
-SP_REFUSED = {f"{m}-{attn}" for m, attn in CASES if MODEL_VARIANTS[m].get("model_type") in NO_SP}
 NO_CP = {f"{m}-{attn}" for m, attn in CASES if m in ("qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa")}
 NO_CP |= {"deepseek_v4-eager"}
 
@@ -97,9 +96,7 @@ def test_forward_parity_pp_and_tp(hf_models, converted, tmp_path):
         for pp, tp, sp, ep, cp in layouts
         + ([(*x, 2, 1) for x in EP_LAYOUTS] + [(*x, 2, 2) for x in EP_CP_LAYOUTS] if c["name"] in MOE else [])
         + [(*x, 1, 2) for x in CP_LAYOUTS]
-        if (tp == 1 or c["name"] not in NO_TP)
-        and (cp == 1 or c["name"] not in NO_CP)
-        and not (sp and c["name"] in SP_REFUSED)
+        if (tp == 1 or c["name"] not in NO_TP) and (cp == 1 or c["name"] not in NO_CP)
         for d in range(4 // (pp * tp * cp))
         for t in range(tp)
     }

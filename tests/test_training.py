@@ -135,7 +135,7 @@ def layout_args(
     }
     if layout in RESUMED and schedule == "1f1b":
         extra["save_steps"] = 2
-    if not sequence_parallel or layout.endswith("-nosp"):
+    if not sequence_parallel:
         extra["sequence_parallel"] = "false"
     if "-ep2" in layout:
         extra["expert_parallel_size"] = 2

@@ -14,7 +14,7 @@ from models.lora import check_target_modules, lora_tp_refusal
 from models.moe import is_moe, num_experts
 from models.sharding import tp_indivisible
 from schema.checks import check_config, need
-from schema.train import DeepSpeedConfig, TrainConfig, model_stages, sequence_parallel
+from schema.train import DeepSpeedConfig, TrainConfig, model_stages
 from training.precision import is_resolved, resolved
 
 
@@ -78,12 +78,6 @@ def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
     )
     refused = tp_refusal(model_config, tp)
     need(refused is None, f"tensor_parallel_size={tp}: {refused}")
-    need(
-        not (sequence_parallel(cfg) and family_of(model_config).replicated_attention),
-        f"tensor_parallel_size={tp} with sequence parallelism: {model_config.model_type}'s attention stays whole on "
-        "every TP rank (transformers' plan: one shared K=V head) and needs every position there; set "
-        "sequence_parallel=false",
-    )
     bad = tp_indivisible(model_config, tp)
     need(bad is None, f"tensor_parallel_size={tp} must divide {bad[0]}={bad[1]}" if bad else "")
     if cfg.lora.enabled and not is_moe(model_config):  # the family's own linear layers (fused: qkv_proj, ...)

@@ -139,7 +139,7 @@ class Family:
     tp_refused: str = ""
     # transformers' tensor-parallel plan keeps the attention whole on every rank (DeepSeek-V4's, one K=V head): only
     # the MLP (its experts, its shared expert) splits; the attention's one entry norm is no TP entry (`tp_entry_norms`
-    # names the MLP's), and sequence parallelism, which would hand it S/T positions, is refused.
+    # names the MLP's); under sequence parallelism it gathers the row and keeps its own positions of the output.
     replicated_attention: bool = False
     # Attention parameters with one entry per head (gpt-oss's `self_attn.sinks`): split with the heads under TP.
     per_head: tuple[str, ...] = ()

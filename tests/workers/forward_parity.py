@@ -55,7 +55,6 @@ def cp_refused(config) -> bool:  # what context parallelism refuses (training/va
 
 
 TP_NOT_BUILT = {name for name, family in FAMILIES.items() if family.tp_refused}  # (`Family.tp_refused`)
-NO_SP = {name for name, family in FAMILIES.items() if family.replicated_attention}  # its attention whole per TP rank
 FIRST_DOC = 10  # packed cases: documents of 10 and 14 tokens per row
 
 
@@ -156,8 +155,6 @@ def main():
             layouts = [(2, 2, False, 1, 2), (2, 2, True, 1, 2)]
         if model_config.model_type in TP_NOT_BUILT:
             layouts = [x for x in layouts if x[1] == 1]
-        if model_config.model_type in NO_SP:
-            layouts = [x for x in layouts if not x[2]]
         for pp, tp_size, sp, ep, cp in layouts:
             cfg = TrainConfig(
                 num_stages=pp,
