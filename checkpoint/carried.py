@@ -13,7 +13,6 @@ its output_dir beside config.json, and export appends its tensors to the shards 
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 
 import torch
@@ -29,6 +28,7 @@ from checkpoint.hf_reader import (
     read_safetensors_header,
 )
 from checkpoint.names import CARRIED_FILE
+from checkpoint.outputs import copy_from_input
 from checkpoint.safetensors_writer import StreamingSafetensorsWriter
 from models.key_table import is_carried
 
@@ -62,7 +62,7 @@ def carry(source: str, root: str, config=None) -> int:
         src = os.path.join(source, CARRIED_FILE)
         if not os.path.exists(src):
             return 0
-        shutil.copy2(src, os.path.join(root, CARRIED_FILE))
+        copy_from_input(src, os.path.join(root, CARRIED_FILE), source)
         return len(read_safetensors_header(src)[1])
     config = config or read_model_config(source)
     plan = _hub_specs(source, config)  # from the shards' headers: no tensor data read

@@ -30,6 +30,19 @@ def real_path(path: str) -> str:
     return os.path.realpath(os.path.abspath(path))
 
 
+def copy_from_input(src: str, dst: str, input_dir: str) -> None:
+    """Copy file `src` of `input_dir` to `dst`, refusing (CheckpointError, one line) a symlink that points outside
+    the input: a hub snapshot's links into its repository's blobs are inside it, `/etc/passwd` is not."""
+    import shutil
+
+    real, root = real_path(src), real_path(input_dir)
+    if os.path.basename(os.path.dirname(root)) == "snapshots":  # a hub cache snapshot: links into ../../blobs
+        root = os.path.dirname(os.path.dirname(root))
+    if not is_within(real, root):
+        raise CheckpointError(f"{src}: a symlink to {real}, outside the input {input_dir}: not copied")
+    shutil.copy2(src, dst)
+
+
 def is_within(path: str, parent: str) -> bool:
     """Whether resolved `path` lies strictly inside resolved `parent`."""
     return os.path.commonpath([path, parent]) == parent and path != parent

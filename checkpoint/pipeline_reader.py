@@ -24,6 +24,7 @@ from checkpoint.layer_files import (
     load_layer_shard,
     load_layer_whole,
 )
+from checkpoint.manifest import check_own_files
 from checkpoint.names import engine_files, layer_file_name
 from checkpoint.read_ahead import ReadAhead, whole_files
 from checkpoint.safe_load import check_pickles
@@ -54,6 +55,7 @@ class PipelineCheckpoint:
         self.step_dir = os.path.join(ckpt_dir, self.tag)
         if not os.path.isdir(self.step_dir):
             raise CheckpointError(f"{self.step_dir}: no such checkpoint")
+        check_own_files(self.step_dir)  # its manifest names only its own files, none a symlink, device or FIFO
         self.names = sorted(os.listdir(self.step_dir))
         self.tp_size = checkpoint_tp_size(self.step_dir)
         layers = pipe_layers(self.config.num_hidden_layers, self.config.tie_word_embeddings)
@@ -93,7 +95,7 @@ class PipelineCheckpoint:
         problems = []
         for name in self.names:
             path = os.path.join(self.step_dir, name)
-            if name.endswith(".pt") and path not in skip and os.path.isfile(path):
+            if name.endswith(".pt") and path not in skip and os.path.isfile(path) and not os.path.islink(path):
                 try:
                     check_pickles(self.step_dir, [name])
                 except CheckpointError as e:

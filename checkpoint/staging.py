@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 import secrets
 import shutil
@@ -20,14 +22,27 @@ from checkpoint.errors import CheckpointError
 from checkpoint.names import DELETING_PREFIX
 from checkpoint.outputs import check_output, write_writer
 
+# A filesystem that cannot fsync a directory says so with one of these (some network and FUSE filesystems): its
+# renames are as durable as it makes them, and the log says so once a process.
+NO_DIR_FSYNC = (errno.EINVAL, errno.ENOTSUP, errno.EBADF)
+_said_no_dir_fsync: set[str] = set()
+
 
 def fsync_dir(path: str) -> None:
-    with contextlib.suppress(OSError):
+    """Flush directory `path`'s entries (a rename into it) to disk. Raises OSError naming it when that fails (EIO:
+    the rename may not survive a crash); a filesystem that cannot fsync directories is logged once and passed."""
+    try:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+    except OSError as e:
+        if e.errno not in NO_DIR_FSYNC:
+            raise OSError(e.errno, f"cannot flush directory {path} to disk ({e.strerror})") from None
+        if not _said_no_dir_fsync:  # once a process
+            _said_no_dir_fsync.add(path)
+            logging.getLogger(__name__).warning("%s: the filesystem cannot fsync directories (%s)", path, e.strerror)
 
 
 def write_text_atomic(path: str, text: str) -> None:

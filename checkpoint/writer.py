@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +26,7 @@ from checkpoint.names import (
     PIECE_FILE,
     engine_file,
 )
+from checkpoint.outputs import copy_from_input
 from models.families import tp_refusal
 from models.pipe_layout import PipeLayer
 from models.sharding import shard, tp_indivisible
@@ -63,7 +63,7 @@ def copy_side_files(src_dir: str, dst_dir: str, dtype: str | None, model_files_o
             and name not in NOT_COPIED
             and (not model_files_only or name in MODEL_SIDE_FILES)
         ):
-            shutil.copy2(src, os.path.join(dst_dir, name))
+            copy_from_input(src, os.path.join(dst_dir, name), src_dir)
     text_model_config(os.path.join(dst_dir, "config.json"))
     if dtype:
         record_dtype(os.path.join(dst_dir, "config.json"), dtype)

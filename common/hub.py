@@ -4,12 +4,13 @@
 `dpo.reference_model=` accept `ORG/NAME` where no such local path exists (a local directory always wins, as in
 transformers). The id is resolved by `huggingface_hub` itself: its cache (`HF_HOME`, `HF_HUB_CACHE`), offline mode
 (`HF_HUB_OFFLINE=1`: the cache only), token (`HF_TOKEN`, `hf auth login`), a revision, and its progress bars. Only
-what conversion and tokenizers read is fetched: JSON, safetensors, tokenizer models and vocabularies, chat
-templates; never pickled weights (`*.bin`, `*.pt`) and never code. A repository without safetensors weights, a
-gated, private or missing one, and an id not in the cache offline are one line naming the id.
+what conversion and tokenizers read is fetched, by file kind (`FETCHED`): JSON, safetensors, tokenizer models and
+vocabularies, chat templates; never pickled weights (`*.bin`, `*.pt`) and never code (`*.py`). A repository without
+safetensors weights, a gated, private or missing one, and an id not in the cache offline are one line naming the id.
 
 A training run resolves each id once per hub cache: the first rank to take the cache's lock downloads, the others
-then reuse its answer (training/assembly.py). Dataset ids (`hf://datasets/...`) are read in data/sources.py.
+then reuse its answer (training/assembly.py), if that answer is a snapshot inside the cache. Dataset ids
+(`hf://datasets/...`) are read in data/sources.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ import os
 import re
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")  # ORG/NAME, as the Hub names repositories
-FETCHED = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "tokenizer*", "vocab*", "merges*"]
+# What a model or tokenizer fetch takes, by file kind only (never a prefix such as `tokenizer*`, which a repository's
+# `tokenizer.py` matches): configs, weights, tokenizer models (sentencepiece `.model`, Mistral's `tokenizer.model.v3`)
+# and vocabularies (`vocab.json`, `vocab.txt`, `merges.txt`, `.tiktoken`, sentencepiece `.vocab`), chat templates.
+FETCHED = ["*.json", "*.safetensors", "*.model", "*.model.v[0-9]", "*.txt", "*.tiktoken", "*.vocab", "*.jinja"]
+CODE = ("*.py", "*.pyc", "*.so", "*.sh")  # never fetched, whatever the allow-list says
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
 
@@ -77,9 +82,12 @@ def resolve(value: str | None, what: str, revision: str | None = None, weights: 
     return path
 
 
-def snapshot(repo: str, what: str, revision: str | None = None, allow=None, repo_type: str = "model") -> str:
+def snapshot(
+    repo: str, what: str, revision: str | None = None, allow=None, repo_type: str = "model", local_only: bool = False
+) -> str:
     """The local snapshot directory of Hub repository `repo` (`huggingface_hub.snapshot_download`): `allow`ed
-    files only (None: every file but code and pickles). Raises HubError (one line naming the id)."""
+    files only (None: every file but code and pickles); `local_only`: the cache's, never a download. Raises HubError
+    (one line naming the id)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -95,10 +103,10 @@ def snapshot(repo: str, what: str, revision: str | None = None, allow=None, repo
             repo_type=repo_type,
             revision=revision,
             cache_dir=_cache_dir(),
-            local_files_only=offline(),
+            local_files_only=offline() or local_only,
             allow_patterns=allow,
             # (a consolidated copy of the sharded weights, e.g. Mistral's, and originals beside them: not read)
-            ignore_patterns=["consolidated*", "original/*"] if allow else ["*.py", *PICKLES],
+            ignore_patterns=[*CODE, *PICKLES, *(["consolidated*", "original/*"] if allow else [])],
         )
     except GatedRepoError:
         raise HubError(
@@ -141,7 +149,8 @@ def resolve_once(value: str | None, what: str, job: str, revision: str | None = 
         if os.path.exists(marker):
             with open(marker) as f:
                 path = f.read()
-            if os.path.isdir(path) and (not weights or _has(path, "*.safetensors")):
+            # a snapshot of the cache only: whoever can write the cache's .locks must not redirect a run elsewhere
+            if in_cache(path) and os.path.isdir(path) and (not weights or _has(path, "*.safetensors")):
                 return path
         path = resolve(value, what, revision, weights)
         with open(marker + ".tmp", "w") as f:
@@ -150,6 +159,30 @@ def resolve_once(value: str | None, what: str, job: str, revision: str | None = 
         return path
     finally:
         lock.release()
+
+
+def unreachable(error: BaseException) -> bool:
+    """Whether `error` (or what it was raised from) says the Hub could not be reached: a connection or timeout
+    error, offline mode, a file not in the cache; not a wrong split, config or file."""
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    kinds = (ConnectionError, TimeoutError, LocalEntryNotFoundError, OfflineModeIsEnabled)
+    transport = ("ConnectError", "ConnectTimeout", "ReadTimeout", "TransportError", "Timeout", "gaierror")
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, kinds) or type(error).__name__ in transport:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def in_cache(path: str) -> bool:
+    """Whether `path` (symlinks resolved) is a snapshot directory of a repository in the hub cache."""
+    cache = os.path.realpath(_cache_dir())
+    real = os.path.realpath(path)
+    parts = os.path.relpath(real, cache).split(os.sep)
+    return os.path.commonpath([real, cache]) == cache and len(parts) == 3 and parts[1] == "snapshots"
 
 
 def _has(path: str, pattern: str) -> bool:

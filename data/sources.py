@@ -3,9 +3,10 @@ saved with Hugging Face `datasets` (`Dataset.save_to_disk`) and Hub datasets (`h
 optional `:CONFIG` and `@SPLIT`, default the `train` split), alone or several mixed with weights.
 
 A Hub dataset is read by `datasets.load_dataset(ORG/NAME, CONFIG, split=SPLIT)` online (only that config's files are
-fetched); offline, or when the Hub cannot be reached, from the repository's snapshot in the hub cache
-(`huggingface_hub`: HF_HUB_OFFLINE, HF_TOKEN; every file but code and pickles). Its rows then take the same path as a
-local file's (format detection, the tokenized store, keyed by the id and datasets' fingerprint).
+fetched); offline, or when the Hub cannot be reached (and only then: a wrong split or config is one line), from the
+repository's snapshot already in the hub cache (`huggingface_hub`: HF_HUB_OFFLINE, HF_TOKEN; never code or
+pickles). Its rows then take the same path as a local file's (format detection, the tokenized store, keyed by the id
+and datasets' fingerprint).
 
 Rows are read one chunk at a time (JSONL line by line, Parquet and `datasets` by record batches), so a corpus
 larger than RAM is tokenized shard by shard; only a `.json` file (one JSON list) is parsed whole.
@@ -59,18 +60,20 @@ def hub_dataset(spec: str):
         raise DataError(f"{spec}: a Hub dataset is hf://datasets/ORG/NAME, optionally :CONFIG and @SPLIT")
     import datasets
 
-    from common.hub import HubError, datasets_cache_dir, offline, snapshot
+    from common.hub import HubError, datasets_cache_dir, offline, snapshot, unreachable
 
     config, split = m[2], m[3] or "train"
     ds = None
     if not offline():  # online: datasets fetches only the files of this config and split
         try:
             ds = datasets.load_dataset(m[1], config, split=split, cache_dir=datasets_cache_dir())
-        except Exception:  # noqa: BLE001 - unreachable Hub and the like: the hub cache below, or its one line
-            ds = None
+        except Exception as e:  # noqa: BLE001 - datasets raises many types (unknown split or config, bad files)
+            if not unreachable(e):  # only an unreachable Hub falls back to the cache's snapshot (never a download)
+                why = (str(e).splitlines() or [""])[0]
+                raise DataError(f"{spec}: datasets cannot load it ({type(e).__name__}: {why})") from None
     if ds is None:
         try:
-            local = snapshot(m[1], "dataset", repo_type="dataset")
+            local = snapshot(m[1], "dataset", repo_type="dataset", local_only=True)
         except HubError as e:
             raise DataError(f"{spec}: {e}") from None
         try:

@@ -165,3 +165,22 @@ def test_sigterm_while_a_slow_disk_writes_finishes_that_save_and_its_own(referen
     assert not [n for n in os.listdir(out) if n.startswith(".saving-")]  # the save in flight was committed too
     check(launch(2, *args))
     assert_same_run(reference, out)
+
+
+@pytest.mark.slow
+def test_synchronous_saves_publish_the_same_checkpoints_and_resume(reference, converted, sft_data, tmp_path):
+    """`checkpoint.async_save=false` (written and published inside the call): the run saving every 2 steps ends equal
+    to the uninterrupted one, every checkpoint it published matches its manifest and no staging is left, and a
+    resume from step 4 ends equal too."""
+    out = tmp_path / "run"
+    args = run_args(
+        converted["gqa"], out, sft_data[0], max_steps=STEPS, save_steps=2, **{"checkpoint.async_save": "false"}
+    )
+    first = check(launch(2, *args))
+    assert_same_run(reference, out)
+    assert sorted(n for n in os.listdir(out) if n.startswith("global_step")) == [f"global_step{s}" for s in (2, 4, 6)]
+    assert all(verify_manifest(str(out / f"global_step{s}")) == [] for s in (2, 4, 6))
+    assert not [n for n in os.listdir(out) if n.startswith(".")] and "saved step 4: blocked " in first.stderr
+    done = check(launch(2, *args, "resume_from=global_step4"))
+    assert f"resumed from {out}/global_step4 " in done.stdout + done.stderr
+    assert_same_run(reference, out)

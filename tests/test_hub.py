@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -126,3 +127,86 @@ def test_one_id_as_tokenizer_and_model_is_fetched_with_its_weights(offline_hub, 
     with pytest.raises(HubError, match="model_name_or_path org/tok: no safetensors weights in the repository"):
         resolve_once("org/tok", "model_name_or_path", "job", weights=True)
     assert resolve_once("org/tiny", "model_name_or_path", "job") == resolve_once("org/tiny", "x", "job", weights=False)
+
+
+def test_fetches_take_data_files_by_kind_never_code():
+    """The allow-list names file kinds, so a repository's `tokenizer.py` (or `vocab.py`, `merges.py`) is never fetched;
+    every file conversion and tokenizers read is."""
+    import fnmatch
+
+    from common.hub import CODE, FETCHED
+
+    def fetched(name):
+        return any(fnmatch.fnmatch(name, p) for p in FETCHED) and not any(fnmatch.fnmatch(name, p) for p in CODE)
+
+    data = ["config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tokenizer.model.v3"]
+    data += ["vocab.json", "vocab.txt", "merges.txt", "spiece.model", "qwen.tiktoken", "chat_template.jinja"]
+    data += ["model-00001-of-00002.safetensors", "model.safetensors.index.json", "special_tokens_map.json"]
+    code = ["tokenizer.py", "tokenization_evil.py", "vocab.py", "merges.py", "modeling_x.py", "tokenizer.pyc"]
+    assert all(fetched(n) for n in data) and not any(fetched(n) for n in code)
+
+
+def test_a_tokenizer_needing_the_repositorys_code_is_one_line_and_never_run(offline_hub, hf_models, tmp_path):
+    """A snapshot with a `tokenizer.py` that its tokenizer_config.json's `auto_map` points at: loading it is refused
+    in one line and the file never runs (it would write a marker)."""
+    from common.hub import resolve
+    from models.tokenizer import load_tokenizer
+
+    marker = tmp_path / "ran"
+    files = {n: b for n, b in directory_files(hf_models["gqa"]).items() if not n.startswith("model")}
+    config = json.loads(files["tokenizer_config.json"])
+    config["auto_map"] = {"AutoTokenizer": ["tokenizer.EvilTokenizer", None]}
+    config.pop("tokenizer_class", None)
+    files["tokenizer_config.json"] = json.dumps(config).encode()
+    files["tokenizer.py"] = f"open({str(marker)!r}, 'w').write('ran')\n".encode()
+    write_hub_cache(offline_hub, "org/code", files)
+    path = resolve("org/code", "tokenizer_name_or_path", weights=False)
+    with pytest.raises(ValueError) as refused:
+        load_tokenizer(path)
+    assert str(refused.value).startswith(f"tokenizer_name_or_path {path}: cannot load the tokenizer (")
+    assert "\n" not in str(refused.value) and not marker.exists()
+
+
+def test_a_resolution_marker_pointing_outside_the_cache_is_not_followed(offline_hub, hf_models, tmp_path):
+    """Whoever can write the cache's `.locks` cannot redirect a run: a marker naming a directory outside the hub
+    cache (with weights in it) is ignored and the id resolved again to its snapshot."""
+    import glob
+
+    from common.hub import resolve_once
+
+    snapshot = resolve_once("org/tiny", "model_name_or_path", "job")
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(hf_models["mha"], elsewhere)
+    (marker,) = glob.glob(str(offline_hub / "hub" / ".locks" / "trainer-*.resolved"))
+    Path(marker).write_text(str(elsewhere))
+    assert resolve_once("org/tiny", "model_name_or_path", "job") == snapshot
+
+
+def test_a_dataset_falls_back_to_the_cache_only_when_the_hub_cannot_be_reached(monkeypatch):
+    """Online, a wrong split (any error but an unreachable Hub) is one line; it never falls back to the repository's
+    snapshot, which would download all of it. An unreachable Hub reads the snapshot already cached, downloading
+    nothing."""
+    import datasets
+
+    import common.hub
+    from data import sources
+    from data.errors import DataError
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    taken = []
+    monkeypatch.setattr(common.hub, "snapshot", lambda *a, **k: taken.append(k) or "/nonexistent")
+
+    def wrong_split(*_args, **_kwargs):
+        raise ValueError("Unknown split \"tset\". Should be one of ['train'].\nmore lines")
+
+    monkeypatch.setattr(datasets, "load_dataset", wrong_split)
+    with pytest.raises(DataError, match=r"^hf://datasets/org/x@tset: datasets cannot load it \(ValueError: Unknown"):
+        sources.hub_dataset("hf://datasets/org/x@tset")
+    assert taken == []
+
+    def unreachable(*_args, **_kwargs):
+        raise ConnectionError("Couldn't reach 'org/y' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, *a, **k: unreachable() if name == "org/y" else "rows")
+    assert sources.hub_dataset("hf://datasets/org/y") == "rows"
+    assert taken == [{"repo_type": "dataset", "local_only": True}]

@@ -7,6 +7,7 @@ manifest is updated to match the planted file, so only a safe load can catch it.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -188,3 +189,51 @@ def test_resume_loads_our_own_files_safely(converted, sft_data, tmp_path):
     moved = [a for a in args if not a.startswith(("num_stages", "max_steps"))]  # same global batch of 2
     proc = run_cmd([sys.executable, "trainer.py", *moved, "num_stages=1", "max_steps=3", "resume=true"], timeout=300)
     assert_refused(proc, marker, "optimizer reshaping", engine.name)
+
+
+@pytest.mark.parametrize("kind", ["climbing", "absolute", "device", "fifo", "symlink"])
+def test_a_manifest_names_only_the_checkpoints_own_files(kind, converted, tmp_path):
+    """A planted manifest entry (its size and hash right) that climbs out of the checkpoint, is absolute (`/dev/zero`,
+    which a hash would read for ever), or names a device, a FIFO or a symlink to a FIFO outside: `--verify` refuses it
+    in one line within seconds, and so do `--inspect`, `--to-hf` and a resume, before any file is opened (what lies
+    outside is a FIFO: opening it would block)."""
+    import os
+    import stat
+
+    from checkpoint.errors import CheckpointError
+    from checkpoint.manifest import entry_hash
+    from training.errors import RunError
+    from training.run_dir import check_resume_from
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(converted["gqa"], ckpt)
+    step = ckpt / "global_step0"
+    outside = tmp_path / "outside.fifo"
+    os.mkfifo(outside)
+    name = {"climbing": "../../outside.fifo", "absolute": "/dev/zero"}.get(kind, "tokenizer.extra")
+    if kind == "device":
+        os.mknod(step / name, stat.S_IFCHR | 0o600, os.makedev(1, 5))  # /dev/zero's numbers
+    elif kind == "fifo":
+        os.mkfifo(step / name)
+    elif kind == "symlink":
+        (step / name).symlink_to(outside)
+    listed = json.loads((step / "manifest.json").read_text())
+    algorithm = entry_hash(next(iter(listed["files"].values())))
+    listed["files"][name] = {"size": 0, algorithm: file_hash(os.devnull, algorithm=algorithm)}
+    (step / "manifest.json").write_text(json.dumps(listed))
+    where = f"entry {name!r}" if kind in ("climbing", "absolute") else str(step / name)
+
+    proc = run_cmd([sys.executable, "convert2ckpt.py", "--verify", str(ckpt)], timeout=60, env={"PYTHONHASHSEED": "0"})
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("convert2ckpt:") and where in lines[0], proc.stderr
+    for cmd in (["--inspect", str(ckpt)], ["--to-hf", "--input", str(ckpt), "--output", str(tmp_path / "hf")]):
+        proc = run_cmd([sys.executable, "convert2ckpt.py", *cmd])
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and where in proc.stderr, (cmd, proc.stderr)
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(RunError, match=f"^resume_from=global_step0: .*{re.escape(where)}"):
+        check_resume_from(str(ckpt), "global_step0")
+    from checkpoint.pipeline_reader import PipelineCheckpoint
+
+    with pytest.raises(CheckpointError, match=re.escape(where)):
+        PipelineCheckpoint(str(ckpt))

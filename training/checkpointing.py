@@ -50,7 +50,7 @@ from training.expert_parallel import (
     keep_own_experts,
     universal_load_by_name,
 )
-from training.run_dir import check_resume_from
+from training.run_dir import check_own_checkpoint, check_resume_from
 from training.topology import Coords
 
 log = logging.getLogger("trainer")
@@ -120,6 +120,8 @@ def find_resume_tag(cfg: TrainConfig) -> str | None:
         )
     if tag is None:
         log.info("resume=auto: no checkpoint in %s, starting fresh", cfg.output_dir)
+    else:
+        check_own_checkpoint(os.path.join(cfg.output_dir, tag), f"resume from {tag}")
     return tag
 
 

@@ -21,6 +21,8 @@ import logging
 import os
 import time
 
+from checkpoint.errors import CheckpointError
+from checkpoint.manifest import check_own_files, read_manifest
 from checkpoint.names import CONVERTED_DIR, LATEST, MANIFEST, REFERENCE_CONVERTED_DIR, TAG_PATTERN
 from checkpoint.outputs import is_within, real_path
 from checkpoint.saves import complete_checkpoints, read_latest
@@ -122,19 +124,24 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
         log.warning("%s: moved the earlier run in %s to %s (nothing deleted)", why, out, aside)
 
 
+def check_own_checkpoint(step_dir: str, what: str) -> None:
+    """Refuse (RunError, one line naming the entry) a checkpoint whose manifest names a file outside it, or that
+    holds a symlink, device or FIFO (checkpoint/manifest.py `check_own_files`), before DeepSpeed opens any file."""
+    try:
+        check_own_files(step_dir)
+    except CheckpointError as e:
+        raise RunError(f"{what}: {e}") from None
+
+
 def check_resume_from(output_dir: str, tag: str) -> None:
     """`resume_from` must name a complete checkpoint of `output_dir`. Raises RunError."""
     step_dir = os.path.join(output_dir, tag)
     complete = ", ".join(t for _, t in complete_checkpoints(output_dir)) or "none"
     if not TAG_PATTERN.fullmatch(tag) or not os.path.isdir(step_dir):
         raise RunError(f"resume_from={tag}: {step_dir} is not a complete checkpoint (complete ones: {complete})")
-    manifest = os.path.join(step_dir, MANIFEST)
-    if os.path.exists(manifest):
-        import json
-
-        with open(manifest) as f:
-            files = json.load(f).get("files", {})
-        for name, entry in files.items():
+    check_own_checkpoint(step_dir, f"resume_from={tag}")
+    if os.path.exists(os.path.join(step_dir, MANIFEST)):
+        for name, entry in read_manifest(step_dir).items():
             path = os.path.join(step_dir, name)
             if not os.path.exists(path) or os.path.getsize(path) != entry.get("size"):
                 raise RunError(

@@ -63,4 +63,10 @@ CLAIMS = (
         holds="assert all(torch.equal(a[f][k], b[f][k]) for f in a for k in a[f])",
         bound=0,
     ),
+    Claim(
+        says="its checkpoints are the async ones, bit for bit, and resume as they do",
+        test=SAME_RUN,
+        holds="all(torch.equal(a[k], b[k]) for k in a)",
+        bound=0,
+    ),
 )
