@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import contextmanager, nullcontext
 
@@ -24,6 +25,7 @@ from models.tensor_parallel import TensorParallel
 from models.tp_rules import param_tp_split
 from schema.model import checkpoint_every
 from schema.train import TrainConfig, sequence_parallel
+from training.deepspeed_patches import CHECKED_AGAINST
 from training.expert_parallel import (
     attach,
     count_whole_experts_once,
@@ -280,6 +282,13 @@ def initialize_forward_engine(cfg: TrainConfig, coords: Coords, module):
 
 def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int, load_universal: bool = False):
     """Wrap a built stage in DeepSpeed's PipelineEngine with AdamW and the LR schedule."""
+    if deepspeed.__version__ != CHECKED_AGAINST and coords.rank == 0:  # (requirements.txt pins it)
+        logging.getLogger(__name__).warning(
+            "DeepSpeed %s is installed; this project's patches of it (training/deepspeed_patches.py) were checked "
+            "against %s",
+            deepspeed.__version__,
+            CHECKED_AGAINST,
+        )
     # NOTE: DeepSpeed sums gradient norms over its "model-parallel" group, which in a pipeline grid is every
     # stage and TP rank, and counts a parameter there only if it is flagged `model_parallel` (fp32 path: except
     # on that group's rank 0, which counts everything; bf16/ZeRO: except on TP rank 0). Flag every parameter
