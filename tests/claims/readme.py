@@ -9,7 +9,7 @@ CLAIMS = (
         bound=0,
     ),
     Claim(
-        says="logits to the bit too (asserted by tests/test_gpu.py where a GPU is)",
+        says="logits to the bit too (asserted by tests/test_gpu.py where a GPU is;",
         test="tests/test_gpu.py::test_family_layers_match_transformers_in_bf16_on_gpu",
         holds="assert torch.equal(ours, reference)",
         bound=0,
