@@ -296,3 +296,25 @@ def test_config_fields_refuse_typed_keys_and_what_is_no_field(field, message):
 
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         config_from_preset(load("model=deepseek_v3", f"+model.config_fields.{field}").model)
+
+
+def test_the_resolved_config_is_frozen_and_still_pickles_copies_and_derives():
+    """`schema.frozen.freeze` (training/assembly.py, once the precision, ZeRO stage and Hub ids are resolved): no
+    assignment into the config or any config inside it; pickling, copying and `dataclasses.replace` work as before."""
+    import copy
+    import dataclasses
+    import pickle
+
+    from schema.frozen import FrozenConfigError, freeze, is_frozen
+
+    cfg = compose_config(["deepspeed=bf16_zero1", "seq_length=32"])
+    resolve(cfg)
+    freeze(cfg)
+    for owner, name, value in ((cfg, "seq_length", 64), (cfg.deepspeed, "precision", "fp32"), (cfg.lora, "r", 4)):
+        with pytest.raises(FrozenConfigError, match=rf"^{type(owner).__mro__[1].__name__}\.{name}: the run's config"):
+            setattr(owner, name, value)
+    assert cfg.seq_length == 32 and str(cfg.deepspeed.precision) == "bf16" and isinstance(cfg, TrainConfig)
+    for other in (pickle.loads(pickle.dumps(cfg)), copy.deepcopy(cfg)):
+        assert other == cfg and is_frozen(other) and is_frozen(other.deepspeed)
+    derived = dataclasses.replace(cfg, seq_length=64)
+    assert derived.seq_length == 64 and not is_frozen(derived)

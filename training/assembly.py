@@ -31,6 +31,7 @@ from models.preference import PreferenceLoss, PreferenceSettings
 from models.tensor_parallel import TensorParallel, token_cross_entropy_for, vocab_parallel
 from models.tokenizer import check_tokenizer_fits, configured_tokenizer
 from models.vocab_parallel_loss import vocab_parallel_cross_entropy
+from schema.frozen import freeze
 from schema.train import TrainConfig, model_stages, padded_seq_length, sequence_parallel, tokenizer_sources
 from training import checkpointing
 from training.data_setup import data_state, load_data, pad_id, write_data_report
@@ -219,6 +220,7 @@ def assemble(cfg: TrainConfig) -> Run:
         if not os.access(cfg.output_dir, os.W_OK):
             raise RunError(f"output_dir {cfg.output_dir}: not writable")
     resolve_hub_ids(cfg, coords.has_data)
+    freeze(cfg)  # resolved (precision, ZeRO stage, Hub ids): read as it is from here on (schema/frozen.py)
     checkpointing.seed_everything(cfg.seed)
     if rank == 0:
         for name in clean_stale(cfg.output_dir):

@@ -1,10 +1,11 @@
 """What `deepspeed.precision=auto` and an unset `deepspeed.zero_stage` mean: one rule for the trainer, its config
 checks and tools/memory_estimate.py.
 
-The run's config is resolved once (`resolve`, in training/assembly.py, right after its checks): from then on the
-engine config, the saved layout, the DPO reference cache and the layout checks read `cfg.deepspeed.precision` and
-`.zero_stage` as they are. Before that only `validate` (what this machine will make of the config) and the memory
-planner (what a bf16 GPU will) resolve them, each through `resolved`.
+The run's config is resolved once (`resolve`, in training/assembly.py, right after its checks) and frozen once its Hub
+ids are resolved too (schema/frozen.py): from then on the engine config, the saved layout, the DPO reference cache and
+the layout checks read `cfg.deepspeed.precision` and `.zero_stage` as they are, and nothing can assign them. Before
+that only `validate` (what this machine will make of the config) and the memory planner (what a bf16 GPU will)
+resolve them, each through `resolved`.
 """
 
 from __future__ import annotations
