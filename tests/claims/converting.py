@@ -1,5 +1,5 @@
 from tests.claims.held import ROUND_TRIP, ROUND_TRIP_EXACT
-from tests.claims.kinds import Claim
+from tests.claims.kinds import Benchmark, Claim
 
 INT4_TEST = "tests/test_quantized_sources.py::test_int4_experts_are_dequantized_as_transformers_loads_them"
 INT4_HOLDS = "assert value.dtype == torch.bfloat16 and torch.equal(value, want), key"
@@ -75,5 +75,9 @@ CLAIMS = (
         holds="torch.equal(exported[key].view(torch.uint8), ours[key].view(torch.uint8))",
         bound=0,
         figure=None,
+    ),
+    Benchmark(
+        says="at a 7B model's size from a cold cache the export took 0.80x the time of `cp -r`",
+        by="benchmarks/convert_memory.py",
     ),
 )

@@ -1,7 +1,7 @@
 """docs/families.md, its section on state that crosses layers (Gemma 4, GLM-5) and their rows."""
 
 from tests.claims.held import PARITY, PARITY_EXACT, REFERENCE, ROUND_TRIP, ROUND_TRIP_EXACT
-from tests.claims.kinds import Benchmark, Claim
+from tests.claims.kinds import Benchmark, Claim, NotAClaim
 
 CUTS = "tests/test_shared_state.py::test_every_cut_gives_transformers_logits_and_gradients"
 CASE_ATOL = "torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-6)"  # TP, CP, packed rows
@@ -146,5 +146,22 @@ CLAIMS = (
         holds='wider |= {"gemma4-pp2-tp2": 0.03, "gemma4_moe-pp2-tp2": 0.05}',
         bound=0.05,
         figure=0.0422,
+    ),
+    Claim(
+        says="measured -1.7% to +2.7%, GLM-4.5 +3.0% in one suite run",
+        test="tests/test_memory_estimate.py::test_every_familys_stages_match_measurement",
+        holds="assert abs(kept / measured - 1) <= tolerance, (stage, kept / measured - 1)",
+        bound=0.04,
+        figure=0.03,
+    ),
+    Claim(
+        says="held at 5%: Adam turns the fp32 rounding of nearly cancelling gradients into steps near lr",
+        test=REFERENCE,
+        holds='wider |= {"gemma4-pp2-tp2": 0.03, "gemma4_moe-pp2-tp2": 0.05}',
+        bound=0.05,
+    ),
+    NotAClaim(
+        says="its fp32 reference against fp64 moves one element 1.02%",
+        why="measured by hand once (the reference run in fp64), to say why the bound is 5%; no test runs it",
     ),
 )

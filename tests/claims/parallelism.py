@@ -254,4 +254,36 @@ CLAIMS = (
         holds='assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)',
         bound=1e-5,
     ),
+    Claim(
+        says="without the sum of the router statistics (each rank's load-balancing loss from its own positions) "
+        "transformers' loss would move by 1.36e-3 relative on Mixtral (5.18e-3 on Qwen3-MoE), over 100x the 1e-6 "
+        "forward parity holds it to",
+        test="tests/test_training.py::assert_matches_reference",
+        holds="assert fewest > 0 and relative > 100 * 1e-6",
+        bound=None,
+    ),
+    Claim(
+        says="without the shard's offset Llama 4's CP rank 1 logits are 3.58e-4 off, over 50x their 2e-6 bound",
+        test="tests/test_parity.py::test_forward_parity_pp_and_tp",
+        holds="assert off > 50 * 2e-6",
+        bound=None,
+    ),
+    Claim(
+        says="equal the untiled block's within 1e-6",
+        test="tests/test_context_parallel.py::test_tiled_mlp_block_equals_the_whole_block",
+        holds="torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-6, atol=1e-6)",
+        bound=1e-6,
+    ),
+    Claim(
+        says="the loss equals transformers' on the whole row within 1e-5",
+        test="tests/test_memory_estimate.py::test_one_32k_token_row_through_sequence_and_context_parallelism",
+        holds='assert r["loss"] == pytest.approx(float(ref), rel=1e-5)',
+        bound=1e-5,
+    ),
+    Claim(
+        says="the planner's within 0.2% (+0.0% measured",
+        test="tests/test_memory_estimate.py::test_one_32k_token_row_through_sequence_and_context_parallelism",
+        holds="assert abs(kept / measured - 1) <= 0.002",
+        bound=0.002,
+    ),
 )
