@@ -74,8 +74,8 @@ CLAIMS = (
     ),
     Claim(
         says="Training (4 AdamW steps, clipping active) equals a single-process reference",
-        test=DPO_REFERENCE,
-        holds="torch.testing.assert_close(ours[key], value, rtol=rtol, atol=atol",
+        test="tests/test_dpo.py::test_dpo_training_matches_single_process_reference",
+        holds="assert_matches_dpo_reference(out, cfg, policy, ref_dir, dp=dp, weights=1.5e-5, cp=cp)",
         bound=1.5e-5,
         figure=None,
     ),
