@@ -175,6 +175,15 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
             loss.backward()
             grads = {k: p.grad for k, p in layer.named_parameters()}
             results[sp] = {"y": y.detach(), "x_grad": x.grad, "grads": grads, "stats": stats}
+        if model_type == "gpt_oss":  # negative control: every rank's partial output carrying the down bias
+            from unittest import mock
+
+            with mock.patch("models.tensor_parallel._down_bias_once", lambda experts, tp: None):
+                tp = TensorParallel(2, rank, group=group)
+                layer = tp_decoder_layer_class(model_type)(config, 0, tp, DecoderOptions())
+            layer.load_state_dict({k: shard(v, tp_split(DECODER, k, config), rank, 2) for k, v in state.items()})
+            x, position_ids, weight = _block_io(config)
+            results["bias_on_every_rank"] = _run_block(layer, config, x, position_ids, weight)[0].detach()
         torch.save(results, out)
     finally:
         dist.destroy_process_group()
@@ -249,3 +258,7 @@ def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tm
                 assert torch.equal(ranks[0][sp]["grads"][key], ranks[1][sp]["grads"][key]), (sp, key)
     print(f"TP=2 block ({model_type}): parameter gradients within {worst:.3g} of the whole block's (relative)")
     assert worst < 1e-5
+    if model_type == "gpt_oss":  # without the rank-0 rule for its experts' down bias, the output is far off
+        gap = (ranks[0]["bias_on_every_rank"] - y.detach()).abs()
+        print(f"gpt-oss's down bias added on every TP rank: output off by up to {float(gap.max()):.3g}")
+        assert bool((gap > y_atol).all()) and float(gap.max()) > 100 * y_atol  # every element, the worst by 100x
