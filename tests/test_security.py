@@ -191,6 +191,23 @@ def test_resume_loads_our_own_files_safely(converted, sft_data, tmp_path):
     assert_refused(proc, marker, "optimizer reshaping", engine.name)
 
 
+def within_seconds(seconds: int, call):
+    """`call()`, failed (TimeoutError) if it takes longer than `seconds`: a blocking open or an endless read is
+    interrupted by SIGALRM (the test runs in the process's main thread)."""
+    import signal
+
+    def expired(*_):
+        raise TimeoutError(f"did not finish within {seconds} s")
+
+    before = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        return call()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+
+
 @pytest.mark.parametrize("kind", ["climbing", "absolute", "device", "fifo", "symlink"])
 def test_a_manifest_names_only_the_checkpoints_own_files(kind, converted, tmp_path):
     """A planted manifest entry (its size and hash right) that climbs out of the checkpoint, is absolute (`/dev/zero`,
@@ -223,7 +240,7 @@ def test_a_manifest_names_only_the_checkpoints_own_files(kind, converted, tmp_pa
     (step / "manifest.json").write_text(json.dumps(listed))
     where = f"entry {name!r}" if kind in ("climbing", "absolute") else str(step / name)
 
-    proc = run_cmd([sys.executable, "convert2ckpt.py", "--verify", str(ckpt)], timeout=60, env={"PYTHONHASHSEED": "0"})
+    proc = within_seconds(60, lambda: run_cmd([sys.executable, "convert2ckpt.py", "--verify", str(ckpt)]))
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("convert2ckpt:") and where in lines[0], proc.stderr

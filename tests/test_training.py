@@ -19,6 +19,7 @@ from schema.train import OptimConfig, TrainConfig
 from tests.baseline import baseline_eval, hub_state_dict, train_baseline
 from tests.conftest import built_once, check, deepspeed_launch, hf_state, launch, read_jsonl, run_cmd, shared_path
 from tests.layouts import LAYOUTS
+from tests.packing_reference import assert_packing_report
 from tests.resumes import assert_resumed_exactly, interrupted_copy
 
 pytestmark = pytest.mark.slow  # launches the trainer on several ranks
@@ -204,32 +205,6 @@ MEASURED_WEIGHT_DIFF = {
 }
 
 
-def packing_reference(hf_dir: str, train_file: str, seq_length: int) -> tuple[int, list[int]]:
-    """(rows, each row's length) of `train_file` as the trainer encodes prompt/response rows, found here without the
-    trainer's data code: the prompt's tokens, the response's without special tokens, EOS; cut to `seq_length`."""
-    from transformers import AutoTokenizer
-
-    tokenizer, rows = AutoTokenizer.from_pretrained(hf_dir), read_jsonl(train_file)
-    ids = [
-        len(tokenizer(r["prompt"])["input_ids"]) + len(tokenizer(r["response"], add_special_tokens=False)["input_ids"])
-        for r in rows
-    ]
-    return len(rows), [min(n + 1, seq_length) for n in ids]
-
-
-def best_fit_decreasing(lengths: list[int], capacity: int) -> int:
-    """How many rows of `capacity` best-fit decreasing packs `lengths` into (longest first, each into the fullest
-    row it fits), written here as docs/training.md describes it, apart from data/packing.py."""
-    free: list[int] = []
-    for n in sorted(lengths, reverse=True):
-        fits = [i for i, room in enumerate(free) if room >= n]
-        if fits:
-            free[min(fits, key=lambda i: free[i])] -= n
-        else:
-            free.append(capacity - n)
-    return len(free)
-
-
 def assert_matches_reference(
     out: str, cfg: TrainConfig, hf_dir: str, sft_data, dp: int, layout: str, schedule: str = "1f1b"
 ):
@@ -274,16 +249,7 @@ def assert_matches_reference(
     if arrangement:
         report = json.load(open(f"{out}/data_report.json"))["train"]
         if arrangement == "packing":  # the report against the data itself, not against figures the code gave
-            rows, lengths = packing_reference(hf_dir, sft_data[0], cfg.seq_length)
-            packed = best_fit_decreasing(lengths, cfg.seq_length)
-            assert (report["tokens"], report["packed_rows"]) == (sum(lengths), packed), (report, sum(lengths), packed)
-            assert report["rows_per_packed_row"] == pytest.approx(rows / packed, rel=1e-12)
-            assert report["padding_share_unpacked"] == pytest.approx(1 - sum(lengths) / (rows * cfg.seq_length))
-            assert report["padding_share_packed"] == pytest.approx(1 - sum(lengths) / (packed * cfg.seq_length))
-            print(
-                f"packing: {report['rows_per_packed_row']:.2f} rows per packed row, padding "
-                f"{report['padding_share_unpacked']:.1%} -> {report['padding_share_packed']:.1%}"
-            )
+            assert_packing_report(report, hf_dir, sft_data[0], cfg.seq_length)
         else:  # no padding at all: every block is full
             assert report["padding_share_packed"] == 0 and report["blocks"] == report["tokens"] // cfg.seq_length
             assert report["tokens_dropped"] == report["tokens"] % cfg.seq_length
