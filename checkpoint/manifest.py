@@ -74,6 +74,9 @@ def checkpoint_files(step_dir: str) -> list[str]:
     return sorted(n for n in os.listdir(step_dir) if n != MANIFEST and _mode(os.path.join(step_dir, n)) == "file")
 
 
+OWN = ("file", "a directory", None)  # what a step directory may hold (None: gone since it was listed)
+
+
 def _mode(path: str) -> str | None:
     """What `path` is, its symlinks not followed: "file", "a symlink", "a directory", ...; None when absent."""
     try:
@@ -94,28 +97,23 @@ def entry_problem(step_dir: str, name) -> str | None:
     return None if kind in (None, "file") else f"is {kind}, not a regular file of the checkpoint"
 
 
-def own_files_problems(step_dir: str) -> list[Problem]:
-    """Files of step_dir that are symlinks, devices, FIFOs or sockets, and the first manifest entry that is not a
-    regular file inside step_dir (or why the manifest cannot be read). Opens nothing but the manifest."""
-    problems = []
-    for name in sorted(os.listdir(step_dir)):
-        kind = _mode(os.path.join(step_dir, name))
-        if kind not in ("file", "a directory", None):
-            problems.append(Problem(os.path.join(step_dir, name), f"{kind}, not a regular file of the checkpoint"))
-    path = os.path.join(step_dir, MANIFEST)
-    if _mode(path) == "file":
-        try:
-            read_manifest(step_dir)
-        except CheckpointError as e:
-            problems.append(Problem(path, str(e).removeprefix(f"{path}: ")))
-    return problems
+def foreign_files(step_dir: str) -> list[Problem]:
+    """Files of step_dir that are symlinks, devices, FIFOs or sockets (none is opened)."""
+    kinds = [
+        (os.path.join(step_dir, name), _mode(os.path.join(step_dir, name))) for name in sorted(os.listdir(step_dir))
+    ]
+    return [Problem(p, f"{kind}, not a regular file of the checkpoint") for p, kind in kinds if kind not in OWN]
 
 
 def check_own_files(step_dir: str) -> None:
-    """`own_files_problems`, the first one raised (CheckpointError, one line naming the file or entry)."""
-    problems = own_files_problems(step_dir)
+    """Refuse (CheckpointError, one line naming the file or the entry) a step directory holding a symlink, device,
+    FIFO or socket, or whose manifest names anything but a regular file inside it (`read_manifest`). Opens nothing
+    but the manifest."""
+    problems = foreign_files(step_dir)
     if problems:
         raise CheckpointError(str(problems[0]))
+    if _mode(os.path.join(step_dir, MANIFEST)) is not None:
+        read_manifest(step_dir)
 
 
 def write_manifest(step_dir: str, entries: dict[str, dict]) -> str:
@@ -199,11 +197,11 @@ def verify_manifest(step_dir: str, progress: bool = False) -> list[Problem]:
     """Problems found (`Problem`: the file and the reason); empty when the checkpoint matches its manifest.
     `progress`: show the hashing's progress (common/progress.py)."""
     path = os.path.join(step_dir, MANIFEST)
-    problems = own_files_problems(step_dir)  # before any other file is opened: a checkpoint names only its own
+    problems = foreign_files(step_dir)  # before any file is opened: a checkpoint holds and names only its own
     if problems:
         return problems
     try:
-        listed = read_manifest(step_dir)
+        listed = read_manifest(step_dir)  # (refuses an entry outside the step directory)
     except CheckpointError as e:
         return [Problem(path, str(e).removeprefix(f"{path}: "))]
     if not all(isinstance(v, dict) and "size" in v and entry_hash(v) for v in listed.values()):

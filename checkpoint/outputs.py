@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 from checkpoint.errors import CheckpointError
 from checkpoint.names import LATEST, TAG_PATTERN, WRITER_FILE
@@ -33,11 +34,10 @@ def real_path(path: str) -> str:
 def copy_from_input(src: str, dst: str, input_dir: str) -> None:
     """Copy file `src` of `input_dir` to `dst`, refusing (CheckpointError, one line) a symlink that points outside
     the input: a hub snapshot's links into its repository's blobs are inside it, `/etc/passwd` is not."""
-    import shutil
+    from common.hub import snapshot_repository
 
     real, root = real_path(src), real_path(input_dir)
-    if os.path.basename(os.path.dirname(root)) == "snapshots":  # a hub cache snapshot: links into ../../blobs
-        root = os.path.dirname(os.path.dirname(root))
+    root = snapshot_repository(root) or root  # a hub cache snapshot: its files link into ../../blobs
     if not is_within(real, root):
         raise CheckpointError(f"{src}: a symlink to {real}, outside the input {input_dir}: not copied")
     shutil.copy2(src, dst)

@@ -25,7 +25,7 @@ from checkpoint.outputs import check_output, write_writer
 # A filesystem that cannot fsync a directory says so with one of these (some network and FUSE filesystems): its
 # renames are as durable as it makes them, and the log says so once a process.
 NO_DIR_FSYNC = (errno.EINVAL, errno.ENOTSUP, errno.EBADF)
-_said_no_dir_fsync: set[str] = set()
+_NO_DIR_FSYNC_SAID = []  # the directory it was first said for
 
 
 def fsync_dir(path: str) -> None:
@@ -40,8 +40,8 @@ def fsync_dir(path: str) -> None:
     except OSError as e:
         if e.errno not in NO_DIR_FSYNC:
             raise OSError(e.errno, f"cannot flush directory {path} to disk ({e.strerror})") from None
-        if not _said_no_dir_fsync:  # once a process
-            _said_no_dir_fsync.add(path)
+        if not _NO_DIR_FSYNC_SAID:  # once a process
+            _NO_DIR_FSYNC_SAID.append(path)
             logging.getLogger(__name__).warning("%s: the filesystem cannot fsync directories (%s)", path, e.strerror)
 
 

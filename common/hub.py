@@ -177,12 +177,18 @@ def unreachable(error: BaseException) -> bool:
     return False
 
 
-def in_cache(path: str) -> bool:
-    """Whether `path` (symlinks resolved) is a snapshot directory of a repository in the hub cache."""
-    cache = os.path.realpath(_cache_dir())
+def snapshot_repository(path: str) -> str | None:
+    """The repository directory of `path` (symlinks resolved) if it is a snapshot in huggingface_hub's cache layout
+    (`<cache>/models--ORG--NAME/snapshots/<commit>`, whose files link into the repository's `blobs`), else None."""
     real = os.path.realpath(path)
-    parts = os.path.relpath(real, cache).split(os.sep)
-    return os.path.commonpath([real, cache]) == cache and len(parts) == 3 and parts[1] == "snapshots"
+    parent = os.path.dirname(real)
+    return os.path.dirname(parent) if os.path.basename(parent) == "snapshots" else None
+
+
+def in_cache(path: str) -> bool:
+    """Whether `path` is a snapshot directory of a repository in the hub cache."""
+    repository = snapshot_repository(path)
+    return repository is not None and os.path.dirname(repository) == os.path.realpath(_cache_dir())
 
 
 def _has(path: str, pattern: str) -> bool:

@@ -225,11 +225,15 @@ def per_layer_params(layer: nn.Module) -> list[nn.Parameter]:
     return [p for module in modules for p in module.parameters() if p.requires_grad]
 
 
-def stream_mixer_params(layer: nn.Module) -> list[nn.Parameter]:
-    """The trained parameters of a decoder layer's residual-stream mixers (DeepSeek-V4's `attn_hc` and `ffn_hc`:
-    transformers' `...HyperConnection` modules), which work position by position outside the split regions."""
-    mixers = [m for m in layer.modules() if type(m).__name__.endswith("HyperConnection")]
-    return [p for module in mixers for p in module.parameters() if p.requires_grad]
+def stream_mixer_params(layer: nn.Module, config) -> list[nn.Parameter]:
+    """The trained parameters of a decoder layer's residual-stream mixers (DeepSeek-V4's `attn_hc` and `ffn_hc`, its
+    family's `HyperConnection` modules), which work position by position outside the split regions; none for a
+    family without residual streams (`Family.streams`)."""
+    family = family_of(config)
+    if not family.streams:
+        return []
+    mixer = family.hf_class("HyperConnection")
+    return [p for m in layer.modules() if isinstance(m, mixer) for p in m.parameters() if p.requires_grad]
 
 
 class LayerCarry:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.carry import per_layer_params, stream_mixer_params
-from models.families import family_of
+from models.families import family_of, residual_streams
 from models.layer_config import global_attr, layer_attr
 from models.layers import (
     DecoderOptions,
@@ -137,7 +137,7 @@ class TPDecoderPipe:
             if tp.sp:
                 sum_grad_over_tp(norm.weight, tp)
         if tp.sp:  # replicated modules outside the split regions see this rank's positions only (Gemma 4's PLE,
-            for param in per_layer_params(self) + stream_mixer_params(self):  # DeepSeek-V4's hyper-connections)
+            for param in per_layer_params(self) + stream_mixer_params(self, config):  # DeepSeek-V4's streams' mixers)
                 sum_grad_over_tp(param, tp)
         if not family.tp_entry_norms:  # no norm before attention or the MLP: the split regions start at their inputs
             for region in (self.self_attn, getattr(self, dense_mlp(config))):
@@ -317,8 +317,9 @@ class SequenceParallelNorm:
 
     def __init__(self, config, tp: TensorParallel):
         super().__init__(config)
-        for param in (self.weight, *(self.hc_head.parameters() if hasattr(self, "hc_head") else ())):
-            sum_grad_over_tp(param, tp)  # (DeepSeek-V4's stream head too)
+        head = self.hc_head.parameters() if residual_streams(config) > 1 else ()  # DeepSeek-V4's stream head
+        for param in (self.weight, *head):
+            sum_grad_over_tp(param, tp)
 
 
 @functools.cache

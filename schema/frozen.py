@@ -19,7 +19,7 @@ class FrozenConfigError(AttributeError):
     """An assignment to a config frozen once resolved."""
 
 
-def _refuse(self, name: str, value=None) -> None:
+def _refuse(self, name: str) -> None:
     if self.__dict__.get(FROZEN, False):
         base = type(self).__mro__[1].__name__
         raise FrozenConfigError(
