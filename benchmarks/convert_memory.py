@@ -3,6 +3,8 @@
     python -m benchmarks.convert_memory --work /tmp/convbench [--layers 16 --hidden 2048 --dtype bf16 --repeat 5]
     python -m benchmarks.convert_memory --work /tmp/conv7b --layers 32 --hidden 4096 --intermediate 11008 \
         --kv-heads 32 --repeat 3 --cold        # LLaMA-2-7B's shapes, 12.6 GiB, nothing in the page cache
+    python -m benchmarks.convert_memory --work /tmp/verbench --layers 16 --hidden 1024 --intermediate 2816 \
+        --repeat 1 --verify                    # also `--verify --against`'s peak RSS, each side streamed
 
 Builds (once) a random LLaMA checkpoint with save_pretrained (sharded safetensors), then runs
 `convert2ckpt.py` in a child process and reports its wall time and peak RSS (getrusage of the
@@ -10,6 +12,9 @@ child), next to the RSS of a child that only imports the same libraries and `cp 
 export back (`--to-hf`) is timed the same way, after each conversion.
 `--cold` empties the page cache before every timed run (root only): each run reads the model, and
 its own code, from disk, as the first conversion of a downloaded model does.
+`--verify` adds the peak RSS of `convert2ckpt.py --verify` (the manifest alone), of `--verify --against` the
+HF directory (both models streamed a layer at a time: checkpoint/compare.py) and of transformers loading the
+whole model in fp32 for one forward of the same probe (what `--against` did before).
 """
 
 from __future__ import annotations
@@ -73,6 +78,45 @@ def build_model(
     model.save_pretrained(path, max_shard_size="500MB")
 
 
+def child_peak_anon(cmd: list[str]) -> tuple[float, float]:
+    """(seconds, peak anonymous RSS in MiB) of a child, sampled every 5 ms from /proc: the memory it cannot give
+    back, without the pages of the files it maps (safetensors are mmapped; the kernel reclaims those)."""
+    t = time.perf_counter()
+    child = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL)
+    peak = 0
+    while child.poll() is None:
+        try:
+            with open(f"/proc/{child.pid}/status") as f:
+                peak = max([peak] + [int(line.split()[1]) for line in f if line.startswith("RssAnon:")])
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.005)
+    if child.returncode:
+        raise subprocess.CalledProcessError(child.returncode, cmd)
+    return time.perf_counter() - t, peak / 1024
+
+
+def verify_memory(hf: str, ckpt: str, size: float) -> None:
+    """Peak memory of `--verify`, of `--verify --against` (streamed) and of the whole fp32 HF model's forward."""
+    whole = (
+        "import sys, torch; from transformers import AutoModelForCausalLM; "
+        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32, attn_implementation='eager'); "
+        "m(torch.zeros(2, 16, dtype=torch.long))"
+    )
+    runs = {
+        "imports alone": [sys.executable, "-c", "import checkpoint.compare, torch, transformers, accelerate"],
+        "convert2ckpt.py --verify (manifest only)": [sys.executable, "convert2ckpt.py", "--verify", ckpt],
+        "convert2ckpt.py --verify --against (both streamed)": [
+            *[sys.executable, "convert2ckpt.py", "--verify", ckpt, "--against", hf]
+        ],
+        "the whole HF model in fp32, one forward (--against before)": [sys.executable, "-c", whole, hf],
+    }
+    for what, cmd in runs.items():
+        _, rss = child_peak_rss(cmd)
+        seconds, anon = child_peak_anon(cmd)
+        print(f"{what}: {seconds:.1f}s, peak anonymous RSS {anon:.0f} MiB, peak RSS {rss:.0f} MiB (with mapped files)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--work", required=True)
@@ -85,6 +129,7 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default hidden / 512)")
     p.add_argument("--repeat", type=int, default=5, help="runs of cp and of each conversion (medians reported)")
     p.add_argument("--cold", action="store_true", help="drop the page cache before every timed run (root)")
+    p.add_argument("--verify", action="store_true", help="also measure --verify and --verify --against")
     p.add_argument("--workers", default="1", help="comma-separated worker counts to time, e.g. 1,2,4")
     p.add_argument(
         "--tp",
@@ -178,6 +223,8 @@ def main() -> None:
         f"{seconds / cp_seconds:.2f}x cp, peak RSS {rss:.0f} MiB"
     )
     print(f"cp -r of the same shards: {cp_seconds:.1f}s ({size / cp_seconds:.0f} MiB/s)")
+    if args.verify:
+        verify_memory(hf, out, size)
     shutil.rmtree(exported, ignore_errors=True)
     shutil.rmtree(copy, ignore_errors=True)
 

@@ -120,6 +120,43 @@ def test_inspect_reports_a_converted_checkpoint(converted):
     assert "tied embeddings True, 4 experts (top-2) in 2 layers" in text
 
 
+@pytest.mark.parametrize("variant", ["gqa", "tied", "qwen3_moe", "gemma4"])
+def test_the_hf_side_of_verify_holds_one_layer_at_a_time(variant, hf_models, tmp_path):
+    """`--verify --against`'s HF model (checkpoint/compare.py): transformers' own loader with each decoder layer on
+    disk. Its logits equal the whole fp32 model's, bit for bit, and no more than the modules outside the layer lists
+    plus the largest layer are ever in memory (tied, and Qwen3-MoE's experts fused by transformers on load)."""
+    from checkpoint.compare import hf_reference_streamed
+    from checkpoint.hf_reader import read_model_config
+
+    hf_dir = hf_models[variant]
+    whole = hf_model(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    ids = torch.randint(
+        0, whole.config.get_text_config().vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.inference_mode():
+        expected = whole(ids).logits
+    layers = [m for m in whole.modules() if isinstance(m, torch.nn.ModuleList)]
+    size = {id(m): sum(p.numel() * p.element_size() for p in m.parameters()) for m in whole.modules()}
+    in_lists = sum(size[id(lst)] for lst in layers if not any(lst is not o and lst in o.modules() for o in layers))
+    largest = max(size[id(layer)] for lst in layers for layer in lst)
+    resident = sum(p.numel() * p.element_size() for p in whole.parameters()) - in_lists
+    del whole
+
+    model = hf_reference_streamed(hf_dir, read_model_config(hf_dir), str(tmp_path / "offload"))
+    held = []
+
+    class Count(torch.overrides.TorchFunctionMode):  # at every op of the forward: the weights in memory
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            held.append(sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta"))
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode(), Count():
+        logits = model(ids).logits
+    assert torch.equal(logits, expected)
+    assert resident < max(held) <= resident + largest, (max(held), resident, largest)
+    assert resident + largest < in_lists / 2  # the layers are most of the model: streaming them is what is measured
+
+
 @pytest.mark.slow
 def test_verify_manifest_and_logits(converted, hf_models, tmp_path):
     ckpt = tmp_path / "ckpt"
