@@ -35,8 +35,9 @@ def pipeline_logits(hf: str, ids, pos, device: str, dtype):
 
     from models.config import load_hf_config
     from models.families import resolve_attention
+    from models.head import split_stats, tied_lm_head_forward
     from models.key_table import all_layer_keys
-    from models.layers import DecoderOptions, build_layer, split_stats, tied_lm_head_forward
+    from models.layers import DecoderOptions, build_layer
     from models.pipe_layout import pipe_layers
 
     config = load_hf_config(hf)

@@ -22,7 +22,8 @@ import torch
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import read_model_config
 from checkpoint.pipeline_reader import PipelineCheckpoint
-from models.layers import build_layer, split_stats, tied_lm_head_forward
+from models.head import split_stats, tied_lm_head_forward
+from models.layers import build_layer
 from models.pipe_layout import EMBED, pipe_layers
 
 

@@ -47,3 +47,41 @@ def attention_mask(
     if packed:
         allowed = allowed & document_mask(position_ids)
     return allowed
+
+
+DOCUMENT_SDPA = "sdpa_documents"  # the attention implementation `sdpa_by_document` is registered under
+
+
+def document_starts(position_ids: torch.Tensor) -> list[list[int]]:
+    """Each row's document starts (where `position_ids` is 0; one host read for the micro-batch's rows)."""
+    return [(row == 0).nonzero().view(-1).tolist() for row in position_ids]
+
+
+def sdpa_by_document(module, query, key, value, attention_mask, starts: list[list[int]] | None = None, **kwargs):
+    """transformers' SDPA attention run on each packed document alone with its causal kernel (`is_causal`), so no
+    [S, S] mask exists and each document's cost is its own length squared: block-diagonal causal attention, exactly.
+    query/key/value [B, heads, S, head_dim]; `starts`: each row's document starts (`document_starts`); without them,
+    transformers' SDPA as it is (a mask given for sliding windows and chunks)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if starts is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    kwargs.pop("is_causal", None)
+    rows, seq = [], query.shape[2]
+    for row, first in enumerate(starts):
+        bounds = [*first, seq] if first and first[0] == 0 else [0, *first, seq]
+        pieces = [
+            sdpa_attention_forward(
+                module, *(t[row : row + 1, :, a:b] for t in (query, key, value)), None, is_causal=True, **kwargs
+            )[0]
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+        rows.append(torch.cat(pieces, dim=1))  # [1, S, heads, head_dim]
+    return torch.cat(rows, dim=0), None
+
+
+def register_document_attention() -> None:
+    """Make `sdpa_by_document` an attention implementation of transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(DOCUMENT_SDPA, sdpa_by_document)

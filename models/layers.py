@@ -6,7 +6,7 @@ Data flow through one micro-batch (B = micro-batch size, S = sequence length, H 
     (input_ids[B,S] long, position_ids[B,S] long)
       -> EmbeddingPipe    -> (hidden[B,S,H], position_ids, + carried)
       -> the family's decoder layer (DecoderPipe) -> (hidden[B,S,H], position_ids, + carried)   x num_hidden_layers
-      -> the final norm   -> hidden[B,S,H]      -> LMHeadPipe -> logits[B,S,V]
+      -> the final norm   -> hidden[B,S,H]      -> LMHeadPipe -> HeadOutput (logits[B,S,V] made by the loss)
 
 What each tuple holds is declared by name (models/carry.py): with experts each row's length (long [B]) and the
 router statistics of the sparse layers so far (fp32 [2E + 2], with a gradient; models/moe.py), which the norm hands
@@ -29,12 +29,17 @@ import functools
 import inspect
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from models import context_parallel
-from models.attention_masks import attention_mask, flash_varlen_kwargs
+from models.attention_masks import (
+    DOCUMENT_SDPA,
+    attention_mask,
+    document_starts,
+    flash_varlen_kwargs,
+    register_document_attention,
+)
 from models.carry import INPUT_IDS, LayerCarry, PerLayerInputs, layout
 from models.cast import apply_keeping_fp32
 from models.decoder_options import DecoderOptions
@@ -49,6 +54,7 @@ from models.families import (
     resolve_attention,
     sliding_window,
 )
+from models.head import LMHeadPipe
 from models.moe import (
     DEFAULT_EXPERTS_IMPLEMENTATION,
     add_stats,
@@ -93,11 +99,6 @@ def rotary_class(model_type: str) -> type[nn.Module]:
 def embedding_scale(config) -> float | None:
     """The factor a family multiplies its embeddings by (`Family.scaled_embedding`: sqrt(hidden_size)), or None."""
     return config.hidden_size**0.5 if family_of(config).scaled_embedding else None
-
-
-def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """transformers' final-logit soft-capping, `cap * tanh(logits / cap)` in its order of operations (None: none)."""
-    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 class EmbeddingPipe(nn.Embedding):
@@ -148,9 +149,10 @@ class DecoderPipe:
     Keys: the suffixes of HF `model.layers.{b}.*`. Unpacked rows are right-padded and padded positions
     carry ignored labels, so a plain causal mask is exact for every scored token: no padding mask
     needs to cross stages. SDPA and flash-attn get `attention_mask=None` and apply causality themselves
-    (their fast path); eager attention gets an additive mask built here. Packed rows and sliding
-    windows (Mistral; Qwen2/3 layers marked "sliding_attention") get an explicit mask on SDPA and eager;
-    flash-attn gets `cu_seqlens` for packed rows and applies the window itself (HF passes it).
+    (their fast path); eager attention gets an additive mask built here. Packed rows on SDPA attend each
+    document alone with the causal kernel (`models.attention_masks.sdpa_by_document`: no [S, S] mask); sliding
+    windows (Mistral; Qwen2/3 layers marked "sliding_attention") and chunks shorter than the row, and packed rows
+    on eager, get an explicit mask; flash-attn gets `cu_seqlens` for packed rows and applies the window itself.
     """
 
     def __init__(self, config, layer_idx: int, options: DecoderOptions | None = None, ep=None):
@@ -198,6 +200,15 @@ class DecoderPipe:
         self.window = None if self.linear else sliding_window(config, self.self_attn)
         self.chunk = attention_chunk(config, layer_idx)
         self.cp = options.context
+        # Packed rows on SDPA: each document attended alone with the causal kernel (models/attention_masks.py), no
+        # [S, S] mask; a layer with a window or chunks shorter than the row still takes the mask.
+        self.by_document = options.packed and self.attn_implementation == "sdpa" and self.cp.size == 1
+        if self.by_document and not self.linear and not self.always_mask:
+            register_document_attention()
+            self.self_attn.config = copy.copy(self.self_attn.config)
+            self.self_attn.config._attn_implementation = DOCUMENT_SDPA
+        else:
+            self.by_document = False
         if self.cp.size > 1:  # (refused for linear attention: training/validate.py)
             context_parallel.attach(self.self_attn, self.self_attn.config, self.cp, self.attn_implementation)
         if options.mlp_tiles > 1 and not sparse:
@@ -287,6 +298,8 @@ class DecoderPipe:
             pass
         elif self.attn_implementation == "flash_attention_2":
             extra.update(flash_varlen_kwargs(position_ids) if packed else {})
+        elif self.by_document and window is None and chunk is None:
+            extra["starts"] = document_starts(position_ids)
         elif (
             packed or window is not None or chunk is not None or self.attn_implementation == "eager" or self.always_mask
         ):
@@ -342,35 +355,6 @@ class _NormPipe:
 def norm_class(model_type: str) -> type[nn.Module]:
     """The family's final RMSNorm as a pipeline layer (`_NormPipe` on the family's HF RMSNorm)."""
     return on_family_class(_NormPipe, model_type, "RMSNorm", "NormPipe")
-
-
-class LMHeadPipe(nn.Linear):
-    """Output projection. Keys: `weight` = HF `lm_head.weight`. Soft-caps the logits where the config says."""
-
-    def __init__(self, config):
-        super().__init__(config.hidden_size, config.vocab_size, bias=False)
-        self.logit_cap = getattr(config, "final_logit_softcapping", None)
-
-    def forward(self, hidden: torch.Tensor | tuple) -> torch.Tensor | tuple:
-        return with_stats(hidden, lambda h: softcap(super(LMHeadPipe, self).forward(h), self.logit_cap))  # [B, S, V]
-
-
-def with_stats(inputs: torch.Tensor | tuple, head) -> torch.Tensor | tuple:
-    """`head(hidden)`, and the router statistics passed on beside the logits when a model has experts."""
-    if isinstance(inputs, tuple):
-        hidden, stats = inputs
-        return head(hidden), stats
-    return head(inputs)
-
-
-def split_stats(outputs: torch.Tensor | tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logits, router statistics or None) of the last stage's output."""
-    return outputs if isinstance(outputs, tuple) else (outputs, None)
-
-
-def tied_lm_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor | tuple) -> torch.Tensor | tuple:
-    """LM head that reuses the (tied) input embedding's weight: `TiedLayerSpec.forward_fn`."""
-    return with_stats(hidden, lambda h: softcap(F.linear(h, embedding.weight), embedding.logit_cap))  # [B, S, V]
 
 
 def layer_class_and_args(

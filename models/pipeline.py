@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 
+import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
@@ -75,9 +76,10 @@ class PipelineStageModule(PipelineModule):
 
     def forward(self, forward_input):
         """The stage's layers; a carried tensor that is a view of a larger one (the per-layer inputs still to come,
-        models/carry.py) is made contiguous before the pipeline sends it."""
+        models/carry.py) is made contiguous before the pipeline sends it (the last stage's head output is no tensor:
+        `models.loss.HeadOutput`)."""
         out = super().forward(forward_input)
-        return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out
+        return tuple(t.contiguous() if torch.is_tensor(t) else t for t in out) if isinstance(out, tuple) else out
 
     def local_layer_indices(self) -> list[int]:
         """The pipeline layers this rank holds."""

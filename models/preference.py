@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from models.context_parallel import ContextParallel, sum_over_context
-from models.layers import split_stats
-from models.loss import IGNORE_INDEX
+from models.head import split_stats
+from models.loss import IGNORE_INDEX, HeadOutput, head_loss, tiled_token_losses
 from schema.model import LossType
 
 
@@ -95,59 +95,20 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return flat.view(labels.shape)
 
 
-def _token_ce_in_chunks(logits, labels, chunk: int, token_ce) -> torch.Tensor:
-    """`token_ce(logits, labels)` [B, S], `chunk` tokens at a time."""
-    flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-    out = torch.cat(
-        [
-            token_ce(flat_logits[i : i + chunk][None], flat_labels[i : i + chunk][None]).reshape(-1)
-            for i in range(0, flat_labels.numel(), chunk)
-        ]
-    )
-    return out.view(labels.shape)
-
-
-class _ChunkedTokenCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy computed `chunk` rows of tokens at a time, forward and backward: only one chunk's
-    fp32 logits and softmax exist at any moment (backward recomputes them from the logits the pipeline holds).
-    `token_ce` may contain collectives (the vocab-parallel one): every TP rank runs the same chunks in order."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, chunk, token_ce):
-        ctx.save_for_backward(logits, labels)
-        ctx.chunk, ctx.token_ce = chunk, token_ce
-        return _token_ce_in_chunks(logits, labels, chunk, token_ce)
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, labels = ctx.saved_tensors
-        flat_logits, flat_labels, flat_grad = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), grad.reshape(-1)
-        out = torch.empty_like(flat_logits)
-        for i in range(0, flat_labels.numel(), ctx.chunk):
-            piece = flat_logits[i : i + ctx.chunk].detach().requires_grad_()
-            with torch.enable_grad():
-                ce = ctx.token_ce(piece[None], flat_labels[i : i + ctx.chunk][None]).reshape(-1)
-            (out[i : i + ctx.chunk],) = torch.autograd.grad(ce, piece, flat_grad[i : i + ctx.chunk])
-        return out.view(logits.shape), None, None, None
-
-
 def sequence_logps(
-    logits: torch.Tensor,
+    logits: torch.Tensor | HeadOutput,
     labels: torch.Tensor,
     token_ce=token_cross_entropy,
     chunk: int = 0,
     context: ContextParallel | None = None,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-prob of each sequence's target tokens [N], their count [N]) from [N, S, V] logits (a vocab shard
-    with the vocab-parallel `token_ce`); `chunk` > 0: `chunk` tokens at a time, forward and backward. Under context
-    parallelism (`context`) `logits` and `labels` hold this rank's positions; both results are the whole sequences'."""
-    if chunk and torch.is_grad_enabled() and logits.requires_grad:
-        ce = _ChunkedTokenCrossEntropy.apply(logits, labels, chunk, token_ce)
-    elif chunk:  # evaluation, the reference pass: no backward
-        with torch.no_grad():
-            ce = _token_ce_in_chunks(logits, labels, chunk, token_ce)
-    else:
-        ce = token_ce(logits, labels)
+    with the vocab-parallel `token_ce`), or from the head's output fused with the loss (`models.loss.head_loss`:
+    tiles of `chunk` tokens, recomputed in backward); `chunk` > 0 on whole logits: `chunk` tokens at a time, forward
+    and backward. Under context parallelism (`context`) `logits` and `labels` hold this rank's positions; both
+    results are the whole sequences'."""
+    ce = head_loss(logits, labels, chunk, fused, token_ce, tiled_token_losses)
     logps, tokens = -ce.sum(-1), (labels != IGNORE_INDEX).sum(-1)
     if context is not None and context.size > 1:
         logps, tokens = sum_over_context(logps, context), sum_over_context(tokens, context)
@@ -162,16 +123,16 @@ class ReferenceScorer:
 
     __name__ = "ReferenceScorer"
 
-    def __init__(self, token_ce=None, chunk: int = 0):
-        self.token_ce, self.chunk = token_ce or token_cross_entropy, chunk
+    def __init__(self, token_ce=None, chunk: int = 0, fused: bool = True):
+        self.token_ce, self.chunk, self.fused = token_ce or token_cross_entropy, chunk, fused
         self.context = ContextParallel()
         self.scored: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __call__(self, logits: torch.Tensor | tuple, labels_and_extras) -> torch.Tensor:
-        logits, _ = split_stats(logits)  # a model with experts: the router statistics beside, unused here
+        logits, _ = split_stats(logits, lazy=True)  # a model with experts: the router statistics beside, unused here
         labels, _, pair_ids = labels_and_extras
         with torch.no_grad():
-            logps, _ = sequence_logps(logits, labels, self.token_ce, self.chunk, self.context)
+            logps, _ = sequence_logps(logits, labels, self.token_ce, self.chunk, self.context, self.fused)
         self.scored.append((pair_ids.cpu(), logps.float().cpu()))
         return torch.zeros((), device=logits.device)
 
@@ -189,6 +150,7 @@ class PreferenceLoss:
         settings: the loss type and its constants.
         token_ce: (logits, labels) -> per-token cross-entropy; the vocab-parallel one under TP.
         chunk: > 0: compute it `chunk` tokens at a time, forward and backward.
+        fused: the head's output is projected tile by tile with the loss (`models.loss.head_loss`), never whole.
 
     `context` is the stage's context-parallel place (set with the stage: training.engine.build_module): each rank
     of a CP group then holds every sequence's S/C positions, sums their log-probs over the group and computes the
@@ -200,8 +162,8 @@ class PreferenceLoss:
     # sums, and the chosen completions' summed NLL and token count (the sft term).
     SUMS = ("loss", "pairs", *REWARD_METRICS, "chosen_nll", "chosen_tokens")
 
-    def __init__(self, settings: PreferenceSettings, token_ce=None, chunk: int = 0):
-        self.settings, self.token_ce, self.chunk = settings, token_ce or token_cross_entropy, chunk
+    def __init__(self, settings: PreferenceSettings, token_ce=None, chunk: int = 0, fused: bool = True):
+        self.settings, self.token_ce, self.chunk, self.fused = settings, token_ce or token_cross_entropy, chunk, fused
         self.context = ContextParallel()
         self.reset()
 
@@ -220,9 +182,9 @@ class PreferenceLoss:
         loss = got["loss"] / pairs + self.settings.sft_weight * got["chosen_nll"] / max(got["chosen_tokens"], 1.0)
         return {"loss": loss, "pairs": int(got["pairs"]), **{k: got[k] / pairs for k in REWARD_METRICS}}
 
-    def __call__(self, logits: torch.Tensor, labels_and_extras) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor | HeadOutput, labels_and_extras) -> torch.Tensor:
         labels, ref_logps, pair_scale, token_scale = labels_and_extras
-        logps, tokens = sequence_logps(logits, labels, self.token_ce, self.chunk, self.context)
+        logps, tokens = sequence_logps(logits, labels, self.token_ce, self.chunk, self.context, self.fused)
         p = labels.shape[0] // 2
         ref = ref_logps.to(logps.device, logps.dtype)
         losses, chosen_rewards, rejected_rewards = preference_losses(

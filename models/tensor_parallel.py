@@ -36,20 +36,18 @@ from torch import nn
 
 from models.carry import per_layer_params, stream_mixer_params
 from models.families import family_of, residual_streams
+from models.head import LMHeadPipe, head_output, tied_lm_head_forward
 from models.layer_config import global_attr, layer_attr
 from models.layers import (
     DecoderOptions,
     EmbeddingPipe,
-    LMHeadPipe,
     decoder_layer_class,
     embedded,
     embedding_setup,
     layer_class_and_args,
     norm_class,
-    softcap,
-    tied_lm_head_forward,
-    with_stats,
 )
+from models.loss import HeadOutput
 from models.moe import dense_mlp
 from models.pipe_layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
 from models.sharding import LINEAR_HEADS, padded_vocab, tp_indivisible
@@ -295,8 +293,8 @@ class VocabParallelLMHeadPipe(LMHeadPipe):
         )
         self.tp, self.logit_cap = tp, getattr(config, "final_logit_softcapping", None)
 
-    def forward(self, hidden: torch.Tensor | tuple) -> torch.Tensor | tuple:
-        return with_stats(hidden, lambda h: softcap(F.linear(enter_tp(h, self.tp), self.weight), self.logit_cap))
+    def forward(self, hidden: torch.Tensor | tuple) -> HeadOutput | tuple:
+        return head_output(hidden, self, functools.partial(enter_tp, tp=self.tp))
 
 
 class TiedVocabParallelHead:
@@ -305,11 +303,8 @@ class TiedVocabParallelHead:
     def __init__(self, tp: TensorParallel):
         self.tp = tp
 
-    def __call__(self, embedding: nn.Embedding, hidden: torch.Tensor | tuple) -> torch.Tensor | tuple:
-        def logits(h):  # [B, S, V_local]
-            return softcap(F.linear(enter_tp(h, self.tp), embedding.weight), embedding.logit_cap)
-
-        return with_stats(hidden, logits)
+    def __call__(self, embedding: nn.Embedding, hidden: torch.Tensor | tuple) -> HeadOutput | tuple:
+        return head_output(hidden, embedding, functools.partial(enter_tp, tp=self.tp))
 
 
 class SequenceParallelNorm:

@@ -70,6 +70,9 @@ class ModelSettings:
     # NOTE: Any because omegaconf has no unions.
     activation_checkpointing: Any = False
     loss_chunk_size: int = 0  # cross-entropy over this many tokens at a time (no whole fp32 logits); 0: at once
+    # The LM head and the loss as one operation over token tiles (loss_chunk_size tokens, 0: about 256 MiB of fp32
+    # logits a tile): no [B, S, V] logits or gradient ever exist. false: the logits made whole, then the loss.
+    fused_head_loss: bool = True
     # Split each dense MLP's positions into this many tiles, each run alone and recomputed in backward (DeepSpeed's
     # TiledMLP): no [S, intermediate] tensor at once, for long rows. 0 or 1: off.
     mlp_tiles: int = 0

@@ -10,6 +10,7 @@ import torch
 
 from models.families import FAMILIES, residual_streams
 from models.layers import DecoderOptions, build_layer
+from models.loss import HeadOutput
 from models.moe import empty_stats, is_moe
 from models.partition import layer_param_counts, stage_bounds
 from models.pipe_layout import pipe_layers
@@ -22,7 +23,7 @@ def measured_stage(config, layers: range, b: int, s: int, options: DecoderOption
     """(bytes of the distinct tensors saved for backward in one micro-batch's forward, parameters) of a stage;
     with `tp` (a TensorParallel with its group), this rank's shard of it."""
     from models.carry import carried_tensors
-    from models.layers import tied_lm_head_forward
+    from models.head import tied_lm_head_forward
     from models.tensor_parallel import tp_layer_class_and_args, tp_tied_head_forward
 
     torch.manual_seed(0)
@@ -63,6 +64,9 @@ def measured_stage(config, layers: range, b: int, s: int, options: DecoderOption
                 x = tp_tied_head_forward(config, tp)(module, x) if tp is not None else tied_lm_head_forward(module, x)
             else:
                 x = module(x)
+    head = x[0] if isinstance(x, tuple) else x
+    if isinstance(head, HeadOutput):  # the head's input, which the pipeline holds with the output until backward
+        pack(head.hidden)
     return sum(saved.values()), sum(p.numel() for m in modules for p in m.parameters())
 
 
@@ -256,17 +260,23 @@ def test_planner_counts_context_parallelism_and_finds_the_c_a_row_needs():
     """CP=2 holds half the positions per rank (activations and logits halve; ZeRO-1 shards the optimizer over DP x CP)
     while the weights stay whole; `context_for` names the smallest C whose busiest stage fits, keeping PP and DP."""
     from schema.train import DeepSpeedConfig, TrainConfig
-    from tools.memory_estimate import GIB, context_for, estimate
+    from tools.memory_estimate import GIB, context_for, estimate, loss_bytes
 
     config = tiny_config(hidden_size=128, intermediate_size=344, num_attention_heads=4, max_position_embeddings=65536)
     cfg = TrainConfig(num_stages=2, seq_length=32768, micro_batch_size=1, gradient_accumulation_steps=4)
     cfg.deepspeed = DeepSpeedConfig(zero_stage=1)
-    one = estimate(cfg, config, 2)
-    cfg.context_parallel_size = 2
-    two = estimate(cfg, config, 4)
-    for a, b in zip(one, two, strict=True):
-        assert a.weights == b.weights and b.optimizer == a.optimizer / 2
-        assert b.activations == pytest.approx(a.activations / 2, rel=0.05) and b.logits == a.logits / 2
+    for fused in (False, True):
+        cfg.model.fused_head_loss, cfg.context_parallel_size = fused, 1
+        one = estimate(cfg, config, 2)
+        cfg.context_parallel_size = 2
+        two = estimate(cfg, config, 4)
+        for a, b in zip(one, two, strict=True):
+            assert a.weights == b.weights and b.optimizer == a.optimizer / 2
+            assert b.activations == pytest.approx(a.activations / 2, rel=0.05)
+            # unfused, the logits halve; fused, the weight's gradient and one tile (at most the rank's tokens)
+            tokens = cfg.seq_length // 2
+            fused_bytes = loss_bytes(cfg.model, tokens, config.hidden_size, config.vocab_size, 2) if b.logits else 0
+            assert b.logits == (fused_bytes if fused else a.logits / 2)
     cfg.context_parallel_size = 1
     fits = max(r.total for r in two) / GIB / 0.9 + 1e-3  # C=2's busiest stage, with the planner's 10% kept free
     assert "needs context_parallel_size=2 (world_size=4" in context_for(cfg, config, 2, fits)

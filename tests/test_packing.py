@@ -48,9 +48,12 @@ def per_token_losses(hf, blocks, input_ids, position_ids, labels) -> torch.Tenso
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_rows_give_the_losses_and_gradients_of_unpacked_rows(attn):
+def test_packed_rows_give_the_losses_and_gradients_of_unpacked_rows(attn, monkeypatch):
     """Same rows, once packed (3 per row, position_ids restarting) and once one per row: every scored token's
-    loss and every parameter's gradient agree (fp32), and padding never leaks into a row."""
+    loss and every parameter's gradient agree (fp32), and padding never leaks into a row. SDPA attends each
+    document alone (models/attention_masks.py `sdpa_by_document`): no [S, S] mask is built."""
+    if attn == "sdpa":
+        monkeypatch.setattr("models.layers.attention_mask", lambda *a, **k: pytest.fail("a dense mask was built"))
     torch.manual_seed(0)
     config = tiny_config(num_key_value_heads=2, attn_implementation=attn)
     config._attn_implementation = attn
@@ -78,7 +81,10 @@ def test_packed_rows_give_the_losses_and_gradients_of_unpacked_rows(attn):
         grads.append([p.grad for p in params])
     # Tokens come in the same order both ways (rows laid end to end, in order).
     assert losses[0].shape == losses[1].shape and losses[0].numel() > 10
-    assert torch.equal(losses[0], losses[1]), (losses[0] - losses[1]).abs().max()  # bit-identical (fp32)
+    if attn == "eager":  # the same masked products: bit-identical (fp32)
+        assert torch.equal(losses[0], losses[1]), (losses[0] - losses[1]).abs().max()
+    else:  # SDPA's causal kernel on each document's 2-9 tokens against a padded row of 20: fp32 rounding
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
     for packed, plain in zip(*grads, strict=True):
         torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-6)
 
@@ -161,3 +167,23 @@ def test_recomputed_block_equals_the_stored_one():
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     for a, b in zip(outs[0][2], outs[1][2], strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_log_names_the_layers_that_take_a_dense_mask(caplog):
+    """Packed rows: the decoder blocks whose window is shorter than the row take the [S, S] mask, and the log says
+    which and why; the others attend each document alone."""
+    import logging
+
+    from training.engine import log_masked_layers
+
+    config = tiny_config("mistral", sliding_window=6)
+    config._attn_implementation = "sdpa"
+    options = DecoderOptions(packed=True)
+    blocks = torch.nn.ModuleList(decoder_layer_class("mistral")(config, i, options) for i in range(2))
+    assert all(block.by_document for block in blocks)
+    with caplog.at_level(logging.INFO, logger="training.engine"):
+        log_masked_layers(blocks, 16)
+        log_masked_layers(blocks, 6)  # the window covers the row: no mask
+    assert [r.getMessage() for r in caplog.records] == [
+        "packed rows: decoder blocks [0, 1] take a dense [S, S] mask (a sliding window)"
+    ]

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from checkpoint.expert_layouts import fuse_per_expert
 from models.carry import carried_bytes, carried_tensors, layout
 from models.families import FAMILIES, resolve_attention
+from models.head import split_stats, tied_lm_head_forward
 from models.key_table import all_layer_keys, is_carried, memory_key
-from models.layers import DecoderOptions, build_layer, split_stats, tied_lm_head_forward
+from models.layers import DecoderOptions, build_layer
 from models.pipe_layout import pipe_layers
 from tests.conftest import hf_state
 from tests.hub_extras import perturb
@@ -300,7 +301,7 @@ def _tp_model_worker(rank: int, store: str, out: str) -> None:
             x = (ids, torch.arange(16).expand_as(ids))
             for module in modules:
                 x = module(x)
-            logits, stats = tp_tied_head_forward(config, tp)(modules[0], x)
+            logits, stats = split_stats(tp_tied_head_forward(config, tp)(modules[0], x))
             loss = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), tp, config.vocab_size) / 32
             (loss + 0.0 * stats.sum()).backward()
             results[sp] = {(i, n): p.grad for i, m in zip(layers, modules) for n, p in m.named_parameters()}

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from models.carry import carried_bytes, per_layer_input_bytes, stand_ins
-from models.families import family_of, is_linear_attention, is_sparse_layer, residual_streams
+from models.families import attention_chunk, family_of, is_linear_attention, is_sparse_layer, residual_streams
 from models.layer_config import layer_attr
 from models.moe import experts_per_token
 from tools import module_bytes
@@ -79,7 +79,8 @@ def layer_activation_bytes(
     they are. Three parts stand in for what the meta device cannot run or a GPU runs otherwise, and are counted
     here: attention's kernel keeps q, k, v, its output and the log-sum-exp per head (flash-attn's and SDPA's fused
     kernels; eager attention is the family's own, measured, except under context parallelism, where its
-    probabilities count heads x S per token; packed rows on SDPA/eager add the mask, S per token); a sparse block's
+    probabilities count heads x S per token; packed rows add the mask, S per token, where a layer builds it:
+    `keeps_mask`); a sparse block's
     experts and router (`sparse_mlp_bytes`); a `tiled` dense MLP (`model.mlp_tiles`) keeps only its input.
     Context parallelism: `s` is this rank's S/C positions of a `row` of S; Ulysses' attention holds all S positions
     of heads / C, the same bytes as S/C positions of every head, but eager's probabilities (heads / C x S x S) and
@@ -96,9 +97,27 @@ def layer_activation_bytes(
     if not is_linear_attention(config, block):
         if attn == "eager" and not eager:
             per_token += heads / tp * row * act_bytes
-        if packed and attn != "flash_attention_2":
+        if packed and keeps_mask(config, block, attn, row, s):
             per_token += row * (row / s) * act_bytes
+        elif packed and attn == "sdpa":  # each document alone (`sdpa_by_document`): the documents' outputs are kept
+            head_dim = layer_attr(config, block, "head_dim") or config.hidden_size // heads  # beside the joined one
+            per_token += heads / tp * head_dim * act_bytes
     return b * s * per_token
+
+
+def keeps_mask(config, block: int, attn: str, row: int, s: int) -> bool:
+    """Whether decoder block `block` builds the [S, S] mask on packed rows (models/layers.py): eager always; SDPA
+    only where a sliding window or chunk shorter than the row bounds it, where the family always takes a mask, or
+    under context parallelism (`row` > `s`), else each document is attended alone; flash-attn never."""
+    if attn == "flash_attention_2":
+        return False
+    if attn == "eager" or row != s or family_of(config).always_mask:
+        return True
+    types = getattr(config, "layer_types", None) or ()
+    sliding = family_of(config).window_everywhere or (block < len(types) and types[block] == "sliding_attention")
+    window = getattr(config, "sliding_window", None) if sliding else None
+    chunk = attention_chunk(config, block)
+    return (window is not None and window < row) or (chunk is not None and chunk < row)
 
 
 def transient_bytes(config, b: int, s: int) -> float:

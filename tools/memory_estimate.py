@@ -134,10 +134,8 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
         held = max(a * kept[0] + c * kept[1] + w * blocks * deferred for a, c, w in states)
         activations = held + max(live for _, live in per_half) + transient_bytes(config, b, s)
         vocab = padded_vocab(config.vocab_size, tp, cfg.model.vocab_pad_multiple) // tp  # vocab-parallel head
-        chunk = min(cfg.model.loss_chunk_size or b * s, b * s)
-        # Logits in the compute dtype and their gradient, plus fp32 logits and softmax of one chunk of tokens.
         scores = stage == (0 if dual else pp - 1)
-        logits = (2 * b * s * vocab * act_bytes + 2 * chunk * vocab * 4) if scores else 0
+        logits = loss_bytes(cfg.model, b * s, config.hidden_size, vocab, act_bytes) if scores else 0
         if adapters is None:
             trained, weights = params, params * weight_bytes
             optimizer = (params - experts) * optim_bytes * optim_share + experts * optim_bytes * expert_share
@@ -146,6 +144,23 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
             weights, optimizer = (params + trained) * weight_bytes, trained * optim_bytes * optim_share
         out.append(Estimate(stage, params, weights, trained * grad_bytes, optimizer, activations, logits))
     return out
+
+
+def loss_bytes(model, tokens: int, hidden: int, vocab: int, act_bytes: int) -> float:
+    """What the last stage's head and loss hold beyond the stage's activations for `tokens` tokens of a micro-batch,
+    `vocab` columns a rank (models/loss.py). Fused (`model.fused_head_loss`): kept for backward, the weight's fp32
+    gradient when the gradients are taken in forward (`grads_in_forward`; the hidden states' gradient takes the place
+    of the head's input, which the stage's activations count), nothing when backward recomputes; at the peak one
+    tile's logits in the compute dtype, fp32 and their fp32 softmax.
+    Unfused: the logits in the compute dtype and their gradient, and one chunk's fp32 logits and softmax."""
+    from models.loss import default_tile, grads_in_forward
+
+    if model.fused_head_loss:
+        tile = min(model.loss_chunk_size or default_tile(vocab), tokens)
+        kept = vocab * hidden * 4 if grads_in_forward(tokens, hidden, True) else 0
+        return kept + tile * vocab * (act_bytes + 8)
+    chunk = min(model.loss_chunk_size or tokens, tokens)
+    return 2 * tokens * vocab * act_bytes + 2 * chunk * vocab * 4
 
 
 def suggest(cfg, config, world_size: int, gpu_gib: float) -> list[str]:

@@ -57,13 +57,16 @@ def _loss_fn(cfg: TrainConfig, model_config, tp: TensorParallel):
     split = vocab_parallel(model_config, tp)
     if cfg.objective == "dpo":
         loss = PreferenceLoss(
-            PreferenceSettings.of(cfg.dpo), token_cross_entropy_for(model_config, tp), cfg.model.loss_chunk_size
+            PreferenceSettings.of(cfg.dpo),
+            token_cross_entropy_for(model_config, tp),
+            cfg.model.loss_chunk_size,
+            cfg.model.fused_head_loss,
         )
     else:
         cross_entropy = None
         if split:
             cross_entropy = functools.partial(vocab_parallel_cross_entropy, tp=tp, vocab_size=model_config.vocab_size)
-        loss = CausalLMLoss(cross_entropy, cfg.model.loss_chunk_size)
+        loss = CausalLMLoss(cross_entropy, cfg.model.loss_chunk_size, cfg.model.fused_head_loss)
     if not is_moe(model_config):
         return loss
     coef = cfg.moe.aux_loss_coef

@@ -50,6 +50,7 @@ GROUPS = "deepspeed.utils.groups"
 LAMBDA_LR = "torch.optim.lr_scheduler.LambdaLR"
 ADAMW = "torch.optim.AdamW"
 TENSOR = "torch.nn.Parameter"
+TORCH_TENSOR = "torch.Tensor"
 UNIVERSAL = "deepspeed.checkpoint.ds_to_universal"
 CKPT_ENGINE = "deepspeed.runtime.checkpoint_engine.checkpoint_engine.CheckpointEngine"
 TORCH_CKPT_ENGINE = "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine.TorchCheckpointEngine"
@@ -91,6 +92,20 @@ PATCHES: tuple[Patch, ...] = (
           "the receive buffers, by position, that the replacement above checks", TP_MOVES),
     Patch(PIPE_ENGINE, "_allocate_buffer", "read", "training/engine.py keep_buffer_dtypes",
           "allocates the replacement buffer", TP_MOVES),
+    Patch(PIPE_MODULE, "loss_fn", "set", "training/backward_prologue.py prologue_on_the_loss",
+          "the last stage's loss wrapped: DeepSpeed's backward prologue (the bf16 optimizer clears its low-precision "
+          "gradients) hooked on the loss, since the stage's output is the head's HeadOutput, no tensor",
+          BF16_MOVES, read_by="deepspeed.runtime.pipe.engine"),
+    Patch(ENGINE, "_backward_prologue", "read", "training/backward_prologue.py LossWithPrologue",
+          "the prologue DeepSpeed's forward hooks on output tensors; hooked on the loss instead", BF16_MOVES),
+    Patch(ENGINE, "_backward_prologue_per_tensor", "read", "training/backward_prologue.py LossWithPrologue",
+          "its per-tensor half (a gradient not yet scaled by the micro-batch count)", BF16_MOVES),
+    Patch("deepspeed.runtime.utils", "register_output_backward_hooks", "read",
+          "training/backward_prologue.py LossWithPrologue", "hooks the prologue on the loss as on an output",
+          BF16_MOVES),
+    Patch(TORCH_TENSOR, "_backward_hook_managers", "read", "training/backward_prologue.py LossWithPrologue",
+          "the managers DeepSpeed hangs on the router statistics beside the head's output: their hooks removed",
+          BF16_MOVES, read_by="deepspeed.runtime.utils"),
     Patch(ENGINE, "_copy_recovery_script", "replaced", "training/engine.py initialize_engine",
           "no zero_to_fp32.py in our checkpoints: it cannot read pipeline layer files", BF16_MOVES),
     Patch(ADAMW, "overflow", "set", "training/engine.py initialize_engine",

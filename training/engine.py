@@ -17,7 +17,7 @@ from models.carry import floating_slots
 from models.context_parallel import ContextParallel
 from models.expert_parallel import ExpertParallel
 from models.initialization import init_weights
-from models.layers import DecoderOptions
+from models.layers import DecoderOptions, DecoderPipe, block_index
 from models.moe import num_experts
 from models.pipeline import build_pipeline_module
 from models.sharding import REPLICA
@@ -25,6 +25,7 @@ from models.tensor_parallel import TensorParallel
 from models.tp_rules import param_tp_split
 from schema.model import checkpoint_every
 from schema.train import TrainConfig, sequence_parallel
+from training.backward_prologue import prologue_on_the_loss
 from training.deepspeed_patches import CHECKED_AGAINST
 from training.expert_parallel import (
     attach,
@@ -222,12 +223,32 @@ def build_module(
         dual=cfg.pipeline_schedule == "dualpipev",
         ep=ExpertParallel(cfg.expert_parallel_size),
     )
+    if cfg.data.documents_share_rows and coords.rank == 0:
+        log_masked_layers(module, cfg.seq_length)
     # Saved with the engine state (ZeRO-1 moves); a fused q/k/v projection's widths depend on the TP degree.
     module.universal_checkpoint_info = universal_info(model_config, cfg.tensor_parallel_size)
     if not skip_init:
         init_weights(module, model_config.initializer_range)
         module._synchronize_tied_weights()
     return module
+
+
+def log_masked_layers(module, seq: int) -> None:
+    """Name the decoder blocks of this stage that build a dense [S, S] mask on packed rows, and why (the others
+    attend each document alone, or by flash-attn's variable-length path)."""
+    masked = {}
+    for layer in module.modules():
+        if isinstance(layer, DecoderPipe) and not layer.linear and layer.attn_implementation != "flash_attention_2":
+            window = layer.window is not None and layer.window < seq
+            chunk = layer.chunk is not None and layer.chunk < seq
+            why = [w for w, on in (("a sliding window", window), ("chunked attention", chunk)) if on]
+            if not layer.by_document or why:
+                reason = " and ".join(why) or f"{layer.attn_implementation} attention" + (
+                    " under context parallelism" if layer.cp.size > 1 else ""
+                )
+                masked.setdefault(reason, []).append(block_index(layer))
+    for reason, blocks in masked.items():
+        logging.getLogger(__name__).info("packed rows: decoder blocks %s take a dense [S, S] mask (%s)", blocks, reason)
 
 
 def keep_buffer_dtypes(engine) -> None:
@@ -315,6 +336,7 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
     # 'items'"), so none is left for a user to run; `convert2ckpt.py --to-hf --dtype fp32` gets the weights out.
     engine._copy_recovery_script = lambda save_path: None
     keep_buffer_dtypes(engine)
+    prologue_on_the_loss(engine)
     if deepspeed_experts and coords.tp > 1:
         count_whole_experts_once(engine.optimizer)
     if cfg.pipeline_schedule == "zero_bubble":

@@ -210,7 +210,9 @@ def score_pairs(run, todo: list[tuple[str, int, str]]) -> None:
 
     cfg, c, tp = run.cfg, run.coords, run.tp
     source = _reference_step_dir(run)
-    scorer = ReferenceScorer(token_cross_entropy_for(run.model_config, tp), cfg.model.loss_chunk_size)
+    scorer = ReferenceScorer(
+        token_cross_entropy_for(run.model_config, tp), cfg.model.loss_chunk_size, cfg.model.fused_head_loss
+    )
     module = build_module(cfg, c, run.model_config, scorer, tp, run.bounds)
     with agreed():
         load_stage_weights(module, source, run.model_config, tp)

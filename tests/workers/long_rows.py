@@ -22,7 +22,7 @@ import time
 import torch
 
 from models.context_parallel import shard
-from models.loss import CausalLMLoss
+from models.loss import CausalLMLoss, HeadOutput
 from models.partition import stage_bounds
 from models.tensor_parallel import TensorParallel
 from models.vocab_parallel_loss import vocab_parallel_cross_entropy
@@ -128,7 +128,11 @@ def main():
 
     def counted_forward(*args, **kwargs):
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-            return forward(*args, **kwargs)
+            out = forward(*args, **kwargs)
+        head = out[0] if isinstance(out, tuple) else out
+        if isinstance(head, HeadOutput):  # the head's input: held until the loss (and by it, until backward)
+            saved.pack(head.hidden)  # (the peak counts it; the handle dropped at once)
+        return out
 
     module.forward = counted_forward
     ids, pos, labels = long_row(config.vocab_size, seq)

@@ -1,0 +1,64 @@
+"""The LM head of the last stage: its output is the logits not yet made (`models.loss.HeadOutput`), which the loss
+makes tile by tile with itself, or whole for whoever asks for logits (`split_stats`). The untied head is a module with
+HF's `lm_head.weight`; a tied head is the embedding's module run with `tied_lm_head_forward` (DeepSpeed's
+`TiedLayerSpec`); tensor parallelism's heads (models/tensor_parallel.py) are the same with this rank's vocabulary rows.
+
+Model code only: no DeepSpeed, no distributed code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.loss import HeadOutput
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """transformers' final-logit soft-capping, `cap * tanh(logits / cap)` in its order of operations (None: none)."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+class LMHeadPipe(nn.Linear):
+    """Output projection. Keys: `weight` = HF `lm_head.weight`. Soft-caps the logits where the config says. Returns
+    the logits not yet made (`models.loss.HeadOutput`): the loss makes them tile by tile."""
+
+    def __init__(self, config):
+        super().__init__(config.hidden_size, config.vocab_size, bias=False)
+        self.logit_cap = getattr(config, "final_logit_softcapping", None)
+
+    def forward(self, hidden: torch.Tensor | tuple) -> HeadOutput | tuple:
+        return head_output(hidden, self)
+
+
+def with_stats(inputs: torch.Tensor | tuple, head) -> torch.Tensor | tuple:
+    """`head(hidden)`, and the router statistics passed on beside the logits when a model has experts."""
+    if isinstance(inputs, tuple):
+        hidden, stats = inputs
+        return head(hidden), stats
+    return head(inputs)
+
+
+def split_stats(outputs: HeadOutput | tuple, lazy: bool = False) -> tuple:
+    """(logits, router statistics or None) of the last stage's output; the whole logits unless `lazy`."""
+    logits, stats = outputs if isinstance(outputs, tuple) else (outputs, None)
+    return (logits.logits() if isinstance(logits, HeadOutput) and not lazy else logits), stats
+
+
+def tied_lm_head_forward(embedding: nn.Module, hidden: torch.Tensor | tuple) -> HeadOutput | tuple:
+    """LM head that reuses the (tied) input embedding's weight: `TiedLayerSpec.forward_fn`."""
+    return head_output(hidden, embedding)
+
+
+def head_output(inputs: torch.Tensor | tuple, head: nn.Module, enter=None) -> HeadOutput | tuple:
+    """The `HeadOutput` of `head` (its `weight` as output rows, soft-capped by its `logit_cap`) on the norm's output,
+    which `enter` prepares first (tensor parallelism gathers the sequence), and the router statistics beside."""
+
+    def logits(hidden):  # [..., H] -> [..., V]
+        return softcap(F.linear(hidden, head.weight), head.logit_cap)
+
+    def make(hidden):
+        return HeadOutput(enter(hidden) if enter else hidden, logits, head.weight.shape[0], (head.weight,))
+
+    return with_stats(inputs, make)
