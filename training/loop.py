@@ -55,6 +55,22 @@ def describe_failure(error: Exception, rank: int, step: int, timeout_minutes: fl
     return f"rank {rank}: step {step} failed: {cause} ({type(error).__name__}; traceback in {log_file})"
 
 
+def host_rss_bytes() -> int:
+    """This process's resident memory now (VmRSS; 0 where /proc is not)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+    except OSError:
+        return 0
+
+
+def host_peak_rss_bytes() -> int:
+    """This process's peak resident memory since it started (ru_maxrss)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -100,6 +116,7 @@ class Trainer:
         )
         while r.step < r.total_steps:
             lr = r.engine.get_lr()[0]
+            resident = host_rss_bytes()  # what the process holds before the step (weights, optimizer state, data)
             start = time.perf_counter()
             loss = self._train_step(data_iter)
             if cfg.moe.bias_update_rate:  # a skipped step (non-finite loss) balances nothing and forgets its loads
@@ -110,6 +127,7 @@ class Trainer:
             extra = self._router_metrics() if c.is_last else {}
             if cfg.objective == "dpo" and c.is_last:
                 extra.update(self._preference_metrics())
+            extra.update(rss_before_step_gib=resident / 2**30, peak_rss_gib=host_peak_rss_bytes() / 2**30)
             stop = not math.isfinite(loss) and cfg.nonfinite_loss != "skip"
             if not stop and ((cfg.save_steps and r.step % cfg.save_steps == 0) or r.step == r.total_steps):
                 extra["save_seconds"] = self.save()  # the time the loop was blocked
