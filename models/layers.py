@@ -203,16 +203,27 @@ class DecoderPipe:
         # Packed rows on SDPA: each document attended alone with the causal kernel (models/attention_masks.py), no
         # [S, S] mask; a layer with a window or chunks shorter than the row still takes the mask.
         self.by_document = options.packed and self.attn_implementation == "sdpa" and self.cp.size == 1
-        if self.by_document and not self.linear and not self.always_mask:
+        self.by_document = self.by_document and not self.linear and not self.always_mask
+        if self.by_document:
             register_document_attention()
             self.self_attn.config = copy.copy(self.self_attn.config)
             self.self_attn.config._attn_implementation = DOCUMENT_SDPA
-        else:
-            self.by_document = False
         if self.cp.size > 1:  # (refused for linear attention: training/validate.py)
             context_parallel.attach(self.self_attn, self.self_attn.config, self.cp, self.attn_implementation)
         if options.mlp_tiles > 1 and not sparse:
             context_parallel.tile_mlp(getattr(self, dense_mlp(config)), options.mlp_tiles)
+
+    def packed_mask_reason(self, seq: int) -> str | None:
+        """Why this block builds a dense [S, S] mask on packed rows of `seq` positions (None: it builds none; `_block`
+        decides by the same window, chunk and `by_document`)."""
+        if self.linear or self.attn_implementation == "flash_attention_2":
+            return None
+        bounds = (("a sliding window", self.window), ("chunked attention", self.chunk))
+        bounded = [why for why, size in bounds if size is not None and size < seq]
+        if bounded:
+            return " and ".join(bounded)
+        under_cp = " under context parallelism" if self.cp.size > 1 else ""
+        return None if self.by_document else f"{self.attn_implementation} attention{under_cp}"
 
     def keeps_fp32(self, name: str, dtype) -> bool:
         """What transformers keeps fp32 in `dtype` (`Family.keeps_fp32`), and the RoPE tables of rotary embeddings

@@ -89,31 +89,43 @@ def _trainable(head: HeadOutput) -> list[torch.Tensor]:
     return [p for p in head.params if p.requires_grad]
 
 
+def _tile_gradients(hidden, labels, tile, project, loss_fn, params, want_hidden: bool, grad=None):
+    """Each tile's loss and its gradients: (the hidden states' gradient or None, the trained `params`' fp32
+    gradients, the fp32 summed loss). `grad`: what each tile's loss is multiplied by (None: 1; a scalar for a summed
+    loss; [N] for per-token losses)."""
+    flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    trained = [p for p in params if p.requires_grad]
+    grad_hidden = torch.zeros_like(flat) if want_hidden else None
+    grad_params = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in trained]
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start, stop in _tiles(flat_labels, tile):
+        piece = flat[start:stop].detach().requires_grad_(want_hidden)
+        with torch.enable_grad():
+            loss = loss_fn(project(piece)[None], flat_labels[start:stop][None])
+            out = grad if grad is None or grad.dim() == 0 else grad.reshape(-1)[start:stop]
+            loss = loss.reshape(-1) if out is not None and out.dim() else loss
+            wrt = ([piece] if want_hidden else []) + trained
+            grads = list(torch.autograd.grad(loss, wrt, None if out is None else out.to(loss.dtype), allow_unused=True))
+        if want_hidden:
+            grad_hidden[start:stop] = grads.pop(0)
+        for acc, g in zip(grad_params, grads, strict=True):
+            if g is not None:
+                acc += g
+        total += loss.detach().float().sum()
+    return grad_hidden, grad_params, total
+
+
 class _TiledSummedLoss(torch.autograd.Function):
     """`loss(project(hidden), labels)` summed over tokens, tile by tile, every gradient taken in forward."""
 
     @staticmethod
     def forward(ctx, hidden, labels, tile, project, loss_fn, *params):
-        flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-        trained = [p for p in params if p.requires_grad]
-        grad_hidden = torch.zeros_like(flat) if hidden.requires_grad else None
-        grad_params = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in trained]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start, stop in _tiles(flat_labels, tile):
-            piece = flat[start:stop].detach().requires_grad_(hidden.requires_grad)
-            with torch.enable_grad():
-                loss = loss_fn(project(piece)[None], flat_labels[start:stop][None])
-                wrt = ([piece] if hidden.requires_grad else []) + trained
-                grads = list(torch.autograd.grad(loss, wrt, allow_unused=True))
-            if hidden.requires_grad:
-                grad_hidden[start:stop] = grads.pop(0)
-            for acc, grad in zip(grad_params, grads, strict=True):
-                if grad is not None:
-                    acc += grad
-            total += loss.detach().float()
+        grad_hidden, grad_params, total = _tile_gradients(
+            hidden, labels, tile, project, loss_fn, params, hidden.requires_grad
+        )
         ctx.save_for_backward(*([grad_hidden] if grad_hidden is not None else []), *grad_params)
         ctx.has_hidden, ctx.trained = grad_hidden is not None, [p.requires_grad for p in params]
-        ctx.shape, ctx.dtypes = hidden.shape, [p.dtype for p in trained]
+        ctx.shape, ctx.dtypes = hidden.shape, [p.dtype for p in params if p.requires_grad]
         return total
 
     @staticmethod
@@ -137,29 +149,16 @@ class _Recomputed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, labels, tile, project, loss_fn, summed, *params):
         ctx.save_for_backward(hidden, labels)
-        ctx.tile, ctx.project, ctx.loss_fn, ctx.summed, ctx.params = tile, project, loss_fn, summed, params
+        ctx.tile, ctx.project, ctx.loss_fn, ctx.params = tile, project, loss_fn, params
         return _losses(hidden, labels, tile, project, loss_fn, summed)
 
     @staticmethod
     def backward(ctx, grad):
         hidden, labels = ctx.saved_tensors
-        flat, flat_labels, flat_grad = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), grad.reshape(-1)
-        trained = [p for p in ctx.params if p.requires_grad]
-        grad_hidden = torch.zeros_like(flat) if ctx.needs_input_grad[0] else None
-        grad_params = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in trained]
-        for start, stop in _tiles(flat_labels, ctx.tile):
-            piece = flat[start:stop].detach().requires_grad_(grad_hidden is not None)
-            with torch.enable_grad():
-                loss = ctx.loss_fn(ctx.project(piece)[None], flat_labels[start:stop][None])
-                loss, out = (loss, grad) if ctx.summed else (loss.reshape(-1), flat_grad[start:stop])
-                wrt = ([piece] if grad_hidden is not None else []) + trained
-                grads = list(torch.autograd.grad(loss, wrt, out.to(loss.dtype), allow_unused=True))
-            if grad_hidden is not None:
-                grad_hidden[start:stop] = grads.pop(0)
-            for acc, g in zip(grad_params, grads, strict=True):
-                if g is not None:
-                    acc += g
-        done = iter(g.to(p.dtype) for g, p in zip(grad_params, trained, strict=True))
+        grad_hidden, grad_params, _ = _tile_gradients(
+            hidden, labels, ctx.tile, ctx.project, ctx.loss_fn, ctx.params, ctx.needs_input_grad[0], grad
+        )
+        done = iter(g.to(p.dtype) for g, p in zip(grad_params, (p for p in ctx.params if p.requires_grad), strict=True))
         params = [next(done) if p.requires_grad else None for p in ctx.params]
         out = grad_hidden.view(hidden.shape) if grad_hidden is not None else None
         return (out, None, None, None, None, None, *params)

@@ -238,15 +238,8 @@ def log_masked_layers(module, seq: int) -> None:
     attend each document alone, or by flash-attn's variable-length path)."""
     masked = {}
     for layer in module.modules():
-        if isinstance(layer, DecoderPipe) and not layer.linear and layer.attn_implementation != "flash_attention_2":
-            window = layer.window is not None and layer.window < seq
-            chunk = layer.chunk is not None and layer.chunk < seq
-            why = [w for w, on in (("a sliding window", window), ("chunked attention", chunk)) if on]
-            if not layer.by_document or why:
-                reason = " and ".join(why) or f"{layer.attn_implementation} attention" + (
-                    " under context parallelism" if layer.cp.size > 1 else ""
-                )
-                masked.setdefault(reason, []).append(block_index(layer))
+        if isinstance(layer, DecoderPipe) and (reason := layer.packed_mask_reason(seq)):
+            masked.setdefault(reason, []).append(block_index(layer))
     for reason, blocks in masked.items():
         logging.getLogger(__name__).info("packed rows: decoder blocks %s take a dense [S, S] mask (%s)", blocks, reason)
 

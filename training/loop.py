@@ -116,7 +116,8 @@ class Trainer:
         )
         while r.step < r.total_steps:
             lr = r.engine.get_lr()[0]
-            resident = host_rss_bytes()  # what the process holds before the step (weights, optimizer state, data)
+            # what the reporting rank holds before the step (weights, optimizer state, data)
+            resident = host_rss_bytes() if self.reporter is not None else 0
             start = time.perf_counter()
             loss = self._train_step(data_iter)
             if cfg.moe.bias_update_rate:  # a skipped step (non-finite loss) balances nothing and forgets its loads
@@ -127,7 +128,8 @@ class Trainer:
             extra = self._router_metrics() if c.is_last else {}
             if cfg.objective == "dpo" and c.is_last:
                 extra.update(self._preference_metrics())
-            extra.update(rss_before_step_gib=resident / 2**30, peak_rss_gib=host_peak_rss_bytes() / 2**30)
+            if self.reporter is not None:
+                extra.update(rss_before_step_gib=resident / 2**30, peak_rss_gib=host_peak_rss_bytes() / 2**30)
             stop = not math.isfinite(loss) and cfg.nonfinite_loss != "skip"
             if not stop and ((cfg.save_steps and r.step % cfg.save_steps == 0) or r.step == r.total_steps):
                 extra["save_seconds"] = self.save()  # the time the loop was blocked
