@@ -137,3 +137,85 @@ def test_dpo_log_probs_fused_with_the_head_equal_the_unfused_ones(loss_type):
 def test_the_default_tile_holds_about_256_mib_of_fp32_logits():
     assert default_tile(49_152) == 1024 and default_tile(128_256) == 512 and default_tile(262_144) == 256
     assert default_tile(32_000) == 2048 and default_tile(10_000_000) == 128
+
+
+def _tp_head_worker(rank: int, store: str, out: str) -> None:
+    """Rank `rank` of 2: the vocab-parallel head (tied and untied, soft-capped or not, with and without sequence
+    parallelism) on its half of a whole head's rows, the summed loss and DPO's loss fused and unfused; saves the
+    losses and the gradients of the rank's hidden states and head rows."""
+    import functools
+
+    import torch.distributed as dist
+
+    from models.tensor_parallel import (
+        TensorParallel,
+        TiedVocabParallelHead,
+        VocabParallelEmbeddingPipe,
+        VocabParallelLMHeadPipe,
+        token_cross_entropy_for,
+    )
+    from models.vocab_parallel_loss import vocab_parallel_cross_entropy
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        group, results = dist.new_group([0, 1]), {}
+        hidden, labels = _rows(torch.float32, batch=2, seq=12)  # 24 tokens: each tile recomputed in backward
+        whole = torch.randn(VOCAB + 1, HIDDEN, generator=torch.Generator().manual_seed(2))  # padded to 98 rows
+        for tied, cap, sp in [(t, c, s) for t in (False, True) for c in (None, 5.0) for s in (False, True)]:
+            config, tp = _config(cap, tied), TensorParallel(2, rank, group=group, sequence_parallel=sp)
+            if tied:
+                embedding = VocabParallelEmbeddingPipe(config, tp)
+                head, module = functools.partial(TiedVocabParallelHead(tp), embedding), embedding
+            else:
+                head = module = VocabParallelLMHeadPipe(config, tp)
+            module.weight.data.copy_(whole.chunk(2)[rank])
+            mine = hidden.detach().chunk(2, dim=1)[rank] if sp else hidden.detach()
+            ce, summed = token_cross_entropy_for(config, tp), functools.partial(vocab_parallel_cross_entropy, tp=tp)
+            extras, one = (labels, torch.tensor([-20.0]), torch.tensor(0.5), torch.tensor(0.1)), torch.tensor(1.0)
+            for name, fused, chunk in (("unfused", False, 0), ("fused", True, 5)):
+                x = mine.clone().requires_grad_()
+                losses = {
+                    "sum": CausalLMLoss(functools.partial(summed, vocab_size=VOCAB), chunk, fused)(
+                        head(x), (labels, one)
+                    ),
+                    "dpo": PreferenceLoss(PreferenceSettings(loss_type="sigmoid"), ce, chunk, fused)(head(x), extras),
+                }
+                for kind, loss in losses.items():
+                    grads = torch.autograd.grad(loss, (x, module.weight))
+                    results[tied, cap, sp, name, kind] = (loss.detach(), *grads)
+        torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+    import os
+
+    os._exit(0)  # (gloo's threads can abort the interpreter's teardown after the work is saved)
+
+
+def test_the_vocab_parallel_head_fused_with_the_loss_equals_the_unfused_one_and_the_whole_head(tmp_path):
+    """TP=2: the fused head and loss over this rank's vocabulary rows (the softmax's sums over TP inside each tile)
+    equal the unfused vocab-parallel path (whole local logits) on every rank, for the summed loss and DPO's, tied and
+    untied, soft-capped, with and without sequence parallelism; the summed loss and its gradients also equal one
+    process's on the whole head (fp32)."""
+    from tests.conftest import spawn_ranks
+
+    ranks = [torch.load(o, weights_only=True) for o in spawn_ranks(_tp_head_worker, tmp_path)]
+    hidden, labels = _rows(torch.float32, batch=2, seq=12)
+    whole = torch.randn(VOCAB + 1, HIDDEN, generator=torch.Generator().manual_seed(2))
+    for tied, cap, sp, name, kind in ranks[0]:
+        if name != "fused":
+            continue
+        for rank in ranks:  # fused against unfused, on each rank
+            for got, want in zip(rank[tied, cap, sp, "fused", kind], rank[tied, cap, sp, "unfused", kind], strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        if kind != "sum":
+            continue
+        x, w = hidden.detach().clone().requires_grad_(), whole[:VOCAB].clone().requires_grad_()
+        loss = CausalLMLoss(fused=False)(softcap(x @ w.T, cap), (labels, torch.tensor(1.0)))
+        want_x, want_w = torch.autograd.grad(loss, (x, w))
+        got = [rank[tied, cap, sp, "fused", kind] for rank in ranks]
+        torch.testing.assert_close(got[0][0], loss.detach(), rtol=1e-6, atol=1e-5)
+        got_x = torch.cat([g[1] for g in got], dim=1) if sp else got[0][1]
+        torch.testing.assert_close(got_x, want_x, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.cat([g[2] for g in got])[:VOCAB], want_w, rtol=1e-5, atol=1e-6)
+        assert not torch.cat([g[2] for g in got])[VOCAB:].any()  # the padded row takes no gradient
