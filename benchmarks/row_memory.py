@@ -1,7 +1,6 @@
 """Memory and step time of one long row through `trainer.py`, one rank: one document against packed documents.
 
     python -m benchmarks.row_memory --work /tmp/rowbench [--lengths 4096,16384] [--fused true,false] [--check 16384]
-        [--window 4096]
 
 The model of issue 61: a random LLaMA (hidden 64, 4 layers, 4 heads, vocabulary 49,152; a small SentencePiece
 tokenizer, so the ids stay below its 200 pieces while the head keeps 49,152 rows), every block recomputed, fp32,
@@ -9,8 +8,7 @@ micro-batch 1, 2 steps (`--steps`). For each row length L: a file of identical d
 the first L tokens of one), and a file of documents of about L/16 tokens packed into rows of L
 (`data.packing=true`). Each launch reports, from metrics.jsonl, the resident memory before the last step (weights,
 AdamW's state, the data: what the process holds between steps), the peak resident memory of the process
-(ru_maxrss), and the last step's time. `--window W`: the same shape as Mistral (`mistral`, a sliding window of W
-positions in every layer).
+(ru_maxrss), and the last step's time.
 
 `--check L`: step 1's loss on the one-document rows against transformers' model on the trainer's own first batch
 (benchmarks/plain_loop.py, fp32, the whole logits: about 10 GB at 16,384 tokens).
@@ -31,11 +29,11 @@ VOCAB, HIDDEN, LAYERS, HEADS = 49_152, 64, 4, 4
 WORDS = "the quick brown fox jumps over a lazy dog while pipelines train language models fast".split()
 
 
-def build(work: str, longest: int, window: int = 0) -> str:
-    """The model (with its tokenizer) under `work`, built once; a Mistral with a sliding `window` if given."""
+def build(work: str, longest: int) -> str:
+    """The model (with its tokenizer) under `work`, built once."""
     from tools.tiny_models import make_hf_model, make_sp_tokenizer, tiny_config
 
-    hf = os.path.join(work, f"hf-window-{window}" if window else "hf")
+    hf = os.path.join(work, "hf")
     if not os.path.exists(os.path.join(hf, "config.json")):
         rng = random.Random(0)
         texts = [" ".join(rng.choice(WORDS) for _ in range(200)) for _ in range(200)]
@@ -43,9 +41,7 @@ def build(work: str, longest: int, window: int = 0) -> str:
         fields = dict(num_hidden_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=HIDDEN * 8 // 3)
         fields |= dict(num_attention_heads=HEADS, num_key_value_heads=HEADS, vocab_size=VOCAB)
         positions = max(longest, 1 << 17)  # one model for every length measured
-        family = dict(model_type="mistral", sliding_window=window) if window else dict(model_type="llama")
-        config = tiny_config(**family, **fields, max_position_embeddings=positions)
-        make_hf_model(hf, config, tokenizer_dir=tokenizer)
+        make_hf_model(hf, tiny_config("llama", **fields, max_position_embeddings=positions), tokenizer_dir=tokenizer)
     return hf
 
 
@@ -91,12 +87,11 @@ def main() -> None:
     p.add_argument("--packed", default="false,true", help="comma-separated: one document (false), packed (true)")
     p.add_argument("--check", type=int, default=0, help="a length whose step-1 loss is checked against transformers")
     p.add_argument("--steps", type=int, default=2, help="1: the figures of the first step (no AdamW state yet)")
-    p.add_argument("--window", type=int, default=0, help="a Mistral with this sliding window (0: the LLaMA)")
     args = p.parse_args()
     sys.path.insert(0, REPO)
     os.makedirs(args.work, exist_ok=True)
     lengths = [int(x) for x in args.lengths.split(",")]
-    hf = build(args.work, max(lengths), args.window)
+    hf = build(args.work, max(lengths))
     flags = lambda text: [x.strip() == "true" for x in text.split(",")]  # noqa: E731
     print(
         f"{'tokens':>7} {'rows':>9} {'fused':>6} {'before GiB':>11} {'peak GiB':>9} {'peak/before':>12} {'step s':>7}"

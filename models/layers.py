@@ -24,7 +24,6 @@ The modules subclass the family's transformers classes so their state_dict keys 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import inspect
@@ -38,7 +37,6 @@ from models.attention_masks import (
     DOCUMENT_SDPA,
     attention_mask,
     document_starts,
-    document_temperature,
     flash_varlen_kwargs,
     register_document_attention,
 )
@@ -151,11 +149,10 @@ class DecoderPipe:
     Keys: the suffixes of HF `model.layers.{b}.*`. Unpacked rows are right-padded and padded positions
     carry ignored labels, so a plain causal mask is exact for every scored token: no padding mask
     needs to cross stages. SDPA and flash-attn get `attention_mask=None` and apply causality themselves
-    (their fast path); eager attention gets an additive mask built here. On SDPA, packed rows, sliding windows
-    (Mistral; Qwen2/3 layers marked "sliding_attention") and chunks (Llama 4's) shorter than the row attend each
-    document and chunk alone with the causal kernel, windows by bands of queries
-    (`models.attention_masks.sdpa_by_document`): no [S, S] mask, except under context parallelism or where the
-    family's attention reads the mask; flash-attn gets `cu_seqlens` for packed rows and applies the window itself.
+    (their fast path); eager attention gets an additive mask built here. Packed rows on SDPA attend each
+    document alone with the causal kernel (`models.attention_masks.sdpa_by_document`: no [S, S] mask); sliding
+    windows (Mistral; Qwen2/3 layers marked "sliding_attention") and chunks shorter than the row, and packed rows
+    on eager, get an explicit mask; flash-attn gets `cu_seqlens` for packed rows and applies the window itself.
     """
 
     def __init__(self, config, layer_idx: int, options: DecoderOptions | None = None, ep=None):
@@ -203,10 +200,9 @@ class DecoderPipe:
         self.window = None if self.linear else sliding_window(config, self.self_attn)
         self.chunk = attention_chunk(config, layer_idx)
         self.cp = options.context
-        # Packed rows, windows and chunks on SDPA: each document and chunk attended alone with the causal kernel, a
-        # window by bands (models/attention_masks.py), no [S, S] mask.
-        bounded = options.packed or self.window is not None or self.chunk is not None
-        self.by_document = bounded and self.attn_implementation == "sdpa" and self.cp.size == 1
+        # Packed rows on SDPA: each document attended alone with the causal kernel (models/attention_masks.py), no
+        # [S, S] mask; a layer with a window or chunks shorter than the row still takes the mask.
+        self.by_document = options.packed and self.attn_implementation == "sdpa" and self.cp.size == 1
         self.by_document = self.by_document and not self.linear and not self.always_mask
         if self.by_document:
             register_document_attention()
@@ -217,17 +213,17 @@ class DecoderPipe:
         if options.mlp_tiles > 1 and not sparse:
             context_parallel.tile_mlp(getattr(self, dense_mlp(config)), options.mlp_tiles)
 
-    def dense_mask_reason(self, seq: int) -> str | None:
-        """Why this block builds a dense [S, S] mask on rows of `seq` positions (None: it builds none; `_block` decides
-        by the same window, chunk and `by_document`)."""
+    def packed_mask_reason(self, seq: int) -> str | None:
+        """Why this block builds a dense [S, S] mask on packed rows of `seq` positions (None: it builds none; `_block`
+        decides by the same window, chunk and `by_document`)."""
         if self.linear or self.attn_implementation == "flash_attention_2":
             return None
-        if self.attn_implementation == "eager" or self.always_mask:
-            return "eager attention" if not self.always_mask else f"{self.model_config.model_type}'s attention reads it"
-        bounded = self.options.packed or any(size is not None and size < seq for size in (self.window, self.chunk))
-        return (
-            f"{self.attn_implementation} attention under context parallelism" if bounded and self.cp.size > 1 else None
-        )
+        bounds = (("a sliding window", self.window), ("chunked attention", self.chunk))
+        bounded = [why for why, size in bounds if size is not None and size < seq]
+        if bounded:
+            return " and ".join(bounded)
+        under_cp = " under context parallelism" if self.cp.size > 1 else ""
+        return None if self.by_document else f"{self.attn_implementation} attention{under_cp}"
 
     def keeps_fp32(self, name: str, dtype) -> bool:
         """What transformers keeps fp32 in `dtype` (`Family.keeps_fp32`), and the RoPE tables of rotary embeddings
@@ -304,18 +300,17 @@ class DecoderPipe:
         window = self.window if self.window is not None and self.window < seq else None
         chunk = self.chunk if self.chunk is not None and self.chunk < seq else None
         mask, extra = None, {}
-        attn, offset = getattr(self, "self_attn", None), self.cp.rank * (seq // self.cp.size)
-        tuned = getattr(attn, "attn_temperature_tuning", False) and not attn.use_rope  # Llama 4's NoPE layers
         if self.cp.size > 1:
             self.self_attn.shard_positions = local_positions  # Ulysses reads them (models/context_parallel.py)
-            if tuned:
-                extra["past_key_values"] = context_parallel.ShardOffset(offset)
+            attn = self.self_attn
+            if getattr(attn, "attn_temperature_tuning", False) and not attn.use_rope:  # Llama 4's NoPE layers
+                extra["past_key_values"] = context_parallel.ShardOffset(self.cp.rank * (seq // self.cp.size))
         if self.linear:  # rows are right-padded: a causal recurrence never reads the padding into a real position
             pass
         elif self.attn_implementation == "flash_attention_2":
             extra.update(flash_varlen_kwargs(position_ids) if packed else {})
-        elif self.by_document and (packed or window is not None or chunk is not None):
-            extra.update(starts=document_starts(position_ids, chunk), window=window)
+        elif self.by_document and window is None and chunk is None:
+            extra["starts"] = document_starts(position_ids)
         elif (
             packed or window is not None or chunk is not None or self.attn_implementation == "eager" or self.always_mask
         ):
@@ -327,10 +322,9 @@ class DecoderPipe:
             # one per row, as transformers' masks are (a view): DeepSeek-V4's compressors append theirs
             mask = mask.expand(hidden.shape[0], *mask.shape[1:])
         kwargs, context = self.carry.kwargs(self, hidden, carried)  # what it reads of the carry (models/carry.py)
-        inputs = dict(attention_mask=mask, position_ids=local_positions, position_embeddings=cos_sin, **extra)
-        # (packed rows: a NoPE layer's temperature counts each document's positions from its start)
-        with document_temperature(attn, local_positions, offset) if tuned and packed else contextlib.nullcontext():
-            out = super().forward(hidden, **inputs, **kwargs)
+        out = super().forward(
+            hidden, attention_mask=mask, position_ids=local_positions, position_embeddings=cos_sin, **extra, **kwargs
+        )
         return self.carry.finish(out, kwargs, context)  # (hidden [B, S, H], the carried tensors it made)
 
 

@@ -170,117 +170,20 @@ def test_recomputed_block_equals_the_stored_one():
 
 
 def test_the_log_names_the_layers_that_take_a_dense_mask(caplog):
-    """SDPA attends documents and windows shorter than the row without a dense mask: nothing is logged; eager
-    attention builds one, and the log says which blocks and why, for packed rows and plain ones."""
+    """Packed rows: the decoder blocks whose window is shorter than the row take the [S, S] mask, and the log says
+    which and why; the others attend each document alone."""
     import logging
 
     from training.engine import log_masked_layers
 
     config = tiny_config("mistral", sliding_window=6)
     config._attn_implementation = "sdpa"
-    sdpa = torch.nn.ModuleList(decoder_layer_class("mistral")(config, i, DecoderOptions(packed=True)) for i in range(2))
-    assert all(block.by_document for block in sdpa)
-    config._attn_implementation = "eager"
-    eager = torch.nn.ModuleList(decoder_layer_class("mistral")(config, i, DecoderOptions()) for i in range(2))
+    options = DecoderOptions(packed=True)
+    blocks = torch.nn.ModuleList(decoder_layer_class("mistral")(config, i, options) for i in range(2))
+    assert all(block.by_document for block in blocks)
     with caplog.at_level(logging.INFO, logger="training.engine"):
-        log_masked_layers(sdpa, 16, packed=True)
-        log_masked_layers(eager, 16, packed=False)
+        log_masked_layers(blocks, 16)
+        log_masked_layers(blocks, 6)  # the window covers the row: no mask
     assert [r.getMessage() for r in caplog.records] == [
-        "decoder blocks [0, 1] take a dense [S, S] mask (eager attention)"
+        "packed rows: decoder blocks [0, 1] take a dense [S, S] mask (a sliding window)"
     ]
-
-
-WINDOWED = {  # a window or chunk of 4 positions, shorter than every document but one
-    "mistral": dict(sliding_window=4),
-    "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),  # (block 0 full, 1-3 sliding)
-    "gemma3_text": dict(sliding_window=4),
-    "llama4_text": dict(attention_chunk_size=4, num_key_value_heads=2),
-}
-
-
-def pipeline_logits(config, state: dict, ids: torch.Tensor, position_ids: torch.Tensor, options) -> torch.Tensor:
-    """The pipeline's layers in one process (embedding, decoder blocks, head) on rows with their position ids."""
-    from models.head import split_stats, tied_lm_head_forward
-    from models.key_table import all_layer_keys
-    from models.layers import build_layer
-    from models.pipe_layout import pipe_layers
-
-    keys, modules = all_layer_keys(config), []
-    for layer in [x for x in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings) if x.has_file]:
-        modules.append(module := build_layer(layer, config, options))
-        module.load_state_dict({ours: state[hf] for ours, hf in keys[layer.index].items()})
-    x = (ids, position_ids)
-    for module in modules:
-        x = module(x)
-    return split_stats(tied_lm_head_forward(modules[0], x) if config.tie_word_embeddings else x)[0]
-
-
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "rows"])
-@pytest.mark.parametrize("family", list(WINDOWED))
-def test_windows_chunks_and_documents_attend_as_transformers_without_a_dense_mask(
-    family, packed, tmp_path, monkeypatch
-):
-    """SDPA on sliding windows (Mistral's every layer, Qwen2's and Gemma 3's sliding layers) and Llama 4's chunks,
-    on packed rows and plain ones: no [S, S] mask is built, and every document's logits equal transformers' model on
-    that document alone, row by row (fp32)."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.hub_extras import hf_state
-
-    monkeypatch.setattr("models.layers.attention_mask", lambda *a, **k: pytest.fail("a dense mask was built"))
-    monkeypatch.setattr("models.attention_masks.BAND_QUERIES", 3)  # several bands a document
-    config = tiny_config(family, **WINDOWED[family])
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
-    lengths = [11, 3, 9] if packed else [11, 11]
-    ids = torch.randint(3, config.vocab_size, (sum(lengths),), generator=torch.Generator().manual_seed(1))
-    documents = list(ids.split(lengths))
-    if packed:  # one row of 24: the documents end to end, position ids restarting, one padding position
-        row, positions = (
-            torch.cat([ids, torch.zeros(1, dtype=ids.dtype)])[None],
-            torch.cat([torch.arange(n) for n in [*lengths, 1]])[None],
-        )
-    else:  # two rows, one document each, right-padded to 13
-        row = torch.stack([torch.cat([d, torch.zeros(2, dtype=d.dtype)]) for d in documents])
-        positions = torch.arange(13).expand(2, 13)
-    with torch.no_grad():
-        ours = pipeline_logits(config, hf_state(str(tmp_path)), row, positions, DecoderOptions(packed=packed))
-        at = 0
-        for i, doc in enumerate(documents):
-            want = hf(input_ids=doc[None]).logits[0]
-            got = ours[0, at : at + len(doc)] if packed else ours[i, : len(doc)]
-            at += len(doc)
-            torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
-
-
-@pytest.mark.parametrize("window,chunk", [(5, None), (None, 4), (None, None), (5, 4)])
-def test_segments_and_bands_equal_the_dense_mask_and_its_gradients(window, chunk, monkeypatch):
-    """`sdpa_by_document` (each document and chunk alone, windows by bands of queries, GQA's key heads as they are)
-    against transformers' SDPA under the dense mask of the same kind (`attention_mask`): outputs and the gradients
-    of queries, keys and values within fp32 rounding, on packed rows of several documents."""
-    from types import SimpleNamespace
-
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from models.attention_masks import attention_mask, document_starts, sdpa_by_document
-
-    monkeypatch.setattr("models.attention_masks.BAND_QUERIES", 4)
-    module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
-    position_ids = torch.cat([torch.arange(n) for n in (13, 2, 17)]).view(1, 32).repeat(2, 1)
-    position_ids[1] = torch.cat([torch.arange(n) for n in (20, 12)])
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, h, 32, 8, generator=g, requires_grad=True) for h in (4, 2, 2))
-    upstream = torch.randn(2, 32, 4, 8, generator=g)
-    outputs = []
-    for attend in ("dense", "segments"):
-        if attend == "dense":
-            mask = attention_mask(position_ids, True, window, chunk)
-            out = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)[0]
-        else:
-            starts = document_starts(position_ids, chunk)
-            out = sdpa_by_document(module, q, k, v, None, starts=starts, window=window, scaling=0.3)[0]
-        outputs.append((out, *torch.autograd.grad((out * upstream).sum(), (q, k, v))))
-    for dense, segments in zip(*outputs, strict=True):
-        torch.testing.assert_close(segments, dense, rtol=1e-5, atol=1e-6)

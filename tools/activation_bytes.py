@@ -12,7 +12,6 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from models.attention_masks import BAND_QUERIES
 from models.carry import carried_bytes, per_layer_input_bytes, stand_ins
 from models.families import attention_chunk, family_of, is_linear_attention, is_sparse_layer, residual_streams
 from models.layer_config import layer_attr
@@ -81,8 +80,7 @@ def layer_activation_bytes(
     here: attention's kernel keeps q, k, v, its output and the log-sum-exp per head (flash-attn's and SDPA's fused
     kernels; eager attention is the family's own, measured, except under context parallelism, where its
     probabilities count heads x S per token; packed rows add the mask, S per token, where a layer builds it:
-    `keeps_mask`, and SDPA's segments their outputs, where a layer attends by documents, chunks or window bands:
-    `bounds`); a sparse block's
+    `keeps_mask`); a sparse block's
     experts and router (`sparse_mlp_bytes`); a `tiled` dense MLP (`model.mlp_tiles`) keeps only its input.
     Context parallelism: `s` is this rank's S/C positions of a `row` of S; Ulysses' attention holds all S positions
     of heads / C, the same bytes as S/C positions of every head, but eager's probabilities (heads / C x S x S) and
@@ -101,37 +99,25 @@ def layer_activation_bytes(
             per_token += heads / tp * row * act_bytes
         if packed and keeps_mask(config, block, attn, row, s):
             per_token += row * (row / s) * act_bytes
-        elif (
-            attn == "sdpa"
-            and not keeps_mask(config, block, attn, row, s)
-            and (packed or any(bounds(config, block, row)))
-        ):
-            # each document, chunk and window band alone (`sdpa_by_document`): their outputs kept beside the joined one,
-            # and a window's one band mask (`band_mask`, in the activations' dtype)
-            if (window := bounds(config, block, row)[0]) is not None:
-                span = min(BAND_QUERIES, row)
-                per_token += span * (span + window - 1) * act_bytes / (b * s)
-            head_dim = layer_attr(config, block, "head_dim") or config.hidden_size // heads
+        elif packed and attn == "sdpa":  # each document alone (`sdpa_by_document`): the documents' outputs are kept
+            head_dim = layer_attr(config, block, "head_dim") or config.hidden_size // heads  # beside the joined one
             per_token += heads / tp * head_dim * act_bytes
     return b * s * per_token
 
 
 def keeps_mask(config, block: int, attn: str, row: int, s: int) -> bool:
-    """Whether decoder block `block` builds the [S, S] mask on packed rows (models/layers.py `dense_mask_reason`):
-    eager always, SDPA under context parallelism (`row` > `s`) or where the family's attention reads the mask;
-    otherwise SDPA attends each document, chunk and window band alone, and flash-attn takes `cu_seqlens`."""
+    """Whether decoder block `block` builds the [S, S] mask on packed rows (models/layers.py): eager always; SDPA
+    only where a sliding window or chunk shorter than the row bounds it, where the family always takes a mask, or
+    under context parallelism (`row` > `s`), else each document is attended alone; flash-attn never."""
     if attn == "flash_attention_2":
         return False
-    return attn == "eager" or row != s or family_of(config).always_mask
-
-
-def bounds(config, block: int, row: int) -> tuple[int | None, int | None]:
-    """(window, chunk) of decoder block `block`'s attention where shorter than the `row` (None where not)."""
+    if attn == "eager" or row != s or family_of(config).always_mask:
+        return True
     types = getattr(config, "layer_types", None) or ()
     sliding = family_of(config).window_everywhere or (block < len(types) and types[block] == "sliding_attention")
     window = getattr(config, "sliding_window", None) if sliding else None
     chunk = attention_chunk(config, block)
-    return tuple(x if x is not None and x < row else None for x in (window, chunk))
+    return (window is not None and window < row) or (chunk is not None and chunk < row)
 
 
 def transient_bytes(config, b: int, s: int) -> float:
@@ -182,7 +168,6 @@ def measured_block_bytes(
         attention.config = copy.copy(attention.config)
         attention.config._attn_implementation = "eager" if eager else FUSED_KERNEL
         module.attn_implementation = "eager" if eager else FUSED_KERNEL  # eager: the additive mask built
-        module.by_document = False  # (SDPA's documents, chunks and window bands: `layer_activation_bytes` counts them)
     moe = family_of(config).moe
     stand_in = is_sparse_layer(config, block) or tiled
     experts = module.moe_block().experts if is_sparse_layer(config, block) else None

@@ -223,8 +223,8 @@ def build_module(
         dual=cfg.pipeline_schedule == "dualpipev",
         ep=ExpertParallel(cfg.expert_parallel_size),
     )
-    if coords.rank == 0:
-        log_masked_layers(module, cfg.seq_length, cfg.data.documents_share_rows)
+    if cfg.data.documents_share_rows and coords.rank == 0:
+        log_masked_layers(module, cfg.seq_length)
     # Saved with the engine state (ZeRO-1 moves); a fused q/k/v projection's widths depend on the TP degree.
     module.universal_checkpoint_info = universal_info(model_config, cfg.tensor_parallel_size)
     if not skip_init:
@@ -233,16 +233,15 @@ def build_module(
     return module
 
 
-def log_masked_layers(module, seq: int, packed: bool) -> None:
-    """Name the decoder blocks of this stage that build a dense [S, S] mask, and why (the others attend without one:
-    SDPA's causal kernel on each document, chunk and window band, or flash-attn's)."""
+def log_masked_layers(module, seq: int) -> None:
+    """Name the decoder blocks of this stage that build a dense [S, S] mask on packed rows, and why (the others
+    attend each document alone, or by flash-attn's variable-length path)."""
     masked = {}
     for layer in module.modules():
-        if isinstance(layer, DecoderPipe) and (reason := layer.dense_mask_reason(seq)):
+        if isinstance(layer, DecoderPipe) and (reason := layer.packed_mask_reason(seq)):
             masked.setdefault(reason, []).append(block_index(layer))
-    rows = "packed rows: " if packed else ""
     for reason, blocks in masked.items():
-        logging.getLogger(__name__).info("%sdecoder blocks %s take a dense [S, S] mask (%s)", rows, blocks, reason)
+        logging.getLogger(__name__).info("packed rows: decoder blocks %s take a dense [S, S] mask (%s)", blocks, reason)
 
 
 def keep_buffer_dtypes(engine) -> None:
