@@ -15,57 +15,19 @@ from __future__ import annotations
 
 import json
 
+from data.chat import chat_spans, targets_from_spans
 from data.errors import DataError
 from schema.data import DataConfig
 
 
-def apply_template(tokenizer, messages, what: str, **kwargs):
-    """`tokenizer.apply_chat_template(messages, **kwargs)`; KeyError in one line when the template refuses `what`."""
-    try:
-        return tokenizer.apply_chat_template(messages, **kwargs)
-    except Exception as e:  # noqa: BLE001 - jinja's TemplateError, or what the template itself raises
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise KeyError(f"the tokenizer's chat template refused this {what}: {reason}") from None
-
-
-def encode_messages(messages, tokenizer) -> tuple[list[int], list[bool]]:
-    """A chat rendered with the tokenizer's chat template; targets: the assistant turns only.
-
-    The whole conversation is rendered once and tokenized once, exactly as inference tokenizes it
-    (`tokenizer(rendered, add_special_tokens=False)`, what `apply_chat_template(tokenize=True)` does),
-    so training sees the token sequence serving produces. Each assistant turn's target is the text the
-    template writes after the assistant header: the conversation up to that turn rendered with
-    `add_generation_prompt=True` is its context, the rendering including the turn ends it. A token is a
-    target when its characters (the tokenizer's offsets) fall inside such a span; a token straddling a
-    boundary belongs to the span it overlaps. Templates must render a conversation's prefix as a prefix
-    of the whole (every common one does); one that does not is reported, as is a tokenizer without offsets.
-    """
-    if not isinstance(messages, list) or not messages:
-        raise KeyError("'messages' must be a non-empty list of {role, content} objects")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise KeyError("every message needs a string 'role' and a string 'content'")
-        check_unicode(m["content"], f"messages[{i}].content")
-    if not getattr(tokenizer, "chat_template", None):
-        raise KeyError("rows with 'messages' need a tokenizer with a chat template (tokenizer_config.json)")
-
-    def render(turns, generation_prompt=False) -> str:
-        if not turns:
-            return ""
-        return apply_template(tokenizer, turns, "conversation", tokenize=False, add_generation_prompt=generation_prompt)
-
-    text = render(messages)
-    spans = []  # [start, end) character spans of the assistant turns in `text`
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        context, upto = render(messages[:i], generation_prompt=True), render(messages[: i + 1])
-        if not (upto.startswith(context) and text.startswith(upto)):
-            raise KeyError("the chat template does not render a conversation's start as a prefix of the whole")
-        if len(upto) > len(context):
-            spans.append((len(context), len(upto)))
-    if not spans:
-        raise KeyError("conversation has no assistant turn to learn from")
+def encode_messages(messages, tokenizer, cfg: DataConfig | None = None) -> tuple[list[int], list[bool]]:
+    """A chat rendered with the chat template once and tokenized once, exactly as inference tokenizes it
+    (`tokenizer(rendered, add_special_tokens=False)`, what `apply_chat_template(tokenize=True)` does); targets: the
+    assistant turns as they stand in that rendering (`data.train_on`: all of them or the last), found by
+    data/chat.py's rules. A tokenizer without character offsets, or one whose offsets lose characters, is refused."""
+    cfg = cfg or DataConfig()
+    check_messages(messages)
+    text, spans = chat_spans(messages, tokenizer, cfg)
     try:
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     except (NotImplementedError, TypeError, ValueError):
@@ -75,13 +37,20 @@ def encode_messages(messages, tokenizer) -> tuple[list[int], list[bool]]:
         ) from None
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
     check_offsets(text, offsets)
+    return list(ids), targets_from_spans(offsets, spans)
 
-    def is_target(start: int, end: int) -> bool:
-        if start == end:  # zero-width (e.g. a trimmed offset): the span its position falls in
-            return any(s <= start < e for s, e in spans)
-        return any(start < e and end > s for s, e in spans)
 
-    return list(ids), [is_target(start, end) for start, end in offsets]
+def check_messages(messages) -> None:
+    """KeyError unless `messages` is a non-empty list of {role, content} (content may be absent with tool_calls)."""
+    if not isinstance(messages, list) or not messages:
+        raise KeyError("'messages' must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if content is None and isinstance(m, dict) and m.get("tool_calls"):
+            content = ""
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
+            raise KeyError("every message needs a string 'role' and a string 'content'")
+        check_unicode(content, f"messages[{i}].content")
 
 
 def check_tool_turns(messages: list[dict], template) -> None:
@@ -189,7 +158,7 @@ def encode_row(row: dict, tokenizer, cfg: DataConfig) -> tuple[list[int], list[b
     """Token ids and, per token, whether it is a target (predicted from the tokens before it). KeyError: a bad row."""
     kind = row_kind(row, cfg)
     if kind == "messages":
-        return encode_messages(row[cfg.messages_key], tokenizer)
+        return encode_messages(row[cfg.messages_key], tokenizer, cfg)
     _check_strings(row, kind, cfg)
     if kind == "pair":
         p = tokenizer(row[cfg.prompt_key])["input_ids"]
@@ -245,7 +214,7 @@ def encode_rows(
     for i, kind in enumerate(kinds):
         if kind == "messages":
             try:
-                out[i] = encode_messages(rows[i][1][cfg.messages_key], tokenizer)
+                out[i] = encode_messages(rows[i][1][cfg.messages_key], tokenizer, cfg)
             except KeyError as e:
                 raise DataError(f"{rows[i][0]}: {e.args[0]}") from None
     if lost is not None:

@@ -15,7 +15,7 @@ lists, with a `prompt` message list or without one (the turns both share are the
 
 from __future__ import annotations
 
-from data.encode import apply_template
+from data.chat import apply_template
 from data.errors import DataError
 from schema.data import SEQUENCES_PER_PAIR
 

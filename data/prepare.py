@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 
 from common.hub import HubError, resolve
+from data.chat import configure_chat_template
 from data.dataset import cache_root
 from data.errors import DataError
 from data.open_dataset import open_dataset
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("data.cache_dir='' keeps tokenized data only for one run: nothing to prepare")
         cache, _ = cache_root(d.cache_dir, cfg.output_dir)
         names = [resolve(p, k, cfg.model_revision, weights=False) for k, p in tokenizer_sources(cfg)]
-        tokenizer, _ = configured_tokenizer(*names)
+        tokenizer = configure_chat_template(configured_tokenizer(*names)[0], d)
         files = [(cfg.train_file, True)] if cfg.do_train else []
         files += [(cfg.eval_file, False)] if evaluating(cfg) else []
         if not files:

@@ -78,6 +78,10 @@ def tokenizer_identity(tokenizer) -> dict:
     }
 
 
+# What chat and pair rows' tokens and targets also depend on (data.chat_template acts through the tokenizer's).
+CHAT_KEYS = ("train_on", "chat_template_kwargs", "chosen_key", "rejected_key")
+
+
 def store_key(
     path: str, tokenizer, cfg: DataConfig, truncate: int | None, concat: bool, pairs: bool = False
 ) -> tuple[str, dict]:
@@ -101,6 +105,9 @@ def store_key(
     }
     if pairs:  # (only then: the names of other stores stay what they were)
         key["pairs"] = True
+    chat = {k: getattr(cfg, k) for k in CHAT_KEYS if getattr(cfg, k) != getattr(DataConfig(), k)}
+    if chat:  # chat and pair settings that differ from the defaults (stores of the defaults keep their names)
+        key["chat"] = {k: v if isinstance(v, dict) else str(v) for k, v in chat.items()}
     formats = {k: str(getattr(cfg, k)) for k in FORMAT_KEYS if getattr(cfg, k) != getattr(DataConfig, k)}
     if formats:  # alpaca / ShareGPT settings that differ from the defaults (the same rule)
         key["formats"] = formats

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from schema.choice import Choice
 
@@ -16,12 +17,23 @@ class DataFormat(Choice):
     sharegpt = "sharegpt"  # LLaMA-Factory's ShareGPT: conversations of {from, value}
 
 
+class TrainOn(Choice):
+    all_assistant_turns = "all_assistant_turns"  # every assistant turn of a chat row is a target
+    last_assistant_turn = "last_assistant_turn"  # only the last one (the earlier turns are context)
+
+
 @dataclass
 class DataConfig:
     text_key: str = "text"  # the column of plain-text rows (every token a target)
     prompt_key: str = "prompt"  # the column of a prompt (no targets) ...
     response_key: str = "response"  # ... and of its response (the targets)
     messages_key: str = "messages"  # chat rows: [{role, content}, ...] rendered with the tokenizer's chat template
+    train_on: TrainOn = TrainOn.all_assistant_turns  # chat rows: which assistant turns are targets
+    chat_template: str | None = None  # a Jinja file or the template itself, instead of the tokenizer's own
+    # Passed to the chat template on every rendering (e.g. {enable_thinking: false} for Qwen3's and Qwen3.5's).
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    chosen_key: str = "chosen"  # preference pairs: the preferred completion (a string or messages)
+    rejected_key: str = "rejected"  # ... the other one
     format: DataFormat = DataFormat.auto  # how files are read; auto: detected per file (docs/training.md)
     instruction_key: str = "instruction"  # alpaca: the user turn is instruction + "\n" + input
     input_key: str = "input"  # alpaca: left out of the user turn when empty

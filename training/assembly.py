@@ -18,6 +18,7 @@ from checkpoint.hf_reader import is_hf_dir
 from checkpoint.names import CARRIED_FILE, CONTAINER_CONFIG, LORA_FILE
 from checkpoint.saves import clean_stale, read_tag, written_saves
 from common.hub import is_hub_id, resolve_once
+from data.chat import configure_chat_template
 from data.collator import CausalLMCollator
 from data.pair_dataset import PairCollator
 from data.sources import hub_dataset, is_hub_dataset, paths_of
@@ -119,6 +120,7 @@ def _tokenizer(cfg: TrainConfig, vocab_size: int):
     try:
         tokenizer, where = configured_tokenizer(cfg.tokenizer_name_or_path, cfg.model_name_or_path)
         check_tokenizer_fits(len(tokenizer), vocab_size, where)
+        configure_chat_template(tokenizer, cfg.data)
     except ValueError as e:
         raise _user_error(e) from None
     return tokenizer
