@@ -96,20 +96,16 @@ def _alpaca(row: dict, cfg: DataConfig, pairs: bool) -> dict:
     query = [_string(row, cfg.instruction_key, "alpaca"), _string(row, cfg.input_key, "alpaca", required=False)]
     messages.append({"role": "user", "content": "\n".join(q for q in query if q)})
     if pairs:
-        chosen, rejected = (_string(row, key, "alpaca ranking") for key in ("chosen", "rejected"))
-        return {"prompt": messages, **_completions(chosen, rejected)}
+        chosen, rejected = (_string(row, key, "alpaca ranking") for key in (cfg.chosen_key, cfg.rejected_key))
+        return {cfg.prompt_key: messages, **_completions(chosen, rejected, cfg)}
     return {cfg.messages_key: messages + [{"role": "assistant", "content": _string(row, cfg.output_key, "alpaca")}]}
 
 
-def _completions(chosen, rejected) -> dict:
-    return (
-        {"chosen": [chosen], "rejected": [rejected]}
-        if isinstance(chosen, dict)
-        else {
-            "chosen": [{"role": "assistant", "content": chosen}],
-            "rejected": [{"role": "assistant", "content": rejected}],
-        }
-    )
+def _completions(chosen, rejected, cfg: DataConfig) -> dict:
+    """The completions of a ranking row as a native pair's (under data.chosen_key and data.rejected_key)."""
+    if not isinstance(chosen, dict):
+        chosen, rejected = ({"role": "assistant", "content": c} for c in (chosen, rejected))
+    return {cfg.chosen_key: [chosen], cfg.rejected_key: [rejected]}
 
 
 def _sharegpt(row: dict, cfg: DataConfig, pairs: bool) -> dict:
@@ -132,12 +128,12 @@ def _sharegpt(row: dict, cfg: DataConfig, pairs: bool) -> dict:
     if not pairs:
         return {cfg.messages_key: messages}
     completions = []
-    for key in ("chosen", "rejected"):
+    for key in (cfg.chosen_key, cfg.rejected_key):
         turn = _turn(row.get(key), cfg, f"sharegpt '{key}'")
         if turn[0] not in even:
             raise KeyError(f"sharegpt '{key}' must be from {cfg.assistant_tag!r} or {cfg.function_tag!r}")
         completions.append(_message(turn, cfg))
-    return {"prompt": messages, **_completions(*completions)}
+    return {cfg.prompt_key: messages, **_completions(*completions, cfg)}
 
 
 def _turn(turn, cfg: DataConfig, what: str = "sharegpt turns") -> tuple[str, str]:

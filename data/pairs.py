@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from data.chat import apply_template
 from data.errors import DataError
-from schema.data import SEQUENCES_PER_PAIR
+from schema.data import SEQUENCES_PER_PAIR, DataConfig
 
 PAIR_KEYS = ("chosen", "rejected")  # as many as SEQUENCES_PER_PAIR: the pair runs as its chosen, then its rejected
 assert len(PAIR_KEYS) == SEQUENCES_PER_PAIR
@@ -45,25 +45,38 @@ def extract_prompt(chosen, rejected):
     return chosen[:idx], chosen[idx:], rejected[idx:]
 
 
-def pair_fields(row: dict):
-    """(prompt, chosen, rejected, conversational) of a pair row; KeyError naming what is wrong."""
-    missing = [key for key in PAIR_KEYS if key not in row]
+def pair_fields(row: dict, cfg: DataConfig | None = None):
+    """(prompt, chosen, rejected, conversational) of a pair row, its columns named by `data.prompt_key`,
+    `data.chosen_key` and `data.rejected_key`; KeyError naming what is wrong.
+
+    As TRL's `maybe_extract_prompt`: a prompt column of the completions' kind (both strings, both message lists) is
+    the prompt; otherwise (no prompt column, or HuggingFaceH4/ultrafeedback_binarized's string prompt beside whole
+    conversations) the leading turns both completions share are the prompt."""
+    cfg = cfg or DataConfig()
+    keys = {"prompt": cfg.prompt_key, "chosen": cfg.chosen_key, "rejected": cfg.rejected_key}
+    missing = [keys[key] for key in PAIR_KEYS if keys[key] not in row]
     if missing:
-        raise KeyError(f"preference rows need 'chosen' and 'rejected'; this one has no '{missing[0]}'")
-    chosen, rejected = row["chosen"], row["rejected"]
+        raise KeyError(
+            f"preference rows need '{keys['chosen']}' and '{keys['rejected']}' (data.chosen_key, data.rejected_key); "
+            f"this one has no '{missing[0]}'"
+        )
+    chosen, rejected = row[keys["chosen"]], row[keys["rejected"]]
     conversational = _conversational(chosen) or _conversational(rejected)
-    for key, value in (("chosen", chosen), ("rejected", rejected)):
+    for key in PAIR_KEYS:
+        value = chosen if key == "chosen" else rejected
         if conversational:
-            _check_messages(value, key)
+            _check_messages(value, keys[key])
         elif not isinstance(value, str):
-            raise KeyError(f"'{key}' must be a string or a list of {{role, content}} messages")
-    if "prompt" in row:
-        prompt = row["prompt"]
+            raise KeyError(f"'{keys[key]}' must be a string or a list of {{role, content}} messages")
+    prompt = row.get(keys["prompt"])
+    if prompt is not None and _conversational(prompt) == conversational:
         if conversational:
-            _check_messages(prompt, "prompt")
+            _check_messages(prompt, keys["prompt"])
         elif not isinstance(prompt, str):
-            raise KeyError("'prompt' must be a string when 'chosen' and 'rejected' are strings")
-    else:
+            raise KeyError(f"'{keys['prompt']}' must be a string when the completions are strings")
+    elif prompt is not None and not isinstance(prompt, str) and not conversational:
+        raise KeyError(f"'{keys['prompt']}' must be a string when the completions are strings")
+    else:  # the completions carry the prompt: their shared leading turns (or characters)
         prompt, chosen, rejected = extract_prompt(chosen, rejected)
     return prompt, chosen, rejected, conversational
 
@@ -77,7 +90,7 @@ def common_prefix_length(ids, other) -> int:
     return length
 
 
-def _chat_ids(prompt, chosen, rejected, tokenizer) -> tuple[list[int], list[int], list[int]]:
+def _chat_ids(prompt, chosen, rejected, tokenizer, kwargs: dict) -> tuple[list[int], list[int], list[int]]:
     """Token ids of the prompt (with the generation prompt), prompt + chosen and prompt + rejected, each through
     the chat template once."""
     if not getattr(tokenizer, "chat_template", None):
@@ -85,7 +98,13 @@ def _chat_ids(prompt, chosen, rejected, tokenizer) -> tuple[list[int], list[int]
 
     def tokenize(messages, generation_prompt=False):
         out = apply_template(
-            tokenizer, messages, "pair", tokenize=True, return_dict=True, add_generation_prompt=generation_prompt
+            tokenizer,
+            messages,
+            "pair",
+            tokenize=True,
+            return_dict=True,
+            add_generation_prompt=generation_prompt,
+            **kwargs,
         )
         return list(out["input_ids"])
 
@@ -106,19 +125,19 @@ def _split(prompt_ids, with_chosen, with_rejected) -> tuple[list[int], list[int]
     return list(prompt_ids[:cut]), list(with_chosen[cut:]), list(with_rejected[cut:])
 
 
-def _parse(row, tokenizer):
+def _parse(row, tokenizer, cfg: DataConfig):
     """A row as three id lists (conversational) or three texts still to tokenize (strings). KeyError: what is wrong."""
     if not isinstance(row, dict):
         raise KeyError("a preference row must be a JSON object")
-    prompt, chosen, rejected, conversational = pair_fields(row)
+    prompt, chosen, rejected, conversational = pair_fields(row, cfg)
     if conversational:
-        return _chat_ids(prompt, chosen, rejected, tokenizer)
+        return _chat_ids(prompt, chosen, rejected, tokenizer, dict(cfg.chat_template_kwargs or {}))
     return _string_texts(prompt, chosen, rejected, tokenizer)
 
 
-def encode_pair(row: dict, tokenizer) -> tuple[list[int], list[int], list[int]]:
+def encode_pair(row: dict, tokenizer, cfg: DataConfig | None = None) -> tuple[list[int], list[int], list[int]]:
     """(prompt_ids, chosen_ids, rejected_ids) of a pair row, as TRL's DPOTrainer tokenizes it."""
-    parsed = _parse(row, tokenizer)
+    parsed = _parse(row, tokenizer, cfg or DataConfig())
     if isinstance(parsed[0], str):
         parsed = [list(tokenizer(text)["input_ids"]) for text in parsed]
     return _split(*parsed)
@@ -138,14 +157,14 @@ def pair_sequences(prompt_ids, chosen_ids, rejected_ids, seq_length: int):
     return out
 
 
-def encode_pairs(rows, tokenizer) -> list[tuple[list[int], list[bool]]]:
+def encode_pairs(rows, tokenizer, cfg: DataConfig | None = None) -> list[tuple[list[int], list[bool]]]:
     """Two (ids, targets) per (location, pair row): prompt + chosen, then prompt + rejected, not yet cut to a
     length (the store cuts every sequence from its start, `pair_sequences`' rule). The texts of string pairs go
     through the tokenizer in one batched call. DataError naming the row."""
     parsed = []
     for where, row in rows:
         try:
-            parsed.append(_parse(row, tokenizer))
+            parsed.append(_parse(row, tokenizer, cfg or DataConfig()))
         except KeyError as e:
             raise DataError(f"{where}: {e.args[0]}") from None
     texts = [text for triple in parsed if isinstance(triple[0], str) for text in triple]

@@ -51,7 +51,7 @@ def _encode_part(partial: str, index: int, chunk) -> dict:
     rows, form = chunk_as_native(rows, w["cfg"], w["pairs"], getattr(w["tokenizer"], "chat_template", None))
     lost: list[bool] | None = [] if w["lossy"] and not w["pairs"] else None
     if w["pairs"]:  # preference pairs: two store rows each, the chosen and the rejected sequence
-        encoded = encode_pairs(rows, w["tokenizer"])
+        encoded = encode_pairs(rows, w["tokenizer"], w["cfg"])
         rows = [(f"{where} ({half})", row) for where, row in rows for half in ("chosen", "rejected")]
     else:
         encoded = encode_rows(rows, w["tokenizer"], w["cfg"], lost)

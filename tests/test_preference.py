@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from data.errors import DataError
 from data.pairs import encode_pair, pair_sequences
 from models.preference import REWARD_METRICS, PreferenceSettings, preference_losses, reward_sums, sft_loss
 from tests.conftest import spawn_ranks
@@ -42,7 +43,26 @@ IMPLICIT_PROMPT_PAIRS = [
         "rejected": [{"role": "user", "content": "12+30="}, {"role": "assistant", "content": "24"}],
     },
 ]
-PAIRS = {"strings": STRING_PAIRS, "chat": CHAT_PAIRS, "chat-implicit-prompt": IMPLICIT_PROMPT_PAIRS}
+# HuggingFaceH4/ultrafeedback_binarized: a string prompt beside whole conversations (the prompt column is not used,
+# TRL's maybe_extract_prompt takes the shared turns).
+H4_PAIRS = [
+    {
+        "prompt": "12+30=",
+        "chosen": [{"role": "user", "content": "12+30="}, {"role": "assistant", "content": "42"}],
+        "rejected": [{"role": "user", "content": "12+30="}, {"role": "assistant", "content": "43 or so"}],
+    },
+    {
+        "prompt": "the quick brown fox",
+        "chosen": [{"role": "user", "content": "the quick brown fox"}, {"role": "assistant", "content": "jumps"}],
+        "rejected": [{"role": "user", "content": "the quick brown fox"}, {"role": "assistant", "content": "sleeps"}],
+    },
+]
+PAIRS = {
+    "strings": STRING_PAIRS,
+    "chat": CHAT_PAIRS,
+    "chat-implicit-prompt": IMPLICIT_PROMPT_PAIRS,
+    "ultrafeedback-h4": H4_PAIRS,
+}
 
 
 def tiny_pair_models(tok):
@@ -104,6 +124,7 @@ def trl_evaluation(policy, reference, tok, pairs, settings: PreferenceSettings, 
     """TRL's DPOTrainer.evaluate() over every pair in one batch (`sft_weight`: TRL's "sft" loss added with it)."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
+    from trl.data_utils import maybe_extract_prompt
 
     sft = {"loss_type": [settings.loss_type, "sft"], "loss_weights": [1.0, settings.sft_weight]}
     losses = sft if settings.sft_weight else {"loss_type": [settings.loss_type]}
@@ -118,7 +139,9 @@ def trl_evaluation(policy, reference, tok, pairs, settings: PreferenceSettings, 
         dataloader_num_workers=0,
         bf16=False,
     )
-    data = Dataset.from_list(pairs)
+    # TRL's own reading of a pair row (its DPOTrainer takes a prompt column as it is: HuggingFaceH4's layout needs
+    # maybe_extract_prompt first, as its docs say).
+    data = Dataset.from_list([maybe_extract_prompt(dict(p)) for p in pairs])
     trainer = DPOTrainer(
         model=policy, ref_model=reference, args=args, train_dataset=data, eval_dataset=data, processing_class=tok
     )
@@ -427,3 +450,32 @@ def test_data_prepare_builds_the_pair_stores_the_trainer_reads(chat_tokenizers, 
         build=False,
     )
     assert ds.from_cache and len(ds) == 3 and ds.report()["pairs"] == 3
+
+
+def test_hub_pair_layouts_and_column_names_give_our_own_layouts_tokens(chat_tokenizers):
+    """trl-lib/ultrafeedback_binarized (message lists, the prompt inside), HuggingFaceH4/ultrafeedback_binarized
+    (a string prompt beside whole conversations) and renamed columns (data.prompt_key, data.chosen_key,
+    data.rejected_key): the same tokens and targets as the same pairs in our own layout (an explicit prompt)."""
+    from transformers import AutoTokenizer
+
+    from data.pairs import encode_pairs
+    from schema.data import DataConfig
+
+    tok = AutoTokenizer.from_pretrained(chat_tokenizers["bpe"])
+    tok.chat_template = CHATML
+
+    def ours(rows, cfg=None):
+        return encode_pairs([(f"row {i}", r) for i, r in enumerate(rows)], tok, cfg)
+
+    explicit = [
+        {"prompt": [{"role": "user", "content": p}], "chosen": [c[1]], "rejected": [r[1]]}
+        for p, c, r in ((row["prompt"], row["chosen"], row["rejected"]) for row in H4_PAIRS)
+    ]
+    trl_lib = [{"chosen": row["chosen"], "rejected": row["rejected"]} for row in H4_PAIRS]
+    assert ours(H4_PAIRS) == ours(trl_lib) == ours(explicit)
+    renamed = DataConfig(prompt_key="question", chosen_key="better", rejected_key="worse")
+    for rows in (explicit, STRING_PAIRS, H4_PAIRS):
+        moved = [{renamed.prompt_key: r.get("prompt"), "better": r["chosen"], "worse": r["rejected"]} for r in rows]
+        assert ours(moved, renamed) == ours(rows)
+    with pytest.raises(DataError, match="row 0: preference rows need 'better' and 'worse'"):
+        ours(STRING_PAIRS, renamed)
