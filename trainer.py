@@ -20,7 +20,7 @@ sys.argv = [a for i, a in enumerate(sys.argv) if i == 0 or not re.fullmatch(r"--
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from schema.compose import CONF_DIR, check_overrides  # noqa: E402
+from schema.compose import CONF_DIR, check_overrides, with_plan_model  # noqa: E402
 from schema.train import TrainConfig, register_configs  # noqa: E402
 
 register_configs()
@@ -36,7 +36,11 @@ def main(dict_cfg: DictConfig) -> None:
     from training.errors import USER_ERRORS
     from training.loop import Trainer
 
-    cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
+    try:
+        cfg: TrainConfig = with_plan_model(OmegaConf.to_object(dict_cfg))
+    except ValueError as e:  # an unknown plan_model preset
+        sys.stderr.write(f"trainer: error: {e}\n")
+        sys.exit(2)
     try:
         Trainer(cfg).run()
     except USER_ERRORS as e:

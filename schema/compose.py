@@ -104,6 +104,30 @@ def compose_config(overrides: list[str], conf_dir: str = CONF_DIR) -> TrainConfi
         raise ValueError(problem)
     try:
         with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
-            return OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+            cfg = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
     except Exception as e:  # noqa: BLE001 - hydra and omegaconf raise many types
         raise ValueError((str(e).strip().splitlines() or [type(e).__name__])[0]) from None
+    return with_plan_model(cfg, conf_dir)
+
+
+def with_plan_model(cfg: TrainConfig, conf_dir: str = CONF_DIR) -> TrainConfig:
+    """`cfg` with its recipe's `plan_model` preset as the model's shape when nothing else gives one (no
+    model_name_or_path, no model= preset): the fields the preset sets and `cfg.model` leaves unset. ValueError
+    (one line) for an unknown preset."""
+    if not cfg.plan_model or cfg.model_name_or_path or cfg.model.hidden_size is not None:
+        return cfg
+    path = os.path.join(conf_dir, "model", f"{cfg.plan_model}.yaml")
+    if not os.path.isfile(path):
+        presets = sorted(f[:-5] for f in os.listdir(os.path.join(conf_dir, "model")) if f.endswith(".yaml"))
+        raise ValueError(f"plan_model={cfg.plan_model}: unknown preset (conf/model/ has {', '.join(presets)})")
+    preset = OmegaConf.to_container(OmegaConf.load(path))
+    preset.pop("defaults", None)
+    checked = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(type(cfg.model)), preset))  # typed
+    unset = type(cfg.model)()
+    for key in preset:
+        ours = getattr(cfg.model, key)
+        if key == "config_fields":  # the run's own entries over the preset's
+            setattr(cfg.model, key, {**checked.config_fields, **ours})
+        elif key in ("name", "source") or ours == getattr(unset, key):
+            setattr(cfg.model, key, getattr(checked, key))
+    return cfg

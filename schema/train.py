@@ -125,6 +125,9 @@ class TrainConfig:
     model_name_or_path: str | None = None
     tokenizer_name_or_path: str | None = None  # a directory or Hub id; default: model_name_or_path
     model_revision: str | None = None  # the branch, tag or commit of Hub ids in model/tokenizer/reference paths
+    # A recipe's model shape (conf/model/NAME) for planning or a run from scratch: taken only when neither
+    # model_name_or_path nor model= gives one, so a recipe runs any checkpoint of its layout's size.
+    plan_model: str | None = None
     output_dir: str = "outputs/run"  # checkpoints, metrics.jsonl, logs, the resolved train_config.yaml
     num_stages: int = 1  # pipeline stages (PP); world = PP x TP x CP x DP
     # 1f1b (DeepSpeed's), zero_bubble (weight gradients deferred into the bubble), dualpipev (two stages per rank

@@ -196,3 +196,16 @@ def test_ranks_come_from_the_launcher_srun_or_nothing():
     assert resolve_launch({}) == "a world of one (no launcher)"
     assert [tasks_on_node("4(x2),3", n) for n in range(3)] == [4, 4, 3]
     assert first_host("node12") == "node12"
+
+
+@pytest.mark.slow
+def test_a_recipe_runs_a_checkpoint_of_another_shape(converted, sft_data, tmp_path):
+    """`experiment=llama2_70b_4node model_name_or_path=<a tiny checkpoint>`: the recipe's layout and settings, the
+    checkpoint's shape (no model=from_checkpoint), one step on one rank."""
+    out = tmp_path / "run"
+    overrides = ["experiment=llama2_70b_4node", f"model_name_or_path={converted['gqa']}", f"output_dir={out}"]
+    overrides += [f"train_file={sft_data[0]}", "num_stages=1", "seq_length=16", "gradient_accumulation_steps=1"]
+    check(trainer(*overrides, "max_steps=1", "save_steps=0", "resume=false", "do_eval=false"))
+    saved = (out / "train_config.yaml").read_text()
+    assert "plan_model: llama2_70b" in saved and "name: from_checkpoint" in saved and "hidden_size: null" in saved
+    assert "activation_checkpointing: true" in saved  # the recipe's own model settings

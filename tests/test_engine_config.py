@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
 import torch
 
 from models.partition import stage_bounds
-from schema.compose import compose_config
+from schema.compose import CONF_DIR, compose_config
 from schema.train import TrainConfig
 from training.engine import WarmupDecay, deepspeed_config
 from training.precision import resolve
@@ -19,6 +20,41 @@ from training.validate import validate
 def dp(size: int) -> Coords:
     """Rank 0 of a run with `size` data-parallel ranks and one stage."""
     return Coords(rank=0, world=size, num_stages=1)
+
+
+def _recipe_table() -> dict[str, tuple[int, str]]:
+    """docs/training.md's recipe table: recipe -> (GPUs, the planner's GiB per GPU as printed)."""
+    import re
+
+    text = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "training.md")).read()
+    rows = re.findall(r"^\| `(\w+)` \|.*\| (\d+) \| ([\d.]+) GiB \|$", text, re.M)
+    return {name: (int(gpus), gib) for name, gpus, gib in rows}
+
+
+RECIPE_TABLE = _recipe_table()
+
+
+def test_the_recipe_table_lists_every_recipe():
+    recipes = {f[:-5] for f in os.listdir(os.path.join(CONF_DIR, "experiment")) if f.endswith(".yaml")}
+    assert set(RECIPE_TABLE) == recipes - {"demo"}
+
+
+def test_a_recipe_takes_the_checkpoints_shape_and_plans_with_its_own(tmp_path):
+    """Recipes describe layouts: with model_name_or_path the shape is the checkpoint's (no model=from_checkpoint
+    needed, no refusal for another size); without one, the recipe's plan_model preset; model= still wins."""
+    from tools.tiny_models import make_hf_model, tiny_config
+    from training.assembly import load_model_config
+
+    planned = load("experiment=llama2_70b_4node")
+    assert planned.plan_model == "llama2_70b" and planned.model.hidden_size == 8192
+    assert planned.model.activation_checkpointing  # the recipe's own model settings stay
+    hf = make_hf_model(str(tmp_path / "llama3"), tiny_config(vocab_size=96, max_position_embeddings=4096))
+    cfg = load("experiment=llama2_70b_4node", f"model_name_or_path={hf}")
+    assert cfg.model.name == "from_checkpoint" and cfg.model.hidden_size is None
+    assert load_model_config(cfg).vocab_size == 96
+    assert load("experiment=llama2_70b_4node", "model=llama3_70b").model.vocab_size == 128256
+    with pytest.raises(ValueError, match="plan_model=nope: unknown preset"):
+        load("experiment=llama2_70b_4node", "plan_model=nope")
 
 
 def load(*overrides: str) -> TrainConfig:
@@ -43,6 +79,9 @@ def test_presets_give_the_documented_engine_configs():
                 "deepspeed=bf16_zero1", "deepspeed.offload_optimizer=true", "model_name_or_path=m", "train_file=a.jsonl"
             )
         )
+    # a recipe's bf16 accumulation under deepspeed=fp32 (DeepSpeed's NotImplementedError traceback before)
+    with pytest.raises(ValueError, match="deepspeed.precision=fp32 with deepspeed.grad_accum_dtype=bf16"):
+        validate(load("experiment=llama2_70b_4node", "deepspeed=fp32", "model_name_or_path=m", "train_file=a.jsonl"))
 
 
 def stage0_parameters(config, layers: int, lora=None) -> tuple[int, int, int]:
@@ -98,6 +137,10 @@ def stage0_parameters(config, layers: int, lora=None) -> tuple[int, int, int]:
         ("deepseek_v4_flash_16node", 16, 128, "bf16", 72),
         ("deepseek_v3_lora_4node", 8, 32, "bf16", 54),
         ("kimi_k2_lora_8node", 8, 64, "bf16", 44),
+        ("llama3_1_70b_4node", 8, 32, "bf16", 60),
+        ("qwen3_8b_lora_2node", 2, 16, "bf16", 15),
+        ("qwen3_32b_2node", 8, 16, "bf16", 54),
+        ("gpt_oss_20b_dpo_8gpu", 4, 8, "bf16", 54),
     ],
 )
 def test_experiment_recipes_resolve_and_fit_80gb(name, stages, world, precision, max_gib):
@@ -113,6 +156,8 @@ def test_experiment_recipes_resolve_and_fit_80gb(name, stages, world, precision,
     rows = estimate(cfg, load_model_config(cfg), world)
     busiest = max(r.total for r in rows) / GIB
     assert busiest < max_gib <= 72, busiest  # 72: 80 GB less CUDA context and fragmentation headroom
+    # docs/training.md's recipe table: this recipe, its world size and the planner's figure as it prints it
+    assert RECIPE_TABLE[name] == (world, f"{busiest:.1f}"), (RECIPE_TABLE.get(name), world, busiest)
     stage0 = rows[0]
     dp, ep, tp = world // (stages * cfg.tensor_parallel_size), cfg.expert_parallel_size, cfg.tensor_parallel_size
     # Stage 0's parameters counted on transformers' own model (not the planner's arithmetic): the embedding and

@@ -233,6 +233,11 @@ def validate_bf16_gradients(ds: DeepSpeedConfig) -> None:
         f"deepspeed.zero_stage=0 with bf16 needs deepspeed.grad_accum_dtype=bf16, not {ds.grad_accum_dtype or 'fp32'}: "
         "DeepSpeed keeps fp32 gradients for bf16 weights only with ZeRO-1 (deepspeed=bf16_zero1)",
     )
+    need(
+        ds.precision != "fp32" or ds.grad_accum_dtype in (None, "fp32"),
+        f"deepspeed.precision=fp32 with deepspeed.grad_accum_dtype={ds.grad_accum_dtype}: fp32 weights accumulate "
+        "fp32 gradients (DeepSpeed refuses the mix); set deepspeed.grad_accum_dtype=fp32 or leave it unset",
+    )
 
 
 def validate_offload(ds: DeepSpeedConfig) -> None:
