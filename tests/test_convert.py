@@ -71,6 +71,9 @@ PRESETS = {
     "deepseek_v32": ("model.layers.60.self_attn.indexer.wq_b.weight", (64 * 128, 1536), 671.88, 38.40),
     "kimi_k2": ("model.layers.60.mlp.experts.383.down_proj.weight", (7168, 2048), 1026.41, 32.86),
     "gpt_oss_120b": ("model.layers.35.mlp.experts.gate_up_proj_bias", (128, 2 * 2880), 116.83, 5.71),
+    "gpt_oss_20b": ("model.layers.23.mlp.experts.gate_up_proj_bias", (32, 2 * 2880), 20.91, 4.19),
+    "llama3_1_70b": ("model.layers.79.self_attn.k_proj.weight", (1024, 8192), 70.55, None),  # Llama-2 70B's + vocab
+    "qwen3_32b": ("model.layers.63.self_attn.q_norm.weight", (128,), 32.76, None),
     "glm4_5_air": ("model.layers.45.self_attn.q_proj.bias", (96 * 128,), 106.85, 13.42),
     "gemma3_27b": ("model.layers.61.self_attn.k_proj.weight", (16 * 128, 5376), 27.01, None),
     "gemma4_31b": ("model.layers.59.self_attn.k_proj.weight", (4 * 512, 5376), 30.7, None),  # a global layer's: 4 x 512
@@ -95,6 +98,7 @@ SLOW_PRESETS = (
     "deepseek_v32",
     "kimi_k2",
     "gpt_oss_120b",
+    *("gpt_oss_20b", "llama3_1_70b", "qwen3_32b"),
     "glm4_5_air",
     *("gemma3_27b", "gemma4_31b", "gemma4_e4b", "gemma4_26b_a4b", "glm5", "deepseek_v4_flash"),
     "olmo3_32b",
