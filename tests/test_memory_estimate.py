@@ -463,3 +463,37 @@ def test_a_lightning_indexers_scores_are_planned_as_they_peak():
         print(f"indexer peak {peak} bytes, planned {planned:.0f} (rows {b})")
         assert peak == pytest.approx(planned, rel=0.03), (b, peak, planned)
     assert transient_bytes(tiny_config("deepseek_v3"), 2, 512) == 0
+
+
+@pytest.mark.slow
+def test_the_layout_planner_proposes_what_fits_as_the_planner_counts_it(capsys):
+    """16 GPUs of 80 GB, a 70B shape (the llama2_70b_4node recipe's settings): the proposals fit, each one's
+    figure is what `python -m tools.memory_estimate` prints for its overrides, a layout over the limit (GPU or host)
+    is never proposed, and the step-time model prefers the smaller bubble at equal parallel degrees."""
+    from schema.compose import compose_config
+    from tools import memory_estimate
+    from tools.layout_plan import HEADROOM, propose, step_seconds
+    from tools.memory_estimate import for_gpu
+    from training.assembly import load_model_config
+
+    base = ["experiment=llama2_70b_4node"]
+    cfg = for_gpu(compose_config(base))
+    config = load_model_config(cfg)
+    found, too_big = propose(cfg, config, 16, 80)
+    assert found and too_big > 0  # PP=1 x DP=16 and the like are valid layouts that do not fit
+    assert HEADROOM == 0.9 and all(p.gib <= 0.9 * 80 for p in found)
+    assert [p.seconds for p in found] == sorted(p.seconds for p in found)
+    for p in found[:3]:  # the planner's own figure for those overrides, as it prints it
+        assert memory_estimate.main([*base, "world_size=16", *p.overrides.split()]) == 0
+        printed = capsys.readouterr().out
+        assert f"busiest stage: {p.gib:.1f} GiB per GPU" in printed, (p.overrides, printed[-300:])
+    assert not any("num_stages=1 " in p.overrides and "tensor_parallel_size=1 " in p.overrides for p in found)
+    # the top one printed as overrides to paste
+    assert memory_estimate.main([*base, "gpus=16", "gpu_memory_gib=80"]) == 0
+    assert f"paste: world_size=16 {found[0].overrides}" in capsys.readouterr().out
+    # host memory: a node's limit below what the saves' snapshots need removes every layout
+    lowest = min(p.host_gib for p in found)
+    assert propose(cfg, config, 16, 80, host_gib=lowest - 1)[0] == []
+    # the model: more micro-batches, a smaller bubble and a shorter step
+    few, many = for_gpu(compose_config([*base, "gradient_accumulation_steps=8"])), cfg
+    assert step_seconds(many, config, 32, 8)[1] < step_seconds(few, config, 32, 8)[1]

@@ -7,7 +7,10 @@ activations of the micro-batches in flight, and logits, for the busiest pipeline
 `world_size=N` (default: num_stages x tensor_parallel_size x context_parallel_size, i.e. DP=1) sets
 DP = N / (num_stages x tensor_parallel_size x context_parallel_size). `gpu_memory_gib=80` also suggests, per
 pipeline schedule, a micro-batch size, micro-batch count and partition that fit that much memory per GPU, smallest
-bubble first, and the context_parallel_size the seq_length needs to fit.
+bubble first, and the context_parallel_size the seq_length needs to fit. `gpus=N gpu_memory_gib=G` (and
+`gpus_per_node=8`, `host_memory_gib=H`) instead proposes whole layouts (PP, TP, CP, EP, DP, micro-batch,
+recompute) that fit, ranked by a step-time model, with host memory per node (tools/layout_plan.py), and prints the
+top one's overrides to paste.
 The micro-batches in flight follow `pipeline_schedule` (the instruction lists its engine executes).
 An estimate, not a measurement: it leaves out the CUDA context (~0.5 GiB), allocator fragmentation
 and communication buffers; plan for 10-20% on top.
@@ -230,6 +233,28 @@ def context_for(cfg, config, world_size: int, gpu_gib: float) -> str:
     return f"seq_length={cfg.seq_length}: no context_parallel_size up to {heads} (the heads per TP rank) fits"
 
 
+def print_layouts(cfg, config, gpus: int, gpu_gib: float, gpus_per_node: int, host_gib: float = 0) -> int:
+    """The layouts that fit (tools/layout_plan.py), fastest first by its step-time model, and the top one to paste."""
+    from tools.layout_plan import HEADROOM, propose
+
+    found, too_big = propose(cfg, config, gpus, gpu_gib, gpus_per_node, host_gib=host_gib)
+    host = f" and {host_gib:g} GiB of host memory a node" if host_gib else ""
+    print(
+        f"layouts of {gpus} GPUs ({gpus_per_node} a node) within {HEADROOM:.0%} of {gpu_gib:g} GiB{host}, "
+        f"fastest first by the step-time model ({len(found)} fit, {too_big} valid ones do not):"
+    )
+    for p in found[:8]:
+        print(
+            f"  {p.overrides}: {p.gib:.1f} GiB per GPU, host {p.host_gib:.1f} GiB per node, "
+            f"step {p.seconds:.2f} s (model), bubble {p.bubble:.0%}"
+        )
+    if not found:
+        print("  none: more GPUs, LoRA, shorter rows, or deepspeed.offload_optimizer")
+        return 1
+    print(f"paste: world_size={gpus} {found[0].overrides}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     from common.hub import HubError, resolve
     from schema.compose import compose_config
@@ -237,10 +262,14 @@ def main(argv: list[str]) -> int:
     from training.assembly import load_model_config
     from training.errors import RunError
 
+    own = ("world_size=", "gpu_memory_gib=", "gpus=", "gpus_per_node=", "host_memory_gib=")
     world = [a for a in argv if a.startswith("world_size=")]
     gpu = [a for a in argv if a.startswith("gpu_memory_gib=")]
-    overrides = [a for a in argv if not a.startswith(("world_size=", "gpu_memory_gib="))]
-    world_size = int(world[-1].split("=", 1)[1]) if world else None
+    gpus = [int(a.split("=", 1)[1]) for a in argv if a.startswith("gpus=")]
+    per_node = [int(a.split("=", 1)[1]) for a in argv if a.startswith("gpus_per_node=")]
+    host = [float(a.split("=", 1)[1]) for a in argv if a.startswith("host_memory_gib=")]
+    overrides = [a for a in argv if not a.startswith(own)]
+    world_size = int(world[-1].split("=", 1)[1]) if world else (gpus[-1] if gpus else None)
     try:
         cfg = for_gpu(compose_config(overrides))
         if cfg.model_name_or_path is None and cfg.model.hidden_size is None:
@@ -279,6 +308,9 @@ def main(argv: list[str]) -> int:
             f"parameters: {(sum(counts) - tied) / 1e9:.2f}B in all, {(sum(active) - tied) / 1e9:.2f}B used per "
             f"token ({experts} experts, {experts_per_token(config)} routed per token)"
         )
+    if gpu and gpus:
+        gib = float(gpu[-1].split("=", 1)[1])
+        return print_layouts(cfg, config, gpus[-1], gib, per_node[-1] if per_node else 8, host[-1] if host else 0)
     if gpu:
         gib = float(gpu[-1].split("=", 1)[1])
         print(f"fits {gib:g} GiB per GPU:")
