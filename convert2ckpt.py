@@ -1,4 +1,5 @@
-"""Convert LLaMA checkpoints between Hugging Face and DeepSpeed pipeline layouts.
+"""Convert decoder checkpoints of every supported family (docs/families.md) between Hugging Face and DeepSpeed
+pipeline layouts, at any tensor-parallel degree; inspect and verify them.
 
     python convert2ckpt.py --input HF_DIR --output CKPT_DIR [--dtype bf16|fp16|fp32] [--workers N] [--force] [--tp T]
     python convert2ckpt.py --input ORG/NAME [--revision REV] --output CKPT_DIR   (a Hugging Face Hub id: its cache,

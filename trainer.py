@@ -1,7 +1,10 @@
-"""Fine-tune a LLaMA-family model (Llama, Mistral, Qwen2, Qwen3) with DeepSpeed pipeline x tensor x data parallelism.
+"""Fine-tune a decoder LM of any supported family (docs/families.md: Llama, Qwen, Gemma, DeepSeek, gpt-oss and the
+others of models/families/, dense or with experts) with DeepSpeed pipeline x tensor x context x expert x data
+parallelism: SFT on text, prompt/response or chat rows, or preference tuning (objective=dpo), with or without LoRA.
 
+    deepspeed --hostfile HOSTS trainer.py experiment=RECIPE model_name_or_path=CKPT train_file=... [overrides]
     deepspeed --num_gpus N trainer.py model_name_or_path=CKPT num_stages=2 train_file=... [overrides]
-    torchrun --nproc_per_node N trainer.py ...        # works as well
+    torchrun --nproc_per_node N trainer.py ...        # works as well; srun too (examples/slurm/)
     python trainer.py ...                             # one rank
 
 Configuration: conf/config.yaml and its groups (model/, data/, deepspeed/, experiment/), checked

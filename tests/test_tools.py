@@ -129,3 +129,36 @@ def test_only_rank0_and_the_reporting_rank_log_info_unless_all_ranks():
             levels[rank, all_ranks] = log.level
     assert [levels[r, False] for r in range(4)] == [logging.INFO, logging.WARNING, logging.INFO, logging.WARNING]
     assert all(levels[r, True] == logging.INFO for r in range(4))
+
+
+@pytest.mark.slow
+def test_chat_generation_renders_the_template_and_the_models_dtype(tmp_path):
+    """`--chat`: the prompt as a user turn through the chat template with its generation prompt (Qwen3's, thinking
+    off through --chat-template-kwargs), the model in its own dtype (bf16 here): the tokens transformers' own
+    `generate` gives on `apply_chat_template`'s ids."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.test_chat_templates import GEMMA, HARMONY, LLAMA3, QWEN_SPECIALS, trl_template
+    from tools.tiny_models import SAMPLE_TEXTS, make_bpe_tokenizer, make_hf_model, tiny_config
+
+    specials = QWEN_SPECIALS + HARMONY + LLAMA3 + GEMMA
+    tok_dir = make_bpe_tokenizer(str(tmp_path / "tok"), SAMPLE_TEXTS * 20, 400, specials)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    tok.chat_template = trl_template("qwen3")
+    hf = make_hf_model(str(tmp_path / "qwen3"), tiny_config("qwen3", vocab_size=len(tok)), dtype=torch.bfloat16)
+    tok.save_pretrained(hf)
+    messages = [{"role": "system", "content": "add"}, {"role": "user", "content": "12+30="}]
+    ids = tok.apply_chat_template(
+        messages, add_generation_prompt=True, enable_thinking=False, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    reference = AutoModelForCausalLM.from_pretrained(hf)  # its config's dtype
+    assert reference.dtype == torch.bfloat16
+    with torch.no_grad():
+        want = reference.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
+    expected = "12+30=" + tok.decode(want[0, ids.shape[1] :], skip_special_tokens=True) + "\n"
+    cli = [sys.executable, "-m", "tools.generate", "--checkpoint", hf, "--prompt", "12+30=", "--chat"]
+    cli += ["--system", "add", "--chat-template-kwargs", '{"enable_thinking": false}', "--max-new-tokens", "8"]
+    got = run_cmd(cli)
+    assert got.returncode == 0 and got.stdout == expected, got.stderr[-2000:]
+    bad = run_cmd([*cli[:-2], "--chat-template-kwargs", "[1]"])
+    assert bad.returncode == 2 and "generate: error: --chat-template-kwargs [1]: not a JSON object" in bad.stderr
