@@ -291,8 +291,9 @@ def reference_eval(hf_dir: str, tok, template: str, rows: list[list[dict]], cfg:
 @pytest.mark.slow
 def test_trainer_eval_of_multi_turn_rows_equals_the_reference(tokenizer_dir, tmp_path):
     """Qwen3's real template from the checkpoint's tokenizer_config.json, then Qwen3.5's given as
-    data.chat_template with thinking off and only the last turn trained: the trainer's evaluation (PP=2) over
-    multi-turn rows with reasoning and tool calls equals transformers' loss on the reference's target tokens."""
+    data.chat_template with thinking off and only the last turn trained, then Llama 3.2's, Gemma 3's, gpt-oss's and
+    DeepSeek-V3's: the trainer's evaluation (PP=2) over multi-turn rows with reasoning and tool calls equals
+    transformers' loss on the reference's target tokens."""
     import json
 
     from tests.conftest import check, launch
@@ -304,29 +305,41 @@ def test_trainer_eval_of_multi_turn_rows_equals_the_reference(tokenizer_dir, tmp
     make_hf_model(hf_dir, config, tokenizer_dir=tokenizer_dir)
     tok.save_pretrained(hf_dir)  # with Qwen3's chat template
     rows = [conversation("field"), conversation("inline"), tool_turns({"a": 2, "b": 2}), conversation("none")[:3]]
-    data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
-    template = tmp_path / "qwen3_5.jinja"
-    template.write_text(trl_template("qwen3_5_think"))
     cases = [
-        ("qwen3", DataConfig(), []),
+        ("qwen3", rows, DataConfig(), []),
         (
             "qwen3_5_think",
+            rows,
             DataConfig(train_on="last_assistant_turn", chat_template_kwargs={"enable_thinking": False}),
-            [
-                f"data.chat_template={template}",
-                "data.train_on=last_assistant_turn",
-                "+data.chat_template_kwargs.enable_thinking=false",
-            ],
+            ["data.train_on=last_assistant_turn", "+data.chat_template_kwargs.enable_thinking=false"],
         ),
+        # the other templates, each given as data.chat_template over rows of the kind it renders
+        ("llama3_2", [conversation("none"), conversation("none")[:3]], DataConfig(), []),
+        ("gemma3", [conversation("none"), conversation("none")[:3]], DataConfig(), []),
+        ("gptoss", [conversation("thinking"), conversation("none")[:5]], DataConfig(), []),
+        ("deepseekv3", [conversation("inline"), tool_turns('{"a": 2}')], DataConfig(), []),
     ]
-    for name, cfg, extra in cases:
+    for name, chats, cfg, extra in cases:
         out = tmp_path / f"eval-{name}"
+        data = tmp_path / f"{name}.jsonl"
+        data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+        template = tmp_path / f"{name}.jinja"
+        template.write_text(trl_template(name))
         args = [f"model_name_or_path={hf_dir}", f"output_dir={out}", f"eval_file={data}", "do_train=false"]
         args += ["seq_length=512", "micro_batch_size=1", "deepspeed=fp32", "num_stages=2", "data.cache_dir=''"]
+        args += [] if name == "qwen3" else [f"data.chat_template={template}"]  # qwen3: the checkpoint's own
+        if name in BOS:  # the template's BOS as the model's tokenizer would name it
+            args.append(f"tokenizer_name_or_path={bos_tokenizer(tokenizer_dir, name, tmp_path)}")
         check(launch(2, *args, *extra))
         results = json.load(open(out / "eval_results.json"))
         ref_tok = tokenizer_for(tokenizer_dir, name)
-        loss, count = reference_eval(hf_dir, ref_tok, name, rows, cfg)
+        loss, count = reference_eval(hf_dir, ref_tok, name, chats, cfg)
         assert results["eval_tokens"] == count
         assert results["eval_loss"] == pytest.approx(loss, rel=1e-4)
+
+
+def bos_tokenizer(tokenizer_dir: str, template: str, tmp_path) -> str:
+    """The test tokenizer saved with `template`'s BOS token (Llama 3's, Gemma 3's, DeepSeek's)."""
+    out = str(tmp_path / f"tok-{template}")
+    tokenizer_for(tokenizer_dir, template).save_pretrained(out)
+    return out
