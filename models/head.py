@@ -20,13 +20,30 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
+def set_logit_rules(head, config) -> None:
+    """What a head of `config` does to its logits, as transformers does: divided by the family's `logits_divisor`
+    field (Granite's `logits_scaling`), then soft-capped at `final_logit_softcapping` (Gemma's). None: not."""
+    from models.families import family_of
+
+    field = family_of(config).logits_divisor
+    head.logit_divisor = getattr(config, field) if field else None
+    head.logit_cap = getattr(config, "final_logit_softcapping", None)
+
+
+def final_logits(logits: torch.Tensor, head) -> torch.Tensor:
+    """`logits` ([..., V]) after `head`'s rules (`set_logit_rules`)."""
+    if head.logit_divisor is not None:
+        logits = logits / head.logit_divisor
+    return softcap(logits, head.logit_cap)
+
+
 class LMHeadPipe(nn.Linear):
     """Output projection. Keys: `weight` = HF `lm_head.weight`. Soft-caps the logits where the config says. Returns
     the logits not yet made (`models.loss.HeadOutput`): the loss makes them tile by tile."""
 
     def __init__(self, config):
         super().__init__(config.hidden_size, config.vocab_size, bias=False)
-        self.logit_cap = getattr(config, "final_logit_softcapping", None)
+        set_logit_rules(self, config)
 
     def forward(self, hidden: torch.Tensor | tuple) -> HeadOutput | tuple:
         return head_output(hidden, self)
@@ -52,11 +69,11 @@ def tied_lm_head_forward(embedding: nn.Module, hidden: torch.Tensor | tuple) -> 
 
 
 def head_output(inputs: torch.Tensor | tuple, head: nn.Module, enter=None) -> HeadOutput | tuple:
-    """The `HeadOutput` of `head` (its `weight` as output rows, soft-capped by its `logit_cap`) on the norm's output,
-    which `enter` prepares first (tensor parallelism gathers the sequence), and the router statistics beside."""
+    """The `HeadOutput` of `head` (its `weight` as output rows, its logit rules applied: `final_logits`) on the norm's
+    output, which `enter` prepares first (tensor parallelism gathers the sequence), and the router statistics beside."""
 
     def logits(hidden):  # [..., H] -> [..., V]
-        return softcap(F.linear(hidden, head.weight), head.logit_cap)
+        return final_logits(F.linear(hidden, head.weight), head)
 
     def make(hidden):
         return HeadOutput(enter(hidden) if enter else hidden, logits, head.weight.shape[0], (head.weight,))

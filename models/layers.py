@@ -54,7 +54,7 @@ from models.families import (
     resolve_attention,
     sliding_window,
 )
-from models.head import LMHeadPipe
+from models.head import LMHeadPipe, set_logit_rules
 from models.moe import (
     DEFAULT_EXPERTS_IMPLEMENTATION,
     add_stats,
@@ -117,9 +117,12 @@ class EmbeddingPipe(nn.Embedding):
 
 def embedding_setup(embedding: nn.Module, config) -> None:
     """What an embedding layer keeps besides its weight: the model's experts (their statistics start here), its
-    scale and the tied head's soft-cap, and the carry it starts (models/carry.py)."""
+    scale or multiplier and the tied head's logit rules, and the carry it starts (models/carry.py)."""
     embedding.moe_config = config if is_moe(config) else None
-    embedding.scale, embedding.logit_cap = embedding_scale(config), getattr(config, "final_logit_softcapping", None)
+    embedding.scale = embedding_scale(config)
+    field = family_of(config).embedding_multiplier
+    embedding.multiplier = getattr(config, field) if field else None
+    set_logit_rules(embedding, config)  # the tied head's
     embedding.carry, embedding.streams = layout(config), residual_streams(config)
 
 
@@ -129,6 +132,8 @@ def embedded(embedding: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor
     grad = torch.is_grad_enabled()
     if embedding.scale is not None:  # as transformers' scaled embedding: the factor in the weights' dtype
         hidden = hidden * torch.tensor(embedding.scale).to(embedding.weight.dtype)
+    if embedding.multiplier is not None:  # muP's (Granite's): a Python float, as transformers multiplies
+        hidden = hidden * embedding.multiplier
     if grad and not embedding.weight.requires_grad:
         # NOTE: a frozen embedding (LoRA) still has to hand the next stage a tensor that takes a gradient.
         hidden.requires_grad_()

@@ -36,7 +36,7 @@ from torch import nn
 
 from models.carry import per_layer_params, stream_mixer_params
 from models.families import family_of, residual_streams
-from models.head import LMHeadPipe, head_output, tied_lm_head_forward
+from models.head import LMHeadPipe, head_output, set_logit_rules, tied_lm_head_forward
 from models.layer_config import global_attr, layer_attr
 from models.layers import (
     DecoderOptions,
@@ -291,7 +291,8 @@ class VocabParallelLMHeadPipe(LMHeadPipe):
         nn.Linear.__init__(
             self, config.hidden_size, padded_vocab(config.vocab_size, tp.size, tp.vocab_multiple) // tp.size, bias=False
         )
-        self.tp, self.logit_cap = tp, getattr(config, "final_logit_softcapping", None)
+        self.tp = tp
+        set_logit_rules(self, config)
 
     def forward(self, hidden: torch.Tensor | tuple) -> HeadOutput | tuple:
         return head_output(hidden, self, functools.partial(enter_tp, tp=self.tp))

@@ -115,9 +115,20 @@ MODEL_VARIANTS = {
     # DeepSeek-V4: 3 residual streams, sliding-window / compressed sparse / heavily compressed attention, hash routers
     # in layers 0, 1 and 3 (the tokens carried to them), top-k routers with score biases, its hub's own key names.
     "deepseek_v4": dict(model_type="deepseek_v4"),
+    # One module each (after the others, for their seeds): EXAONE 4's post-sublayer norms with per-head q/k norms,
+    # local layers (window 4) and global NoPE layers; Gemma 2's soft-capped attention (eager) and logits, tied
+    # embeddings; Hunyuan's q/k norms after RoPE, biases; InternLM3 (LLaMA's layers); Granite's muP multipliers.
+    "exaone4": dict(model_type="exaone4", num_key_value_heads=2),
+    "gemma2": dict(model_type="gemma2", num_key_value_heads=2, tie_word_embeddings=True),
+    "hunyuan": dict(model_type="hunyuan_v1_dense", num_key_value_heads=2, attention_bias=True),
+    "internlm3": dict(model_type="internlm3", num_key_value_heads=2, attention_bias=True, mlp_bias=True),
+    "granite": dict(
+        model_type="granite", num_key_value_heads=2, attention_bias=True, mlp_bias=True, logits_scaling=2.0
+    ),
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
 NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss", "qwen3_next", "qwen3_5", "gemma4"]
+NEW_FAMILY_VARIANTS += ["exaone4", "gemma2", "hunyuan", "internlm3", "granite"]
 CARRYING_VARIANTS = {
     "deepseek_v3": "layers",
     "glm4_moe": "layers",

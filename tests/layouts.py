@@ -123,4 +123,8 @@ LAYOUTS = {
     # ... and over TP=2 as transformers' plan splits it: its attention and hyper-connections whole on both ranks, its
     # experts and shared expert split; under sequence parallelism the attention gathers the row and keeps its positions.
     "deepseek_v4-pp2-tp2": ("deepseek_v4", "false", 2, 2, "", 0),
+    # One module each: Granite's embedding and logit multipliers through the vocab-parallel head and loss (PP=2 x
+    # TP=2), EXAONE 4's post-sublayer norms and per-head q/k norms split by heads with its local and NoPE layers.
+    "granite-pp2-tp2": ("granite", "false", 2, 2, "", 0),
+    "exaone4-pp2-tp2": ("exaone4", "false", 2, 2, "", 0),
 }

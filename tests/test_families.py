@@ -16,80 +16,10 @@ from models.head import split_stats, tied_lm_head_forward
 from models.key_table import all_layer_keys, memory_key
 from models.layers import DecoderOptions, build_layer, decoder_layer_class
 from models.pipe_layout import pipe_layers
-from tests.conftest import LLAMA3_ROPE, hf_state
+from tests.conftest import hf_state
+from tests.family_cases import FAMILY_CONFIGS
 from tests.hub_extras import perturb
 from tools.tiny_models import tiny_config
-
-FAMILY_CONFIGS = {
-    "llama-biases-head_dim": ("llama", dict(attention_bias=True, mlp_bias=True, head_dim=24)),
-    "llama3-rope": ("llama", dict(rope_parameters=LLAMA3_ROPE)),
-    "mistral-window": ("mistral", dict(sliding_window=5)),
-    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
-    "qwen2-sliding-layers": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
-    "qwen3": ("qwen3", dict(head_dim=24)),
-    "qwen3-biases": ("qwen3", dict(attention_bias=True)),
-    # Mixture of experts (4 experts, top-2): Mixtral's window; Qwen2-MoE's gated shared expert with dense layers
-    # between sparse ones (decoder_sparse_step); Qwen3-MoE's renormalised top-k and a layer kept dense.
-    "mixtral-window": ("mixtral", dict(sliding_window=5)),
-    "qwen2_moe-sparse-step": ("qwen2_moe", dict(decoder_sparse_step=2)),
-    "qwen3_moe-norm-topk": ("qwen3_moe", dict(norm_topk_prob=True, mlp_only_layers=[1], head_dim=24)),
-    # Llama 4: chunks of 4 (shorter than the row), a NoPE layer with temperature tuning that acts from position 3
-    # (floor_scale 4), L2 q/k norms, a dense layer between sparse ones, the shared expert, sigmoid top-2 routing.
-    "llama4-chunked-nope": ("llama4_text", dict(no_rope_layer_interval=3, interleave_moe_layer_step=2)),
-    # Families built like LLaMA, one file each in models/families/: their own bias fields, NoPE layers (SmolLM3),
-    # position-scaled queries (Ministral 3), interleaved RoPE (ERNIE 4.5).
-    "helium-biases": ("helium", dict(attention_bias=True, mlp_bias=True)),
-    "smollm3-nope-biases": ("smollm3", dict(attention_bias=True, mlp_bias=True)),
-    "smollm3-sliding": ("smollm3", dict(use_sliding_window=True, sliding_window=4)),
-    "ministral3-scaled-window": ("ministral3", dict(sliding_window=5)),
-    "ministral3": ("ministral3", {}),
-    "seed_oss-biases": ("seed_oss", dict(attention_bias=True, attention_out_bias=True, mlp_bias=True)),
-    "ernie4_5-biases": ("ernie4_5", dict(use_bias=True)),
-    # Gemma 3 (registry rules: four norms, scaled embeddings, soft-capped logits, RoPE per layer type): local layers
-    # with a window of 4, tied embeddings as Gemma ships them.
-    "gemma3-local-softcap": ("gemma3_text", {}),
-    "gemma3-tied": ("gemma3_text", dict(tie_word_embeddings=True)),
-    # Fused projections (Phi-3: q/k/v and gate/up; GLM-4: gate/up, with its four norms and half-head RoPE), norms
-    # after each sublayer with q/k norms over the whole projection (OLMo 2, OLMo 3 with local layers).
-    "phi3-window": ("phi3", dict(sliding_window=5)),
-    "phi3-partial-rope": ("phi3", dict(partial_rotary_factor=0.5)),
-    "glm4": ("glm4", {}),
-    "olmo2-biases": ("olmo2", dict(attention_bias=True)),
-    "olmo3-local": ("olmo3", {}),
-    # DeepSeek's router (sigmoid scores plus `e_score_correction_bias` for the choice, 2 groups of which 1 is chosen,
-    # weights scaled by 2.5), a dense first layer, shared experts: GLM-4.5 with q/k norms, biases and partial RoPE;
-    # DeepSeek-V3's MLA with low-rank queries and interleaved RoPE, and with one q_proj and RoPE by halves.
-    "glm4_moe-qk-norm-biases": ("glm4_moe", dict(use_qk_norm=True, attention_bias=True)),
-    "deepseek_v3-mla": ("deepseek_v3", dict(num_key_value_heads=4)),
-    "deepseek_v3-mla-q-proj": ("deepseek_v3", dict(num_key_value_heads=4, q_lora_rank=None, rope_interleave=False)),
-    "deepseek_v32-sparse-attention": ("deepseek_v32", dict(num_key_value_heads=4)),
-    # Mistral 4: DeepSeek-V3's MLA with queries scaled by position (from position 8), a softmax router (2 groups of
-    # which 1 is chosen, weights scaled by 2.5), experts fused on the hub as in memory.
-    "mistral4-mla-scaled": ("mistral4", dict(num_key_value_heads=4)),
-    # gpt-oss: attention sinks (eager), sliding (window 4) and full layers, every bias, interleaved gate/up experts
-    # with biases, the router's bias, the clamped SwiGLU (limit 0.5 so it clamps at this size).
-    "gpt_oss-sinks-local": ("gpt_oss", dict(swiglu_limit=0.5)),
-    # Qwen3-Next: Gated DeltaNet linear attention (layers 0-2) and gated full attention (3), (1 + w) norms, sparse
-    # blocks with a gated shared expert; rows of 12 tokens run the recurrence in chunks of 64 (transformers' own).
-    "qwen3_next-hybrid": ("qwen3_next", dict(num_hidden_layers=4)),
-    "qwen3_5-hybrid": ("qwen3_5_text", dict(num_hidden_layers=4)),
-    "qwen3_5_moe-hybrid": ("qwen3_5_moe_text", dict(num_hidden_layers=4)),
-    # State shared across layers (models/carry.py): Gemma 4's per-layer inputs and K/V reused by its last two layers
-    # (local layers with a window of 4), its 31B-like shape (neither); GLM-5's index shared by layers 2 and 3.
-    "gemma4-ple-shared-kv": ("gemma4_text", dict(num_hidden_layers=6, num_key_value_heads=4)),
-    "gemma4-31b-like": (
-        "gemma4_text",
-        dict(num_hidden_layers=6, num_key_value_heads=4, num_kv_shared_layers=0),
-    ),
-    "glm_moe_dsa-shared-index": ("glm_moe_dsa", dict(num_hidden_layers=4, num_key_value_heads=4)),
-    "gemma4-moe": (
-        "gemma4_text",
-        dict(num_hidden_layers=6, num_key_value_heads=4, enable_moe_block=True, num_experts=4),
-    ),
-    # DeepSeek-V4: 3 residual streams, sliding / compressed sparse / heavily compressed attention, hash and top-k
-    # routers (the tokens carried to hash layers 0, 1 and 3), its hub's own key names.
-    "deepseek_v4-streams-hash": ("deepseek_v4", dict(num_hidden_layers=6, num_key_value_heads=1)),
-}
 
 
 def pipeline_logits(config, state: dict, ids: torch.Tensor, device="cpu", dtype=None) -> torch.Tensor:
@@ -154,6 +84,11 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
         assert biases
         unbiased = state | {k: torch.zeros_like(state[k]) for k in biases}
         assert not torch.equal(pipeline_logits(config, unbiased, ids), reference)
+    if "mup" in name:  # Granite's embedding and logit multipliers matter: either left out would show
+        for ignored in (dict(embedding_multiplier=1.0), dict(logits_scaling=1.0)):
+            other = tiny_config(model_type, num_hidden_layers=3, num_key_value_heads=2, **overrides | ignored)
+            other._attn_implementation = attn
+            assert not torch.equal(pipeline_logits(other, state, ids), reference), ignored
     if "chunked" in name:  # the chunk and the temperature matter at this length: ignoring either would show
         for ignored in (dict(attention_chunk_size=64), dict(attn_temperature_tuning=False)):
             other = tiny_config(model_type, num_hidden_layers=3, num_key_value_heads=2, **overrides | ignored)
@@ -227,8 +162,8 @@ def test_other_model_types_are_refused(tmp_path):
     for model_type in ("kimi_linear", "falcon_h1"):  # what we do not build (its linear attention, Mamba layers)
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         supported = (
-            "supported: deepseek_v3, deepseek_v32, deepseek_v4, ernie4_5, gemma3, gemma3_text, gemma4, gemma4_text, "
-            "glm4, glm4_moe, glm_moe_dsa, gpt_oss, helium, "
+            "supported: deepseek_v3, deepseek_v32, deepseek_v4, ernie4_5, exaone4, gemma2, gemma3, gemma3_text, "
+            "gemma4, gemma4_text, glm4, glm4_moe, glm_moe_dsa, gpt_oss, granite, helium, hunyuan_v1_dense, internlm3, "
             "kimi_k2, kimi_k25, llama, llama4, llama4_text, ministral3, mistral, mistral3, mistral4, mixtral, olmo2, "
             "olmo3, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, "
             "qwen3_next, seed_oss, smollm3"

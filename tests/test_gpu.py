@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.conftest import hf_state
-from tests.test_families import FAMILY_CONFIGS, pipeline_logits
+from tests.family_cases import FAMILY_CONFIGS
+from tests.test_families import pipeline_logits
 from tools.tiny_models import tiny_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -59,6 +59,14 @@ CASES = [
     # DeepSeek-V4: its 3 residual streams across every cut, the tokens to its hash layers (PP=2: to block 3), EP=2,
     # TP=2 as transformers' plan splits it (its attention whole on every rank, its experts split; with and without SP)
     ("deepseek_v4", "eager"),
+    # One module each: EXAONE 4's local and global NoPE layers (packed: each document's window), Gemma 2's soft-capped
+    # attention (eager), Hunyuan (no TP: its q/k norms' split is not built), InternLM3, Granite's multipliers
+    # through the vocab-parallel head.
+    ("exaone4", "sdpa-packed"),
+    ("gemma2", "eager"),
+    ("hunyuan", "sdpa"),
+    ("internlm3", "sdpa"),
+    ("granite", "sdpa"),
 ]
 MOE = {f"{m}-{attn}" for m, attn in CASES if m in MOE_VARIANTS}
 NO_TP = {f"{m}-{attn}" for m, attn in CASES if MODEL_VARIANTS[m].get("model_type") in TP_NOT_BUILT}

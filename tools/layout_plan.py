@@ -47,7 +47,7 @@ def propose(
             gradient accumulation steps x the data-parallel degree its own layout would have on `gpus`.
         host_gib: a node's host memory (0: not checked); layouts that need more do not fit.
     """
-    from tools.memory_estimate import GIB, estimate, for_gpu
+    from tools.memory_model import GIB, estimate, for_gpu
     from training.validate import validate_layout
 
     own = cfg.num_stages * cfg.tensor_parallel_size * cfg.context_parallel_size
@@ -150,7 +150,7 @@ def host_bytes_per_node(cfg, config, ranks, gpus: int, gpus_per_node: int) -> fl
     data, model: TP fastest)."""
     import copy
 
-    from tools.memory_estimate import estimate
+    from tools.memory_model import estimate
 
     offloaded = cfg.deepspeed.offload_optimizer
     if offloaded:  # the optimizer state lives in host memory: the planner's figure for it on the GPU

@@ -78,6 +78,11 @@ ARCHITECTURE = (
     "top_k_experts",
     "moe_intermediate_size",
     "final_logit_softcapping",
+    "attn_logit_softcapping",
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "logits_scaling",
 )
 
 

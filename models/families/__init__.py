@@ -132,6 +132,10 @@ class Family:
     norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     tp_entry_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     scaled_embedding: bool = False  # embeddings times sqrt(hidden_size) in the weights' dtype (Gemma's)
+    # muP's multipliers outside the decoder layer (Granite's), as config fields: embeddings times the first, logits
+    # divided by the second, each as a Python float as transformers applies it. "": none.
+    embedding_multiplier: str = ""
+    logits_divisor: str = ""
     fused_qkv: bool = False  # one `self_attn.qkv_proj` holds q, k and v (Phi-3's)
     fused_gate_up: bool = False  # one `mlp.gate_up_proj` holds gate and up (Phi-3's, GLM-4's)
     # Why tensor parallelism is refused for the family until its split is built (a fused projection, a q/k norm
@@ -319,6 +323,8 @@ def sliding_window(config, attention) -> int | None:
     """The window of one layer's attention module (None: full causal attention), as HF applies it."""
     if family_of(config).window_everywhere:
         return getattr(config, "sliding_window", None)
+    if getattr(attention, "is_sliding", True) is False:  # EXAONE 4's global layers keep the config's window unused
+        return None
     return getattr(attention, "sliding_window", None)
 
 

@@ -1,0 +1,150 @@
+"""The planner's memory model: bytes per GPU of every pipeline rank of a run (weights, gradients, optimizer state,
+activations of the micro-batches in flight, the head and loss), from its config and the model's. What
+`python -m tools.memory_estimate` prints and the layout planner (tools/layout_plan.py) ranks; below both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.families import resolve_attention
+from tools.activation_bytes import deferred_weight_grad_bytes, stage_activation_bytes, transient_bytes
+
+GIB = 1024**3
+
+
+@dataclass
+class Estimate:
+    stage: int
+    params: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.logits
+
+
+def for_gpu(cfg):
+    """A copy of `cfg` with its precision and ZeRO stage resolved as on a bf16 GPU: what the planner plans for
+    (training/precision.py)."""
+    import copy
+
+    from training.precision import resolved
+
+    cfg = copy.deepcopy(cfg)
+    cfg.deepspeed = resolved(cfg.deepspeed, auto="bf16", gpu=True)
+    return cfg
+
+
+def estimate(cfg, config, world_size: int) -> list[Estimate]:
+    """Bytes per GPU for every pipeline rank of `cfg` (a TrainConfig) on a model `config` (a LlamaConfig).
+
+    The micro-batches in flight come from the instruction list the rank's engine executes
+    (`training.schedules.memory_states`): 1F1B's p - s on stage s; zero_bubble the same plus at most two
+    backward passes' deferred weight gradients; dualpipev's two half stages per rank, rank 0 scoring the loss."""
+    from models.lora import adapter_param_counts
+    from models.partition import layer_param_counts, rank_stages, stage_bounds
+    from models.pipe_layout import block_of
+    from models.sharding import padded_vocab
+    from models.tensor_parallel import TensorParallel
+    from schema.model import checkpoint_every
+    from schema.train import model_stages, padded_seq_length, sequence_parallel, sequences_per_sample
+    from training.precision import resolved
+    from training.schedules import memory_states
+
+    pp, tp, cp, schedule = cfg.num_stages, cfg.tensor_parallel_size, cfg.context_parallel_size, cfg.pipeline_schedule
+    dual = schedule == "dualpipev"
+    dp = max(1, world_size // (pp * tp * cp))
+    ds = resolved(cfg.deepspeed, auto="bf16", gpu=True)  # planning for a bf16 GPU, as `for_gpu`
+    precision, zero = str(ds.precision), ds.zero_stage
+    weight_bytes = 4 if precision == "fp32" else 2
+    accum = cfg.deepspeed.grad_accum_dtype or ("fp32" if precision in ("bf16", "fp32") else "fp16")
+    grad_bytes = 4 if accum == "fp32" else 2
+    # fp32 master copy (not for fp32 runs) + Adam's two moments, sharded over DP by ZeRO-1, or in CPU RAM.
+    optim_bytes = (0 if precision == "fp32" else 4) + 8
+    # ZeRO-1 shards over DeepSpeed's data-parallel ranks: DP x CP (training/topology.py).
+    optim_share = 0.0 if cfg.deepspeed.offload_optimizer else (1 / (dp * cp) if zero >= 1 else 1.0)
+    # One TP rank's share, and with expert parallelism one EP rank's E / ep experts of each sparse block, whose
+    # optimizer state ZeRO-1 shards over the DP / ep ranks holding the same experts (training/expert_parallel.py).
+    ep, shard = cfg.expert_parallel_size, TensorParallel(tp, 0, cfg.model.vocab_pad_multiple)
+    counts = layer_param_counts(config, shard, ep=ep)
+    # LoRA: the base weights frozen (no gradients, no optimizer state); the adapters train (models/lora.py).
+    adapters = adapter_param_counts(config, cfg.lora.target_modules, cfg.lora.r, tp) if cfg.lora.enabled else None
+    expert_counts = layer_param_counts(config, shard, ep=ep, experts_only=True) if ep > 1 else [0] * len(counts)
+    expert_share = optim_share * ep if zero >= 1 else optim_share
+    stages = model_stages(schedule, pp)
+    bounds = stage_bounds(config, stages, cfg.model.partition)
+    row = padded_seq_length(cfg)
+    b, s = cfg.micro_batch_size * sequences_per_sample(cfg), row // cp  # this rank's positions of each row
+    every = checkpoint_every(cfg.model)
+    act_bytes = 2 if precision != "fp32" else 4
+    attn = resolve_attention(config, cfg.model.attn_implementation and str(cfg.model.attn_implementation))
+    packed = cfg.data.documents_share_rows
+    sp = sequence_parallel(cfg)
+    routed = cfg.moe.routed_experts or cfg.expert_parallel_size > 1
+    lora = (cfg.lora.target_modules, cfg.lora.r) if cfg.lora.enabled else ((), 0)
+    deferred = deferred_weight_grad_bytes(config, b, s, tp, act_bytes, *lora) if schedule == "zero_bubble" else 0
+    n, out = config.num_hidden_layers, []
+    for stage in range(pp):
+        halves = rank_stages(stages, pp, stage)
+        own = [range(bounds[h], bounds[h + 1]) for h in halves]
+        held_layers = {i for r in own for i in r}
+        params = sum(counts[i] for i in held_layers)
+        experts = sum(expert_counts[i] for i in held_layers)
+        if config.tie_word_embeddings and {0, len(counts) - 1} <= held_layers:
+            params -= counts[-1]  # a tied head on the embedding's rank is the embedding itself (PP=1, DualPipeV)
+        per_half = [
+            stage_activation_bytes(
+                config,
+                r,
+                b,
+                s,
+                tp,
+                act_bytes,
+                attn,
+                packed,
+                every,
+                sp,
+                cfg.model.vocab_pad_multiple,
+                routed,
+                row,
+                cfg.model.mlp_tiles > 1,
+            )
+            for r in own
+        ]
+        kept = [k for k, _ in per_half] + [0.0]
+        blocks = sum(1 for r in own for i in r if block_of(i, n) is not None)
+        states = memory_states(schedule, cfg.gradient_accumulation_steps, pp, stage)
+        held = max(a * kept[0] + c * kept[1] + w * blocks * deferred for a, c, w in states)
+        activations = held + max(live for _, live in per_half) + transient_bytes(config, b, s)
+        vocab = padded_vocab(config.vocab_size, tp, cfg.model.vocab_pad_multiple) // tp  # vocab-parallel head
+        scores = stage == (0 if dual else pp - 1)
+        logits = loss_bytes(cfg.model, b * s, config.hidden_size, vocab, act_bytes) if scores else 0
+        if adapters is None:
+            trained, weights = params, params * weight_bytes
+            optimizer = (params - experts) * optim_bytes * optim_share + experts * optim_bytes * expert_share
+        else:  # only the adapters take gradients and optimizer state
+            trained = sum(adapters[i] for i in held_layers)
+            weights, optimizer = (params + trained) * weight_bytes, trained * optim_bytes * optim_share
+        out.append(Estimate(stage, params, weights, trained * grad_bytes, optimizer, activations, logits))
+    return out
+
+
+def loss_bytes(model, tokens: int, hidden: int, vocab: int, act_bytes: int) -> float:
+    """What the last stage's head and loss hold beyond the stage's activations for `tokens` tokens of a micro-batch,
+    `vocab` columns a rank (models/loss.py). Fused (`model.fused_head_loss`): kept for backward, the weight's fp32
+    gradient when the gradients are taken in forward (`grads_in_forward`; the hidden states' gradient takes the place
+    of the head's input, which the stage's activations count), nothing when backward recomputes; at the peak one
+    tile's logits in the compute dtype, fp32 and their fp32 softmax.
+    Unfused: the logits in the compute dtype and their gradient, and one chunk's fp32 logits and softmax."""
+    from models.loss import default_tile, grads_in_forward
+
+    if model.fused_head_loss:
+        tile = min(model.loss_chunk_size or default_tile(vocab), tokens)
+        kept = vocab * hidden * 4 if grads_in_forward(tokens, hidden, True) else 0
+        return kept + tile * vocab * (act_bytes + 8)
+    chunk = min(model.loss_chunk_size or tokens, tokens)
+    return 2 * tokens * vocab * act_bytes + 2 * chunk * vocab * 4
