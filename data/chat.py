@@ -83,7 +83,7 @@ def chat_spans(messages: list[dict], tokenizer, cfg: DataConfig) -> tuple[str, l
     else:
         if cfg.train_on == TrainOn.last_assistant_turn:
             turns = turns[-1:]
-        spans = [_locate(i, messages, text, render) for i in turns]
+        spans = [_prefix_span(i, messages, text, render) or _locate(i, messages, text, render) for i in turns]
         spans = [span for span in spans if span is not None]
     if not spans:
         raise KeyError("the chat template renders no assistant turn of this conversation: nothing to learn from")
@@ -107,6 +107,16 @@ def _generation_spans(messages, tokenizer, kwargs: dict, text: str) -> list[tupl
         raise KeyError(f"the tokenizer's chat template refused this conversation: {reason}") from None
     assert rendered[0] == text, "the generation-block rendering differs from apply_chat_template's"
     return [(s, e) for s, e in indices[0] if e > s]
+
+
+def _prefix_span(i: int, messages: list[dict], text: str, render) -> tuple[int, int] | None:
+    """[start, end) of assistant turn `i` where the template renders the conversation up to it as a prefix of the
+    whole (ChatML's, Llama 3's, Gemma's): the same span `_locate` finds, in two renderings instead of five. None
+    where it does not."""
+    context, upto = render(messages[:i], generation_prompt=True), render(messages[: i + 1])
+    if len(upto) > len(context) and upto.startswith(context) and text.startswith(upto):
+        return len(context), len(upto)
+    return None
 
 
 def _locate(i: int, messages: list[dict], text: str, render) -> tuple[int, int] | None:

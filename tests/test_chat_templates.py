@@ -343,3 +343,25 @@ def bos_tokenizer(tokenizer_dir: str, template: str, tmp_path) -> str:
     out = str(tmp_path / f"tok-{template}")
     tokenizer_for(tokenizer_dir, template).save_pretrained(out)
     return out
+
+
+@pytest.mark.parametrize("template", ["llama3_2", "gemma3", "qwen3"])
+def test_the_prefix_shortcut_finds_what_the_locating_rule_finds(template, tokenizer_dir):
+    """Where a template renders the conversation up to a turn as a prefix of the whole, two renderings give the turn's
+    span (`_prefix_span`); the locating rule (five) gives the same span there."""
+    from data import chat
+
+    tok = tokenizer_for(tokenizer_dir, template)
+    messages = conversation("field" if template == "qwen3" else "none")
+    text = tok.apply_chat_template(messages, tokenize=False)
+
+    def render(turns, generation_prompt=False):
+        return tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt) if turns else ""
+
+    found = 0
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant" and (span := chat._prefix_span(i, messages, text, render)) is not None:
+            assert chat._locate(i, messages, text, render) == span
+            found += 1
+    # Qwen3: its last turn only (an earlier one ending a shorter conversation gets a <think> block the whole lacks)
+    assert found >= (1 if template == "qwen3" else 3)
