@@ -161,8 +161,15 @@ class TPDecoderPipe:
             sum_grad_over_tp(param, tp)
         family = family_of(config)
         if family.has(family.qk_norm, config):
-            for norm in filter(None, (self.self_attn.q_norm, getattr(self.self_attn, "k_norm", None))):
+            for name, heads in (("q_norm", "num_attention_heads"), ("k_norm", "num_key_value_heads")):
+                norm = getattr(self.self_attn, name, None)
+                if norm is None:
+                    continue
                 if family.qk_norm_whole:  # this rank's rows of the weight; the statistics of every rank's heads
+                    idx = self.self_attn.layer_idx
+                    rows = layer_attr(local, idx, heads) * layer_attr(local, idx, "head_dim")
+                    if norm.weight.shape[0] != rows:  # declared from hidden_size (OLMoE's): this rank's rows
+                        norm.weight = nn.Parameter(norm.weight.new_empty(rows))
                     norm.forward = functools.partial(_whole_projection_norm, norm, tp)
                 else:
                     sum_grad_over_tp(norm.weight, tp)

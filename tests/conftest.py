@@ -125,10 +125,14 @@ MODEL_VARIANTS = {
     "granite": dict(
         model_type="granite", num_key_value_heads=2, attention_bias=True, mlp_bias=True, logits_scaling=2.0
     ),
+    # OLMoE: whole-projection q/k norms, q/k/v clipped, a softmax router in every layer, its load-balancing loss on;
+    # dots.llm1: Qwen3's attention with DeepSeek's router, a dense first layer and shared experts.
+    "olmoe": dict(model_type="olmoe", num_key_value_heads=2, attention_bias=True) | MOE_AUX,
+    "dots1": dict(model_type="dots1", num_key_value_heads=2),
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
 NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss", "qwen3_next", "qwen3_5", "gemma4"]
-NEW_FAMILY_VARIANTS += ["exaone4", "gemma2", "hunyuan", "internlm3", "granite"]
+NEW_FAMILY_VARIANTS += ["exaone4", "gemma2", "hunyuan", "internlm3", "granite", "olmoe", "dots1"]
 CARRYING_VARIANTS = {
     "deepseek_v3": "layers",
     "glm4_moe": "layers",
@@ -139,6 +143,7 @@ CARRYING_VARIANTS = {
 }  # with a multi-token-prediction layer, or the unread k/v tensors of Gemma 4's reusing layers
 MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss")
 MOE_VARIANTS += ("qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "gemma4_moe", "deepseek_v4")
+MOE_VARIANTS += ("olmoe", "dots1")
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
 FAMILY_VARIANTS += NEW_FAMILY_VARIANTS
 

@@ -79,6 +79,11 @@ FAMILY_CONFIGS = {
     "hunyuan_v1_dense-biases": ("hunyuan_v1_dense", dict(attention_bias=True)),
     "internlm3-biases": ("internlm3", dict(attention_bias=True, mlp_bias=True)),
     "granite-mup-biases": ("granite", dict(attention_bias=True, mlp_bias=True)),
+    # OLMoE: OLMo's whole-projection q/k norms, q/k/v clipped, a softmax router in every layer; dots.llm1: Qwen3's
+    # attention with DeepSeek's router (score biases, groups), a dense first layer and shared experts.
+    "olmoe-clip-biases": ("olmoe", dict(attention_bias=True)),
+    "olmoe-renormalised": ("olmoe", dict(norm_topk_prob=True)),
+    "dots1-biases": ("dots1", dict(attention_bias=True)),
     # DeepSeek-V4: 3 residual streams, sliding / compressed sparse / heavily compressed attention, hash and top-k
     # routers (the tokens carried to hash layers 0, 1 and 3), its hub's own key names.
     "deepseek_v4-streams-hash": ("deepseek_v4", dict(num_hidden_layers=6, num_key_value_heads=1)),

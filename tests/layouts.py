@@ -127,4 +127,7 @@ LAYOUTS = {
     # TP=2), EXAONE 4's post-sublayer norms and per-head q/k norms split by heads with its local and NoPE layers.
     "granite-pp2-tp2": ("granite", "false", 2, 2, "", 0),
     "exaone4-pp2-tp2": ("exaone4", "false", 2, 2, "", 0),
+    # OLMoE's experts over EP=2 with its load-balancing loss; dots.llm1's DeepSeek router under TP=2 x EP=2.
+    "olmoe-pp2-dp2-ep2": ("olmoe", "false", 2, 1, "", 0),
+    "dots1-tp2-dp2-ep2": ("dots1", "false", 1, 2, "", 0),
 }

@@ -84,6 +84,10 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
         assert biases
         unbiased = state | {k: torch.zeros_like(state[k]) for k in biases}
         assert not torch.equal(pipeline_logits(config, unbiased, ids), reference)
+    if "clip" in name:  # OLMoE's clipped q/k/v: unclipped would show
+        other = tiny_config(model_type, num_hidden_layers=3, num_key_value_heads=2, **overrides | dict(clip_qkv=None))
+        other._attn_implementation = attn
+        assert not torch.equal(pipeline_logits(other, state, ids), reference)
     if "mup" in name:  # Granite's embedding and logit multipliers matter: either left out would show
         for ignored in (dict(embedding_multiplier=1.0), dict(logits_scaling=1.0)):
             other = tiny_config(model_type, num_hidden_layers=3, num_key_value_heads=2, **overrides | ignored)
@@ -162,11 +166,11 @@ def test_other_model_types_are_refused(tmp_path):
     for model_type in ("kimi_linear", "falcon_h1"):  # what we do not build (its linear attention, Mamba layers)
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         supported = (
-            "supported: deepseek_v3, deepseek_v32, deepseek_v4, ernie4_5, exaone4, gemma2, gemma3, gemma3_text, "
-            "gemma4, gemma4_text, glm4, glm4_moe, glm_moe_dsa, gpt_oss, granite, helium, hunyuan_v1_dense, internlm3, "
-            "kimi_k2, kimi_k25, llama, llama4, llama4_text, ministral3, mistral, mistral3, mistral4, mixtral, olmo2, "
-            "olmo3, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, "
-            "qwen3_next, seed_oss, smollm3"
+            "supported: deepseek_v3, deepseek_v32, deepseek_v4, dots1, ernie4_5, exaone4, gemma2, gemma3, "
+            "gemma3_text, gemma4, gemma4_text, glm4, glm4_moe, glm_moe_dsa, gpt_oss, granite, helium, "
+            "hunyuan_v1_dense, internlm3, kimi_k2, kimi_k25, llama, llama4, llama4_text, ministral3, mistral, "
+            "mistral3, mistral4, mixtral, olmo2, olmo3, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, "
+            "qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next, seed_oss, smollm3"
         )
         with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported \\({supported}\\)"):
             load_hf_config(str(tmp_path))
@@ -285,6 +289,7 @@ def test_tp_rules_agree_with_transformers_tp_plan(model_type):
             "qwen2_moe": {f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")},
             "olmo2": {"self_attn.q_norm.weight", "self_attn.k_norm.weight"},
             "olmo3": {"self_attn.q_norm.weight", "self_attn.k_norm.weight"},
+            "olmoe": {"self_attn.q_norm.weight", "self_attn.k_norm.weight"},
             # transformers' plan leaves DeepSeek's attention whole; we split MLA by heads.
             "deepseek_v3": {f"self_attn.{p}.weight" for p in ("q_b_proj", "kv_b_proj", "o_proj")},
             "mistral4": {f"self_attn.{p}.weight" for p in ("q_b_proj", "kv_b_proj", "o_proj")},

@@ -114,9 +114,11 @@ BLOCK_EXTRA = {
     "deepseek_v3": dict(first_k_dense_replace=0, head_dim=8, num_key_value_heads=4),  # MLA: RoPE dims, all heads
     # gpt-oss: sinks split with the heads, interleaved gate/up columns in blocks, each expert's down bias added once
     "gpt_oss": dict(swiglu_limit=0.5),
+    # OLMoE declares its q/k norms from hidden_size (heads x head_dim must be hidden); q/k/v clipped
+    "olmoe": dict(head_dim=16),
 }
 MLP_BIAS = {"llama", "helium", "smollm3", "seed_oss", "ernie4_5"}
-QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "glm4_moe"}
+QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "glm4_moe", "olmoe", "exaone4"}
 
 
 def _block_config(model_type: str):
@@ -201,6 +203,7 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
         for t in (
             *("helium", "gemma3_text", "phi3", "glm4", "olmo2", "glm4_moe", "deepseek_v3", "gpt_oss"),
             *("qwen3_5_text", "qwen3_next"),
+            *("olmoe", "exaone4", "granite"),  # OLMoE's q/k norms declared from hidden_size, resized to the shard
         )
     ],
 )
