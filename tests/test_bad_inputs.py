@@ -38,11 +38,12 @@ def unsupported_model_type(t):
     edit_config(src, model_type="gemma")
     return (
         convert_cmd(src, t.out),
-        "model_type='gemma' is not supported (supported: deepseek_v3, deepseek_v32, deepseek_v4, dots1, ernie4_5, "
-        "exaone4, gemma2, gemma3, gemma3_text, gemma4, gemma4_text, glm4, glm4_moe, glm_moe_dsa, gpt_oss, granite, "
-        "helium, hunyuan_v1_dense, internlm3, kimi_k2, kimi_k25, llama, llama4, llama4_text, ministral3, mistral, "
-        "mistral3, mistral4, mixtral, olmo2, olmo3, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, "
-        "qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next, seed_oss, smollm3)",
+        "model_type='gemma' is not supported (supported: deepseek_v3, deepseek_v32, deepseek_v4, dots1, "
+        "ernie4_5, exaone4, flex_olmo, gemma2, gemma3, gemma3_text, gemma4, gemma4_text, glm4, glm4_moe, "
+        "glm_moe_dsa, gpt_oss, granite, helium, hunyuan_v1_dense, internlm3, kimi_k2, kimi_k25, llama, "
+        "llama4, llama4_text, ministral3, mistral, mistral3, mistral4, mixtral, olmo2, olmo3, olmoe, phi3, "
+        "qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, "
+        "qwen3_next, seed_oss, smollm3)",
         t.out,
         [src],
     )

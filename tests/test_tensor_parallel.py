@@ -118,7 +118,7 @@ BLOCK_EXTRA = {
     "olmoe": dict(head_dim=16),
 }
 MLP_BIAS = {"llama", "helium", "smollm3", "seed_oss", "ernie4_5"}
-QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "glm4_moe", "olmoe", "exaone4"}
+QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "glm4_moe", "olmoe", "exaone4", "flex_olmo"}
 
 
 def _block_config(model_type: str):
@@ -203,7 +203,7 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
         for t in (
             *("helium", "gemma3_text", "phi3", "glm4", "olmo2", "glm4_moe", "deepseek_v3", "gpt_oss"),
             *("qwen3_5_text", "qwen3_next"),
-            *("olmoe", "exaone4", "granite"),  # OLMoE's q/k norms declared from hidden_size, resized to the shard
+            *("olmoe", "exaone4", "granite", "flex_olmo"),  # OLMoE's q/k norms declared from hidden_size
         )
     ],
 )
