@@ -7,6 +7,9 @@ loss (`router_aux_loss_coef`, with `output_router_logits`)."""
 
 from models.families import Family, MoeSpec, register
 
+# A sparse block in every layer, experts of `intermediate_size` (FlexOlmo's too).
+OLMOE_MOE = MoeSpec("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", "intermediate_size", every_layer=True)
+
 register(
     Family(
         "olmoe",
@@ -15,7 +18,7 @@ register(
         o_bias="attention_bias",
         qk_norm=True,
         qk_norm_whole=True,
-        moe=MoeSpec("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", "intermediate_size", every_layer=True),
+        moe=OLMOE_MOE,
         # q/k/v clipped at 0.5 (tiny models' states reach it, so ignoring the clip would show).
         tiny=dict(num_experts=4, num_experts_per_tok=2, head_dim=16, clip_qkv=0.5),
     )
