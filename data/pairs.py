@@ -69,15 +69,12 @@ def pair_fields(row: dict, cfg: DataConfig | None = None):
         elif not isinstance(value, str):
             raise KeyError(f"'{keys[key]}' must be a string or a list of {{role, content}} messages")
     prompt = row.get(keys["prompt"])
-    if prompt is not None and _conversational(prompt) == conversational:
-        if conversational:
-            _check_messages(prompt, keys["prompt"])
-        elif not isinstance(prompt, str):
-            raise KeyError(f"'{keys['prompt']}' must be a string when the completions are strings")
-    elif prompt is not None and not isinstance(prompt, str) and not conversational:
+    if prompt is not None and not conversational and not isinstance(prompt, str):
         raise KeyError(f"'{keys['prompt']}' must be a string when the completions are strings")
-    else:  # the completions carry the prompt: their shared leading turns (or characters)
+    if prompt is None or _conversational(prompt) != conversational:  # the completions carry it: shared turns
         prompt, chosen, rejected = extract_prompt(chosen, rejected)
+    elif conversational:
+        _check_messages(prompt, keys["prompt"])
     return prompt, chosen, rejected, conversational
 
 

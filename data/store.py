@@ -105,7 +105,8 @@ def store_key(
     }
     if pairs:  # (only then: the names of other stores stay what they were)
         key["pairs"] = True
-    chat = {k: getattr(cfg, k) for k in CHAT_KEYS if getattr(cfg, k) != getattr(DataConfig(), k)}
+    defaults = DataConfig()
+    chat = {k: getattr(cfg, k) for k in CHAT_KEYS if getattr(cfg, k) != getattr(defaults, k)}
     if chat:  # chat and pair settings that differ from the defaults (stores of the defaults keep their names)
         key["chat"] = {k: v if isinstance(v, dict) else str(v) for k, v in chat.items()}
     formats = {k: str(getattr(cfg, k)) for k in FORMAT_KEYS if getattr(cfg, k) != getattr(DataConfig, k)}

@@ -41,9 +41,8 @@ def check_overrides(args: list[str], conf_dir: str) -> str | None:
     for arg, kind in zip(args, kinds, strict=True):
         key, value = arg.split("=", 1) if kind != "skip" else (arg, "")
         if kind == "preset":
-            presets = sorted(f[:-5] for f in os.listdir(os.path.join(conf_dir, key)) if f.endswith(".yaml"))
-            if value not in presets and value != "null":
-                return f"{key}={value}: unknown preset (conf/{key}/ has {', '.join(presets)})"
+            if value not in _presets(conf_dir, key) and value != "null":
+                return _unknown_preset(conf_dir, key, value)
         if kind != "value" or not merges:
             continue
         try:
@@ -56,6 +55,15 @@ def check_overrides(args: list[str], conf_dir: str) -> str | None:
             choices = re.match(r"Invalid value '.*', expected one of \[(.*)\]", reason)  # an enum key
             return f"{arg}: choose one of {choices[1]}" if choices else f"{arg}: {reason}"
     return None
+
+
+def _presets(conf_dir: str, group: str) -> list[str]:
+    """The presets of a config group: conf/<group>/*.yaml."""
+    return sorted(f[:-5] for f in os.listdir(os.path.join(conf_dir, group)) if f.endswith(".yaml"))
+
+
+def _unknown_preset(conf_dir: str, group: str, value: str, key: str | None = None) -> str:
+    return f"{key or group}={value}: unknown preset (conf/{group}/ has {', '.join(_presets(conf_dir, group))})"
 
 
 @functools.cache
@@ -116,10 +124,9 @@ def with_plan_model(cfg: TrainConfig, conf_dir: str = CONF_DIR) -> TrainConfig:
     (one line) for an unknown preset."""
     if not cfg.plan_model or cfg.model_name_or_path or cfg.model.hidden_size is not None:
         return cfg
+    if cfg.plan_model not in _presets(conf_dir, "model"):
+        raise ValueError(_unknown_preset(conf_dir, "model", cfg.plan_model, key="plan_model"))
     path = os.path.join(conf_dir, "model", f"{cfg.plan_model}.yaml")
-    if not os.path.isfile(path):
-        presets = sorted(f[:-5] for f in os.listdir(os.path.join(conf_dir, "model")) if f.endswith(".yaml"))
-        raise ValueError(f"plan_model={cfg.plan_model}: unknown preset (conf/model/ has {', '.join(presets)})")
     preset = OmegaConf.to_container(OmegaConf.load(path))
     preset.pop("defaults", None)
     checked = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(type(cfg.model)), preset))  # typed

@@ -37,7 +37,8 @@ class Proposal:
 def propose(
     cfg, config, gpus: int, gpu_gib: float, gpus_per_node: int = 8, rows: int | None = None, host_gib: float = 0
 ):
-    """(the layouts that fit `gpu_gib` per GPU on `gpus` GPUs, fastest first; how many valid layouts did not fit).
+    """(the layouts that fit `gpu_gib` per GPU on `gpus` GPUs, fastest first; how many checked did not fit: a
+    layout's larger micro-batches, and it without recompute, are not checked once a smaller one does not fit).
 
     Args:
         cfg: the run config, resolved for a GPU (memory_estimate.for_gpu); its schedule, precision, LoRA, data and
@@ -55,10 +56,10 @@ def propose(
     found, too_big = [], 0
     for pp, tp, cp, ep in _layouts(cfg, config, gpus, gpus_per_node):
         dp = gpus // (pp * tp * cp)
-        for mbs in (1, 2, 4):
-            if rows % (mbs * dp):
-                continue
-            for recompute in (True, False):
+        # Memory grows with the micro-batch and without recompute: past the first that does not fit, none does.
+        for recompute in (True, False):
+            fits = False
+            for mbs in (m for m in (1, 2, 4) if rows % (m * dp) == 0):
                 trial = for_gpu(cfg)
                 trial.num_stages, trial.tensor_parallel_size, trial.context_parallel_size = pp, tp, cp
                 trial.expert_parallel_size, trial.micro_batch_size = ep, mbs
@@ -67,16 +68,14 @@ def propose(
                 try:
                     validate_layout(trial, gpus, config)
                 except ValueError:
-                    continue
+                    break  # the layout does not run (its micro-batch count, its heads): none of its variants does
                 ranks = estimate(trial, config, gpus)
                 gib = round(max(r.total for r in ranks) / GIB, 1)  # as memory_estimate prints it
-                if gib > HEADROOM * gpu_gib:
-                    too_big += 1
-                    continue
                 host = host_bytes_per_node(trial, config, ranks, gpus, gpus_per_node) / GIB
-                if host_gib and host > host_gib:
+                if gib > HEADROOM * gpu_gib or (host_gib and host > host_gib):
                     too_big += 1
-                    continue
+                    break
+                fits = True
                 seconds, bubble = step_seconds(trial, config, gpus, gpus_per_node)
                 overrides = (
                     f"num_stages={pp} tensor_parallel_size={tp} context_parallel_size={cp} expert_parallel_size={ep} "
@@ -84,6 +83,8 @@ def propose(
                     f"model.activation_checkpointing={str(recompute).lower()}"
                 )
                 found.append(Proposal(overrides, gib, seconds, host, bubble))
+            if not fits:
+                break  # not even with recompute
     found.sort(key=lambda p: (p.seconds, p.gib))
     return found, too_big
 

@@ -100,7 +100,7 @@ def print_layouts(cfg, config, gpus: int, gpu_gib: float, gpus_per_node: int, ho
     host = f" and {host_gib:g} GiB of host memory a node" if host_gib else ""
     print(
         f"layouts of {gpus} GPUs ({gpus_per_node} a node) within {HEADROOM:.0%} of {gpu_gib:g} GiB{host}, "
-        f"fastest first by the step-time model ({len(found)} fit, {too_big} valid ones do not):"
+        f"fastest first by the step-time model ({len(found)} fit, {too_big} checked do not):"
     )
     for p in found[:8]:
         print(

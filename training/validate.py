@@ -226,8 +226,9 @@ def validate_experts(cfg: TrainConfig, model_config) -> None:
 
 
 def validate_bf16_gradients(ds: DeepSpeedConfig) -> None:
-    """bf16 weights with fp32 gradients: only DeepSpeed's ZeRO-1 path keeps them (0.19.8,
-    `DeepSpeedEngine._do_optimizer_sanity_check`, a NotImplementedError traceback otherwise). `ds`: resolved."""
+    """The gradient dtypes DeepSpeed (0.19.8, `DeepSpeedEngine._do_optimizer_sanity_check`, a NotImplementedError
+    traceback otherwise) takes for the weights' precision: bf16 weights with fp32 gradients only on its ZeRO-1 path,
+    fp32 weights with fp32 gradients only. `ds`: resolved."""
     need(
         ds.precision != "bf16" or ds.zero_stage >= 1 or ds.grad_accum_dtype == "bf16",
         f"deepspeed.zero_stage=0 with bf16 needs deepspeed.grad_accum_dtype=bf16, not {ds.grad_accum_dtype or 'fp32'}: "
