@@ -11,7 +11,8 @@ tensor-parallel degree the moments of each parameter are merged from every old T
 the new one by the parameter's own rule (models/sharding.py). Only the new stage's own parameters are
 kept in memory, old engine files are memory-mapped.
 
-LoRA runs move the same way: their optimizer holds the adapter parameters only.
+LoRA runs move the same way: their optimizer holds the adapter parameters only. Muon's momentum (optim.name=muon)
+moves as the Adam moments do, by each matrix's rule.
 """
 
 from __future__ import annotations
@@ -36,12 +37,17 @@ def optimizer_param_names(module, optimizer) -> list[list[str]] | None:
     return None if any(n is None for g in groups for n in g) else groups
 
 
+def group_key(group: dict) -> tuple:
+    """What pairs a saved optimizer group with a new one: its weight decay, and whether Muon steps it."""
+    return group["weight_decay"], bool(group.get("muon", False))
+
+
 @dataclass
 class MovedState:
     """What a new stage takes over from a checkpoint saved in another layout."""
 
     param_state: dict[str, dict[str, torch.Tensor]]  # name -> Adam state ({} if never stepped)
-    group_options: dict[float, dict]  # weight_decay -> group hyperparameters (lr, betas, ...)
+    group_options: dict[tuple, dict]  # `group_key` -> group hyperparameters (lr, betas, ...)
     lr_scheduler: dict | None
     counters: dict  # global_steps, global_samples, skipped_steps
     client_state: dict
@@ -82,7 +88,7 @@ def gather_moved_state(
                 raise CheckpointError(f"{path}: no parameter names recorded with its optimizer state; cannot move it")
             first = first or saved
             for group, group_names in zip(optim["param_groups"], names, strict=True):
-                group_options.setdefault(group["weight_decay"], {k: v for k, v in group.items() if k != "params"})
+                group_options.setdefault(group_key(group), {k: v for k, v in group.items() if k != "params"})
                 for index, name in zip(group["params"], group_names, strict=True):
                     held = shards.setdefault(name, {})
                     if name in wanted and old_tp not in held:  # a tied weight: the first stage's copy
@@ -115,9 +121,13 @@ def load_moved_state(engine, names: list[list[str]], moved: MovedState) -> None:
     state = optimizer.state_dict()
     new_state, index = {}, 0
     for group, group_names in zip(state["param_groups"], names, strict=True):
-        options = moved.group_options.get(group["weight_decay"])
+        options = moved.group_options.get(group_key(group))
         if options is None:
-            raise CheckpointError(f"no optimizer group with weight_decay={group['weight_decay']} in the checkpoint")
+            muon = "Muon's" if group.get("muon") else "AdamW's"
+            raise CheckpointError(
+                f"no optimizer group of {muon} with weight_decay={group['weight_decay']} in the checkpoint "
+                "(saved with another optim.name?)"
+            )
         group.update({k: v for k, v in options.items() if k in group})
         for name in group_names:
             if moved.param_state[name]:
@@ -126,6 +136,10 @@ def load_moved_state(engine, names: list[list[str]], moved: MovedState) -> None:
     state["state"] = new_state
     optimizer.load_state_dict(state)
     if moved.lr_scheduler is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(moved.lr_scheduler)
+        schedule, groups = dict(moved.lr_scheduler), len(engine.optimizer.param_groups)
+        for key in ("lr_lambdas", "base_lrs", "_last_lr"):  # one schedule for every group (training/engine.py)
+            if isinstance(schedule.get(key), list) and schedule[key] and len(schedule[key]) != groups:
+                schedule[key] = schedule[key][:1] * groups  # a stage with more or fewer groups than the saving one
+        engine.lr_scheduler.load_state_dict(schedule)
     for key, value in moved.counters.items():
         setattr(engine, key, value)

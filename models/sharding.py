@@ -51,7 +51,7 @@ def parts_rule(*proportion: int) -> str:
     return "parts:" + ",".join(str(p // common) for p in proportion)
 
 
-def _parts(rule: str, rows: int) -> list[int] | None:
+def part_rows(rule: str, rows: int) -> list[int] | None:
     """The rows of each part of a `parts_rule` tensor with `rows` rows (None for any other rule)."""
     if not rule.startswith("parts:"):
         return None
@@ -90,7 +90,7 @@ def shard(
     it already is; every other rule: a fresh tensor, so the whole one can be freed)."""
     if rule == REPLICA or (tp_size == 1 and rule != VOCAB):
         return full.contiguous() if full.is_contiguous() else full.clone()
-    if (parts := _parts(rule, full.shape[0])) is not None:
+    if (parts := part_rows(rule, full.shape[0])) is not None:
         if any(rows % tp_size for rows in parts):
             raise ValueError(f"parts of {parts} rows do not split into {tp_size} equal shards")
         return torch.cat([part.chunk(tp_size, 0)[tp_rank] for part in full.split(parts, 0)], 0)
@@ -116,7 +116,7 @@ def merge(shards: list[torch.Tensor], rule: str, vocab_size: int | None = None) 
     """The whole tensor from every rank's shard, in rank order (VOCAB: the padding dropped)."""
     if rule == REPLICA or len(shards) == 1 and rule != VOCAB:
         return shards[0]
-    if (parts := _parts(rule, shards[0].shape[0])) is not None:  # each shard holds its block of every part
+    if (parts := part_rows(rule, shards[0].shape[0])) is not None:  # each shard holds its block of every part
         pieces = [s.split(parts, 0) for s in shards]
         return torch.cat([piece[i] for i in range(len(parts)) for piece in pieces], 0)
     if rule in (GATE_UP, GATE_UP_OUT):

@@ -54,6 +54,8 @@ def check_numbers(cfg: TrainConfig) -> None:
     finite(o.warmup_ratio, "optim.warmup_ratio", 0, 1)
     finite(o.min_lr_ratio, "optim.min_lr_ratio", 0, 1)
     need(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    finite(o.muon_momentum, "optim.muon_momentum", 0, 1, high_open=True)
+    need(1 <= o.muon_ns_steps < 100, f"optim.muon_ns_steps={o.muon_ns_steps} must be in [1, 99]")
     finite(cfg.dist_timeout_minutes, "dist_timeout_minutes", 0, low_open=True)
     finite(cfg.dist_init_timeout_minutes, "dist_init_timeout_minutes", 0, low_open=True)
     need(cfg.max_steps >= -1, f"max_steps={cfg.max_steps} must be -1 (use num_train_epochs) or a step count")

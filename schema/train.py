@@ -49,6 +49,21 @@ class Scheduler(Choice):
     constant = "constant"
 
 
+class OptimizerName(Choice):
+    adamw = "adamw"  # AdamW for every parameter
+    muon = "muon"  # Muon for the decoder layers' matrices, AdamW for the rest (training/muon.py)
+
+
+class MuonLr(Choice):
+    match_rms_adamw = "match_rms_adamw"  # lr x 0.2 sqrt(max(A, B)): AdamW's learning rate carries over (Moonlight)
+    original = "original"  # lr x sqrt(max(1, A / B)) (Keller Jordan's)
+
+
+class NsDtype(Choice):
+    bf16 = "bf16"  # torch.optim.Muon's
+    fp32 = "fp32"  # reproducible across layouts to fp32 rounding (bf16 turns summation-order noise into 0.5% steps)
+
+
 class NonFinite(Choice):
     stop = "stop"  # a NaN/inf loss ends the run without saving (last checkpoint kept)
     skip = "skip"  # skip that step's update and go on
@@ -69,7 +84,10 @@ class DeepSpeedConfig:
 
 @dataclass
 class OptimConfig:
-    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    # adamw; or muon: the decoder layers' matrices (each expert's, each part of a fused projection) by Muon, the rest
+    # (embeddings, head, norms, biases, every 1-D tensor) by AdamW with the settings below (docs/training.md)
+    name: OptimizerName = OptimizerName.adamw
+    weight_decay: float = 0.0  # decoupled weight decay (AdamW's and Muon's)
     beta1: float = 0.9  # AdamW's first-moment decay
     beta2: float = 0.95  # AdamW's second-moment decay
     eps: float = 1e-8  # AdamW's denominator term
@@ -78,6 +96,13 @@ class OptimConfig:
     warmup_steps: int = 0  # linear warm-up from 0 over this many steps
     warmup_ratio: float = 0.0  # used when warmup_steps == 0
     min_lr_ratio: float = 0.1  # where cosine and linear decay end, as a fraction of learning_rate
+    muon_momentum: float = 0.95  # Muon's momentum (torch.optim.Muon's)
+    muon_nesterov: bool = True  # Muon's Nesterov momentum
+    muon_ns_steps: int = 5  # Newton-Schulz iterations per orthogonalisation
+    # The Newton-Schulz iteration's dtype: bf16 as torch.optim.Muon; fp32 where runs in different layouts must agree
+    # (bf16 rounding turns the 1e-7 summation-order differences of two layouts' gradients into 0.5%-of-a-weight steps)
+    muon_ns_dtype: NsDtype = NsDtype.bf16
+    muon_adjust_lr: MuonLr = MuonLr.match_rms_adamw  # each matrix's step size from learning_rate and its shape
 
 
 @dataclass
@@ -155,7 +180,7 @@ class TrainConfig:
     micro_batch_size: int = 1  # rows (DPO: pairs) per micro-batch per data-parallel rank
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step (the pipeline's micro-batches)
     eval_micro_batch_size: int | None = None  # default: micro_batch_size
-    learning_rate: float = 2e-5  # peak learning rate (AdamW)
+    learning_rate: float = 2e-5  # peak learning rate (AdamW's; Muon's before optim.muon_adjust_lr)
     seed: int = 42  # the data order, the mixture and initial weights (from-scratch runs, LoRA adapters)
     save_steps: int = 0  # 0: save only at the end
     save_manifest: bool = True  # sizes, hashes and tensor shapes of every saved file (convert2ckpt.py --verify)

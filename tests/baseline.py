@@ -7,7 +7,8 @@ the trainer, each part proven on its own elsewhere:
   in tests/test_data.py and tests/test_formats.py), `PackedDataset` / `BlockDataset` / `arranged` (unpacked here
   into rows of their own, so packing itself is what the parity tests prove), `IGNORE_INDEX`;
 - which rows each step takes (`TrainPlan`: tests/test_data.py) and the optimizer recipe (`make_optimizer`, torch's
-  AdamW and the warmup-cosine schedule: tests/test_engine_config.py);
+  AdamW and the warmup-cosine schedule: tests/test_engine_config.py; with `optim.name=muon`, torch.optim.Muon beside
+  it: tests/muon_reference.py);
 - the attention implementation a family gets (`resolve_attention`), LoRA's seeded adapters (`add_lora`, held to
   PEFT's in tests/test_lora.py);
 - for `train_dpo_reference`: `PairDataset` and the preference and sft losses (`preference_losses`, `sft_loss`,
@@ -28,7 +29,7 @@ from models.families import resolve_attention
 from models.lora import add_lora
 from models.loss import IGNORE_INDEX
 from schema.train import TrainConfig
-from training.engine import make_optimizer
+from tests.muon_reference import reference_optimizer
 
 
 def hf_model(hf_dir: str, **kwargs):
@@ -87,7 +88,7 @@ def train_baseline(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, s
     dataset = arranged(dataset, d.packing, d.concatenate, cfg.seq_length, train=True)
     plan = TrainPlan(len(dataset), dp, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
     total = plan.total_steps(cfg.max_steps, cfg.num_train_epochs)
-    optimizer, scheduler = make_optimizer(cfg, model.named_parameters(), total)
+    optimizer, scheduler = reference_optimizer(cfg, model, total)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     losses, norms, step_tokens = [], [], []
     experts = getattr(model.config, "num_experts_per_tok", None) is not None

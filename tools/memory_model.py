@@ -126,11 +126,54 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
         if adapters is None:
             trained, weights = params, params * weight_bytes
             optimizer = (params - experts) * optim_bytes * optim_share + experts * optim_bytes * expert_share
+            if cfg.optim.name == "muon":  # fp32 ZeRO-0 (training/validate.py): one buffer, not two moments
+                matrices, gathered = muon_bytes(
+                    config, held_layers, tp, ep, 4 if cfg.optim.muon_ns_dtype == "fp32" else 2
+                )
+                optimizer -= matrices / 2 - gathered
         else:  # only the adapters take gradients and optimizer state
             trained = sum(adapters[i] for i in held_layers)
             weights, optimizer = (params + trained) * weight_bytes, trained * optim_bytes * optim_share
         out.append(Estimate(stage, params, weights, trained * grad_bytes, optimizer, activations, logits))
     return out
+
+
+def muon_bytes(config, held_layers, tp: int, ep: int, ns_bytes: int) -> tuple[float, float]:
+    """Muon on a rank holding the pipeline layers `held_layers` (fp32, ZeRO-0): (the bytes of two fp32 values per
+    element of its Muon matrices, Adam's moments there, of which Muon keeps one; the step's largest transient: one
+    parameter's update gathered whole over TP beside its shards, fp32, and the Newton-Schulz iteration of its
+    largest matrix in `ns_bytes`, training/muon.py). Counted on the meta device."""
+    import torch
+
+    from models.layers import build_layer
+    from models.partition import layer_shape
+    from models.pipe_layout import DECODER, pipe_layers
+    from models.sharding import REPLICA
+    from training.muon import layer_plan, pieces
+
+    layers, done, matrices, gathered = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings), {}, 0.0, 0.0
+    for index in sorted(held_layers):
+        layer = layers[index]
+        if layer.kind != DECODER:
+            continue
+        shape = layer_shape(layer, config)
+        if shape not in done:
+            with torch.device("meta"):
+                module = build_layer(layer, config)
+            own, peak = 0.0, 0.0
+            for key, p in module.named_parameters():
+                if (plan := layer_plan(key, p, config)) is None:
+                    continue
+                whole = p.numel() / (ep if p.ndim == 3 else 1)  # this rank's experts
+                split = plan[0] != REPLICA and tp > 1
+                own += whole / tp if split else whole
+                piece = max((m.shape for m in pieces(p[0] if p.ndim == 3 else p, *plan)), key=lambda s: s[0] * s[1])
+                small, large = sorted(piece)
+                peak = max(peak, whole * 4 * (2 if split else 1) + (2 * small * large + 2 * small * small) * ns_bytes)
+            done[shape] = (own, peak)
+        matrices += done[shape][0] * 8
+        gathered = max(gathered, done[shape][1])
+    return matrices, gathered
 
 
 def loss_bytes(model, tokens: int, hidden: int, vocab: int, act_bytes: int) -> float:

@@ -35,6 +35,7 @@ from training.expert_parallel import (
     keep_from_broadcast,
     register,
 )
+from training.muon import MuonAdamW, muon_plan, steps_each_parameter
 from training.precision import is_resolved
 from training.topology import Coords
 
@@ -172,13 +173,30 @@ def follow_new_schedule(scheduler, cfg: TrainConfig, total_steps: int) -> list[s
     return sorted(set(changes))
 
 
-def make_optimizer(cfg: TrainConfig, named_params, total_steps: int):
-    """AdamW and its LR schedule; the single-process reference in the tests uses these too."""
+def make_optimizer(cfg: TrainConfig, named_params, total_steps: int, muon_plan=None, tp=None):
+    """The optimizer of `optim.name` and its LR schedule; the single-process reference in the tests uses AdamW's too.
+
+    Args:
+        muon_plan: (name, parameter) -> how Muon updates it, or None for AdamW's (`training.muon.muon_plan`); needed
+            for `optim.name=muon`.
+        tp: this rank's tensor-parallel place (Muon gathers each split matrix over its group).
+    """
     o = cfg.optim
     kwargs = {"lr": cfg.learning_rate, "betas": (o.beta1, o.beta2), "eps": o.eps}
     if torch.cuda.is_available() and not cfg.deepspeed.offload_optimizer:  # offloaded: the step runs on CPU tensors
         kwargs["fused"] = True
-    optimizer = torch.optim.AdamW(param_groups(named_params, o.weight_decay), **kwargs)
+    if str(o.name) == "adamw":
+        optimizer = torch.optim.AdamW(param_groups(named_params, o.weight_decay), **kwargs)
+    else:
+        named = [(n, p) for n, p in named_params if p.requires_grad]
+        plans = {id(p): plan for n, p in named if (plan := muon_plan(n, p)) is not None}
+        matrices = param_groups([(n, p) for n, p in named if id(p) in plans], o.weight_decay)
+        rest = param_groups([(n, p) for n, p in named if id(p) not in plans], o.weight_decay)
+        groups = [{**g, "muon": True} for g in matrices] + [{**g, "muon": False} for g in rest]
+        muon = {"momentum": o.muon_momentum, "nesterov": o.muon_nesterov, "ns_steps": o.muon_ns_steps}
+        muon["ns_dtype"] = str(o.muon_ns_dtype)
+        muon |= {"adjust_lr": str(o.muon_adjust_lr), "plan_of": lambda p: plans[id(p)], "tp": tp, "adamw": kwargs}
+        optimizer = MuonAdamW(groups, lr=cfg.learning_rate, **muon)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg, total_steps))
 
 
@@ -319,7 +337,8 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
         register(module, ep, coords.tp)
     elif ep.size > 1:  # each rank's own experts: DeepSpeed must not broadcast DP rank 0's over them
         keep_from_broadcast(module)
-    optimizer, scheduler = make_optimizer(cfg, module.named_parameters(), total_steps)
+    plan = lambda name, p, model_config=module.model_config: muon_plan(name, p, model_config)  # noqa: E731
+    optimizer, scheduler = make_optimizer(cfg, module.named_parameters(), total_steps, plan, module._tp)
     config = deepspeed_config(cfg, coords, load_universal, experts=floating_slots(module.model_config) > 0)
     experts = deepspeed_sees_experts(module, num_experts(module.model_config)) if deepspeed_experts else nullcontext()
     with experts, frozen_weights_kept_fp32(module, cfg.deepspeed.precision):
@@ -342,7 +361,7 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
     # a step as an overflow so the fp32 path skips it the same way (weights, Adam moments and the LR
     # schedule unchanged; DeepSpeed counts it in `skipped_steps`).
     optimizer = engine.optimizer
-    if type(optimizer) is torch.optim.AdamW:  # fp32 without ZeRO: our AdamW itself, not a DeepSpeed wrapper
+    if steps_each_parameter(optimizer):  # fp32 without ZeRO: our optimizer itself, not a DeepSpeed wrapper
         optimizer.overflow = False
         apply_update = optimizer.step
 

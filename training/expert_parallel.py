@@ -34,6 +34,7 @@ import torch.distributed as dist
 from deepspeed.moe.layer import MoE
 
 from models.expert_parallel import ExpertParallel
+from training.muon import steps_each_parameter
 
 
 def deepspeed_owns_experts(precision: str, zero_stage: int) -> bool:
@@ -247,7 +248,7 @@ def every_expert(engine, ep: ExpertParallel):
     # Frozen experts (LoRA) are never saved: only adapters are.
     layers = [m for m in expert_modules(engine.module) if m.moe_block().experts.gate_up_proj.requires_grad]
     # Only our AdamW (fp32 ZeRO-0) holds the moments per parameter; DeepSpeed's optimizers save each rank's shard.
-    state = engine.optimizer.state if type(engine.optimizer) is torch.optim.AdamW else {}
+    state = engine.optimizer.state if steps_each_parameter(engine.optimizer) else {}
     kept = {}
     for layer in layers:
         for p in layer.moe_block().experts.parameters():
@@ -315,7 +316,7 @@ def _gathered_while_saving(module, layers: list, ep: ExpertParallel):
 def keep_own_experts(engine, ep: ExpertParallel) -> None:
     """After a resume: the optimizer's Adam moments of each expert parameter hold every expert (saved gathered);
     keep this rank's (fp32 ZeRO-0; DeepSpeed's optimizers load each rank's own shard)."""
-    if type(engine.optimizer) is not torch.optim.AdamW:
+    if not steps_each_parameter(engine.optimizer):
         return
     state = engine.optimizer.state
     for p in expert_params(engine.module):

@@ -30,6 +30,7 @@ def validate(cfg: TrainConfig, training_here: bool = True) -> None:
         ds = resolved(cfg.deepspeed)
         validate_offload(ds)
         validate_bf16_gradients(ds)
+        validate_optimizer(cfg, ds)
 
 
 def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
@@ -238,6 +239,16 @@ def validate_bf16_gradients(ds: DeepSpeedConfig) -> None:
         ds.precision != "fp32" or ds.grad_accum_dtype in (None, "fp32"),
         f"deepspeed.precision=fp32 with deepspeed.grad_accum_dtype={ds.grad_accum_dtype}: fp32 weights accumulate "
         "fp32 gradients (DeepSpeed refuses the mix); set deepspeed.grad_accum_dtype=fp32 or leave it unset",
+    )
+
+
+def validate_optimizer(cfg: TrainConfig, ds: DeepSpeedConfig) -> None:
+    """`optim.name=muon` where its matrices are whole (`ds`: resolved)."""
+    need(
+        cfg.optim.name != "muon" or (ds.precision, ds.zero_stage) == ("fp32", 0),
+        f"optim.name=muon runs with deepspeed.precision=fp32 and zero_stage=0 (deepspeed=fp32), not {ds.precision} "
+        f"with ZeRO-{ds.zero_stage}: DeepSpeed's bf16, fp16 and ZeRO optimizers step flat partitions that cut the "
+        "matrices Muon orthogonalises (and DeepSpeed's own Muon refuses the pipeline engine)",
     )
 
 

@@ -171,4 +171,24 @@ CLAIMS = (
         holds="assert HEADROOM == 0.9 and all(p.gib <= 0.9 * 80 for p in found)",
         bound=0.9,
     ),
+    # Muon
+    Claim(
+        says="In one process, on the same gradients, the weights equal torch.optim.Muon's on transformers' model bit "
+        "for bit",
+        test="tests/test_muon.py::test_muon_equals_torch_muon_in_one_process",
+        holds="assert torch.equal(p, ref_state[name]), name",
+        bound=0,
+    ),
+    Claim(
+        says="hold each weight within 1e-5 of its tensor's scale of torch's Muon after 4 steps",
+        test="tests/test_muon_training.py::test_muon_matches_torch_muon",
+        holds="layout=layout, scale=1e-5)",
+        bound=1e-5,
+    ),
+    Claim(
+        says="stays within 1e-5 of the unmoved run",
+        test="tests/test_muon_training.py::test_muon_resumes_exactly_and_moves_with_its_momentum",
+        holds="assert worst < 1e-5, (name, worst)",
+        bound=1e-5,
+    ),
 )
