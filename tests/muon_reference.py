@@ -81,18 +81,21 @@ class TorchMuon:
             ns_steps=o.muon_ns_steps,
             adjust_lr_fn=str(o.muon_adjust_lr),
         )
-        adamw_cfg = copy.deepcopy(cfg)
-        adamw_cfg.optim.name = "adamw"
-        self.adamw, adamw_schedule = make_optimizer(adamw_cfg, rest, total_steps)
-        muon_schedule = torch.optim.lr_scheduler.LambdaLR(self.muon, lr_schedule(cfg, total_steps))
-        self.schedules = [adamw_schedule, muon_schedule]
+        self.schedules = [torch.optim.lr_scheduler.LambdaLR(self.muon, lr_schedule(cfg, total_steps))]
+        self.adamw = None
+        if any(p.requires_grad for _, p in rest):  # (LoRA: every trainable parameter is an adapter's matrix)
+            adamw_cfg = copy.deepcopy(cfg)
+            adamw_cfg.optim.name = "adamw"
+            self.adamw, adamw_schedule = make_optimizer(adamw_cfg, rest, total_steps)
+            self.schedules.append(adamw_schedule)
 
     def step(self) -> None:
         config = self.model.config
         for key, p, i, stand_in in self.parts:
             stand_in.data.copy_(_cut(key, p.data, config)[i])
             stand_in.grad = None if p.grad is None else _cut(key, p.grad, config)[i].clone()
-        self.adamw.step()
+        if self.adamw is not None:
+            self.adamw.step()
         if self.fp32:
             with mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", _newton_schulz_fp32):
                 self.muon.step()
@@ -102,7 +105,6 @@ class TorchMuon:
             _cut(key, p.data, config)[i].copy_(stand_in.data)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.adamw.zero_grad(set_to_none=set_to_none)
         self.model.zero_grad(set_to_none=set_to_none)
 
 

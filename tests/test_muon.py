@@ -141,14 +141,26 @@ def test_planner_counts_one_buffer_per_matrix_and_the_gathered_step():
     assert a.optimizer - m.optimizer == 4 * sum(p.numel() for p in matrices) - transient
 
 
-@pytest.mark.parametrize("preset", ["bf16_zero1", "fp16_offload"])
-def test_muon_under_deepspeed_flat_partitions_is_refused_in_one_line(preset):
-    """DeepSpeed's bf16, fp16 and ZeRO optimizers step flat partitions: refused before anything is read."""
+@pytest.mark.parametrize(
+    "deepspeed",
+    [
+        ["deepspeed=fp16_offload"],
+        ["deepspeed=fp32", "deepspeed.zero_stage=1"],
+        ["deepspeed=bf16_zero1", "deepspeed.grad_accum_dtype=bf16"],
+    ],
+    ids=["fp16", "fp32-zero1", "bf16-grads"],
+)
+def test_muon_where_matrices_are_not_whole_is_refused_in_one_line(deepspeed):
+    """DeepSpeed's fp16 and fp32 ZeRO optimizers, and its bf16 one without fp32 gradients, step flat partitions
+    without the group's whole gradients: refused before anything is read."""
     from schema.compose import compose_config
     from training.precision import resolve
     from training.validate import validate
 
-    cfg = compose_config([f"deepspeed={preset}", "optim.name=muon", "model_name_or_path=m", "train_file=a.jsonl"])
+    cfg = compose_config([*deepspeed, "optim.name=muon", "model_name_or_path=m", "train_file=a.jsonl"])
     resolve(cfg)
-    with pytest.raises(ValueError, match=r"^optim.name=muon runs with deepspeed.precision=fp32 and zero_stage=0 "):
+    with pytest.raises(
+        ValueError, match=r"^optim.name=muon runs with deepspeed=fp32 \(fp32, ZeRO-0\) or deepspeed=bf16"
+    ):
         validate(cfg)
+    validate(compose_config(["deepspeed=bf16_zero1", "optim.name=muon", "model_name_or_path=m", "train_file=a.jsonl"]))

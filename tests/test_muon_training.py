@@ -50,7 +50,8 @@ def test_muon_matches_torch_muon(layout, hf_models, converted, sft_data, tmp_pat
 
 def test_muon_resumes_exactly_and_moves_with_its_momentum(converted, sft_data, tmp_path, tmp_path_factory):
     """Step 2 of the PP=2 x DP=2 run resumed in the same layout: bit-identical. Moved to PP=4 x DP=1 and to
-    PP=2 x TP=2 (the momentum merged and split by each matrix's rule): steps 3-4 on the unmoved run's curve."""
+    PP=2 x TP=2 (the momentum merged and split by each matrix's rule): steps 3-4 on the unmoved run's curve. Resumed
+    with optim.name=adamw: refused in one line."""
     from transformers import AutoConfig
 
     layout = "gqa-pp2-dp2"
@@ -80,3 +81,67 @@ def test_muon_resumes_exactly_and_moves_with_its_momentum(converted, sft_data, t
         worst = max(float((moved[k] - v).abs().max()) for k, v in final.items())
         print(f"Muon move PP=2xDP=2 -> {name}: max |weight diff| after {STEPS} steps vs unmoved = {worst:.3g}")
         assert worst < 1e-5, (name, worst)
+
+    # The same checkpoint resumed with AdamW: refused on every rank, in one line, before any state is loaded.
+    part = tmp_path / "adamw"
+    interrupted_copy(full, part, 2)
+    proc = launch(4, *layout_args(layout, converted, sft_data, str(part), resume="true"))
+    refused = [line for line in proc.stderr.splitlines() if "saved with optim.name=muon, this run has" in line]
+    assert proc.returncode != 0 and refused and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("layout", ["gqa-pp2-dp2", "gqa-pp2-tp2-chunked", "mixtral-pp2-dp2-ep2-recompute"])
+def test_muon_under_bf16_zero1_follows_the_fp32_run(layout, converted, sft_data, tmp_path, tmp_path_factory):
+    """The GPU default (deepspeed=bf16_zero1: bf16 weights, fp32 master weights and gradients, ZeRO-1 over DP;
+    DeepSpeed's bf16 optimizer): Muon's momentum is partitioned over DP like Adam's moments, the matrices
+    orthogonalised whole from the gathered partitions. Its 4 steps follow the fp32 run of the layout to bf16
+    precision (the bounds AdamW's bf16 test holds its first step to); PP=2 x DP=2 resumed at step 2 in its own
+    layout is bit-identical, and moved to PP=4 it is refused in one line."""
+    from tests.resumes import load_checkpoint_file
+
+    fp32 = Path(muon_run(layout, converted, sft_data, tmp_path_factory))
+    out = tmp_path / "bf16"
+    bf16 = dict(MUON, deepspeed="bf16_zero1", save_steps=2, do_eval="false")
+    check(launch(4, *layout_args(layout, converted, sft_data, str(out), **bf16)))
+    expected, got = read_jsonl(fp32 / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
+    for a, b in zip(expected, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-3) and b["grad_norm"] == pytest.approx(
+            a["grad_norm"], rel=2e-2
+        ), (a, b)
+    print(f"Muon bf16_zero1 ({layout}): losses {[m['loss'] for m in got]} vs fp32 {[m['loss'] for m in expected]}")
+    if layout != "gqa-pp2-dp2":
+        return
+    # ZeRO-1: each DP rank holds the momentum of its own partition of each Muon group.
+    shard = load_checkpoint_file(str(out / "global_step4" / "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt"))
+    state = shard["optimizer_state_dict"]
+    groups = state["base_optimizer_state"]["param_groups"]
+    muon = [g for g in groups if g["muon"]]
+    assert muon and all(
+        set(state["base_optimizer_state"]["state"][i]) == {"momentum_buffer"} for g in muon for i in g["params"]
+    )
+    part = tmp_path / "same"
+    interrupted_copy(out, part, 2)
+    check(launch(4, *layout_args(layout, converted, sft_data, str(part), **bf16, resume="true")))
+    assert_resumed_exactly(out, part, 2)
+    moved = tmp_path / "moved"
+    interrupted_copy(out, moved, 2)
+    extra = {"num_stages": 4, "gradient_accumulation_steps": 6, "model.partition": "[1,1,1,1]"}
+    proc = launch(4, *layout_args(layout, converted, sft_data, str(moved), **bf16, resume="true", **extra))
+    refused = [line for line in proc.stderr.splitlines() if "a Muon run saved with ZeRO-1 resumes in its own" in line]
+    assert proc.returncode != 0 and refused and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_lora_with_muon_matches_torch_muon_on_the_adapters(hf_models, tokenizer_dir, sft_data, tmp_path):
+    """LoRA's A and B are matrices like any other (each whole, as in PEFT; under TP=2 the split factor gathered):
+    PP=2 x TP=2, 4 steps from the Hugging Face directory, equal to torch.optim.Muon on the same adapters of
+    transformers' model (the same seeded initial values) within 0.1% of lr."""
+    from tests.test_lora import LORA, assert_matches_peft, lora_overrides
+    from tests.test_training import overrides, parity_cfg
+
+    cfg = parity_cfg(sft_data[0])
+    cfg.lora, cfg.optim.name, cfg.optim.muon_ns_dtype = LORA, "muon", "fp32"
+    run = tmp_path / "run"
+    args = overrides(cfg, hf_models["gqa"], str(run), 2, tensor_parallel_size=2, **MUON)
+    check(launch(4, *args, *lora_overrides()))
+    ours = assert_matches_peft(run, cfg, hf_models["gqa"], tokenizer_dir, dp=1, share_of_lr=1e-3)
+    assert any(".lora_A" in k for k in ours) and any(".lora_B" in k and v.abs().max() > 0 for k, v in ours.items())

@@ -126,11 +126,11 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
         if adapters is None:
             trained, weights = params, params * weight_bytes
             optimizer = (params - experts) * optim_bytes * optim_share + experts * optim_bytes * expert_share
-            if cfg.optim.name == "muon":  # fp32 ZeRO-0 (training/validate.py): one buffer, not two moments
-                matrices, gathered = muon_bytes(
-                    config, held_layers, tp, ep, 4 if cfg.optim.muon_ns_dtype == "fp32" else 2
-                )
-                optimizer -= matrices / 2 - gathered
+            if cfg.optim.name == "muon" and (precision, zero) in (("fp32", 0), ("bf16", 1)):  # (training/validate.py)
+                ns_bytes = 4 if cfg.optim.muon_ns_dtype == "fp32" else 2
+                matrices, gathered = muon_bytes(config, held_layers, tp, ep, ns_bytes)
+                # one buffer for Adam's two moments; under ZeRO-1 the step also holds one partition-sized buffer
+                optimizer += gathered - matrices / 2 * optim_share * (1 if zero == 0 else 0)
         else:  # only the adapters take gradients and optimizer state
             trained = sum(adapters[i] for i in held_layers)
             weights, optimizer = (params + trained) * weight_bytes, trained * optim_bytes * optim_share

@@ -99,6 +99,7 @@ def saved_layout(cfg: TrainConfig, coords: Coords, model_config, bounds: list[in
         "zero_stage": cfg.deepspeed.zero_stage,
         "expert_parallel_size": cfg.expert_parallel_size,
         "context_parallel_size": cfg.context_parallel_size,
+        "optimizer": str(cfg.optim.name),  # Muon's state does not carry over to AdamW, nor back
     }
 
 
@@ -133,11 +134,22 @@ def plan_resume(cfg: TrainConfig, coords: Coords, current: dict, experts: bool =
     with agreed():
         plan.tag = find_resume_tag(cfg)
         saved = read_layout(os.path.join(cfg.output_dir, plan.tag)) if plan.tag else None
+        if saved is not None and saved.get("optimizer", "adamw") != current["optimizer"]:
+            raise CheckpointError(
+                f"{os.path.join(cfg.output_dir, plan.tag)}: saved with optim.name={saved.get('optimizer', 'adamw')}, "
+                f"this run has optim.name={current['optimizer']}: the optimizer state does not carry over (resume "
+                "with the saved optim.name, or start a new run from its weights: model_name_or_path=<that checkpoint>)"
+            )
         moved = layout_changed(saved, current) or (saved is not None and experts_resharded(saved, current))
         if moved:
             where = os.path.join(cfg.output_dir, plan.tag)
             check_movable(saved, current, where)
             plan.reshape = saved.get("zero_stage", 0) == 0
+            if not plan.reshape and current["optimizer"] == "muon":
+                raise CheckpointError(
+                    f"{where}: a Muon run saved with ZeRO-1 resumes in its own layout only (DeepSpeed's universal "
+                    "checkpoint carries Adam's moments, not Muon's momentum); train with deepspeed=fp32 to move it"
+                )
             if not plan.reshape and cfg.lora.enabled:
                 raise CheckpointError(
                     f"{where}: a LoRA run saved with ZeRO-1 cannot move to another layout (DeepSpeed's universal "

@@ -55,11 +55,11 @@ def muon_plan(name: str, param: torch.Tensor, config) -> tuple[str, str] | None:
 
 def layer_plan(key: str, param: torch.Tensor, config) -> tuple[str, str] | None:
     """`muon_plan` of the parameter `key` of a decoder layer (transformers' name within the layer). Muon takes its
-    matrices, and transformers' fused experts ([E, ., .]: a matrix per expert); not norms, biases or a
+    2-D weights, and transformers' fused experts ([E, ., .]: a matrix per expert); not norms, biases or a
     convolution's kernel."""
     experts = _FUSED_EXPERTS.fullmatch(key)
-    if not (param.ndim == 2 or (param.ndim == 3 and experts)):
-        return None
+    if not ((param.ndim == 2 and key.endswith("weight")) or (param.ndim == 3 and experts)):
+        return None  # (gpt-oss's [E, 2I] expert biases are 2-D: AdamW's, as every bias)
     moe = family_of(config).moe
     if ".lora_" in key:
         how = WHOLE
@@ -106,7 +106,9 @@ def newton_schulz(update: torch.Tensor, steps: int, dtype: torch.dtype = torch.b
 
 
 def adjusted_lr(lr: float, rule: str, shape: torch.Size) -> float:
-    """torch.optim.Muon's step size of a matrix of `shape` (`optim.muon_adjust_lr`)."""
+    """torch.optim.Muon's step size of a matrix of `shape` (`optim.muon_adjust_lr`): (A, B) as the matrix is held,
+    [out, in] for a Linear's weight, [in, out] for experts held as x @ W (Llama 4's, gpt-oss's), which only
+    `original` tells apart."""
     rows, cols = shape[:2]
     ratio = 0.2 * math.sqrt(max(rows, cols)) if rule == "match_rms_adamw" else math.sqrt(max(1, rows / cols))
     return lr * ratio
@@ -140,6 +142,7 @@ class MuonAdamW(torch.optim.Optimizer):
         defaults = {"lr": lr, "momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps, "ns_dtype": ns_dtype}
         super().__init__(groups, {**defaults, "adjust_lr": str(adjust_lr), "muon": False})
         self._adamw_kwargs = adamw or {}
+        self.partitions = None  # DeepSpeed's bf16 optimizer, when it holds the master weights (`_partition_step`)
         self._plan_of, self._tp = plan_of, tp
         self._link_adamw()
 
@@ -166,36 +169,87 @@ class MuonAdamW(torch.optim.Optimizer):
                 loss = closure()
         if self._adamw is not None:
             self._adamw.step()
-        for group in self.param_groups:
-            if group["muon"]:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        self._muon_step(p, group)
+        for index, group in enumerate(self.param_groups):
+            if not group["muon"]:
+                continue
+            for p in group["params"]:
+                # NOTE: DeepSpeed's engine gives every trainable parameter a gradient (zeros where none flowed);
+                # a TP rank skipping one would leave its peers waiting in the gather.
+                if p.grad is None:
+                    continue
+                if self.partitions is not None:  # DeepSpeed's bf16 optimizer: `p` is a flat DP partition
+                    self._partition_step(p, index, group)
+                else:
+                    self._muon_step(p, group)
         return loss
 
-    def _muon_step(self, p: torch.Tensor, group: dict) -> None:
+    def _momentum(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """The momentum buffer moved by `p.grad`, and the update Newton-Schulz orthogonalises (Nesterov's or it)."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
         buf, momentum = state["momentum_buffer"], group["momentum"]
-        buf.lerp_(p.grad, 1 - momentum)  # elementwise: the same on a shard as on the whole matrix
-        update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-        (rule, how), tp = self._plan_of(p), self._tp
+        buf.lerp_(p.grad, 1 - momentum)  # elementwise: the same on a shard or a partition as on the whole matrix
+        return p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+    def _orthogonalised(self, param: torch.Tensor, update: torch.Tensor, group: dict) -> list:
+        """(this rank's block of each orthogonalised piece, that piece's step size) of `param`'s `update`, in the
+        order of `pieces(param, ...)`. Under TP the whole matrix is gathered for it and dropped after."""
+        (rule, how), tp = self._plan_of(param), self._tp
         split = tp is not None and tp.size > 1 and rule != REPLICA
-        if split:  # the whole matrix on every TP rank, for its orthogonalisation only
+        if split:
             shards = [torch.empty_like(update) for _ in range(tp.size)]
             dist.all_gather(shards, update.contiguous(), group=tp.group)
             update = merge(shards, rule)
             del shards
-        lr, mine, wholes = group["lr"], pieces(p, rule, how), pieces(update, rule, how)
-        p.mul_(1 - lr * group["weight_decay"])
-        for own, whole in zip(mine, wholes, strict=True):
+        wholes, out = pieces(update, rule, how), []
+        for whole in wholes:
             ortho = newton_schulz(whole, group["ns_steps"], getattr(torch, _DTYPES[group["ns_dtype"]]))
-            if split and p.ndim == 2 and len(mine) == 1:  # the matrix is the parameter: its own split
+            if split and param.ndim == 2 and len(wholes) == 1:  # the matrix is the parameter: its own split
                 ortho = shard(ortho, rule, tp.rank, tp.size)
             elif split:  # one part, half or expert of it: split along that piece's dimension
                 ortho = ortho.chunk(tp.size, _PIECE_SPLIT.get(rule, 0))[tp.rank]
-            own.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr"], whole.shape))
+            out.append((ortho, adjusted_lr(group["lr"], group["adjust_lr"], whole.shape)))
+        return out
+
+    def _muon_step(self, p: torch.Tensor, group: dict) -> None:
+        """torch.optim.Muon's step of one parameter (this rank's TP shard of it), its own optimizer state."""
+        orthogonal = self._orthogonalised(p, self._momentum(p, group), group)
+        rule, how = self._plan_of(p)
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        for own, (ortho, step) in zip(pieces(p, rule, how), orthogonal, strict=True):
+            own.add_(ortho, alpha=-step)
+
+    def _partition_step(self, partition: torch.Tensor, index: int, group: dict) -> None:
+        """Muon's step of this DP rank's flat fp32 partition of group `index` under DeepSpeed's bf16 optimizer
+        (`BF16_Optimizer`, deepspeed 0.19.8: fp32 gradients of the whole group on every rank, reduced and clipped;
+        the master weights and optimizer state partitioned over DP). The momentum moves on the partition alone;
+        the updates of every partition are gathered into the group's fp32 gradient buffer (free by now: no
+        memory of its own), each matrix that meets this partition is orthogonalised whole, and the partition takes
+        its part, each piece's step size folded in (`-lr` applied to the whole partition)."""
+        bf16, lr = self.partitions, group["lr"]
+        dp_group = bf16.real_dp_process_group[index]
+        flat, size = bf16.fp32_groups_gradients_flat[index], partition.numel()
+        start = dist.get_rank(group=dp_group) * size
+        step = self._momentum(partition, group).clone()
+        dist.all_gather(list(flat.chunk(dist.get_world_size(group=dp_group))), step, group=dp_group)
+        step.zero_()  # the partition's update is in `flat` now: the buffer takes the step
+        offset = 0
+        for param, whole in zip(bf16.bf16_groups[index], bf16.fp32_groups_gradients[index], strict=True):
+            low, high = max(offset, start), min(offset + param.numel(), start + size)
+            if low < high:  # every TP rank of this DP rank meets the same matrices: their gathers pair up
+                mine = torch.empty(param.shape, dtype=partition.dtype, device=partition.device)
+                for own, (ortho, piece_step) in zip(
+                    pieces(mine, *self._plan_of(param)),
+                    self._orthogonalised(param, whole.view(param.shape), group),
+                    strict=True,
+                ):
+                    own.copy_(ortho).mul_(piece_step / lr if lr else 0.0)
+                step[low - start : high - start] = mine.view(-1)[low - offset : high - offset]
+            offset += param.numel()
+        partition.grad.copy_(step)
+        partition.mul_(1 - lr * group["weight_decay"])
+        partition.add_(partition.grad, alpha=-lr)
 
 
 def steps_each_parameter(optimizer) -> bool:

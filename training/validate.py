@@ -243,12 +243,19 @@ def validate_bf16_gradients(ds: DeepSpeedConfig) -> None:
 
 
 def validate_optimizer(cfg: TrainConfig, ds: DeepSpeedConfig) -> None:
-    """`optim.name=muon` where its matrices are whole (`ds`: resolved)."""
+    """`optim.name=muon` where its matrices are whole (`ds`: resolved): fp32 with ZeRO-0 (our optimizer holds the
+    parameters), or bf16 with ZeRO-1 and fp32 gradients (DeepSpeed's bf16 optimizer: every rank holds the group's
+    reduced gradients, training/muon.py `_partition_step`)."""
+    fp32 = (ds.precision, ds.zero_stage) == ("fp32", 0)
+    bf16 = (ds.precision, ds.zero_stage) == ("bf16", 1) and ds.grad_accum_dtype in (None, "fp32")
     need(
-        cfg.optim.name != "muon" or (ds.precision, ds.zero_stage) == ("fp32", 0),
-        f"optim.name=muon runs with deepspeed.precision=fp32 and zero_stage=0 (deepspeed=fp32), not {ds.precision} "
-        f"with ZeRO-{ds.zero_stage}: DeepSpeed's bf16, fp16 and ZeRO optimizers step flat partitions that cut the "
-        "matrices Muon orthogonalises (and DeepSpeed's own Muon refuses the pipeline engine)",
+        cfg.optim.name != "muon" or ((fp32 or bf16) and not ds.offload_optimizer),
+        f"optim.name=muon runs with deepspeed=fp32 (fp32, ZeRO-0) or deepspeed=bf16_zero1 (bf16, ZeRO-1, fp32 "
+        f"gradients), not {ds.precision} with ZeRO-{ds.zero_stage}"
+        f"{', bf16 gradients' if ds.grad_accum_dtype == 'bf16' else ''}"
+        f"{', the optimizer offloaded' if ds.offload_optimizer else ''}: DeepSpeed's other optimizers step flat "
+        "partitions without the whole matrices Muon orthogonalises (and DeepSpeed's own Muon refuses the pipeline "
+        "engine)",
     )
 
 

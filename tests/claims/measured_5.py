@@ -152,4 +152,43 @@ CLAIMS = (
         bound=0,
     ),
     Benchmark(says="Muon with bf16 Newton-Schulz 4.878 s (15.3x), fp32 9.778 s;", by="benchmarks/muon_step.py"),
+    Claim(
+        says="LoRA's adapters at PP=2 x TP=2 held at 0.1% of lr",
+        test="tests/test_muon_training.py::test_lora_with_muon_matches_torch_muon_on_the_adapters",
+        holds="share_of_lr=1e-3)",
+        bound=1e-3,
+    ),
+    Claim(
+        says="the 4 losses follow the fp32 run within 5.0e-4 relative at PP=2 x DP=2",
+        test="tests/test_muon_training.py::test_muon_under_bf16_zero1_follows_the_fp32_run",
+        holds='b["loss"] == pytest.approx(a["loss"], rel=2e-3)',
+        bound=2e-3,
+        figure=5.0e-4,
+    ),
+    Claim(
+        says="4.5e-4 at PP=2 x TP=2",
+        test="tests/test_muon_training.py::test_muon_under_bf16_zero1_follows_the_fp32_run",
+        holds='b["loss"] == pytest.approx(a["loss"], rel=2e-3)',
+        bound=2e-3,
+        figure=4.5e-4,
+    ),
+    Claim(
+        says="4.0e-4 for Mixtral with EP=2",
+        test="tests/test_muon_training.py::test_muon_under_bf16_zero1_follows_the_fp32_run",
+        holds='b["loss"] == pytest.approx(a["loss"], rel=2e-3)',
+        bound=2e-3,
+        figure=4.0e-4,
+    ),
+    Claim(
+        says="(the test holds 2e-3)",
+        test="tests/test_muon_training.py::test_muon_under_bf16_zero1_follows_the_fp32_run",
+        holds='b["loss"] == pytest.approx(a["loss"], rel=2e-3)',
+        bound=2e-3,
+    ),
+    Claim(
+        says="its same-layout resume is bit-identical",
+        test="tests/test_muon_training.py::test_muon_under_bf16_zero1_follows_the_fp32_run",
+        holds="assert_resumed_exactly(out, part, 2)",
+        bound=0,
+    ),
 )

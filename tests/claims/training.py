@@ -191,4 +191,16 @@ CLAIMS = (
         holds="assert worst < 1e-5, (name, worst)",
         bound=1e-5,
     ),
+    Claim(
+        says="the same layouts' losses follow their fp32 runs within 2e-3 (relative)",
+        test="tests/test_muon_training.py::test_muon_under_bf16_zero1_follows_the_fp32_run",
+        holds='b["loss"] == pytest.approx(a["loss"], rel=2e-3)',
+        bound=2e-3,
+    ),
+    Claim(
+        says="LoRA's adapters at PP=2 x TP=2 equal torch's Muon on them within 0.1% of lr",
+        test="tests/test_muon_training.py::test_lora_with_muon_matches_torch_muon_on_the_adapters",
+        holds="share_of_lr=1e-3)",
+        bound=1e-3,
+    ),
 )
