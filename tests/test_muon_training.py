@@ -20,10 +20,10 @@ pytestmark = pytest.mark.slow  # launches the trainer on several ranks
 # up to 0.58% of a tensor's scale in 4 steps (measured); in fp32 by 1.8e-6 (tests/test_muon.py holds the bf16 default
 # bit for bit against torch.optim.Muon on the same gradients).
 MUON = {"optim.name": "muon", "optim.muon_ns_dtype": "fp32"}
-# PP=2 x DP=2 (saved at step 2: the resume and move tests continue it); PP=2 x TP=2 with sequence parallelism and
-# the vocab-parallel loss in chunks; Mixtral's fused experts over PP=2 x DP=2 x EP=2; Phi-3's fused q/k/v and gate/up
-# under TP=2 (one matrix per part, gathered whole).
-MUON_LAYOUTS = ["gqa-pp2-dp2", "gqa-pp2-tp2-chunked", "mixtral-pp2-dp2-ep2-recompute", "phi3-pp2-tp2"]
+# PP=2 x DP=2 (saved at step 2: the resume and move tests continue it); Mixtral's fused experts over
+# PP=2 x DP=2 x EP=2; Phi-3's fused q/k/v and gate/up at PP=2 x TP=2 with sequence parallelism (one matrix per part,
+# gathered whole in turns).
+MUON_LAYOUTS = ["gqa-pp2-dp2", "mixtral-pp2-dp2-ep2-recompute", "phi3-pp2-tp2"]
 
 
 def muon_run(layout: str, converted, sft_data, tmp_path_factory) -> str:
@@ -38,7 +38,7 @@ def muon_run(layout: str, converted, sft_data, tmp_path_factory) -> str:
 @pytest.mark.parametrize("layout", MUON_LAYOUTS)
 def test_muon_matches_torch_muon(layout, hf_models, converted, sft_data, tmp_path_factory):
     """Losses, grad norms, evaluation and weights of 4 steps against torch's Muon on the same global batches: each
-    weight within 1e-5 of its tensor's scale (measured at most 2.81e-7 in absolute terms, PP=2 x TP=2)."""
+    weight within 1e-5 of its tensor's scale (measured at most 2.38e-7 in absolute terms, Mixtral)."""
     variant, _, stages, tp, _, _ = LAYOUTS[layout]
     cfg = layout_config(layout, sft_data)
     cfg.optim.name, cfg.optim.muon_ns_dtype = "muon", "fp32"
@@ -90,7 +90,7 @@ def test_muon_resumes_exactly_and_moves_with_its_momentum(converted, sft_data, t
     assert proc.returncode != 0 and refused and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("layout", ["gqa-pp2-dp2", "gqa-pp2-tp2-chunked", "mixtral-pp2-dp2-ep2-recompute"])
+@pytest.mark.parametrize("layout", ["gqa-pp2-dp2", "phi3-pp2-tp2"])
 def test_muon_under_bf16_zero1_follows_the_fp32_run(layout, converted, sft_data, tmp_path, tmp_path_factory):
     """The GPU default (deepspeed=bf16_zero1: bf16 weights, fp32 master weights and gradients, ZeRO-1 over DP;
     DeepSpeed's bf16 optimizer): Muon's momentum is partitioned over DP like Adam's moments, the matrices

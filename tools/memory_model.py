@@ -141,8 +141,8 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
 def muon_bytes(config, held_layers, tp: int, ep: int, ns_bytes: int) -> tuple[float, float]:
     """Muon on a rank holding the pipeline layers `held_layers` (fp32, ZeRO-0): (the bytes of two fp32 values per
     element of its Muon matrices, Adam's moments there, of which Muon keeps one; the step's largest transient: one
-    parameter's update gathered whole over TP beside its shards, fp32, and the Newton-Schulz iteration of its
-    largest matrix in `ns_bytes`, training/muon.py). Counted on the meta device."""
+    parameter's update gathered whole over TP beside its shards, fp32, its orthogonalisation and blocks in
+    `ns_bytes`, and the Newton-Schulz iteration of its largest matrix, training/muon.py). On the meta device."""
     import torch
 
     from models.layers import build_layer
@@ -169,7 +169,10 @@ def muon_bytes(config, held_layers, tp: int, ep: int, ns_bytes: int) -> tuple[fl
                 own += whole / tp if split else whole
                 piece = max((m.shape for m in pieces(p[0] if p.ndim == 3 else p, *plan)), key=lambda s: s[0] * s[1])
                 small, large = sorted(piece)
-                peak = max(peak, whole * 4 * (2 if split else 1) + (2 * small * large + 2 * small * small) * ns_bytes)
+                # split: on the rank whose round it is, the shards and the whole in fp32, the orthogonal whole and its
+                # blocks to scatter in `ns_bytes`
+                held = whole * (8 + 2 * ns_bytes) if split else whole * 4
+                peak = max(peak, held + (2 * small * large + 2 * small * small) * ns_bytes)
             done[shape] = (own, peak)
         matrices += done[shape][0] * 8
         gathered = max(gathered, done[shape][1])

@@ -345,7 +345,7 @@ def initialize_engine(cfg: TrainConfig, coords: Coords, module, total_steps: int
     with experts, frozen_weights_kept_fp32(module, cfg.deepspeed.precision):
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     if isinstance(optimizer, MuonAdamW) and isinstance(engine.optimizer, BF16_Optimizer):
-        optimizer.partitions = engine.optimizer  # it steps flat DP partitions of the master weights
+        optimizer.step_partitions_of(engine.optimizer)  # it steps flat DP partitions of the master weights
     # NOTE: DeepSpeed copies its zero_to_fp32.py and zero_to_torch.py into every ZeRO checkpoint. They cannot read
     # pipeline checkpoints (the layer files carry no parameter shapes for them: "'NoneType' object has no attribute
     # 'items'"), so none is left for a user to run; `convert2ckpt.py --to-hf --dtype fp32` gets the weights out.

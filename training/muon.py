@@ -5,8 +5,9 @@
 A and B); embeddings, the LM head, norms, biases and every other tensor go to AdamW with the run's AdamW settings.
 
 Each matrix is orthogonalised as the unsplit, unfused model's would be (`pieces`):
-- under tensor parallelism every rank gathers the matrix's shards over its TP group (models/sharding.py `merge`),
-  orthogonalises the whole and keeps its own block; the gathered matrix is dropped after its update;
+- under tensor parallelism the split matrices go in rounds of T: the i-th of a round is gathered whole on TP rank i
+  (models/sharding.py `merge`), orthogonalised there, and its blocks scattered back (`shard`), so the TP ranks
+  share the work and a whole matrix exists on one rank, for its round only;
 - a fused projection is one matrix per logical part: q, k and v of `qkv_proj`, gate and up of `gate_up_proj` (and of
   fused experts, gpt-oss's interleaved columns too), each expert on its own (experts held by this rank under EP are
   whole here, so nothing crosses the EP group).
@@ -29,14 +30,20 @@ import torch.distributed as dist
 
 from models.families import family_of
 from models.pipe_layout import DECODER, TIED_PARAM, pipe_layers
-from models.sharding import COLUMN, EXPERT_IN, EXPERT_ROW, GATE_UP, GATE_UP_OUT, REPLICA, ROW, merge, part_rows, shard
+from models.sharding import (
+    GATE_UP,
+    GATE_UP_OUT,
+    REPLICA,
+    merge,
+    merged_shape,
+    part_rows,
+    shard,
+)
 from models.tp_rules import tp_split
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
 NS_EPS = 1e-7
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
-# the dimension of each 2-D piece along which tensor parallelism splits it, by the whole tensor's rule
-_PIECE_SPLIT = {COLUMN: 0, ROW: 1, GATE_UP: 0, EXPERT_ROW: 1, GATE_UP_OUT: 1, EXPERT_IN: 0}
 
 
 WHOLE, INTERLEAVED = "whole", "interleaved"  # how a parameter's matrices are cut, beside its TP rule
@@ -157,6 +164,11 @@ class MuonAdamW(torch.optim.Optimizer):
                     group.setdefault(key, value)
             self._adamw.param_groups, self._adamw.state = plain, self.state
 
+    def step_partitions_of(self, bf16_optimizer) -> None:
+        """From now on the Muon groups' parameters are `bf16_optimizer`'s flat DP partitions of the master weights
+        (DeepSpeed's `BF16_Optimizer`, which wraps this optimizer): `_partition_step`."""
+        self.partitions = bf16_optimizer
+
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
         self._link_adamw()  # the loaded group dicts and state replace ours
@@ -172,15 +184,19 @@ class MuonAdamW(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             if not group["muon"]:
                 continue
-            for p in group["params"]:
-                # NOTE: DeepSpeed's engine gives every trainable parameter a gradient (zeros where none flowed);
-                # a TP rank skipping one would leave its peers waiting in the gather.
-                if p.grad is None:
-                    continue
-                if self.partitions is not None:  # DeepSpeed's bf16 optimizer: `p` is a flat DP partition
-                    self._partition_step(p, index, group)
-                else:
-                    self._muon_step(p, group)
+            # NOTE: DeepSpeed's engine gives every trainable parameter a gradient (zeros where none flowed): the TP
+            # ranks of a stage see the same matrices in the same order, so their gathers and scatters pair up.
+            params = [p for p in group["params"] if p.grad is not None]
+            if self.partitions is not None:  # DeepSpeed's bf16 optimizer: each `p` is a flat DP partition
+                for partition in params:
+                    self._partition_step(partition, index, group)
+                continue
+            lr, decay = group["lr"], group["weight_decay"]
+            updates = ((p, self._momentum(p, group), p) for p in params)  # lazily: a round's updates at a time
+            for p, blocks in self._orthogonalised(updates, group):
+                p.mul_(1 - lr * decay)
+                for own, (ortho, step) in zip(pieces(p, *self._plan_of(p)), blocks, strict=True):
+                    own.add_(ortho, alpha=-step)
         return loss
 
     def _momentum(self, p: torch.Tensor, group: dict) -> torch.Tensor:
@@ -192,33 +208,58 @@ class MuonAdamW(torch.optim.Optimizer):
         buf.lerp_(p.grad, 1 - momentum)  # elementwise: the same on a shard or a partition as on the whole matrix
         return p.grad.lerp(buf, momentum) if group["nesterov"] else buf
 
-    def _orthogonalised(self, param: torch.Tensor, update: torch.Tensor, group: dict) -> list:
-        """(this rank's block of each orthogonalised piece, that piece's step size) of `param`'s `update`, in the
-        order of `pieces(param, ...)`. Under TP the whole matrix is gathered for it and dropped after."""
-        (rule, how), tp = self._plan_of(param), self._tp
-        split = tp is not None and tp.size > 1 and rule != REPLICA
-        if split:
-            shards = [torch.empty_like(update) for _ in range(tp.size)]
-            dist.all_gather(shards, update.contiguous(), group=tp.group)
-            update = merge(shards, rule)
-            del shards
-        wholes, out = pieces(update, rule, how), []
-        for whole in wholes:
-            ortho = newton_schulz(whole, group["ns_steps"], getattr(torch, _DTYPES[group["ns_dtype"]]))
-            if split and param.ndim == 2 and len(wholes) == 1:  # the matrix is the parameter: its own split
-                ortho = shard(ortho, rule, tp.rank, tp.size)
-            elif split:  # one part, half or expert of it: split along that piece's dimension
-                ortho = ortho.chunk(tp.size, _PIECE_SPLIT.get(rule, 0))[tp.rank]
-            out.append((ortho, adjusted_lr(group["lr"], group["adjust_lr"], whole.shape)))
-        return out
+    def _orthogonalised(self, updates, group: dict):
+        """For each (parameter, its update, key) of `updates`: yield (key, [(this rank's block of an orthogonalised
+        piece, that piece's step size) in the order of `pieces`]). A matrix held whole is orthogonalised here. Those
+        split over TP go in rounds of T: the i-th matrix of a round is gathered to TP rank i, orthogonalised whole
+        there and its blocks scattered back, so the TP ranks share the Newton-Schulz work (each whole matrix exists
+        on one rank, for its round only)."""
+        tp, pending = self._tp, []
+        for param, update, key in updates:
+            rule, how = self._plan_of(param)
+            if tp is None or tp.size == 1 or rule == REPLICA:
+                wholes = pieces(update, rule, how)
+                yield key, [(self._newton_schulz(m, group), self._step_size(m.shape, group)) for m in wholes]
+                continue
+            pending.append((param, update, key))
+            if len(pending) == tp.size:
+                yield from self._round(pending, group)
+                pending = []
+        if pending:
+            yield from self._round(pending, group)
 
-    def _muon_step(self, p: torch.Tensor, group: dict) -> None:
-        """torch.optim.Muon's step of one parameter (this rank's TP shard of it), its own optimizer state."""
-        orthogonal = self._orthogonalised(p, self._momentum(p, group), group)
-        rule, how = self._plan_of(p)
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        for own, (ortho, step) in zip(pieces(p, rule, how), orthogonal, strict=True):
-            own.add_(ortho, alpha=-step)
+    def _round(self, batch: list, group: dict):
+        """One round of `_orthogonalised` over the TP group: TP rank i orthogonalises the i-th matrix of `batch`."""
+        tp, mine = self._tp, None
+        for owner, (param, update, _) in enumerate(batch):
+            target = dist.get_global_rank(tp.group, owner)
+            if owner == tp.rank:
+                shards = [torch.empty_like(update) for _ in range(tp.size)]
+                dist.gather(update.contiguous(), shards, dst=target, group=tp.group)
+                whole = merge(shards, self._plan_of(param)[0])
+                del shards
+                mine = torch.empty(whole.shape, dtype=_dtype(group), device=whole.device)
+                for out, matrix in zip(pieces(mine, *self._plan_of(param)), pieces(whole, *self._plan_of(param))):
+                    out.copy_(self._newton_schulz(matrix, group))
+                del whole
+            else:
+                dist.gather(update.contiguous(), None, dst=target, group=tp.group)
+        for owner, (param, update, key) in enumerate(batch):
+            rule, how = self._plan_of(param)
+            block = torch.empty(update.shape, dtype=_dtype(group), device=update.device)
+            blocks = [shard(mine, rule, r, tp.size) for r in range(tp.size)] if owner == tp.rank else None
+            dist.scatter(block, blocks, src=dist.get_global_rank(tp.group, owner), group=tp.group)
+            whole = torch.empty(merged_shape([tuple(update.shape)] * tp.size, rule), device="meta")
+            sizes = [self._step_size(m.shape, group) for m in pieces(whole, rule, how)]
+            yield key, list(zip(pieces(block, rule, how), sizes, strict=True))
+
+    @staticmethod
+    def _newton_schulz(matrix: torch.Tensor, group: dict) -> torch.Tensor:
+        return newton_schulz(matrix, group["ns_steps"], _dtype(group))
+
+    @staticmethod
+    def _step_size(shape, group: dict) -> float:
+        return adjusted_lr(group["lr"], group["adjust_lr"], shape)
 
     def _partition_step(self, partition: torch.Tensor, index: int, group: dict) -> None:
         """Muon's step of this DP rank's flat fp32 partition of group `index` under DeepSpeed's bf16 optimizer
@@ -234,22 +275,25 @@ class MuonAdamW(torch.optim.Optimizer):
         step = self._momentum(partition, group).clone()
         dist.all_gather(list(flat.chunk(dist.get_world_size(group=dp_group))), step, group=dp_group)
         step.zero_()  # the partition's update is in `flat` now: the buffer takes the step
-        offset = 0
+        met, offset = [], 0  # the matrices meeting this partition: the same on every TP rank of this DP rank
         for param, whole in zip(bf16.bf16_groups[index], bf16.fp32_groups_gradients[index], strict=True):
             low, high = max(offset, start), min(offset + param.numel(), start + size)
-            if low < high:  # every TP rank of this DP rank meets the same matrices: their gathers pair up
-                mine = torch.empty(param.shape, dtype=partition.dtype, device=partition.device)
-                for own, (ortho, piece_step) in zip(
-                    pieces(mine, *self._plan_of(param)),
-                    self._orthogonalised(param, whole.view(param.shape), group),
-                    strict=True,
-                ):
-                    own.copy_(ortho).mul_(piece_step / lr if lr else 0.0)
-                step[low - start : high - start] = mine.view(-1)[low - offset : high - offset]
+            if low < high:
+                met.append((param, whole.view(param.shape), (param, offset, low, high)))
             offset += param.numel()
+        for (param, offset, low, high), blocks in self._orthogonalised(met, group):
+            mine = torch.empty(param.shape, dtype=partition.dtype, device=partition.device)
+            for own, (ortho, piece_step) in zip(pieces(mine, *self._plan_of(param)), blocks, strict=True):
+                own.copy_(ortho).mul_(piece_step / lr if lr else 0.0)
+            step[low - start : high - start] = mine.view(-1)[low - offset : high - offset]
         partition.grad.copy_(step)
         partition.mul_(1 - lr * group["weight_decay"])
         partition.add_(partition.grad, alpha=-lr)
+
+
+def _dtype(group: dict) -> torch.dtype:
+    """The dtype of the group's Newton-Schulz iteration (`optim.muon_ns_dtype`)."""
+    return getattr(torch, _DTYPES[group["ns_dtype"]])
 
 
 def steps_each_parameter(optimizer) -> bool:

@@ -151,7 +151,10 @@ CLAIMS = (
         holds="assert torch.equal(p, ref_state[name]), name",
         bound=0,
     ),
-    Benchmark(says="Muon with bf16 Newton-Schulz 4.878 s (15.3x), fp32 9.778 s;", by="benchmarks/muon_step.py"),
+    Benchmark(
+        says="Muon with bf16 Newton-Schulz 4.602 s (14.5x; 4.209 s of it orthogonalising 210 matrices), fp32 8.983 s;",
+        by="benchmarks/muon_step.py",
+    ),
     Claim(
         says="LoRA's adapters at PP=2 x TP=2 held at 0.1% of lr",
         test="tests/test_muon_training.py::test_lora_with_muon_matches_torch_muon_on_the_adapters",
@@ -166,18 +169,11 @@ CLAIMS = (
         figure=5.0e-4,
     ),
     Claim(
-        says="4.5e-4 at PP=2 x TP=2",
+        says="3.8e-4 for Phi-3 at PP=2 x TP=2",
         test="tests/test_muon_training.py::test_muon_under_bf16_zero1_follows_the_fp32_run",
         holds='b["loss"] == pytest.approx(a["loss"], rel=2e-3)',
         bound=2e-3,
-        figure=4.5e-4,
-    ),
-    Claim(
-        says="4.0e-4 for Mixtral with EP=2",
-        test="tests/test_muon_training.py::test_muon_under_bf16_zero1_follows_the_fp32_run",
-        holds='b["loss"] == pytest.approx(a["loss"], rel=2e-3)',
-        bound=2e-3,
-        figure=4.0e-4,
+        figure=3.8e-4,
     ),
     Claim(
         says="(the test holds 2e-3)",

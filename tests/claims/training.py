@@ -192,7 +192,7 @@ CLAIMS = (
         bound=1e-5,
     ),
     Claim(
-        says="the same layouts' losses follow their fp32 runs within 2e-3 (relative)",
+        says="PP=2 x DP=2's and Phi-3's losses follow their fp32 runs within 2e-3 (relative)",
         test="tests/test_muon_training.py::test_muon_under_bf16_zero1_follows_the_fp32_run",
         holds='b["loss"] == pytest.approx(a["loss"], rel=2e-3)',
         bound=2e-3,
