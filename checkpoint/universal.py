@@ -95,7 +95,10 @@ def ensure_universal(ckpt_dir: str, tag: str, experts: bool = False) -> str:
 def convert_to_universal(source: str, out: str, experts: bool, in_process: bool) -> None:
     """DeepSpeed's universal-checkpoint tool (checkpoint/expert_universal.py for `experts`) from the tag directory
     `source` into `out`, in this process or a child one. CheckpointError naming `source` if it fails."""
-    tool = "checkpoint.expert_universal" if experts else "deepspeed.checkpoint.ds_to_universal"
+    # A Muon run's momentum through DeepSpeed's tool (checkpoint/muon_universal.py); its experts are refused at resume.
+    muon = not experts and (read_layout(source) or {}).get("optimizer") == "muon"
+    tool = "checkpoint.muon_universal" if muon else "deepspeed.checkpoint.ds_to_universal"
+    tool = "checkpoint.expert_universal" if experts else tool
     argv = [f"--input_folder={source}", f"--output_folder={out}"]  # a path starting with "-" stays a value
     if not experts:
         argv += ["--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
@@ -105,6 +108,10 @@ def convert_to_universal(source: str, out: str, experts: bool, in_process: bool)
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 if experts:
                     from checkpoint.expert_universal import main
+
+                    main(argv)
+                elif muon:
+                    from checkpoint.muon_universal import main
 
                     main(argv)
                 else:

@@ -96,7 +96,8 @@ def test_muon_under_bf16_zero1_follows_the_fp32_run(layout, converted, sft_data,
     DeepSpeed's bf16 optimizer): Muon's momentum is partitioned over DP like Adam's moments, the matrices
     orthogonalised whole from the gathered partitions. Its 4 steps follow the fp32 run of the layout to bf16
     precision (the bounds AdamW's bf16 test holds its first step to); PP=2 x DP=2 resumed at step 2 in its own
-    layout is bit-identical, and moved to PP=4 it is refused in one line."""
+    layout is bit-identical, and moved to PP=4 (DeepSpeed's universal checkpoint, the momentum carried) it follows
+    the unmoved run to bf16 noise."""
     from tests.resumes import load_checkpoint_file
 
     fp32 = Path(muon_run(layout, converted, sft_data, tmp_path_factory))
@@ -123,12 +124,31 @@ def test_muon_under_bf16_zero1_follows_the_fp32_run(layout, converted, sft_data,
     interrupted_copy(out, part, 2)
     check(launch(4, *layout_args(layout, converted, sft_data, str(part), **bf16, resume="true")))
     assert_resumed_exactly(out, part, 2)
+    # Moved to PP=4 (DeepSpeed's universal checkpoint, the momentum carried: checkpoint/muon_universal.py): steps 3-4
+    # on the unmoved run's curve to bf16 noise, as AdamW's bf16 moves in tests/test_training.py.
     moved = tmp_path / "moved"
     interrupted_copy(out, moved, 2)
     extra = {"num_stages": 4, "gradient_accumulation_steps": 6, "model.partition": "[1,1,1,1]"}
-    proc = launch(4, *layout_args(layout, converted, sft_data, str(moved), **bf16, resume="true", **extra))
-    refused = [line for line in proc.stderr.splitlines() if "a Muon run saved with ZeRO-1 resumes in its own" in line]
-    assert proc.returncode != 0 and refused and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    check(launch(4, *layout_args(layout, converted, sft_data, str(moved), **bf16, resume="true", **extra)))
+    momentum = list((moved / "global_step2_universal" / "zero").glob("*/momentum_buffer.pt"))
+    assert momentum and not any((path.parent / "exp_avg_sq.pt").exists() for path in momentum)
+    assert (moved / "global_step2_universal" / "zero" / "0.weight" / "exp_avg.pt").exists()  # the embedding: AdamW
+    for a, b in zip(got[2:], read_jsonl(moved / "metrics.jsonl")[2:], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-3) and b["grad_norm"] == pytest.approx(
+            a["grad_norm"], rel=2e-2
+        ), (a, b)
+    # Each matrix's momentum there is its DP partitions' fragments as the bf16 optimizer saved them, joined.
+    name = "1.self_attn.q_proj.weight"
+    whole = load_checkpoint_file(str(moved / "global_step2_universal" / "zero" / name / "momentum_buffer.pt"))["param"]
+    pieces = []
+    for dp in range(2):
+        saved = load_checkpoint_file(str(out / "global_step2" / f"bf16_zero_pp_rank_{dp}_mp_rank_00_optim_states.pt"))
+        optim = saved["optimizer_state_dict"]
+        for index, mapping in enumerate(optim["param_slice_mappings"]):
+            if name in mapping:
+                flat = optim["base_optimizer_state"]["state"][index]["momentum_buffer"]
+                pieces.append(flat.narrow(0, mapping[name].start, mapping[name].numel))
+    assert whole.abs().max() > 0 and torch.equal(whole.flatten(), torch.cat(pieces))
 
 
 def test_lora_with_muon_matches_torch_muon_on_the_adapters(hf_models, tokenizer_dir, sft_data, tmp_path):
@@ -145,3 +165,27 @@ def test_lora_with_muon_matches_torch_muon_on_the_adapters(hf_models, tokenizer_
     check(launch(4, *args, *lora_overrides()))
     ours = assert_matches_peft(run, cfg, hf_models["gqa"], tokenizer_dir, dp=1, share_of_lr=1e-3)
     assert any(".lora_A" in k for k in ours) and any(".lora_B" in k and v.abs().max() > 0 for k, v in ours.items())
+
+
+def test_muon_momentum_of_experts_moves_to_another_ep(converted, sft_data, tmp_path, tmp_path_factory):
+    """Mixtral's PP=2 x DP=2 x EP=2 run (each rank's experts' momentum saved gathered, fp32 ZeRO-0) resumed at step 2
+    with EP=1, every rank holding every expert: steps 3-4 on the unmoved run's curve, weights within 1e-5."""
+    from transformers import AutoConfig
+
+    layout = "mixtral-pp2-dp2-ep2-recompute"
+    full = Path(muon_run(layout, converted, sft_data, tmp_path_factory))
+    part = tmp_path / "ep1"
+    interrupted_copy(full, part, 2)
+    check(
+        launch(4, *layout_args(layout, converted, sft_data, str(part), **MUON, resume="true", expert_parallel_size=1))
+    )
+    expected, got = read_jsonl(full / "metrics.jsonl"), read_jsonl(part / "metrics.jsonl")
+    for a, b in zip(expected[2:], got[2:], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(
+            a["grad_norm"], rel=1e-4
+        ), (a, b)
+    config = AutoConfig.from_pretrained(full)
+    final, moved = load_hf_state_dict(str(full), config), load_hf_state_dict(str(part), config)
+    worst = max(float((moved[k] - v).abs().max()) for k, v in final.items())
+    print(f"Muon move EP=2 -> EP=1: max |weight diff| after {STEPS} steps vs unmoved = {worst:.3g}")
+    assert worst < 1e-5, worst

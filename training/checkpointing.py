@@ -145,10 +145,11 @@ def plan_resume(cfg: TrainConfig, coords: Coords, current: dict, experts: bool =
             where = os.path.join(cfg.output_dir, plan.tag)
             check_movable(saved, current, where)
             plan.reshape = saved.get("zero_stage", 0) == 0
-            if not plan.reshape and current["optimizer"] == "muon":
+            if not plan.reshape and current["optimizer"] == "muon" and experts:
                 raise CheckpointError(
-                    f"{where}: a Muon run saved with ZeRO-1 resumes in its own layout only (DeepSpeed's universal "
-                    "checkpoint carries Adam's moments, not Muon's momentum); train with deepspeed=fp32 to move it"
+                    f"{where}: a Muon run with experts saved with ZeRO-1 resumes in its own layout only (the experts' "
+                    "universal checkpoint carries Adam's moments, not Muon's momentum); train with deepspeed=fp32 to "
+                    "move it"
                 )
             if not plan.reshape and cfg.lora.enabled:
                 raise CheckpointError(
@@ -260,7 +261,9 @@ def resume(
     if plan.reshape:
         client = _load_reshaped(engine, step_dir, config, tp)
     else:
-        by_name = universal_load_by_name(engine) if plan.universal_tag and is_moe(config) else contextlib.nullcontext()
+        # Experts' groups, and Muon's beside AdamW's, differ between the stages of two layouts: loaded by name.
+        groups_differ = is_moe(config) or cfg.optim.name == "muon"
+        by_name = universal_load_by_name(engine) if plan.universal_tag and groups_differ else contextlib.nullcontext()
         with checkpoint_files_as_ours(engine), layer_files_as_plain_data(engine.checkpoint_engine), by_name:
             path, client = engine.load_checkpoint(
                 cfg.output_dir, tag=plan.universal_tag or plan.tag, load_module_strict=not cfg.lora.enabled

@@ -333,9 +333,10 @@ def universal_load_by_name(engine):
     0.19.8 runtime/base_optimizer.py) pairs this run's optimizer groups with the saved ones by position, reads only as
     many as were saved and copies the saved groups' settings onto them; the LR scheduler's state has one entry per
     group too. Experts have groups of their own at E > 1 and none at E = 1 (training.engine.param_groups), so another
-    E shifts the groups. Here every group of this run reads its parameters' state by name as DeepSpeed reads it (each
-    rank's experts, TP shard and DP fragment), keeps its own settings, and the scheduler's per-group lists are fitted
-    to this run's groups (one schedule drives them all)."""
+    E shifts the groups; under Muon (`optim.name=muon`) a stage of decoder blocks alone has no AdamW group of
+    matrices where the saving stage with the embedding had one. Here every group of this run reads its parameters'
+    state by name as DeepSpeed reads it (each rank's experts, TP shard and DP fragment), keeps its own settings, and
+    the scheduler's per-group lists are fitted to this run's groups (one schedule drives them all)."""
     from deepspeed.runtime.base_optimizer import _get_universal_checkpoint_ep_info
     from deepspeed.runtime.utils import bwc_tensor_model_parallel_rank
     from deepspeed.utils.tensor_fragment import map_to_flat_opt_states

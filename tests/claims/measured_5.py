@@ -187,4 +187,16 @@ CLAIMS = (
         holds="assert_resumed_exactly(out, part, 2)",
         bound=0,
     ),
+    Claim(
+        says="the momentum carried as Adam's first moment, equal to the saved partitions' fragments joined",
+        test="tests/test_muon_training.py::test_muon_under_bf16_zero1_follows_the_fp32_run",
+        holds="assert whole.abs().max() > 0 and torch.equal(whole.flatten(), torch.cat(pieces))",
+        bound=0,
+    ),
+    Claim(
+        says="its steps 3-4 follow the unmoved run to the same bound",
+        test="tests/test_muon_training.py::test_muon_under_bf16_zero1_follows_the_fp32_run",
+        holds='b["loss"] == pytest.approx(a["loss"], rel=2e-3)',
+        bound=2e-3,
+    ),
 )
