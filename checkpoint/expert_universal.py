@@ -12,6 +12,8 @@ rank's share in any layout: its experts (EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS: dim
 its TP shard (CAT_DIM and PARAM_N_SUB_PARAMS: gate and up halves split apart), then its DP fragment
 (deepspeed/checkpoint/universal_checkpoint.py `load_hp_checkpoint_state`). Without experts split (E = 1) the same
 holds with one EP rank: fused experts then also move between TP degrees, which DeepSpeed's default (dim 0) could not.
+A Muon run's momentum (layout.json "optimizer": "muon") is read as Adam's first moment, experts' included, and named
+back (checkpoint/muon_universal.py).
 
 Run as a subprocess by checkpoint/universal.py `ensure_universal`, as DeepSpeed's converter is.
 """
@@ -19,6 +21,7 @@ Run as a subprocess by checkpoint/universal.py `ensure_universal`, as DeepSpeed'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -26,6 +29,7 @@ import shutil
 
 import torch
 
+from checkpoint.muon_universal import momentum_as_first_moment, momentum_named_back
 from checkpoint.names import LAYOUT_FILE
 from models.sharding import EXPERT_IN, EXPERT_ROW, GATE_UP, GATE_UP_OUT, REPLICA, merge
 from models.tp_rules import param_tp_split
@@ -78,6 +82,8 @@ def assemble(temp: str, name: str, rule: str, shapes: list, dp: int, ep: int, nu
             saved[PARAM_N_SUB_PARAMS] = halves
         torch.save(saved, os.path.join(target, f"{state}.pt"))
     steps = _fragments(temp, name, 0, "step", range(dp))
+    if not steps:  # a state without a step count (Muon's momentum), as DeepSpeed's own merge leaves it
+        return
     if len({float(s) for s in steps}) != 1:
         raise ValueError(f"{name}: the DP ranks' optimizer steps differ ({sorted(float(s) for s in steps)})")
     torch.save(steps[0], os.path.join(target, "step.pt"))
@@ -138,15 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.input_folder, LAYOUT_FILE)) as f:
         layout = json.load(f)
     config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(args.input_folder)))
-    names = convert(
-        args.input_folder,
-        args.output_folder,
-        layout.get("expert_parallel_size", 1),
-        num_experts(config),
-        config.num_hidden_layers,
-        bool(config.tie_word_embeddings),
-        config,
-    )
+    muon = layout.get("optimizer") == "muon"
+    with momentum_as_first_moment() if muon else contextlib.nullcontext(set()) as momentum:
+        names = convert(
+            args.input_folder,
+            args.output_folder,
+            layout.get("expert_parallel_size", 1),
+            num_experts(config),
+            config.num_hidden_layers,
+            bool(config.tie_word_embeddings),
+            config,
+        )
+    momentum_named_back(args.output_folder, momentum)
     print(f"universal checkpoint with {len(names)} fused expert parameters assembled: {args.output_folder}")
     return 0
 

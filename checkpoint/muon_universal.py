@@ -9,7 +9,7 @@ first moment (and zeros as its second), so the momentum is extracted and merged 
 Adam's first moment is, then the files of each Muon parameter are renamed back (`momentum_buffer.pt`, no second
 moment). DeepSpeed's loader (`load_hp_checkpoint_state`) takes whatever states a parameter's directory holds, so a
 run in any layout resumes with the momentum. Models with experts go through checkpoint/expert_universal.py, which
-does not carry Muon's momentum (refused at resume: training/checkpointing.py).
+reads the momentum the same way (`momentum_as_first_moment`) and renames it back (`momentum_named_back`).
 
 Run by checkpoint/universal.py `convert_to_universal`, in the rank's process or as a subprocess.
 """
@@ -63,8 +63,14 @@ def main(argv: list[str]) -> None:
         sys.argv = saved
     with momentum_as_first_moment() as names:
         ds_to_universal.main(args)
+    momentum_named_back(args.output_folder, names)
+
+
+def momentum_named_back(output_folder: str, names) -> None:
+    """In the universal checkpoint `output_folder`: each Muon parameter of `names` holds its momentum under its own
+    name (DeepSpeed's tool wrote it as `exp_avg`), and no second moment."""
     for name in names:
-        folder = os.path.join(args.output_folder, "zero", name)
+        folder = os.path.join(output_folder, "zero", name)
         os.replace(os.path.join(folder, f"{FIRST}.pt"), os.path.join(folder, f"{MOMENTUM}.pt"))
         os.remove(os.path.join(folder, f"{SECOND}.pt"))
 

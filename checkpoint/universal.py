@@ -95,7 +95,7 @@ def ensure_universal(ckpt_dir: str, tag: str, experts: bool = False) -> str:
 def convert_to_universal(source: str, out: str, experts: bool, in_process: bool) -> None:
     """DeepSpeed's universal-checkpoint tool (checkpoint/expert_universal.py for `experts`) from the tag directory
     `source` into `out`, in this process or a child one. CheckpointError naming `source` if it fails."""
-    # A Muon run's momentum through DeepSpeed's tool (checkpoint/muon_universal.py); its experts are refused at resume.
+    # A Muon run's momentum through DeepSpeed's tool (checkpoint/muon_universal.py; with experts, expert_universal.py).
     muon = not experts and (read_layout(source) or {}).get("optimizer") == "muon"
     tool = "checkpoint.muon_universal" if muon else "deepspeed.checkpoint.ds_to_universal"
     tool = "checkpoint.expert_universal" if experts else tool

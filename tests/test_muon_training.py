@@ -140,15 +140,23 @@ def test_muon_under_bf16_zero1_follows_the_fp32_run(layout, converted, sft_data,
     # Each matrix's momentum there is its DP partitions' fragments as the bf16 optimizer saved them, joined.
     name = "1.self_attn.q_proj.weight"
     whole = load_checkpoint_file(str(moved / "global_step2_universal" / "zero" / name / "momentum_buffer.pt"))["param"]
+    assert whole.abs().max() > 0 and torch.equal(whole.flatten(), saved_momentum(out / "global_step2", name))
+
+
+def saved_momentum(tag: Path, name: str) -> torch.Tensor:
+    """The momentum of `name` (on the first stage, TP=1) as the bf16 optimizer saved it in `tag`: the two files'
+    fragments (DP ranks 0 and 1), joined."""
+    from tests.resumes import load_checkpoint_file
+
     pieces = []
     for dp in range(2):
-        saved = load_checkpoint_file(str(out / "global_step2" / f"bf16_zero_pp_rank_{dp}_mp_rank_00_optim_states.pt"))
+        saved = load_checkpoint_file(str(tag / f"bf16_zero_pp_rank_{dp}_mp_rank_00_optim_states.pt"))
         optim = saved["optimizer_state_dict"]
         for index, mapping in enumerate(optim["param_slice_mappings"]):
             if name in mapping:
                 flat = optim["base_optimizer_state"]["state"][index]["momentum_buffer"]
                 pieces.append(flat.narrow(0, mapping[name].start, mapping[name].numel))
-    assert whole.abs().max() > 0 and torch.equal(whole.flatten(), torch.cat(pieces))
+    return torch.cat(pieces)
 
 
 def test_lora_with_muon_matches_torch_muon_on_the_adapters(hf_models, tokenizer_dir, sft_data, tmp_path):
@@ -189,3 +197,38 @@ def test_muon_momentum_of_experts_moves_to_another_ep(converted, sft_data, tmp_p
     worst = max(float((moved[k] - v).abs().max()) for k, v in final.items())
     print(f"Muon move EP=2 -> EP=1: max |weight diff| after {STEPS} steps vs unmoved = {worst:.3g}")
     assert worst < 1e-5, worst
+
+
+def test_muon_momentum_of_experts_moves_under_bf16_zero1(converted, sft_data, tmp_path, tmp_path_factory):
+    """Mixtral at PP=2 x DP=2 x EP=2 under deepspeed=bf16_zero1 (each rank's shard of its own experts' momentum):
+    its 4 steps follow the fp32 run to bf16 precision; resumed at step 2 with EP=1 (the experts' universal checkpoint,
+    checkpoint/expert_universal.py, with each expert's momentum assembled whole), steps 3-4 follow the unmoved run."""
+    from tests.resumes import load_checkpoint_file
+
+    layout = "mixtral-pp2-dp2-ep2-recompute"
+    fp32 = Path(muon_run(layout, converted, sft_data, tmp_path_factory))
+    out, moved = tmp_path / "bf16", tmp_path / "ep1"
+    bf16 = dict(MUON, deepspeed="bf16_zero1", save_steps=2, do_eval="false")
+    check(launch(4, *layout_args(layout, converted, sft_data, str(out), **bf16)))
+    got = read_jsonl(out / "metrics.jsonl")
+    for a, b in zip(read_jsonl(fp32 / "metrics.jsonl"), got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-3) and b["grad_norm"] == pytest.approx(
+            a["grad_norm"], rel=2e-2
+        ), (a, b)
+    interrupted_copy(out, moved, 2)
+    check(
+        launch(4, *layout_args(layout, converted, sft_data, str(moved), **bf16, resume="true", expert_parallel_size=1))
+    )
+    # Each expert's momentum whole ([E, ...]): EP rank r's experts as DP rank r saved them (one DP rank per EP rank).
+    # Zeroed instead, steps 3-4 moved by 7.3e-5 (relative): the losses alone would not tell.
+    name = "1.mlp.experts.gate_up_proj"
+    experts = load_checkpoint_file(str(moved / "global_step2_universal" / "zero" / name / "momentum_buffer.pt"))
+    assert experts["is_expert_param"] and experts["param"].shape[0] == 4
+    assert not (moved / "global_step2_universal" / "zero" / name / "exp_avg_sq.pt").exists()
+    assert all(float(e.abs().max()) > 0 for e in experts["param"])
+    assert torch.equal(experts["param"].flatten(), saved_momentum(out / "global_step2", name))
+    for a, b in zip(got[2:], read_jsonl(moved / "metrics.jsonl")[2:], strict=True):  # the same bf16 run moved
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-4) and b["grad_norm"] == pytest.approx(
+            a["grad_norm"], rel=1e-2
+        ), (a, b)
+    print(f"Muon bf16 EP=2 -> EP=1: losses {[m['loss'] for m in read_jsonl(moved / 'metrics.jsonl')]} vs {got}")

@@ -139,7 +139,8 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
 
 
 def muon_bytes(config, held_layers, tp: int, ep: int, ns_bytes: int) -> tuple[float, float]:
-    """Muon on a rank holding the pipeline layers `held_layers` (fp32, ZeRO-0): (the bytes of two fp32 values per
+    """Muon on a rank holding the pipeline layers `held_layers`, before any ZeRO-1 partitioning (the caller applies
+    it: fp32 ZeRO-0 or bf16 ZeRO-1, the two Muon runs under): (the bytes of two fp32 values per
     element of its Muon matrices, Adam's moments there, of which Muon keeps one; the step's largest transient: one
     parameter's update gathered whole over TP beside its shards, fp32, its orthogonalisation and blocks in
     `ns_bytes`, and the Newton-Schulz iteration of its largest matrix, training/muon.py). On the meta device."""

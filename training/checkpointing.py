@@ -145,12 +145,6 @@ def plan_resume(cfg: TrainConfig, coords: Coords, current: dict, experts: bool =
             where = os.path.join(cfg.output_dir, plan.tag)
             check_movable(saved, current, where)
             plan.reshape = saved.get("zero_stage", 0) == 0
-            if not plan.reshape and current["optimizer"] == "muon" and experts:
-                raise CheckpointError(
-                    f"{where}: a Muon run with experts saved with ZeRO-1 resumes in its own layout only (the experts' "
-                    "universal checkpoint carries Adam's moments, not Muon's momentum); train with deepspeed=fp32 to "
-                    "move it"
-                )
             if not plan.reshape and cfg.lora.enabled:
                 raise CheckpointError(
                     f"{where}: a LoRA run saved with ZeRO-1 cannot move to another layout (DeepSpeed's universal "
