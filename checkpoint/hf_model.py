@@ -15,6 +15,10 @@ import torch
 from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import is_hf_dir, iter_tensors, read_model_config
 from checkpoint.names import LORA_FILE
+from models.families import family_of, is_sparse_layer
+from models.key_table import DECODER_PREFIX, hub_index, memory_key
+from models.moe import expert_keys
+from models.pipe_layout import pipe_layers
 
 
 def load_causal_lm(path: str, tag: str | None = None, dtype: torch.dtype = torch.float32):
@@ -36,15 +40,45 @@ def load_causal_lm(path: str, tag: str | None = None, dtype: torch.dtype = torch
         if os.path.exists(os.path.join(path, LORA_FILE)):  # a LoRA run: base weights + its adapters
             weights, adapters = adapters_from_checkpoint(weights)
         tensors = weights.iter_hf_tensors(adapters)
-    with torch.device("meta"):
+    from accelerate import init_empty_weights  # (PEFT's dependency)
+
+    with init_empty_weights(include_buffers=False):  # the weights on the meta device, computed buffers made
         model = AutoModelForCausalLM.from_config(config)
-    state = {k: v.to(dtype) for k, v in tensors}  # strict=False below: old checkpoints' extra buffers ignored
+    _hub_names_load(model, config)
+    name = _in_memory(config)
+    state = {name(k): v.to(dtype) for k, v in tensors}  # strict=False below: old checkpoints' extra buffers ignored
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise CheckpointError(f"{path}: no weights for {missing[0]}")
-    # Computed buffers (RoPE's inv_freq) are not in the files: rebuild the rotary module off the meta device.
-    model.model.rotary_emb = type(model.model.rotary_emb)(config)
     return model.eval()
+
+
+def _in_memory(config):
+    """hub key -> the key transformers' model loads it under: a decoder layer's own keys as our layers load them
+    (`model.layers.N.` + our key: per-expert keys the hooks below fuse), others as its `from_pretrained` renames."""
+    index = hub_index(config)
+    blocks = {layer.index: layer.block for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings)}
+
+    def name(key: str) -> str:
+        found = index.get(key)
+        if found is not None and found[0] in blocks:
+            prefix = DECODER_PREFIX.format(blocks[found[0]])
+            if key.startswith(prefix):
+                return prefix + found[1]
+        return memory_key(config, key)
+
+    return name
+
+
+def _hub_names_load(model, config) -> None:
+    """The hub's key names load into transformers' model as its `from_pretrained` reads them: renamed keys by
+    `memory_key`, per-expert keys (Mixtral's `block_sparse_moe.experts.0.w1.weight`) fused into its experts by the
+    hooks our own layers load them with (models/moe.py `expert_keys`)."""
+    if family_of(config).moe is None:
+        return
+    for block, layer in enumerate(model.model.layers):
+        if is_sparse_layer(config, block):
+            expert_keys(layer, config)

@@ -35,6 +35,23 @@ def test_generation_from_pipeline_checkpoint_matches_hf(hf_models, converted):
     assert missing.returncode == 2 and "generate: error:" in missing.stderr and "Traceback" not in missing.stderr
 
 
+@pytest.mark.slow
+def test_every_family_loads_for_generation_as_transformers_does(hf_models, converted):
+    """`tools.generate`'s loader (checkpoint/hf_model.py) on every tiny model, from its pipeline checkpoint and from
+    its Hugging Face directory: the logits of transformers' `from_pretrained` (within 1e-6). Per-expert hub keys
+    (Mixtral's), renamed ones (DeepSeek-V4's) and computed buffers (Gemma's embedding scale) included."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    for variant, hf_dir in hf_models.items():
+        reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            want = reference(ids).logits
+            for source in (converted[variant], hf_dir):
+                got = load_model(source)(ids).logits
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=f"{variant}: {source}")
+
+
 def test_plots_from_metrics(tmp_path):
     rows = [
         {"step": s, "loss": 3.0 / s, "lr": 1e-3 * min(1, s / 5), "grad_norm": 1.0 + s % 3, "tokens_per_second": 900.0}
