@@ -9,6 +9,8 @@ pipeline layouts, at any tensor-parallel degree; inspect and verify them.
                                                                                   or --tp 8 --tp-ranks 0,1,2,3)
     python convert2ckpt.py --combine PIECE_DIR [PIECE_DIR ...] --output CKPT_DIR
     python convert2ckpt.py --to-hf --input CKPT_DIR --output HF_DIR [--tag global_stepN] [--dtype ...]
+    python convert2ckpt.py --to-peft --input RUN --output ADAPTER_DIR [--base-model HF_DIR_OR_ID] (a LoRA run's
+                                                                                  adapters as a PEFT directory)
     python convert2ckpt.py --inspect CKPT_DIR [--tag global_stepN] [--json]
     python convert2ckpt.py --verify CKPT_DIR [--tag global_stepN] [--against HF_DIR]
 
@@ -43,7 +45,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--against", metavar="HF_DIR", help="with --verify: also compare logits with this HF model (or Hub id)"
     )
     p.add_argument("--to-hf", action="store_true", help="export a pipeline checkpoint (converted or trained) to HF")
-    p.add_argument("--tag", default=None, help="with --to-hf: checkpoint tag to export (default: the one in 'latest')")
+    p.add_argument(
+        "--to-peft", action="store_true", help="write a LoRA run's adapters as a PEFT directory (PeftModel, vLLM)"
+    )
+    p.add_argument(
+        "--base-model", help="with --to-peft: base_model_name_or_path (default: the model the run started from)"
+    )
+    p.add_argument(
+        "--tag", default=None, help="with --to-hf/--to-peft: checkpoint tag to export (default: the one in 'latest')"
+    )
     p.add_argument(
         "--merge-lora",
         nargs="?",
@@ -73,6 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--combine needs --output")
     if not (args.inspect or args.verify or args.combine) and not (args.input and args.output):
         p.error("--input and --output are required (or --inspect / --verify CKPT_DIR, or --combine)")
+    if args.to_peft and (args.to_hf or args.merge_lora):
+        p.error("--to-peft writes the adapters alone: not with --to-hf or --merge-lora")
+    if args.base_model and not args.to_peft:
+        p.error("--base-model applies to --to-peft")
     if args.stages and not args.num_stages:
         p.error("--stages needs --num-stages")
     if args.tp_ranks and args.tp == 1:
@@ -180,7 +194,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         args.against = resolve(args.against, "--against", args.revision)
-        if not args.to_hf:
+        if not (args.to_hf or args.to_peft):
             args.input = resolve(args.input, "--input", args.revision)
         if args.verify:
             return verify(args.verify, args.tag, args.against)
@@ -193,6 +207,10 @@ def main(argv=None) -> int:
             print(inspect_checkpoint(args.inspect, args.tag, args.json))
         elif args.to_hf:
             export_to_hf(args)
+        elif args.to_peft:
+            from checkpoint.peft_export import export_peft
+
+            export_peft(args.input, args.output, args.tag, args.base_model, args.dtype, args.force)
         else:
             from checkpoint.hf_reader import is_hf_dir
 
@@ -211,7 +229,9 @@ def main(argv=None) -> int:
                 )
                 return 0
             if args.tag:
-                raise CheckpointError("--tag only applies with --to-hf, --inspect or a pipeline checkpoint --input")
+                raise CheckpointError(
+                    "--tag only applies with --to-hf, --to-peft, --inspect or a pipeline checkpoint --input"
+                )
             convert_hf_to_pipeline(
                 args.input,
                 args.output,

@@ -1,7 +1,7 @@
 """What a writing command may do to the paths it is given: never touch an input, replace only its own output.
 
 Every command of `convert2ckpt.py` that writes (conversion, `--combine`, `--tp` resharding, `--to-hf` with
-or without `--merge-lora`) checks, before anything is read or written:
+or without `--merge-lora`, `--to-peft`) checks, before anything is read or written:
 
 - the output is not an input, does not contain one and is not inside one (paths resolved, symlinks
   followed): `--output` equal to `--input`, or its parent, would be replaced wholesale by `--force`;
@@ -23,7 +23,8 @@ from checkpoint.names import LATEST, TAG_PATTERN, WRITER_FILE
 # What each command writes; `--force` replaces an output only of the same kind.
 PIPELINE = "pipeline checkpoint"  # conversion, --combine, --tp resharding (whole or a piece)
 HF_EXPORT = "Hugging Face export"  # --to-hf, with or without --merge-lora
-KINDS = (PIPELINE, HF_EXPORT)
+PEFT_EXPORT = "PEFT adapter"  # --to-peft
+KINDS = (PIPELINE, HF_EXPORT, PEFT_EXPORT)
 
 
 def real_path(path: str) -> str:

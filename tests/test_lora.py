@@ -121,6 +121,48 @@ def assert_merged_export_is_peft(run, hf_dir: str, adapters: dict, targets: list
         )
 
 
+def assert_peft_export_is_the_run(run, hf_dir: str, out) -> None:
+    """`--to-peft` of the run, loaded by PEFT (`PeftModel.from_pretrained` on the Hugging Face base, every adapter
+    from the file): its logits equal the trainer's model (the run's checkpoint, adapters merged on load) and
+    `--to-hf --merge-lora`'s export within 1e-5; the config names the base the run started from."""
+    import json
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from checkpoint.hf_model import load_causal_lm
+
+    check(run_cmd([sys.executable, "convert2ckpt.py", "--to-peft", "--input", str(run), "--output", str(out / "peft")]))
+    check(
+        run_cmd(
+            [
+                sys.executable,
+                "convert2ckpt.py",
+                "--to-hf",
+                "--input",
+                str(run),
+                "--output",
+                str(out / "merged"),
+                "--merge-lora",
+            ]
+        )
+    )
+    conf = json.loads((out / "peft" / "adapter_config.json").read_text())
+    assert conf["base_model_name_or_path"] == hf_dir and conf["peft_type"] == "LORA", conf
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(out / "peft")).eval()
+    saved = load_file(str(out / "peft" / "adapter_model.safetensors"))
+    loaded = {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+    assert len(loaded) == len(saved) and all(".lora_A.weight" in k or ".lora_B.weight" in k for k in saved)
+    merged = AutoModelForCausalLM.from_pretrained(str(out / "merged"), dtype=torch.float32).eval()
+    ids = torch.randint(3, 60, (2, 12))
+    with torch.no_grad():
+        logits = model(ids).logits
+        torch.testing.assert_close(logits, load_causal_lm(str(run))(ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits, merged(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_lora_pipeline_training_matches_peft_reference_and_merges(
     hf_models, converted, tokenizer_dir, sft_data, tmp_path
@@ -194,6 +236,8 @@ def test_lora_under_each_pipeline_schedule_matches_peft(schedule, tp, cp, hf_mod
     args = overrides(cfg, hf_models["gqa"], str(run), 2, pipeline_schedule=schedule, tensor_parallel_size=tp)
     check(launch(2 * tp * cp, *args, f"context_parallel_size={cp}", *lora_overrides()))
     assert_matches_peft(run, cfg, hf_models["gqa"], tokenizer_dir, dp=1)
+    if tp == 2:  # the adapters as a PEFT directory, TP shards joined
+        assert_peft_export_is_the_run(run, hf_models["gqa"], tmp_path)
 
 
 @pytest.mark.slow
@@ -210,6 +254,7 @@ def test_lora_on_a_model_with_experts_matches_peft(hf_models, converted, tokeniz
     ours = assert_matches_peft(run, cfg, hf_models["mixtral"], tokenizer_dir, dp=2)
     assert len(ours) == 4 * 3 * 2  # layers x targets x (A, B)
     assert all(".lora_" in k for k in load_layer_state(find_layer_file(str(run / "global_step4"), 1)))
+    assert_peft_export_is_the_run(run, hf_models["mixtral"], tmp_path)  # (from a converted checkpoint)
     # The GPU default (bf16, DeepSpeed's bf16 optimizer over the adapters; the frozen experts, split over EP=2, are
     # broadcast within their expert-data group and never reduced): the same run to bf16 precision.
     bf16 = tmp_path / "bf16"

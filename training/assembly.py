@@ -324,7 +324,8 @@ def write_run_files(run: Run) -> None:
     cfg = run.cfg
     if cfg.lora.enabled:  # what `convert2ckpt.py --to-hf --merge-lora` needs
         lo = cfg.lora
-        info = {"r": lo.r, "alpha": lo.alpha, "target_modules": list(lo.target_modules), "base": run.lora_base}
+        info = {"r": lo.r, "alpha": lo.alpha, "dropout": lo.dropout, "target_modules": list(lo.target_modules)}
+        info["base"] = run.lora_base
         with open(os.path.join(cfg.output_dir, LORA_FILE), "w") as f:
             json.dump(info, f, indent=2)
     with open(os.path.join(cfg.output_dir, "train_config.yaml"), "w") as f:

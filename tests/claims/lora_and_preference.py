@@ -132,4 +132,22 @@ CLAIMS = (
         says="The loss of a step is the mean over every pair of the global batch",
         why="a definition of the DPO loss (its test: the DPO parity entries)",
     ),
+    Claim(
+        says="PEFT's model with the directory gives the trainer's logits within 1e-5",
+        test="tests/test_lora.py::assert_peft_export_is_the_run",
+        holds="torch.testing.assert_close(logits, load_causal_lm(str(run))(ids).logits, rtol=1e-5, atol=1e-5)",
+        bound=1e-5,
+    ),
+    Claim(
+        says="and `--merge-lora`'s export's within 1e-5, at PP=2 x TP=2 and for Mixtral with experts at EP=2;",
+        test="tests/test_lora.py::assert_peft_export_is_the_run",
+        holds="torch.testing.assert_close(logits, merged(ids).logits, rtol=1e-5, atol=1e-5)",
+        bound=1e-5,
+    ),
+    Claim(
+        says="Gemma 3's container within 1e-5 of the trainer's logits, every adapter read from the file",
+        test="tests/test_peft_export.py::test_adapters_of_a_container_run_load_into_the_container",
+        holds="torch.testing.assert_close(peft(ids).logits, load_causal_lm(str(run))(ids).logits, rtol=1e-5, atol=1e-5)",
+        bound=1e-5,
+    ),
 )
