@@ -133,4 +133,6 @@ LAYOUTS = {
     # FlexOlmo: OLMo 2's layer with its experts over EP=2 (its TP block is held to the whole block's gradients in
     # tests/test_tensor_parallel.py; trained at PP=2 x TP=2 one expert element moved 1.1-2.4% of lr between runs).
     "flex_olmo-pp2-dp2-ep2": ("flex_olmo", "false", 2, 1, "", 0),
+    # MiniMax-M2: whole-projection q/k norms split by heads, its experts over EP=2 routed by the block's score bias.
+    "minimax_m2-tp2-dp2-ep2": ("minimax_m2", "false", 1, 2, "", 0),
 }

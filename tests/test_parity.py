@@ -70,6 +70,7 @@ CASES = [
     ("olmoe", "sdpa"),  # over EP=2 and TP=2 too: its whole-projection q/k norms split with the heads
     ("dots1", "sdpa-packed"),
     ("flex_olmo", "sdpa"),
+    ("minimax_m2", "sdpa"),
 ]
 MOE = {f"{m}-{attn}" for m, attn in CASES if m in MOE_VARIANTS}
 NO_TP = {f"{m}-{attn}" for m, attn in CASES if MODEL_VARIANTS[m].get("model_type") in TP_NOT_BUILT}
