@@ -133,11 +133,13 @@ MODEL_VARIANTS = {
     "flex_olmo": dict(model_type="flex_olmo", num_key_value_heads=2, attention_bias=True) | MOE_AUX,
     # MiniMax-M2: whole-projection q/k norms, partial RoPE, a sigmoid router steered by the block's score bias.
     "minimax_m2": dict(model_type="minimax_m2", num_key_value_heads=2) | MOE_AUX,
+    # GLM-4.7-Flash: DeepSeek-V3's MLA and router, dense and sparse layers by `mlp_layer_types`.
+    "glm4_moe_lite": dict(model_type="glm4_moe_lite", num_key_value_heads=4, attention_bias=True),
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
 NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss", "qwen3_next", "qwen3_5", "gemma4"]
 NEW_FAMILY_VARIANTS += ["exaone4", "gemma2", "hunyuan", "internlm3", "granite", "olmoe", "dots1", "flex_olmo"]
-NEW_FAMILY_VARIANTS += ["minimax_m2"]
+NEW_FAMILY_VARIANTS += ["minimax_m2", "glm4_moe_lite"]
 CARRYING_VARIANTS = {
     "deepseek_v3": "layers",
     "glm4_moe": "layers",
@@ -148,7 +150,7 @@ CARRYING_VARIANTS = {
 }  # with a multi-token-prediction layer, or the unread k/v tensors of Gemma 4's reusing layers
 MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss")
 MOE_VARIANTS += ("qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "gemma4_moe", "deepseek_v4")
-MOE_VARIANTS += ("olmoe", "dots1", "flex_olmo", "minimax_m2")
+MOE_VARIANTS += ("olmoe", "dots1", "flex_olmo", "minimax_m2", "glm4_moe_lite")
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
 FAMILY_VARIANTS += NEW_FAMILY_VARIANTS
 

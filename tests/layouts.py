@@ -135,4 +135,6 @@ LAYOUTS = {
     "flex_olmo-pp2-dp2-ep2": ("flex_olmo", "false", 2, 1, "", 0),
     # MiniMax-M2: whole-projection q/k norms split by heads, its experts over EP=2 routed by the block's score bias.
     "minimax_m2-tp2-dp2-ep2": ("minimax_m2", "false", 1, 2, "", 0),
+    # GLM-4.7-Flash: MLA split by heads, dense and sparse layers by type, its experts over EP=2 across two stages.
+    "glm4_moe_lite-pp2-dp2-ep2": ("glm4_moe_lite", "false", 2, 1, "", 0),
 }

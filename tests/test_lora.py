@@ -338,7 +338,7 @@ def test_merge_peft_adapter_directory_into_checkpoint_or_hf(variant, hf_models, 
     adapters on attention; PEFT puts `down_proj` on the fused experts' parameters, which merging refuses)."""
     adapter_dir = tmp_path / "adapter"
     moe = variant in MOE_VARIANTS
-    mla = variant in ("deepseek_v3", "mistral4")
+    mla = variant in ("deepseek_v3", "mistral4", "glm4_moe_lite")
     attention = ["q_b_proj", "kv_b_proj", "o_proj"] if mla else ["q_proj", "v_proj"]  # MLA's
     model = peft_model(hf_models[variant], targets=attention if moe else None)
     torch.manual_seed(0)

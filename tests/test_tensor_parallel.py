@@ -112,6 +112,7 @@ BLOCK_EXTRA = {
     # low-rank projections and norms replicated (their gradients summed over TP).
     "glm4_moe": dict(first_k_dense_replace=0, use_qk_norm=True),
     "deepseek_v3": dict(first_k_dense_replace=0, head_dim=8, num_key_value_heads=4),  # MLA: RoPE dims, all heads
+    "glm4_moe_lite": dict(mlp_layer_types=["sparse"] * 4, head_dim=8, num_key_value_heads=4),
     # gpt-oss: sinks split with the heads, interleaved gate/up columns in blocks, each expert's down bias added once
     "gpt_oss": dict(swiglu_limit=0.5),
     # OLMoE declares its q/k norms from hidden_size (heads x head_dim must be hidden); q/k/v clipped
@@ -204,7 +205,14 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
         for t in (
             *("helium", "gemma3_text", "phi3", "glm4", "olmo2", "glm4_moe", "deepseek_v3", "gpt_oss"),
             *("qwen3_5_text", "qwen3_next"),
-            *("olmoe", "exaone4", "granite", "flex_olmo", "minimax_m2"),  # OLMoE's q/k norms sized from hidden_size
+            *(
+                "olmoe",
+                "exaone4",
+                "granite",
+                "flex_olmo",
+                "minimax_m2",
+                "glm4_moe_lite",
+            ),  # OLMoE's q/k norms sized from hidden_size
         )
     ],
 )

@@ -69,6 +69,8 @@ class MoeSpec:
         every token (0-scaled outside its top-k); expert parallelism and `moe.routed_experts` send each expert its
         routed tokens only (models/expert_parallel.py). Else transformers' router and fused experts weight outputs.
     moe_layers: the config lists the sparse layers (`config.moe_layers`).
+    layer_types: the config field listing each layer's MLP kind, sparse where not "dense" (GLM-4.7-Flash's
+        `mlp_layer_types`), "" where there is none.
     aux_loss: transformers adds a load-balancing loss for the family.
     """
 
@@ -92,6 +94,7 @@ class MoeSpec:
     interleaved_gate_up: bool = False
     scaled_inputs: bool = False
     moe_layers: bool = False
+    layer_types: str = ""
     aux_loss: bool = True
     top_k: str = "num_experts_per_tok"  # the config field of the experts a token is routed to
     router_probabilities: bool = False  # the router returns probabilities, not logits (Gemma 4's): their log stands in
@@ -367,6 +370,8 @@ def is_sparse_layer(config, block: int) -> bool:
         return False
     if moe.every_layer:
         return True
+    if moe.layer_types:
+        return getattr(config, moe.layer_types)[block] != "dense"
     if moe.first_dense:
         return block >= getattr(config, moe.first_dense)
     if moe.moe_layers:
