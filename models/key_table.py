@@ -19,7 +19,14 @@ import json
 import re
 
 from models.carry import unread_hub_keys
-from models.families import DEFAULT_MODEL_TYPE, FAMILIES, family_of, is_sparse_layer, residual_streams
+from models.families import (
+    DEFAULT_MODEL_TYPE,
+    FAMILIES,
+    family_of,
+    is_sparse_layer,
+    residual_streams,
+)
+from models.layer_config import with_torch_dtype
 from models.pipe_layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer, pipe_layers
 
 DECODER_PREFIX = "model.layers.{}."  # HF name of decoder block {} (the module; its keys follow)
@@ -150,7 +157,7 @@ def _meta_layer(config, block: int) -> tuple[tuple[str, ...], frozenset[str]]:
     key = None if contents is None else (f"{type(config).__module__}.{type(config).__qualname__}", contents, block)
     if key is None or key not in _META_LAYERS:
         with torch.device("meta"):
-            layer = family_of(config).hf_class("DecoderLayer")(config, block)
+            layer = family_of(config).hf_class("DecoderLayer")(with_torch_dtype(config), block)
         names = (tuple(layer.state_dict()), frozenset(name for name, _ in layer.named_buffers()))
         if key is None:
             return names

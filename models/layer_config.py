@@ -1,5 +1,6 @@
-"""Reading a transformers config whose layers differ in shape (`per_layer_config`: Gemma 4's global layers keep their
-own `head_dim` and `num_key_value_heads`, and transformers refuses to read those globally)."""
+"""Reading a transformers config: one whose layers differ in shape (`per_layer_config`: Gemma 4's global layers
+keep their own `head_dim` and `num_key_value_heads`, and transformers refuses to read those globally), and its
+`dtype` as transformers' layers read it."""
 
 from __future__ import annotations
 
@@ -17,3 +18,14 @@ def layer_attr(config, block: int, name: str, default=None):
     if getattr(config, "is_heterogeneous", False):
         return getattr(config.per_layer_config[block], name, default)
     return getattr(config, name, default)
+
+
+def with_torch_dtype(config):
+    """`config` with `dtype` a torch.dtype, as transformers' `from_pretrained` makes it before building a model: a
+    config read from config.json (or written by `save_pretrained`) holds its name, and some layers build parameters
+    in it (Apertus's xIELU). Returns `config`, changed in place."""
+    if isinstance(getattr(config, "dtype", None), str):
+        import torch
+
+        config.dtype = getattr(torch, config.dtype)
+    return config

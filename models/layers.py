@@ -55,6 +55,7 @@ from models.families import (
     sliding_window,
 )
 from models.head import LMHeadPipe, set_logit_rules
+from models.layer_config import with_torch_dtype
 from models.moe import (
     DEFAULT_EXPERTS_IMPLEMENTATION,
     add_stats,
@@ -167,6 +168,7 @@ class DecoderPipe:
         sparse = is_sparse_layer(config, layer_idx)
         options = options or DecoderOptions()
         # `ep`: a models.expert_parallel.ExpertParallel (this rank's experts; tokens reach them by all-to-all).
+        with_torch_dtype(config)  # (Apertus's xIELU makes its parameters in it)
         super().__init__(ep.local_config(config) if sparse and ep else config, layer_idx)
         self.sparse, self.model_config = sparse, config
         # Linear attention (Qwen3-Next's Gated DeltaNet) mixes tokens by a recurrence: no mask, no keys to attend.

@@ -17,6 +17,7 @@ from torch import nn
 
 from models.families import FAMILIES, family_of, hf_classes, is_linear_attention
 from models.key_table import decoder_keys, linear_modules
+from models.layer_config import with_torch_dtype
 from models.layers import block_index
 from models.partition import layer_shape
 from models.pipe_layout import DECODER
@@ -40,7 +41,7 @@ def attention_modules(config) -> list[str]:
     modules = [k.removesuffix(".weight") for k in decoder_keys(config, block) if k.endswith(".weight")]
     frozen = tuple(f"{name}." for name in family_of(config).frozen)  # no gradients: nothing for an adapter to learn
     with torch.device("meta"):
-        layer = family_of(config).hf_class("DecoderLayer")(config, block)
+        layer = family_of(config).hf_class("DecoderLayer")(with_torch_dtype(config), block)
     return [
         m
         for m in modules

@@ -124,7 +124,13 @@ class TPDecoderPipe:
         if self.sparse:
             split_sparse_block(self.moe_block(), tp, moe.router, moe.router_logits, self if moe.beside_mlp else None)
         if not self.sparse or moe.beside_mlp:  # (Gemma 4's experts sit beside a dense MLP of its own)
-            _row_parallel(getattr(self, dense_mlp(config)).down_proj, tp)
+            mlp = getattr(self, dense_mlp(config))
+            _row_parallel(mlp.down_proj, tp)
+            # Parameters of the MLP's other modules (Apertus's xIELU scalars) act on this rank's columns only.
+            for module in mlp.modules():
+                if not isinstance(module, nn.Linear):
+                    for param in module.parameters(recurse=False):
+                        sum_grad_over_tp(param, tp)
         family = family_of(config)
         for name in family.norms:
             norm = getattr(self, name, None)

@@ -135,11 +135,13 @@ MODEL_VARIANTS = {
     "minimax_m2": dict(model_type="minimax_m2", num_key_value_heads=2) | MOE_AUX,
     # GLM-4.7-Flash: DeepSeek-V3's MLA and router, dense and sparse layers by `mlp_layer_types`.
     "glm4_moe_lite": dict(model_type="glm4_moe_lite", num_key_value_heads=4, attention_bias=True),
+    # Apertus: per-head q/k norms, a gateless MLP with the xIELU activation's trained scalars.
+    "apertus": dict(model_type="apertus", num_key_value_heads=2, attention_bias=True),
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
 NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss", "qwen3_next", "qwen3_5", "gemma4"]
 NEW_FAMILY_VARIANTS += ["exaone4", "gemma2", "hunyuan", "internlm3", "granite", "olmoe", "dots1", "flex_olmo"]
-NEW_FAMILY_VARIANTS += ["minimax_m2", "glm4_moe_lite"]
+NEW_FAMILY_VARIANTS += ["minimax_m2", "glm4_moe_lite", "apertus"]
 CARRYING_VARIANTS = {
     "deepseek_v3": "layers",
     "glm4_moe": "layers",

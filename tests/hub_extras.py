@@ -110,15 +110,16 @@ def add_hub_tensors(hf_dir: str, extra: dict, shard: str) -> None:
 @torch.no_grad()
 def perturb(model) -> None:
     """Norms, biases and routers' score biases moved off their init (ones, zeros), so a key the pipeline dropped
-    or read into the wrong place would show in the logits; DeepSeek-V4's hyper-connection biases and scales and its
-    compressors' position biases too, and its hash routers' token -> experts tables (zeros at init: every token to
-    expert 0) made distinct experts per token."""
+    or read into the wrong place would show in the logits; DeepSeek-V4's hyper-connection biases and scales, its
+    compressors' position biases and Apertus's xIELU scalars too, and DeepSeek-V4's hash routers' token -> experts
+    tables (zeros at init: every token to expert 0) made distinct experts per token."""
     generator = torch.Generator().manual_seed(1)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.is_floating_point() and (
             "norm" in name
             or name.endswith(("bias", "e_score_correction_bias", "sinks"))
             or name.endswith(("hc.base", "hc.scale", "hc_base", "hc_scale", "position_bias"))
+            or name.endswith(("act_fn.alpha_p", "act_fn.alpha_n"))  # Apertus's xIELU scalars
         ):
             tensor.add_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * 0.2)
         elif name.endswith("tid2eid"):  # [V, k] experts of each token

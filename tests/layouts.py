@@ -137,4 +137,6 @@ LAYOUTS = {
     "minimax_m2-tp2-dp2-ep2": ("minimax_m2", "false", 1, 2, "", 0),
     # GLM-4.7-Flash: MLA split by heads, dense and sparse layers by type, its experts over EP=2 across two stages.
     "glm4_moe_lite-pp2-dp2-ep2": ("glm4_moe_lite", "false", 2, 1, "", 0),
+    # Apertus: per-head q/k norms and the xIELU scalars (their gradients summed over TP) at PP=2 x TP=2.
+    "apertus-pp2-tp2": ("apertus", "false", 2, 2, "", 0),
 }

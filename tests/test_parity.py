@@ -72,6 +72,7 @@ CASES = [
     ("flex_olmo", "sdpa"),
     ("minimax_m2", "sdpa"),
     ("glm4_moe_lite", "sdpa-packed"),
+    ("apertus", "sdpa"),
 ]
 MOE = {f"{m}-{attn}" for m, attn in CASES if m in MOE_VARIANTS}
 NO_TP = {f"{m}-{attn}" for m, attn in CASES if MODEL_VARIANTS[m].get("model_type") in TP_NOT_BUILT}

@@ -120,7 +120,7 @@ BLOCK_EXTRA = {
 }
 MLP_BIAS = {"llama", "helium", "smollm3", "seed_oss", "ernie4_5"}
 QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "glm4_moe", "olmoe", "exaone4", "flex_olmo"}
-QK_NORM |= {"minimax_m2"}
+QK_NORM |= {"minimax_m2", "apertus"}
 
 
 def _block_config(model_type: str):
@@ -205,14 +205,8 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
         for t in (
             *("helium", "gemma3_text", "phi3", "glm4", "olmo2", "glm4_moe", "deepseek_v3", "gpt_oss"),
             *("qwen3_5_text", "qwen3_next"),
-            *(
-                "olmoe",
-                "exaone4",
-                "granite",
-                "flex_olmo",
-                "minimax_m2",
-                "glm4_moe_lite",
-            ),  # OLMoE's q/k norms sized from hidden_size
+            *("olmoe", "exaone4", "granite", "flex_olmo"),  # OLMoE's q/k norms sized from hidden_size
+            *("minimax_m2", "glm4_moe_lite", "apertus"),
         )
     ],
 )
