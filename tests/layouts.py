@@ -139,4 +139,6 @@ LAYOUTS = {
     "glm4_moe_lite-pp2-dp2-ep2": ("glm4_moe_lite", "false", 2, 1, "", 0),
     # Apertus: per-head q/k norms and the xIELU scalars (their gradients summed over TP) at PP=2 x TP=2.
     "apertus-pp2-tp2": ("apertus", "false", 2, 2, "", 0),
+    # K-EXAONE: its score biases (renamed on the hub) balanced, its experts over EP=2 across two stages.
+    "exaone_moe-pp2-dp2-ep2-balanced": ("exaone_moe", "false", 2, 1, "", 0),
 }

@@ -296,6 +296,7 @@ def test_tp_rules_agree_with_transformers_tp_plan(model_type):
             "mistral4": {f"self_attn.{p}.weight" for p in ("q_b_proj", "kv_b_proj", "o_proj")},
             # GLM-4.7-Flash's plan splits MLA by heads as we do, and leaves its shared experts whole.
             "glm4_moe_lite": {f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")},
+            "exaone_moe": {f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")},
             # transformers 5.23 has no plan for gpt-oss: every split is ours (its sinks with the heads, not weights)
             "gpt_oss": {f"self_attn.{p}_proj.weight" for p in "qkvo"}
             | {f"mlp.experts.{p}" for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj")},

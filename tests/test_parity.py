@@ -73,6 +73,7 @@ CASES = [
     ("minimax_m2", "sdpa"),
     ("glm4_moe_lite", "sdpa-packed"),
     ("apertus", "sdpa"),
+    ("exaone_moe", "sdpa-packed"),
 ]
 MOE = {f"{m}-{attn}" for m, attn in CASES if m in MOE_VARIANTS}
 NO_TP = {f"{m}-{attn}" for m, attn in CASES if MODEL_VARIANTS[m].get("model_type") in TP_NOT_BUILT}

@@ -113,6 +113,7 @@ BLOCK_EXTRA = {
     "glm4_moe": dict(first_k_dense_replace=0, use_qk_norm=True),
     "deepseek_v3": dict(first_k_dense_replace=0, head_dim=8, num_key_value_heads=4),  # MLA: RoPE dims, all heads
     "glm4_moe_lite": dict(mlp_layer_types=["sparse"] * 4, head_dim=8, num_key_value_heads=4),
+    "exaone_moe": dict(first_k_dense_replace=0, head_dim=16),
     # gpt-oss: sinks split with the heads, interleaved gate/up columns in blocks, each expert's down bias added once
     "gpt_oss": dict(swiglu_limit=0.5),
     # OLMoE declares its q/k norms from hidden_size (heads x head_dim must be hidden); q/k/v clipped
@@ -120,7 +121,7 @@ BLOCK_EXTRA = {
 }
 MLP_BIAS = {"llama", "helium", "smollm3", "seed_oss", "ernie4_5"}
 QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "glm4_moe", "olmoe", "exaone4", "flex_olmo"}
-QK_NORM |= {"minimax_m2", "apertus"}
+QK_NORM |= {"minimax_m2", "apertus", "exaone_moe"}
 
 
 def _block_config(model_type: str):
@@ -206,7 +207,7 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
             *("helium", "gemma3_text", "phi3", "glm4", "olmo2", "glm4_moe", "deepseek_v3", "gpt_oss"),
             *("qwen3_5_text", "qwen3_next"),
             *("olmoe", "exaone4", "granite", "flex_olmo"),  # OLMoE's q/k norms sized from hidden_size
-            *("minimax_m2", "glm4_moe_lite", "apertus"),
+            *("minimax_m2", "glm4_moe_lite", "apertus", "exaone_moe"),
         )
     ],
 )
