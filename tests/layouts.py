@@ -141,4 +141,6 @@ LAYOUTS = {
     "apertus-pp2-tp2": ("apertus", "false", 2, 2, "", 0),
     # K-EXAONE: its score biases (renamed on the hub) balanced, its experts over EP=2 across two stages.
     "exaone_moe-pp2-dp2-ep2-balanced": ("exaone_moe", "false", 2, 1, "", 0),
+    # Hunyuan MoE (TP refused): its fp32 router and shared MLP, its experts over EP=2 across two stages.
+    "hunyuan_moe-pp2-dp2-ep2": ("hunyuan_moe", "false", 2, 1, "", 0),
 }

@@ -74,6 +74,7 @@ CASES = [
     ("glm4_moe_lite", "sdpa-packed"),
     ("apertus", "sdpa"),
     ("exaone_moe", "sdpa-packed"),
+    ("hunyuan_moe", "sdpa"),
 ]
 MOE = {f"{m}-{attn}" for m, attn in CASES if m in MOE_VARIANTS}
 NO_TP = {f"{m}-{attn}" for m, attn in CASES if MODEL_VARIANTS[m].get("model_type") in TP_NOT_BUILT}

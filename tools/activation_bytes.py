@@ -173,7 +173,8 @@ def measured_block_bytes(
     experts = module.moe_block().experts if is_sparse_layer(config, block) else None
     gate_bytes = module_bytes.gate_bytes(experts, dtype) if experts is not None else None
     shared = module.moe_block() if is_sparse_layer(config, block) else None
-    shared = getattr(shared, "shared_experts", None) or getattr(shared, "shared_expert", None)
+    names = ("shared_experts", "shared_expert", "shared_mlp")  # DeepSeek's, Qwen's and Llama 4's, Hunyuan's
+    shared = next((getattr(shared, n) for n in names if getattr(shared, n, None) is not None), None)
     shared_bytes = module_bytes.mlp_bytes(shared, config.hidden_size, dtype) if shared is not None else None
     shard = s // tp if sp and tp > 1 else s
     streams = (residual_streams(config),) if residual_streams(config) > 1 else ()  # [B, S, N, H]: DeepSeek-V4's

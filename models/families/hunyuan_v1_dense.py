@@ -5,7 +5,7 @@ refused in one line until that split is built; PP, DP and CP run."""
 
 from models.families import Family, register
 
-register(
+HUNYUAN = register(
     Family(
         "hunyuan_v1_dense",
         "HunYuanDenseV1",
