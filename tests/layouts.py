@@ -143,4 +143,6 @@ LAYOUTS = {
     "exaone_moe-pp2-dp2-ep2-balanced": ("exaone_moe", "false", 2, 1, "", 0),
     # Hunyuan MoE (TP refused): its fp32 router and shared MLP, its experts over EP=2 across two stages.
     "hunyuan_moe-pp2-dp2-ep2": ("hunyuan_moe", "false", 2, 1, "", 0),
+    # MiMo-V2-Flash: sinks split with the heads, each layer's key/value heads by its own count, at TP=2 x EP=2.
+    "mimo_v2_flash-tp2-dp2-ep2": ("mimo_v2_flash", "false", 1, 2, "", 0),
 }

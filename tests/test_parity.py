@@ -75,10 +75,12 @@ CASES = [
     ("apertus", "sdpa"),
     ("exaone_moe", "sdpa-packed"),
     ("hunyuan_moe", "sdpa"),
+    ("mimo_v2_flash", "eager-packed"),
 ]
 MOE = {f"{m}-{attn}" for m, attn in CASES if m in MOE_VARIANTS}
 NO_TP = {f"{m}-{attn}" for m, attn in CASES if MODEL_VARIANTS[m].get("model_type") in TP_NOT_BUILT}
 NO_CP = {f"{m}-{attn}" for m, attn in CASES if m in ("qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa")}
+NO_CP |= {"mimo_v2_flash-eager-packed"}
 NO_CP |= {"deepseek_v4-eager"}
 
 
