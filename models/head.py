@@ -22,11 +22,13 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 def set_logit_rules(head, config) -> None:
     """What a head of `config` does to its logits, as transformers does: divided by the family's `logits_divisor`
-    field (Granite's `logits_scaling`), then soft-capped at `final_logit_softcapping` (Gemma's). None: not."""
+    field (Granite's `logits_scaling`) or times its `logits_multiplier` (Cohere's `logit_scale`), then soft-capped at
+    `final_logit_softcapping` (Gemma's). None: not."""
     from models.families import family_of
 
-    field = family_of(config).logits_divisor
-    head.logit_divisor = getattr(config, field) if field else None
+    family = family_of(config)
+    head.logit_divisor = getattr(config, family.logits_divisor) if family.logits_divisor else None
+    head.logit_multiplier = getattr(config, family.logits_multiplier) if family.logits_multiplier else None
     head.logit_cap = getattr(config, "final_logit_softcapping", None)
 
 
@@ -34,6 +36,8 @@ def final_logits(logits: torch.Tensor, head) -> torch.Tensor:
     """`logits` ([..., V]) after `head`'s rules (`set_logit_rules`)."""
     if head.logit_divisor is not None:
         logits = logits / head.logit_divisor
+    if head.logit_multiplier is not None:
+        logits = logits * head.logit_multiplier
     return softcap(logits, head.logit_cap)
 
 

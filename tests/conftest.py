@@ -143,11 +143,14 @@ MODEL_VARIANTS = {
     "hunyuan_moe": dict(model_type="hunyuan_v1_moe", num_key_value_heads=2, attention_bias=True),
     # MiMo-V2-Flash: sliding layers with sinks and twice the key/value heads, narrower values, DeepSeek's router.
     "mimo_v2_flash": dict(model_type="mimo_v2_flash", num_key_value_heads=2, attention_bias=True),
+    # Cohere 2: the parallel block with LayerNorms, NoPE global layers, logits times logit_scale.
+    "cohere2": dict(model_type="cohere2", num_key_value_heads=2, attention_bias=True),
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
 NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss", "qwen3_next", "qwen3_5", "gemma4"]
 NEW_FAMILY_VARIANTS += ["exaone4", "gemma2", "hunyuan", "internlm3", "granite", "olmoe", "dots1", "flex_olmo"]
 NEW_FAMILY_VARIANTS += ["minimax_m2", "glm4_moe_lite", "apertus", "exaone_moe", "hunyuan_moe", "mimo_v2_flash"]
+NEW_FAMILY_VARIANTS += ["cohere2"]
 CARRYING_VARIANTS = {
     "deepseek_v3": "layers",
     "glm4_moe": "layers",

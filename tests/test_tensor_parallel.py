@@ -115,6 +115,7 @@ BLOCK_EXTRA = {
     "glm4_moe_lite": dict(mlp_layer_types=["sparse"] * 4, head_dim=8, num_key_value_heads=4),
     "exaone_moe": dict(first_k_dense_replace=0, head_dim=16),
     # MiMo-V2-Flash's block 0 sliding (sinks, twice the key/value heads) and sparse
+    "cohere2": dict(head_dim=16),  # its parallel block: one entry for both split regions
     "mimo_v2_flash": dict(layer_types=["sliding_attention"] * 4, mlp_layer_types=["sparse"] * 4, head_dim=16),
     # gpt-oss: sinks split with the heads, interleaved gate/up columns in blocks, each expert's down bias added once
     "gpt_oss": dict(swiglu_limit=0.5),
@@ -209,7 +210,7 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
             *("helium", "gemma3_text", "phi3", "glm4", "olmo2", "glm4_moe", "deepseek_v3", "gpt_oss"),
             *("qwen3_5_text", "qwen3_next"),
             *("olmoe", "exaone4", "granite", "flex_olmo"),  # OLMoE's q/k norms sized from hidden_size
-            *("minimax_m2", "glm4_moe_lite", "apertus", "exaone_moe", "mimo_v2_flash"),
+            *("minimax_m2", "glm4_moe_lite", "apertus", "exaone_moe", "mimo_v2_flash", "cohere2"),
         )
     ],
 )

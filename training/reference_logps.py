@@ -83,6 +83,7 @@ ARCHITECTURE = (
     "residual_multiplier",
     "attention_multiplier",
     "logits_scaling",
+    "logit_scale",
 )
 
 

@@ -69,8 +69,7 @@ class MoeSpec:
         every token (0-scaled outside its top-k); expert parallelism and `moe.routed_experts` send each expert its
         routed tokens only (models/expert_parallel.py). Else transformers' router and fused experts weight outputs.
     moe_layers: the config lists the sparse layers (`config.moe_layers`).
-    layer_types: the config field listing each layer's MLP kind, sparse where not "dense" (GLM-4.7-Flash's
-        `mlp_layer_types`), "" where there is none.
+    layer_types: the config field listing each layer's MLP kind, sparse where not "dense" (`mlp_layer_types`).
     aux_loss: transformers adds a load-balancing loss for the family.
     """
 
@@ -139,6 +138,7 @@ class Family:
     # divided by the second, each as a Python float as transformers applies it. "": none.
     embedding_multiplier: str = ""
     logits_divisor: str = ""
+    logits_multiplier: str = ""  # logits times this config field (Cohere's `logit_scale`)
     fused_qkv: bool = False  # one `self_attn.qkv_proj` holds q, k and v (Phi-3's)
     fused_gate_up: bool = False  # one `mlp.gate_up_proj` holds gate and up (Phi-3's, GLM-4's)
     # Why tensor parallelism is refused for the family until its split is built (a fused projection, a q/k norm
@@ -148,12 +148,12 @@ class Family:
     # the MLP (its experts, its shared expert) splits; the attention's one entry norm is no TP entry (`tp_entry_norms`
     # names the MLP's); under sequence parallelism it gathers the row and keeps its own positions of the output.
     replicated_attention: bool = False
+    parallel_block: bool = False  # attention and the MLP read one norm's output (Cohere's): one TP entry per layer
     # Attention parameters with one entry per head (gpt-oss's `self_attn.sinks`): split with the heads under TP.
     per_head: tuple[str, ...] = ()
     # The attention reads an explicit causal mask even on unpacked rows (DeepSeek-V3.2's indexer scores against it).
     always_mask: bool = False
-    # Decoder modules transformers runs without gradients (DeepSeek-V3.2's indexer): frozen in training.
-    frozen: tuple[str, ...] = ()
+    frozen: tuple[str, ...] = ()  # decoder modules transformers runs without gradients (DeepSeek-V3.2's indexer)
     # Tensors its layers share across layers, by mechanism (models/carry.py: "per_layer_inputs", "shared_kv",
     # "shared_index", "routing_tokens"): carried across stage boundaries by name, from the layer that makes one to its
     # last reader.
@@ -269,7 +269,7 @@ def register(family: Family) -> Family:
     if family.model_type in FAMILIES:
         raise ValueError(f"model_type={family.model_type!r} registered twice")
     entries = (0, 2, 3) if family.moe is not None and family.moe.beside_mlp else (0, 2)  # and the experts' own
-    entries = (1,) if family.replicated_attention else entries  # the MLP's only
+    entries = (1,) if family.replicated_attention or family.parallel_block else entries  # the MLP's only, or one
     if not family.tp_refused and len(family.tp_entry_norms) not in entries:  # TP enters twice per layer (or 3 times)
         raise ValueError(f"{family.model_type}: tp_entry_norms must name the norms before attention and the MLP")
     FAMILIES[family.model_type] = family
