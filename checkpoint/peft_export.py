@@ -39,7 +39,7 @@ from common.hub import is_hub_id
 from models.key_table import DECODER_PREFIX
 from models.pipe_layout import pipe_layers
 
-PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"  # (adapter_config.json: PEFT's own save_pretrained)
 
 
 def decoder_prefixes(run_dir: str, config) -> list[str]:

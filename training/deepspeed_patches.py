@@ -208,6 +208,11 @@ PATCHES: tuple[Patch, ...] = (
     Patch(ENGINE, "global_steps", "set", "checkpoint/optimizer_reshape.py load_moved_state",
           "a ZeRO-0 layout move: the counters taken from the old engine files (with global_samples, skipped_steps)",
           "tests/test_training.py::test_fp32_zero0_checkpoint_moves_between_layouts"),
+    Patch("deepspeed.checkpoint.deepspeed_checkpoint.DeepSpeedCheckpoint", "get_zero_checkpoint_state", "replaced",
+          "checkpoint/muon_universal.py momentum_as_first_moment",
+          "within a universal conversion of a Muon run only: each Muon group's momentum read as Adam's exp_avg, so "
+          "DeepSpeed's converter merges it by its own rules (restored after)",
+          "tests/test_muon_training.py::test_muon_under_bf16_zero1_follows_the_fp32_run"),
     Patch(UNIVERSAL, "_extract_zero_shard_files", "read", "checkpoint/expert_universal.py convert",
           "its ZeRO-1/2 conversion, run per expert group (also _merge_tp_slice_files, _save_optimizer_state, "
           "_inject_missing_state, _check_for_required_state, _group_per_tp_shapes, _aggregate_autoep_zero12_metadata)",
