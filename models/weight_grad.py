@@ -102,6 +102,8 @@ def defer_weight_gradients(modules, store: WeightGradStore) -> int:
         for layer in module.modules():
             if not isinstance(layer, nn.Linear) or getattr(layer.weight, "grad_summed_by_hook", False):
                 continue
+            if not isinstance(layer.weight, torch.Tensor):
+                continue  # a frozen weight held otherwise (QLoRA's NF4, models/nf4.py): no weight gradient to defer
             if type(layer).forward is not nn.Linear.forward and not hasattr(layer, "matmul"):
                 continue  # a linear layer of other maths (DeepSeek-V4's grouped projection, Llama 4's router)
             if hasattr(layer, "matmul"):

@@ -141,6 +141,15 @@ def check_config(cfg: TrainConfig) -> None:
         need(cfg.lora.r >= 1, f"lora.r={cfg.lora.r} must be >= 1")
         need(cfg.model_name_or_path is not None, "lora.enabled=true needs model_name_or_path")
         # lora.target_modules: checked against the family's own layers once its config is read (validate_layout)
+    need(cfg.lora.quantize in ("none", "nf4"), f"lora.quantize={cfg.lora.quantize} must be none or nf4")
+    need(
+        cfg.lora.quantize == "none" or cfg.lora.enabled,
+        f"lora.quantize={cfg.lora.quantize} needs lora.enabled=true: only a LoRA run's base is frozen",
+    )
+    need(
+        not cfg.lora.quantize_double or cfg.lora.quantize == "nf4",
+        "lora.quantize_double=true needs lora.quantize=nf4",
+    )
     need(
         cfg.model_name_or_path is not None or cfg.model.hidden_size is not None,
         "model_name_or_path is not set (a checkpoint written by convert2ckpt.py) and model= names no preset to build",

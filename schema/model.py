@@ -89,6 +89,9 @@ class LoraSettings:
     dropout: float = 0.0  # dropout on the adapter's input
     # Linear layers of the decoder to adapt (names as in transformers' modules).
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # QLoRA: "nf4" holds the frozen base's decoder linear weights as bitsandbytes NF4 (models/nf4.py); "none": not
+    quantize: str = "none"
+    quantize_double: bool = False  # NF4's absmax 8-bit quantized too (bnb_4bit_use_double_quant)
 
 
 def checkpoint_every(model: ModelSettings) -> int:

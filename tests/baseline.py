@@ -45,6 +45,21 @@ def hf_model(hf_dir: str, **kwargs):
     return model
 
 
+def quantized(cfg: TrainConfig) -> dict:
+    """`from_pretrained`'s arguments for transformers' own 4-bit model of `cfg.lora.quantize=nf4` (QLoRA)."""
+    if cfg.lora.quantize != "nf4":
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    bnb = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=cfg.lora.quantize_double,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    return {"quantization_config": bnb, "device_map": "cpu"}
+
+
 def global_batch(dataset, plan: TrainPlan, step: int, seed: int, seq_length: int, pad_id: int):
     """Rows of optimizer step `step` over all DP ranks, as HF inputs (unshifted labels). With packing, the
     rows inside the step's packed rows, each in an HF row of its own (what packing must reproduce); with
@@ -77,7 +92,7 @@ def train_baseline(hf_dir: str, tokenizer_dir: str, cfg: TrainConfig, dp: int, s
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(hf_dir)  # SDPA, or eager where transformers has no SDPA for it (gpt-oss)
     attn = resolve_attention(config, None)
-    model = hf_model(hf_dir, dtype=torch.float32, attn_implementation=attn)
+    model = hf_model(hf_dir, dtype=torch.float32, attn_implementation=attn, **quantized(cfg))
     model.train()
     if cfg.lora.enabled:  # the same per-layer seeded adapters as the pipeline (models/lora.py)
         lo = cfg.lora

@@ -27,6 +27,7 @@ from models.families import resolve_attention
 from models.lora import add_lora, parallelize_lora
 from models.loss import CausalLMLoss
 from models.moe import WithAuxLoss, default_aux_loss_coef, is_moe
+from models.nf4 import held_bytes, quantize_stage
 from models.partition import stage_bounds
 from models.preference import PreferenceLoss, PreferenceSettings
 from models.tensor_parallel import TensorParallel, token_cross_entropy_for, vocab_parallel
@@ -280,6 +281,14 @@ def assemble(cfg: TrainConfig) -> Run:
     module._synchronize_tied_weights()
     if source:
         log.info("loaded %s: rank %d read %d layer files", source, rank, len(run.loaded_layers))
+    if cfg.lora.quantize == "nf4":  # QLoRA: the stage's frozen decoder linears, as transformers' 4-bit model holds them
+        held = quantize_stage(module, cfg.lora.quantize_double)
+        log.info(
+            "lora.quantize=nf4: %d linear layers held in NF4 on rank %d (%.3f GiB of weights and buffers)",
+            held,
+            rank,
+            held_bytes(module) / 2**30,
+        )
     if cfg.lora.enabled:
         lo = cfg.lora
         trainable = add_lora(module, lo.r, lo.alpha, lo.dropout, lo.target_modules, cfg.seed, tp.rank, tp.size)
@@ -325,6 +334,7 @@ def write_run_files(run: Run) -> None:
     if cfg.lora.enabled:  # what `convert2ckpt.py --to-hf --merge-lora` needs
         lo = cfg.lora
         info = {"r": lo.r, "alpha": lo.alpha, "dropout": lo.dropout, "target_modules": list(lo.target_modules)}
+        info |= {"quantize": lo.quantize, "quantize_double": lo.quantize_double}
         info["base"] = run.lora_base
         with open(os.path.join(cfg.output_dir, LORA_FILE), "w") as f:
             json.dump(info, f, indent=2)

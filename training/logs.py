@@ -20,6 +20,8 @@ def configure_logging(coords: Coords, all_ranks: bool = False) -> None:
     level = logging.INFO if all_ranks or coords.rank == 0 or coords.reporting else logging.WARNING
     logging.basicConfig(level=level, format=f"[rank{coords.rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S")
     log.setLevel(level)
+    # bitsandbytes' CPU backend (imported by peft where installed) warns that an optional inference kernel is absent
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def log_to_file(output_dir: str, rank: int) -> str:

@@ -12,6 +12,7 @@ from models.key_table import all_layer_keys, memory_key
 from models.layer_config import layer_attr
 from models.lora import check_target_modules, lora_tp_refusal
 from models.moe import is_moe, num_experts
+from models.nf4 import nf4_refusal, require_bitsandbytes
 from models.sharding import tp_indivisible
 from schema.checks import check_config, need
 from schema.train import DeepSpeedConfig, TrainConfig, model_stages
@@ -85,6 +86,10 @@ def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
         check_target_modules(cfg.lora.target_modules, model_config)
     refused = lora_tp_refusal(model_config) if cfg.lora.enabled and tp > 1 else None
     need(refused is None, f"lora.enabled with tensor_parallel_size={tp}: {refused}")
+    if cfg.lora.quantize == "nf4":
+        require_bitsandbytes()
+        refused = nf4_refusal(model_config)
+        need(refused is None, f"lora.quantize=nf4: {refused}")
     validate_context_parallel(cfg, model_config)
     validate_expert_parallel(cfg, world_size, model_config)
     validate_fp16(cfg, model_config)

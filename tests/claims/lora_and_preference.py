@@ -1,7 +1,44 @@
 from tests.claims.held import DPO_REFERENCE, PEFT
 from tests.claims.kinds import Claim, NotAClaim
 
+QLORA = "tests/test_qlora.py::test_qlora_pipeline_training_matches_peft_with_bitsandbytes"
+
 CLAIMS = (
+    Claim(
+        says="a quantized layer's output and input gradient equal bitsandbytes' `Linear4bit` bit for bit",
+        test="tests/test_qlora.py::test_nf4_linear_is_bitsandbytes_linear4bit",
+        holds="assert torch.equal(have, want) and torch.equal(have_grad, want_grad)",
+        bound=0,
+        figure=None,
+    ),
+    Claim(
+        says="give the logits of the same models quantized here, bit for bit",
+        test="tests/test_qlora.py::test_quantized_stage_is_transformers_4bit_model",
+        holds="assert torch.equal(ours(ids).logits, four_bit(ids).logits)",
+        bound=0,
+        figure=None,
+    ),
+    Claim(
+        says="bf16 ZeRO-1 follows fp32 within 2e-3 relative",
+        test=QLORA,
+        holds='assert b["loss"] == pytest.approx(a["loss"], rel=2e-3), (a, b)',
+        bound=2e-3,
+        figure=None,
+    ),
+    Claim(
+        says="adapters on transformers' 4-bit base give the reference's logits within 1e-5",
+        test="tests/test_qlora.py::assert_serves_on_a_4bit_base",
+        holds="torch.testing.assert_close(model(ids).logits, want(ids).logits, rtol=1e-5, atol=1e-5)",
+        bound=1e-5,
+        figure=None,
+    ),
+    Claim(
+        says="its figure equals what a quantized model holds, to the byte",
+        test="tests/test_qlora.py::test_planner_counts_the_nf4_base",
+        holds="assert planned.weights == held",
+        bound=0,
+        figure=None,
+    ),
     Claim(
         says="the merged tensors equal PEFT's, bit for bit",
         test="tests/test_lora.py::test_peft_adapter_settings_merge_exactly",

@@ -1,0 +1,247 @@
+"""QLoRA's frozen base: a decoder's linear weights held as bitsandbytes NF4 (4-bit NormalFloat, one fp32 absmax a
+block of 64 weights, or with `double` those absmax themselves 8-bit quantized in blocks of 256), dequantized at each
+matmul. The arithmetic is bitsandbytes' own (its quantize and dequantize ops, and `MatMul4Bit`'s forward and
+backward written out), so a model that transformers quantized with `BitsAndBytesConfig(load_in_4bit=True,
+bnb_4bit_quant_type="nf4")` and ours compute with the same weights, bit for bit.
+
+Which layers: those transformers' `replace_with_bnb_linear` converts, every layer of exactly `nn.Linear`'s type
+(ours: a tensor-parallel row layer too, `RowParallelLinear`, whose class only adds the reduction) whose name the
+family's `_keep_in_fp32_modules` does not name. Embeddings, the head and norms stay in the run's precision. Each
+tensor-parallel rank quantizes the shard it holds (a block of 64 never straddles two ranks); when a row layer's
+shard holds a multiple of 64 columns, as every real model's does, the blocks are those of the whole weight.
+
+A quantized layer keeps its class's forward contract (`nn.Linear`: PEFT wraps it as any linear layer) with its
+`weight` a small module of buffers: the packed codes and the statistics' bytes (uint8: DeepSpeed's casts of the
+module to bf16 leave them alone; device moves carry them). They are not persistent: checkpoints hold the adapters,
+and the base is quantized again from its source at every start, deterministically.
+
+Model code only: no distributed code. bitsandbytes is optional; `require_bitsandbytes` says so in one line.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BLOCKSIZE = 64  # bitsandbytes' and transformers' default for 4-bit (bnb_4bit_blocksize)
+NESTED_BLOCKSIZE = 256  # the absmax's own blocks under double quantization (bitsandbytes' only choice)
+
+
+def require_bitsandbytes(key: str = "lora.quantize=nf4"):
+    """bitsandbytes.functional, or ValueError in one line naming `key`."""
+    import logging
+
+    # its CPU backend warns, at import, that an optional inference kernel package is absent (unused here)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    try:
+        import bitsandbytes.functional as bnb_functional
+    except ImportError as e:
+        raise ValueError(
+            f"{key} needs bitsandbytes (pip install bitsandbytes; scripts/setup.sh installs it): {e}"
+        ) from None
+    return bnb_functional
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+class NF4Weight(nn.Module):
+    """One linear layer's weight in NF4: `packed` [(out*in+1)//2, 1] uint8 and its statistics, stored as bytes.
+    `shape` is the weight's [out, in]; `source_dtype` the dtype it was quantized from (bitsandbytes' QuantState
+    dtype). `device` and `dtype` (uint8: what is stored) answer as a tensor's would, for PEFT's adapter placement."""
+
+    def __init__(self, weight: torch.Tensor, double: bool = False):
+        super().__init__()
+        bnb = require_bitsandbytes()
+        packed, state = bnb.quantize_4bit(
+            weight.detach(), blocksize=BLOCKSIZE, compress_statistics=double, quant_type="nf4"
+        )
+        self.shape, self.source_dtype, self.nested = tuple(weight.shape), weight.dtype, state.nested
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("code", _as_bytes(state.code), persistent=False)
+        if state.nested:  # absmax as uint8 codes, with its own fp32 absmax per 256, code book and offset
+            self.register_buffer("absmax", state.absmax, persistent=False)
+            self.register_buffer("absmax2", _as_bytes(state.state2.absmax), persistent=False)
+            self.register_buffer("code2", _as_bytes(state.state2.code), persistent=False)
+            self.register_buffer("offset", _as_bytes(state.offset.reshape(1)), persistent=False)
+        else:
+            self.register_buffer("absmax", _as_bytes(state.absmax), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.packed.dtype
+
+    def quant_state(self):
+        """bitsandbytes' QuantState of this weight (views of the buffers: nothing copied)."""
+        from bitsandbytes.functional import QuantState
+
+        f32 = torch.float32
+        if not self.nested:
+            absmax, state2, offset = self.absmax.view(f32), None, None
+        else:
+            absmax, offset = self.absmax, self.offset.view(f32)[0]
+            state2 = QuantState(
+                self.absmax2.view(f32), code=self.code2.view(f32), blocksize=NESTED_BLOCKSIZE, dtype=f32
+            )
+        return QuantState(
+            absmax=absmax,
+            shape=torch.Size(self.shape),
+            code=self.code.view(f32),
+            blocksize=BLOCKSIZE,
+            quant_type="nf4",
+            dtype=self.source_dtype,
+            offset=offset,
+            state2=state2,
+        )
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight [out, in] as bitsandbytes' `gemm_4bit` dequantizes it for a `dtype` input (default: the
+        dtype it was quantized from)."""
+        state = self.quant_state()
+        absmax = state.absmax
+        if state.nested:
+            ops = torch.ops.bitsandbytes
+            absmax = ops.dequantize_blockwise.default(
+                state.absmax, state.state2.absmax, state.state2.code, NESTED_BLOCKSIZE, torch.float32
+            )
+            absmax = absmax + state.offset
+        return torch.ops.bitsandbytes.dequantize_4bit.default(
+            self.packed, absmax, BLOCKSIZE, "nf4", list(self.shape), dtype or self.source_dtype
+        )
+
+    def extra_repr(self) -> str:
+        return f"shape={list(self.shape)}, nf4, blocksize={BLOCKSIZE}, double={self.nested}"
+
+
+class _NF4Matmul(torch.autograd.Function):
+    """`F.linear(x, W, bias)` with W dequantized from NF4 for the product (bitsandbytes' `MatMul4Bit`): backward
+    dequantizes it again for the input's gradient, so nothing of the weight's size is kept between the two. The
+    weight is frozen; a trained bias gets its gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight: NF4Weight, bias):
+        ctx.weight, ctx.bias_dtype = weight, None if bias is None else bias.dtype
+        return F.linear(x, weight.dequantize(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_bias = None
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0, dtype=ctx.bias_dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            from bitsandbytes.functional import dequantize_4bit
+
+            weight = ctx.weight
+            grad_x = torch.matmul(grad, dequantize_4bit(weight.packed, weight.quant_state()).to(grad.dtype))
+        return grad_x, None, grad_bias
+
+
+def nf4_linear(x: torch.Tensor, weight: NF4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ bias) with W in NF4."""
+    return _NF4Matmul.apply(x, weight, bias)
+
+
+class NF4Linear(nn.Linear):
+    """An `nn.Linear` whose weight is an `NF4Weight`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nf4_linear(x, self.weight, self.bias)
+
+
+_CLASSES: dict[type, type] = {nn.Linear: NF4Linear}
+
+
+def nf4_class(cls: type) -> type | None:
+    """The NF4 class of a linear layer class (`nn.Linear`, or a subclass that routes its product through a
+    `matmul(x, weight)` attribute: the tensor-parallel row layer), or None."""
+    if cls in _CLASSES:
+        return _CLASSES[cls]
+    if cls.__mro__[1] is nn.Linear and "matmul" in cls.__dict__:
+        _CLASSES[cls] = type(f"NF4{cls.__name__}", (cls,), {"matmul": staticmethod(nf4_linear)})
+        return _CLASSES[cls]
+    return None
+
+
+def quantize_linear(layer: nn.Linear, double: bool = False) -> None:
+    """Hold `layer`'s weight in NF4, in place (its class becomes the NF4 one; its bias stays)."""
+    cls = nf4_class(type(layer))
+    if cls is None:
+        raise ValueError(f"{type(layer).__name__} cannot be held in NF4")
+    weight = layer.weight
+    del layer.weight
+    layer.weight = NF4Weight(weight.data, double)
+    layer.__class__ = cls
+
+
+def nf4_linears(layer: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The linear layers of one decoder layer that transformers' bitsandbytes integration converts (see the module's
+    docstring), by name: what `quantize_stage` quantizes and the planner counts."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    from models.families import FAMILIES
+    from models.layers import block_index
+
+    family = next(f for f in FAMILIES.values() if isinstance(layer, f.hf_class("DecoderLayer")))
+    kept = sorted(family.fp32_in_fp16())  # transformers' `_keep_in_fp32_modules`: not converted
+    block = block_index(layer)
+    return [
+        (name, linear)
+        for name, linear in layer.named_modules()
+        if isinstance(linear, nn.Linear)
+        and nf4_class(type(linear)) is not None
+        and should_convert_module(f"model.layers.{block}.{name}", kept)
+    ]
+
+
+def quantize_stage(module: nn.Module, double: bool = False) -> int:
+    """Hold in NF4 the `nf4_linears` of every decoder layer in `module`, after their weights are loaded. Returns how
+    many layers it quantized."""
+    from models.families import hf_classes
+
+    count = 0
+    for layer in [m for m in module.modules() if isinstance(m, hf_classes("DecoderLayer"))]:
+        for _, linear in nf4_linears(layer):
+            if not isinstance(linear.weight, NF4Weight):
+                quantize_linear(linear, double)
+                count += 1
+    return count
+
+
+def nf4_refusal(config) -> str | None:
+    """Why `lora.quantize=nf4` cannot hold a model of `config`'s family (a decoder layer with no linear layer that
+    bitsandbytes converts), or None. On the meta device."""
+    from models.layers import build_layer
+    from models.partition import layer_shape
+    from models.pipe_layout import DECODER, pipe_layers
+
+    seen = set()
+    with torch.device("meta"):
+        for layer in pipe_layers(config.num_hidden_layers, config.tie_word_embeddings):
+            shape = layer_shape(layer, config)
+            if layer.kind != DECODER or shape in seen:
+                continue
+            seen.add(shape)
+            if not nf4_linears(build_layer(layer, config)):
+                return f"{config.model_type}'s decoder layer {layer.block} has no linear layer NF4 can hold"
+    return None
+
+
+def nf4_bytes(numel: int, double: bool = False) -> int:
+    """What `NF4Weight` holds for a weight of `numel` elements: the packed codes (two a byte), the 16-value code
+    book, and one fp32 absmax per block of 64, or with `double` one uint8 per block with an fp32 absmax per 256
+    blocks, its 256-value code book and an offset (4.5 and about 4.13 bits a weight)."""
+    blocks = -(-numel // BLOCKSIZE)
+    absmax = blocks + 4 * -(-blocks // NESTED_BLOCKSIZE) + 4 * 256 + 4 if double else 4 * blocks
+    return -(-numel // 2) + 4 * 16 + absmax
+
+
+def held_bytes(module: nn.Module) -> int:
+    """Bytes of `module`'s parameters and buffers (what a stage holds of its weights)."""
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
