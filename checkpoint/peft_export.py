@@ -15,7 +15,8 @@ kinds, reads `gate_proj`/`up_proj`/`down_proj` targets as the routed experts' to
 refuses `gate_proj` without `up_proj`: docs/lora_and_preference.md.)
 
 `base_model_name_or_path`: `--base-model`, else the Hugging Face directory (or hub id) the run started from: its
-`model_name_or_path`, or the input a converted checkpoint records (`.convert2ckpt.json`).
+`model_name_or_path`, or the input a converted checkpoint records (`.convert2ckpt.json`); a snapshot of the hub cache
+(a run that named a hub id reads one) as its id, ORG/NAME.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from checkpoint.outputs import PEFT_EXPORT, read_writer
 from checkpoint.pipeline_reader import PipelineCheckpoint
 from checkpoint.safetensors_writer import StreamingSafetensorsWriter
 from checkpoint.staging import staged_directory
-from common.hub import is_hub_id
+from common.hub import is_hub_id, snapshot_hub_id
 from models.key_table import DECODER_PREFIX
 from models.pipe_layout import pipe_layers
 
@@ -82,13 +83,14 @@ def frozen_modules(config) -> str | None:
     """PEFT's `exclude_modules` for what models/lora.py leaves unadapted: modules transformers runs without gradients
     (DeepSeek-V3.2's indexer has a `q_b_proj` too)."""
     from models.families import family_of
+    from models.lora import exclude_pattern
 
-    frozen = [re.escape(name) for name in family_of(config).frozen]
-    return rf"(.*\.)?({'|'.join(frozen)})\..*" if frozen else None
+    return exclude_pattern(family_of(config).frozen)
 
 
 def base_model_name(run_dir: str, lora_base: str) -> str:
-    """The Hugging Face model the adapters apply to, as far as the run knows it (else the base checkpoint)."""
+    """The Hugging Face model the adapters apply to, as far as the run knows it (else the base checkpoint): a hub
+    id the run named is written as the id, not as the cache snapshot the ranks read."""
     source = None
     config = os.path.join(run_dir, "train_config.yaml")
     if os.path.exists(config):
@@ -96,10 +98,10 @@ def base_model_name(run_dir: str, lora_base: str) -> str:
 
         source = OmegaConf.load(config).get("model_name_or_path")
     if source and (is_hf_dir(source) or is_hub_id(source)):
-        return source
+        return snapshot_hub_id(source) or source  # a hub id's snapshot (the ranks read it) as the id
     record = read_writer(source or lora_base) or read_writer(lora_base) or {}
     hf = [p for p in record.get("inputs", []) if is_hf_dir(p)]
-    return hf[0] if len(hf) == 1 else os.path.abspath(source or lora_base)
+    return (snapshot_hub_id(hf[0]) or hf[0]) if len(hf) == 1 else os.path.abspath(source or lora_base)
 
 
 def export_peft(

@@ -185,6 +185,15 @@ def snapshot_repository(path: str) -> str | None:
     return os.path.dirname(parent) if os.path.basename(parent) == "snapshots" else None
 
 
+def snapshot_hub_id(path: str) -> str | None:
+    """The hub id ORG/NAME of a snapshot directory in huggingface_hub's cache layout
+    (`.../models--ORG--NAME/snapshots/<commit>`: the cache writes the id's "/" as "--", which ids never hold), else
+    None. What a run that named a hub id records of it, since the ranks read the snapshot."""
+    repository = snapshot_repository(path)
+    kind, _, name = os.path.basename(repository or "").partition("--")
+    return name.replace("--", "/") if kind == "models" and name else None
+
+
 def in_cache(path: str) -> bool:
     """Whether `path` is a snapshot directory of a repository in the hub cache."""
     repository = snapshot_repository(path)

@@ -96,6 +96,13 @@ def lora_tp_refusal(config) -> str | None:
     )
 
 
+def exclude_pattern(modules) -> str | None:
+    """PEFT's `exclude_modules` for `modules` (names of modules no gradient reaches, `Family.frozen`) and everything
+    inside them, or None."""
+    names = [re.escape(name) for name in modules]
+    return rf"(.*\.)?({'|'.join(names)})\..*" if names else None
+
+
 def add_lora(
     module: nn.Module,
     r: int,
@@ -126,13 +133,13 @@ def add_lora(
                 continue
             # never inside a module no gradient reaches (DeepSeek-V4's indexer has a `q_b_proj` too)
             family = next(f for f in FAMILIES.values() if isinstance(layer, f.hf_class("DecoderLayer")))
-            frozen = [re.escape(f) for f in family.frozen if f in names]  # (where the layer has one: PEFT warns else)
+            frozen = [f for f in family.frozen if f in names]  # (where the layer has one: PEFT warns else)
             config = LoraConfig(
                 r=r,
                 lora_alpha=alpha,
                 lora_dropout=dropout,
                 target_modules=present,
-                exclude_modules=f"(.*\\.)?({'|'.join(frozen)})\\..*" if frozen else None,
+                exclude_modules=exclude_pattern(frozen),
             )
             with torch.random.fork_rng(devices=[]):  # injection draws random numbers: keep the global stream
                 inject_adapter_in_model(config, layer, adapter_name=ADAPTER)

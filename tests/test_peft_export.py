@@ -58,3 +58,26 @@ def test_to_peft_refuses_what_is_not_a_lora_run(converted, tmp_path):
     assert "Traceback" not in proc.stderr and not out.exists()
     both = run_cmd([*cli, converted["gqa"], "--merge-lora"])
     assert both.returncode == 2 and "--to-peft writes the adapters alone" in both.stderr and not out.exists()
+
+
+def test_a_hub_snapshot_is_named_by_its_id(hf_models, tmp_path):
+    """A run that named a hub id trains from the cache's snapshot (`models--ORG--NAME/snapshots/<commit>`): the
+    PEFT config names the id, and so does a checkpoint converted from such a snapshot; other directories stay paths."""
+    import shutil
+
+    from checkpoint.outputs import write_writer
+    from checkpoint.peft_export import base_model_name
+
+    snapshot = tmp_path / "hub" / "models--acme--tiny-llama-v2" / "snapshots" / "0123abcd"
+    shutil.copytree(hf_models["gqa"], snapshot)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train_config.yaml").write_text(f"model_name_or_path: {snapshot}\n")
+    assert base_model_name(str(run), str(tmp_path / "unused")) == "acme/tiny-llama-v2"
+    (run / "train_config.yaml").write_text(f"model_name_or_path: {hf_models['gqa']}\n")
+    assert base_model_name(str(run), str(tmp_path / "unused")) == hf_models["gqa"]
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    write_writer(str(ckpt), "pipeline checkpoint", "convert2ckpt.py", [str(snapshot)])
+    (run / "train_config.yaml").write_text(f"model_name_or_path: {ckpt}\n")
+    assert base_model_name(str(run), str(ckpt)) == "acme/tiny-llama-v2"
