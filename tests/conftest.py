@@ -143,6 +143,8 @@ MODEL_VARIANTS = {
     "hunyuan_moe": dict(model_type="hunyuan_v1_moe", num_key_value_heads=2, attention_bias=True),
     # MiMo-V2-Flash: sliding layers with sinks and twice the key/value heads, narrower values, DeepSeek's router.
     "mimo_v2_flash": dict(model_type="mimo_v2_flash", num_key_value_heads=2, attention_bias=True),
+    # ERNIE 4.5 MoE: sparse layers 1 and 3 (by interval), its fp32 router's frozen score bias, shared experts.
+    "ernie_moe": dict(model_type="ernie4_5_moe", num_key_value_heads=2) | MOE_AUX,
     # Cohere 2: the parallel block with LayerNorms, NoPE global layers, logits times logit_scale.
     "cohere2": dict(model_type="cohere2", num_key_value_heads=2, attention_bias=True),
 }
@@ -150,6 +152,7 @@ NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5"
 NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss", "qwen3_next", "qwen3_5", "gemma4"]
 NEW_FAMILY_VARIANTS += ["exaone4", "gemma2", "hunyuan", "internlm3", "granite", "olmoe", "dots1", "flex_olmo"]
 NEW_FAMILY_VARIANTS += ["minimax_m2", "glm4_moe_lite", "apertus", "exaone_moe", "hunyuan_moe", "mimo_v2_flash"]
+NEW_FAMILY_VARIANTS += ["ernie_moe"]
 NEW_FAMILY_VARIANTS += ["cohere2"]
 CARRYING_VARIANTS = {
     "deepseek_v3": "layers",
@@ -162,7 +165,7 @@ CARRYING_VARIANTS = {
 MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss")
 MOE_VARIANTS += ("qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "gemma4_moe", "deepseek_v4")
 MOE_VARIANTS += ("olmoe", "dots1", "flex_olmo", "minimax_m2", "glm4_moe_lite", "exaone_moe", "hunyuan_moe")
-MOE_VARIANTS += ("mimo_v2_flash",)
+MOE_VARIANTS += ("mimo_v2_flash", "ernie_moe")
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
 FAMILY_VARIANTS += NEW_FAMILY_VARIANTS
 

@@ -91,6 +91,7 @@ FAMILY_CONFIGS = {
     "exaone_moe-local-nope": ("exaone_moe", {}),  # EXAONE 4's attention, DeepSeek's router by layer type
     "hunyuan_v1_moe-biases": ("hunyuan_v1_moe", dict(attention_bias=True)),  # q/k norms after RoPE, shared MLP
     "mimo_v2_flash-sinks-local": ("mimo_v2_flash", dict(attention_bias=True)),  # narrower values, sinks, window 4
+    "ernie4_5_moe-interval": ("ernie4_5_moe", {}),  # sparse by interval, a frozen score bias, shared experts
     "cohere2-local-biases": ("cohere2", dict(attention_bias=True)),  # parallel block, LayerNorms, logit_scale
     # DeepSeek-V4: 3 residual streams, sliding / compressed sparse / heavily compressed attention, hash and top-k
     # routers (the tokens carried to hash layers 0, 1 and 3), its hub's own key names.

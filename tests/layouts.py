@@ -145,6 +145,8 @@ LAYOUTS = {
     "hunyuan_moe-pp2-dp2-ep2": ("hunyuan_moe", "false", 2, 1, "", 0),
     # MiMo-V2-Flash: sinks split with the heads, each layer's key/value heads by its own count, at TP=2 x EP=2.
     "mimo_v2_flash-tp2-dp2-ep2": ("mimo_v2_flash", "false", 1, 2, "", 0),
+    # ERNIE 4.5 MoE: a dense and a sparse layer on each stage, its experts over EP=2, the load-balancing loss on.
+    "ernie_moe-pp2-dp2-ep2": ("ernie_moe", "false", 2, 1, "", 0),
     # Cohere 2: its parallel block under TP with SP, logits times logit_scale through the vocab-parallel head.
     "cohere2-pp2-tp2": ("cohere2", "false", 2, 2, "", 0),
 }

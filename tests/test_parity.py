@@ -76,6 +76,7 @@ CASES = [
     ("exaone_moe", "sdpa-packed"),
     ("hunyuan_moe", "sdpa"),
     ("mimo_v2_flash", "eager-packed"),
+    ("ernie_moe", "sdpa-packed"),
     ("cohere2", "sdpa"),
 ]
 MOE = {f"{m}-{attn}" for m, attn in CASES if m in MOE_VARIANTS}

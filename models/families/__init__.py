@@ -19,9 +19,7 @@ family module calls `register(Family(...))` with what is particular to it, as da
   a multimodal checkpoint whose text model it is (`register_container`).
 
 Adding a family built like one here is one module in this package (and a row in docs/families.md);
-tests/test_structure.py fails when a family's name appears in code outside it.
-
-Model code only: no DeepSpeed, no distributed code.
+tests/test_structure.py fails when a family's name appears in code outside it. Model code only: no DeepSpeed.
 """
 
 from __future__ import annotations
@@ -47,8 +45,8 @@ class MoeSpec:
     hub_block: the sparse block's name in hub checkpoints (transformers keeps it as `block` in memory).
     expert_names: each expert's gate, up and down projection on the hub (`{hub_block}.experts.N.<name>.weight`).
     num_experts / expert_size: the config fields with the number of experts and each expert's MLP width.
-    every_layer: every decoder layer is sparse (else `first_dense`, `moe_layers`, or `decoder_sparse_step` and
-        `mlp_only_layers`).
+    every_layer: every decoder layer is sparse (else `first_dense`, `moe_layers`, `layer_types`, `interval`, or
+        `decoder_sparse_step` and `mlp_only_layers`).
     first_dense: the config field with the number of dense layers before the sparse ones (DeepSeek's
         `first_k_dense_replace`), "" where there are none.
     shared_expert: a dense expert every token goes through (`{block}.shared_expert`, DeepSeek's `shared_experts`),
@@ -70,6 +68,7 @@ class MoeSpec:
         routed tokens only (models/expert_parallel.py). Else transformers' router and fused experts weight outputs.
     moe_layers: the config lists the sparse layers (`config.moe_layers`).
     layer_types: the config field listing each layer's MLP kind, sparse where not "dense" (`mlp_layer_types`).
+    interval: sparse every `moe_layer_interval`-th layer from `moe_layer_start_index` to `moe_layer_end_index`.
     aux_loss: transformers adds a load-balancing loss for the family.
     """
 
@@ -94,6 +93,7 @@ class MoeSpec:
     scaled_inputs: bool = False
     moe_layers: bool = False
     layer_types: str = ""
+    interval: bool = False
     aux_loss: bool = True
     top_k: str = "num_experts_per_tok"  # the config field of the experts a token is routed to
     router_probabilities: bool = False  # the router returns probabilities, not logits (Gemma 4's): their log stands in
@@ -116,16 +116,13 @@ class Family:
     qk_norm_whole: bool = False
     window_everywhere: bool = False  # config.sliding_window applies to every layer (else per attention module)
     moe: MoeSpec | None = None  # a mixture-of-experts family
-    # The config field that switches the experts on (Gemma 4's `enable_moe_block`): `moe` applies only where it is set.
-    moe_when: str = ""
+    moe_when: str = ""  # the config field that switches the experts on (Gemma 4's `enable_moe_block`), "": always
     package: str = ""  # transformers' models/<package> (default: the model type)
     dense_size: str = "intermediate_size"  # the config field with a dense layer's MLP width
-    # Why flash-attn cannot run the family's attention as transformers computes it ("" where it can); whether SDPA
-    # can is transformers' own `_supports_sdpa` (`resolve_attention`).
+    # Why flash-attn cannot run the family's attention as transformers does ("" where it can; SDPA: `resolve_attention`)
     flash_refused: str = ""
     config_name: str = ""  # transformers' config class (default `<Prefix>Config`)
-    # The classes' names after the prefix where they differ from `<Prefix>RotaryEmbedding` (Qwen3.5's text model:
-    # `TextRotaryEmbedding`).
+    # Class names after the prefix where not `<Prefix>RotaryEmbedding` ... (Qwen3.5's text: `TextRotaryEmbedding`).
     class_names: dict = field(default_factory=dict, compare=False)
     # The decoder layer's RMSNorms, and those whose output enters a tensor-parallel split region (the input of
     # q/k/v or of gate/up): the others normalise whole (or, under sequence parallelism, sharded) activations. No
@@ -376,6 +373,9 @@ def is_sparse_layer(config, block: int) -> bool:
         return block >= getattr(config, moe.first_dense)
     if moe.moe_layers:
         return block in config.moe_layers
+    if moe.interval:
+        start, end = config.moe_layer_start_index, config.moe_layer_end_index
+        return (block + 1) % config.moe_layer_interval == 0 and start <= block <= end
     return (
         block not in (config.mlp_only_layers or [])
         and config.num_experts > 0

@@ -3,6 +3,7 @@
 
 from models.families import Family, register
 
-register(
-    Family("ernie4_5", "Ernie4_5", qkv_bias="use_bias", o_bias="use_bias", mlp_bias="use_bias", tiny=dict(head_dim=16))
+ERNIE = Family(
+    "ernie4_5", "Ernie4_5", qkv_bias="use_bias", o_bias="use_bias", mlp_bias="use_bias", tiny=dict(head_dim=16)
 )
+register(ERNIE)
