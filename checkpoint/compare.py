@@ -68,7 +68,7 @@ def _reference_class(hf_dir: str, hf_config):
 def streaming_device_map(model: torch.nn.Module) -> dict[str, str]:
     """accelerate's device map for `model` (built on the meta device): each element of every outermost
     nn.ModuleList (the decoder layers, a vision tower's blocks) on "disk", every other module with its own
-    parameters or buffers on "cpu"."""
+    parameters or buffers on "cpu" (those tensors by name where the module has children)."""
     device_map, under_list = {}, []
     for name, module in model.named_modules():
         if any(name.startswith(prefix) for prefix in under_list):
@@ -76,6 +76,9 @@ def streaming_device_map(model: torch.nn.Module) -> dict[str, str]:
         if isinstance(module, torch.nn.ModuleList):
             under_list.append(f"{name}.")
             device_map.update({f"{name}.{child}": "disk" for child, _ in module.named_children()})
+        elif next(module.children(), None) is not None:  # its own tensors by name (LLaVA-NeXT's `image_newline`):
+            own = [n for n, _ in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))]
+            device_map.update({f"{name}.{n}" if name else n: "cpu" for n in own})  # its name would take its children
         elif any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
             device_map[name] = "cpu"
     return device_map

@@ -4,6 +4,20 @@ tests/test_quantized_sources.py)."""
 from models.families import FAMILIES
 from tools.tiny_models import tiny_config
 
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+_CLIP = dict(vision_config=_VISION | dict(model_type="clip_vision_model", patch_size=14), vision_feature_layer=-1)
+_SIGLIP = dict(vision_config=_VISION | dict(model_type="siglip_vision_model", patch_size=14), vision_feature_layer=-1)
+_IDEFICS = dict(vision_config=_VISION | dict(patch_size=14))
+# container -> (transformers' class prefix, its config's other fields: a one-layer vision tower)
+VISION_LANGUAGE = {
+    "llava": ("Llava", _CLIP),
+    "llava_next": ("LlavaNext", _CLIP | dict(image_grid_pinpoints=[[28, 28]])),
+    "llava_onevision": ("LlavaOnevision", _SIGLIP | dict(image_grid_pinpoints=[[28, 28]])),
+    "internvl": ("InternVL", dict(vision_config=_VISION | dict(image_size=[28, 28], patch_size=[14, 14]))),
+    "idefics3": ("Idefics3", _IDEFICS),
+    "smolvlm": ("SmolVLM", _IDEFICS),
+}
+
 
 def multimodal(family: str):
     """A tiny multimodal model whose text model is `family`'s, and the name of its vision tower's keys."""
@@ -45,6 +59,14 @@ def multimodal(family: str):
             config = transformers.Mistral3Config(text_config=text, vision_config=vision)
         model = transformers.Mistral3ForConditionalGeneration(config)
         return model, "vision_tower.", text_type, f"{FAMILIES[text_type].prefix}ForCausalLM"
+    if family.split("-")[0] in VISION_LANGUAGE:  # "llava-mistral": LLaVA holding a Mistral text model
+        container, text_type = family.split("-")
+        text = tiny_config(text_type, num_key_value_heads=2).to_dict()
+        prefix, build = VISION_LANGUAGE[container]
+        config = getattr(transformers, f"{prefix}Config")(text_config=text, **build)
+        model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
+        towers = "model.vision_model." if container in ("idefics3", "smolvlm") else "vision_tower."
+        return model, towers, text_type, f"{FAMILIES[text_type].prefix}ForCausalLM"
     if family in ("qwen3_5", "qwen3_5_moe"):
         prefix = "Qwen3_5" if family == "qwen3_5" else "Qwen3_5Moe"
         text = tiny_config(f"{family}_text", num_key_value_heads=2).to_dict()

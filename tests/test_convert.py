@@ -415,6 +415,12 @@ def test_tp_split_and_merge_between_any_degrees_round_trip_bit_identical(model_t
         "mistral3-ministral3",
         "mistral3-mistral",
         "gemma4",
+        "llava-mistral",
+        "llava_next-llama",
+        "llava_onevision-qwen2",
+        "internvl-qwen2",
+        "idefics3-llama",
+        "smolvlm-llama",
     ],
 )
 def test_multimodal_checkpoint_converts_its_text_model(family, tmp_path):

@@ -1,0 +1,19 @@
+"""The vision-language containers whose text model is a registered family, taken for text rows: conversion reads
+the text model (config.json's `text_config`, its keys under the container's prefix), keeps the vision tower and the
+projector aside (checkpoint/carried.py), and the export writes the container back, those tensors byte for byte.
+Image inputs are not trained.
+
+- LLaVA 1.5 (`llava`), LLaVA-NeXT (`llava_next`), LLaVA-OneVision (`llava_onevision`) and InternVL 3 in transformers'
+  layout (`internvl`, the `-hf` checkpoints): the text model under `language_model.` (its head at
+  `language_model.lm_head.`), as transformers 5 still saves them.
+- Idefics3 (`idefics3`) and SmolVLM (`smolvlm`): the text model under `model.text_model.`, its head at `lm_head.`.
+"""
+
+from models.families import Container, register_container
+
+for container in ("llava", "llava_next", "llava_onevision", "internvl"):
+    register_container(container, Container("text_config", "language_model."))
+for container in ("idefics3", "smolvlm"):
+    register_container(
+        container, Container("text_config", "", renames=(("model.text_model.", "model."), ("lm_head.", "lm_head.")))
+    )
