@@ -67,6 +67,17 @@ def multimodal(family: str):
         model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
         towers = "model.vision_model." if container in ("idefics3", "smolvlm") else "vision_tower."
         return model, towers, text_type, f"{FAMILIES[text_type].prefix}ForCausalLM"
+    if family == "qwen3_vl":  # its text model's MRoPE in three interleaved sections, DeepStack into layer 0
+        text = tiny_config("qwen3", num_key_value_heads=2, head_dim=16).to_dict() | {"model_type": "qwen3_vl_text"}
+        text["rope_parameters"] |= {"mrope_section": [4, 2, 2], "mrope_interleaved": True}
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8)
+        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision | dict(deepstack_visual_indexes=[0]))
+        return (
+            transformers.Qwen3VLForConditionalGeneration(config),
+            "model.visual.",
+            "qwen3_vl_text",
+            "Qwen3ForCausalLM",
+        )
     if family in ("qwen3_5", "qwen3_5_moe"):
         prefix = "Qwen3_5" if family == "qwen3_5" else "Qwen3_5Moe"
         text = tiny_config(f"{family}_text", num_key_value_heads=2).to_dict()

@@ -421,6 +421,7 @@ def test_tp_split_and_merge_between_any_degrees_round_trip_bit_identical(model_t
         "internvl-qwen2",
         "idefics3-llama",
         "smolvlm-llama",
+        "qwen3_vl",
     ],
 )
 def test_multimodal_checkpoint_converts_its_text_model(family, tmp_path):

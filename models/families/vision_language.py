@@ -7,9 +7,10 @@ Image inputs are not trained.
   layout (`internvl`, the `-hf` checkpoints): the text model under `language_model.` (its head at
   `language_model.lm_head.`), as transformers 5 still saves them.
 - Idefics3 (`idefics3`) and SmolVLM (`smolvlm`): the text model under `model.text_model.`, its head at `lm_head.`.
+- Qwen3-VL (`qwen3_vl`, dense): its text model read as Qwen3 (below).
 """
 
-from models.families import Container, register_container
+from models.families import Container, register_alias, register_container
 
 for container in ("llava", "llava_next", "llava_onevision", "internvl"):
     register_container(container, Container("text_config", "language_model."))
@@ -17,3 +18,15 @@ for container in ("idefics3", "smolvlm"):
     register_container(
         container, Container("text_config", "", renames=(("model.text_model.", "model."), ("lm_head.", "lm_head.")))
     )
+
+# Qwen3-VL (`qwen3_vl`): its text model (`qwen3_vl_text`) is Qwen3's layer with interleaved MRoPE, whose three
+# position rows are one and the same on text rows, so it computes Qwen3's RoPE: read as Qwen3 (its config's
+# `mrope_section` unread), its keys under `model.language_model.` and its head at `lm_head.`. DeepStack adds visual
+# features to early layers only with images.
+register_alias("qwen3_vl_text", "qwen3")
+register_container(
+    "qwen3_vl",
+    Container(
+        "text_config", "", "Qwen3ForCausalLM", renames=(("model.language_model.", "model."), ("lm_head.", "lm_head."))
+    ),
+)
