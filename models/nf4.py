@@ -6,7 +6,8 @@ bnb_4bit_quant_type="nf4")` and ours compute with the same weights, bit for bit.
 
 Which layers: those transformers' `replace_with_bnb_linear` converts, every layer of exactly `nn.Linear`'s type
 (ours: a tensor-parallel row layer too, `RowParallelLinear`, whose class only adds the reduction) whose name the
-family's `_keep_in_fp32_modules` does not name. Embeddings, the head and norms stay in the run's precision. Each
+family's `_keep_in_fp32_modules` does not name; and, beyond transformers (whose integration leaves them in bf16), the
+routed experts' fused tensors (`quantize_experts`). Embeddings, the head and norms stay in the run's precision. Each
 tensor-parallel rank quantizes the shard it holds (a block of 64 never straddles two ranks); when a row layer's
 shard holds a multiple of 64 columns, as every real model's does, the blocks are those of the whole weight.
 
@@ -200,9 +201,52 @@ def nf4_linears(layer: nn.Module) -> list[tuple[str, nn.Linear]]:
     ]
 
 
-def quantize_stage(module: nn.Module, double: bool = False) -> int:
-    """Hold in NF4 the `nf4_linears` of every decoder layer in `module`, after their weights are loaded. Returns how
-    many layers it quantized."""
+def nf4_experts(layer: nn.Module) -> nn.Module | None:
+    """The experts module of a decoder layer's sparse block (transformers' fused [E, ., .] tensors), or None."""
+    from models.families import FAMILIES
+
+    family = next(f for f in FAMILIES.values() if isinstance(layer, f.hf_class("DecoderLayer")))
+    if family.moe is None:
+        return None
+    block = getattr(layer, family.moe.block, None) if family.moe.block else layer
+    experts = getattr(block, "experts", None)
+    return experts if experts is not None and _expert_weights(experts) else None
+
+
+def _expert_weights(experts: nn.Module) -> list[str]:
+    return [n for n, p in experts.named_parameters(recurse=False) if p.dim() == 3 and p.is_floating_point()]
+
+
+def quantize_experts(experts: nn.Module, double: bool = False) -> None:
+    """Hold an experts module's fused weights ([E, ., .]: this rank's experts, each its own blocks where a matrix
+    holds a multiple of 64 weights) in NF4, in place; biases stay. transformers' experts code reads the weights as
+    attributes, in whichever implementation it runs: each call of the module dequantizes them into attributes of its
+    own (in the input's dtype) and drops them after, so a forward holds one layer's experts dense at a time, and
+    with every block recomputed, so does backward (training/validate.py refuses the rest)."""
+    names = _expert_weights(experts)
+    for name in names:
+        weight = getattr(experts, name)
+        delattr(experts, name)
+        experts.add_module(f"{name}_nf4", NF4Weight(weight.data, double))
+    experts.nf4_weights = names
+
+    def dense(module, args, kwargs):
+        dtype = (args[0] if args else next(iter(kwargs.values()))).dtype
+        for n in module.nf4_weights:
+            module.__dict__[n] = getattr(module, f"{n}_nf4").dequantize(dtype)
+
+    def drop(module, *_):
+        for n in module.nf4_weights:
+            module.__dict__.pop(n, None)
+
+    experts.register_forward_pre_hook(dense, with_kwargs=True)
+    experts.register_forward_hook(drop, always_call=True)
+
+
+def quantize_stage(module: nn.Module, double: bool = False, experts: bool = True) -> int:
+    """Hold in NF4 the `nf4_linears` of every decoder layer in `module`, after their weights are loaded, and with
+    `experts` each sparse block's experts (`quantize_experts`; transformers' bitsandbytes integration leaves them).
+    Returns how many modules it quantized."""
     from models.families import hf_classes
 
     count = 0
@@ -211,6 +255,10 @@ def quantize_stage(module: nn.Module, double: bool = False) -> int:
             if not isinstance(linear.weight, NF4Weight):
                 quantize_linear(linear, double)
                 count += 1
+        fused = nf4_experts(layer) if experts else None
+        if fused is not None and not hasattr(fused, "nf4_weights"):
+            quantize_experts(fused, double)
+            count += 1
     return count
 
 

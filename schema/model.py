@@ -92,6 +92,8 @@ class LoraSettings:
     # QLoRA: "nf4" holds the frozen base's decoder linear weights as bitsandbytes NF4 (models/nf4.py); "none": not
     quantize: str = "none"
     quantize_double: bool = False  # NF4's absmax 8-bit quantized too (bnb_4bit_use_double_quant)
+    # with nf4, the routed experts too (transformers' bitsandbytes model keeps them in the run's precision: false)
+    quantize_experts: bool = True
 
 
 def checkpoint_every(model: ModelSettings) -> int:

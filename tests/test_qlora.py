@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ def test_quantized_stage_is_transformers_4bit_model(variant, hf_models):
     cfg.lora = dataclasses.replace(LORA, quantize="nf4")
     four_bit = hf_model(hf_models[variant], dtype=torch.float32, **quantized(cfg)).train()
     ours = hf_model(hf_models[variant], dtype=torch.float32).train()
-    count = quantize_stage(ours)
+    count = quantize_stage(ours, experts=False)  # (transformers' bitsandbytes model leaves the experts)
     import bitsandbytes as bnb
 
     assert count == sum(isinstance(m, bnb.nn.Linear4bit) for m in four_bit.modules()) > 0
@@ -87,21 +88,53 @@ def test_nf4_refusals(monkeypatch, hf_models, tmp_path, capsys):
         require_bitsandbytes()
 
 
-def _round_tripped(hf_dir: str, out) -> str:
-    """`hf_dir` with every linear transformers' 4-bit model converts replaced by its NF4 round trip (fp32)."""
-    from tests.baseline import hf_model
-
-    model = hf_model(hf_dir, dtype=torch.float32)
+def round_trip(model: nn.Module) -> nn.Module:
+    """`model` quantized as the trainer quantizes a stage (`quantize_stage`, experts too), then every NF4 weight
+    dequantized back into a plain fp32 parameter: the dense base QLoRA computes with."""
     quantize_stage(model)
     with torch.no_grad():
-        for module in model.modules():
+        for module in list(model.modules()):
+            for name in getattr(module, "nf4_weights", []):  # fused experts
+                setattr(module, name, nn.Parameter(getattr(module, f"{name}_nf4").dequantize(torch.float32), False))
+                delattr(module, f"{name}_nf4")
+            if hasattr(module, "nf4_weights"):
+                module.nf4_weights = []  # (its hooks then do nothing)
             if isinstance(module.__dict__.get("_modules", {}).get("weight"), NF4Weight):
                 weight = module.weight.dequantize(torch.float32)
                 del module.weight
                 module.weight = nn.Parameter(weight)
                 module.__class__ = nn.Linear if type(module).__mro__[1] is nn.Linear else type(module).__mro__[1]
-    model.save_pretrained(out)
+    return model
+
+
+def _round_tripped(hf_dir: str, out) -> str:
+    """`hf_dir` with its NF4-held weights replaced by their round trip (`round_trip`), saved."""
+    from tests.baseline import hf_model
+
+    round_trip(hf_model(hf_dir, dtype=torch.float32)).save_pretrained(out)
     return str(out)
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe", "llama4", "gpt_oss", "deepseek_v3"])
+def test_nf4_experts_compute_with_their_round_trip(variant, hf_models):
+    """A model with experts quantized as the trainer does (its experts too: each call dequantizes them) gives the
+    logits and input gradients of its NF4-round-tripped dense copy, bit for bit, and holds its experts as NF4 only."""
+    from tests.baseline import hf_model
+
+    ours = hf_model(hf_models[variant], dtype=torch.float32).train()
+    quantize_stage(ours)
+    dense = round_trip(hf_model(hf_models[variant], dtype=torch.float32)).train()
+    experts = [m for m in ours.modules() if hasattr(m, "nf4_weights")]
+    assert experts and all(not any(p.dim() == 3 for p in m.parameters(recurse=False)) for m in experts)
+    ids = torch.randint(3, 60, (2, 12))
+    outs = []
+    for model in (ours, dense):
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+        logits = model(inputs_embeds=embeds).logits
+        (grad,) = torch.autograd.grad(logits.square().sum(), [embeds])
+        outs.append((logits, grad))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert all(n not in m.__dict__ for m in experts for n in m.nf4_weights)  # the dense copies dropped after use
 
 
 @pytest.mark.slow
@@ -147,6 +180,34 @@ def test_qlora_pipeline_training_matches_peft_with_bitsandbytes(
     assert_serves_on_a_4bit_base(run, cfg, hf_models[variant], ours, tmp_path)
 
 
+@pytest.mark.slow
+def test_qlora_with_nf4_experts_matches_lora_on_their_round_trip(
+    hf_models, converted, tokenizer_dir, sft_data, tmp_path
+):
+    """Mixtral (4 experts, top-2, the load-balancing loss on) at PP=2 x DP=2 x EP=2, every block recomputed, its
+    experts in NF4 too (each EP rank its own experts): 4 AdamW steps with clipping equal plain LoRA on the
+    NF4-round-tripped dense base (experts included) in one process, by LoRA's bounds; without recompute the run is
+    refused in one line."""
+    cfg = parity_cfg(sft_data[0])
+    cfg.lora = dataclasses.replace(LORA, quantize="nf4", target_modules=["q_proj", "v_proj"])
+    targets = [
+        "lora.enabled=true",
+        f"lora.r={LORA.r}",
+        f"lora.alpha={LORA.alpha}",
+        "lora.target_modules=[q_proj,v_proj]",
+    ]
+    run = tmp_path / "run"
+    more = dict(expert_parallel_size=2, **{"model.activation_checkpointing": "true"})
+    check(launch(4, *overrides(cfg, converted["mixtral"], str(run), 2, **more), *targets, *NF4))
+    plain = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, quantize="none"))
+    dense = _round_tripped(hf_models["mixtral"], tmp_path / "nf4_dense")
+    assert_matches_peft(run, plain, dense, tokenizer_dir, dp=2)
+    refused = launch(
+        4, *overrides(cfg, converted["mixtral"], str(tmp_path / "no"), 2, expert_parallel_size=2), *targets, *NF4
+    )
+    assert refused.returncode != 0 and "needs model.activation_checkpointing=true" in refused.stderr
+
+
 def assert_serves_on_a_4bit_base(run, cfg, hf_dir: str, adapters: dict, out) -> None:
     """`convert2ckpt.py --to-peft` of a QLoRA run, loaded by PEFT on transformers' 4-bit model of the base: the
     logits of that base with the run's adapters put in directly."""
@@ -170,10 +231,11 @@ def assert_serves_on_a_4bit_base(run, cfg, hf_dir: str, adapters: dict, out) -> 
     torch.testing.assert_close(model(ids).logits, want(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("double", [False, True])
-def test_planner_counts_the_nf4_base(double, hf_models):
+@pytest.mark.parametrize("variant,double", [("llama3", False), ("llama3", True), ("mixtral", False)])
+def test_planner_counts_the_nf4_base(variant, double, hf_models):
     """The planner's weight bytes of a QLoRA model (fp32, one stage) equal what the model holds once quantized and
-    adapted: its parameters and the NF4 weights' buffers."""
+    adapted: its parameters and the NF4 weights' buffers, and with experts the one layer's experts a forward
+    dequantizes."""
     from transformers import AutoConfig
 
     from models.lora import add_lora
@@ -183,12 +245,20 @@ def test_planner_counts_the_nf4_base(double, hf_models):
     cfg = parity_cfg("unused")
     cfg.num_stages, cfg.deepspeed.precision = 1, "fp32"
     cfg.lora = dataclasses.replace(LORA, quantize="nf4", quantize_double=double)
-    model = hf_model(hf_models["llama3"], dtype=torch.float32)
+    model = hf_model(hf_models[variant], dtype=torch.float32)
     quantize_stage(model, double)
     add_lora(model, LORA.r, LORA.alpha, 0.0, LORA.target_modules, seed=0)
     nf4 = sum(held_bytes(m) for m in model.modules() if isinstance(m, NF4Weight))
     held = sum(p.numel() * p.element_size() for p in model.parameters()) + nf4
-    (planned,) = estimate(cfg, AutoConfig.from_pretrained(hf_models["llama3"]), 1)
-    dense = sum(p.numel() * 4 for p in hf_model(hf_models["llama3"], dtype=torch.float32).parameters())
-    print(f"NF4 base (double={double}): planner {planned.weights:,.0f} bytes, held {held:,}, dense {dense:,}")
-    assert planned.weights == held
+    dense_experts = [_dense_numel(m) for m in model.modules() if hasattr(m, "nf4_weights")]
+    transient = max(dense_experts, default=0) * 4
+    (planned,) = estimate(cfg, AutoConfig.from_pretrained(hf_models[variant]), 1)
+    dense = sum(p.numel() * 4 for p in hf_model(hf_models[variant], dtype=torch.float32).parameters())
+    print(f"NF4 base ({variant}, double={double}): planner {planned.weights:,.0f} bytes, held {held:,} + {transient:,}")
+    print(f"  (dense fp32: {dense:,})")
+    assert planned.weights == held + transient
+
+
+def _dense_numel(experts: nn.Module) -> int:
+    """Elements of an NF4 experts module's weights, dense."""
+    return sum(math.prod(getattr(experts, f"{n}_nf4").shape) for n in experts.nf4_weights)

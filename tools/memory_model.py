@@ -74,7 +74,8 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     # LoRA: the base weights frozen (no gradients, no optimizer state); the adapters train (models/lora.py).
     adapters = adapter_param_counts(config, cfg.lora.target_modules, cfg.lora.r, tp) if cfg.lora.enabled else None
     # QLoRA: the decoder linears' weights held in NF4 (models/nf4.py), per layer (weights, their bytes)
-    nf4 = nf4_layer_counts(config, shard, cfg.lora.quantize_double) if cfg.lora.quantize == "nf4" else None
+    lo = cfg.lora
+    nf4 = nf4_layer_counts(config, shard, lo.quantize_double, lo.quantize_experts, ep) if lo.quantize == "nf4" else None
     expert_counts = layer_param_counts(config, shard, ep=ep, experts_only=True) if ep > 1 else [0] * len(counts)
     expert_share = optim_share * ep if zero >= 1 else optim_share
     stages = model_stages(schedule, pp)
@@ -136,18 +137,21 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
         else:  # only the adapters take gradients and optimizer state
             trained = sum(adapters[i] for i in held_layers)
             weights, optimizer = (params + trained) * weight_bytes, trained * optim_bytes * optim_share
-            if nf4 is not None:
+            if nf4 is not None:  # (and one layer's experts dequantized for its forward: `quantize_experts`)
                 weights += sum(nf4[i][1] - nf4[i][0] * weight_bytes for i in held_layers)
+                weights += max((nf4[i][2] for i in held_layers), default=0) * act_bytes
         out.append(Estimate(stage, params, weights, trained * grad_bytes, optimizer, activations, logits))
     return out
 
 
-def nf4_layer_counts(config, tp, double: bool) -> list[tuple[int, int]]:
+def nf4_layer_counts(config, tp, double: bool, experts: bool = False, ep: int = 1) -> list[tuple[int, int, int]]:
     """QLoRA's base per pipeline layer, one tensor-parallel rank's share: (the weights held in NF4, the bytes they
-    take so: `models.nf4.nf4_bytes` of each linear layer's weight). On the meta device."""
+    take so: `models.nf4.nf4_bytes` of each linear layer's weight and, with `experts`, of each fused expert tensor
+    of this EP rank's E / ep experts; those expert weights, dequantized for the layer's forward). On the meta
+    device."""
     import torch
 
-    from models.nf4 import nf4_bytes, nf4_linears
+    from models.nf4 import nf4_bytes, nf4_experts, nf4_linears
     from models.partition import layer_shape
     from models.pipe_layout import DECODER, pipe_layers
     from models.tensor_parallel import tp_layer_class_and_args
@@ -158,9 +162,12 @@ def nf4_layer_counts(config, tp, double: bool) -> list[tuple[int, int]]:
             shape = layer_shape(layer, config)
             if layer.kind == DECODER and shape not in done:
                 cls, args = tp_layer_class_and_args(layer, config, tp)
-                sizes = [linear.weight.numel() for _, linear in nf4_linears(cls(*args))]
-                done[shape] = (sum(sizes), sum(nf4_bytes(n, double) for n in sizes))
-    return [done.get(layer_shape(layer, config), (0, 0)) for layer in layers]
+                built = cls(*args)
+                sizes = [linear.weight.numel() for _, linear in nf4_linears(built)]
+                fused = nf4_experts(built) if experts else None
+                local = [p.numel() // ep for p in fused.parameters(recurse=False) if p.dim() == 3] if fused else []
+                done[shape] = (sum(sizes + local), sum(nf4_bytes(n, double) for n in sizes + local), sum(local))
+    return [done.get(layer_shape(layer, config), (0, 0, 0)) for layer in layers]
 
 
 def muon_bytes(config, held_layers, tp: int, ep: int, ns_bytes: int) -> tuple[float, float]:

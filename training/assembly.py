@@ -282,7 +282,7 @@ def assemble(cfg: TrainConfig) -> Run:
     if source:
         log.info("loaded %s: rank %d read %d layer files", source, rank, len(run.loaded_layers))
     if cfg.lora.quantize == "nf4":  # QLoRA: the stage's frozen decoder linears, as transformers' 4-bit model holds them
-        held = quantize_stage(module, cfg.lora.quantize_double)
+        held = quantize_stage(module, cfg.lora.quantize_double, cfg.lora.quantize_experts)
         log.info(
             "lora.quantize=nf4: %d linear layers held in NF4 on rank %d (%.3f GiB of weights and buffers)",
             held,
@@ -334,7 +334,11 @@ def write_run_files(run: Run) -> None:
     if cfg.lora.enabled:  # what `convert2ckpt.py --to-hf --merge-lora` needs
         lo = cfg.lora
         info = {"r": lo.r, "alpha": lo.alpha, "dropout": lo.dropout, "target_modules": list(lo.target_modules)}
-        info |= {"quantize": lo.quantize, "quantize_double": lo.quantize_double}
+        info |= {
+            "quantize": lo.quantize,
+            "quantize_double": lo.quantize_double,
+            "quantize_experts": lo.quantize_experts,
+        }
         info["base"] = run.lora_base
         with open(os.path.join(cfg.output_dir, LORA_FILE), "w") as f:
             json.dump(info, f, indent=2)

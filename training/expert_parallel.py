@@ -246,7 +246,9 @@ def every_expert(engine, ep: ExpertParallel):
             yield
         return
     # Frozen experts (LoRA) are never saved: only adapters are.
-    layers = [m for m in expert_modules(engine.module) if m.moe_block().experts.gate_up_proj.requires_grad]
+    layers = [
+        m for m in expert_modules(engine.module) if any(p.requires_grad for p in m.moe_block().experts.parameters())
+    ]
     # Only our AdamW (fp32 ZeRO-0) holds the moments per parameter; DeepSpeed's optimizers save each rank's shard.
     state = engine.optimizer.state if steps_each_parameter(engine.optimizer) else {}
     kept = {}

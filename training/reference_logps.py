@@ -226,7 +226,7 @@ def score_pairs(run, todo: list[tuple[str, int, str]]) -> None:
     if cfg.lora.quantize == "nf4":  # the reference is the policy's NF4 base, as a 4-bit PEFT model's without adapters
         from models.nf4 import quantize_stage
 
-        quantize_stage(module, cfg.lora.quantize_double)
+        quantize_stage(module, cfg.lora.quantize_double, cfg.lora.quantize_experts)
     engine = initialize_forward_engine(cfg, c, module)
     mbs, micro_batches = eval_micro_batch_size(cfg), cfg.gradient_accumulation_steps
     for name, n, path in todo:

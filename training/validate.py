@@ -15,6 +15,7 @@ from models.moe import is_moe, num_experts
 from models.nf4 import nf4_refusal, require_bitsandbytes
 from models.sharding import tp_indivisible
 from schema.checks import check_config, need
+from schema.model import checkpoint_every
 from schema.train import DeepSpeedConfig, TrainConfig, model_stages
 from training.precision import is_resolved, resolved
 
@@ -90,6 +91,12 @@ def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
         require_bitsandbytes()
         refused = nf4_refusal(model_config)
         need(refused is None, f"lora.quantize=nf4: {refused}")
+        need(
+            not (cfg.lora.quantize_experts and is_moe(model_config)) or checkpoint_every(cfg.model) == 1,
+            "lora.quantize=nf4 on a model with experts needs model.activation_checkpointing=true (each layer's "
+            "experts are dequantized for its forward; without recompute backward would keep every layer's), or "
+            "lora.quantize_experts=false",
+        )
     validate_context_parallel(cfg, model_config)
     validate_expert_parallel(cfg, world_size, model_config)
     validate_fp16(cfg, model_config)

@@ -35,7 +35,7 @@ CLAIMS = (
     Claim(
         says="its figure equals what a quantized model holds, to the byte",
         test="tests/test_qlora.py::test_planner_counts_the_nf4_base",
-        holds="assert planned.weights == held",
+        holds="assert planned.weights == held + transient",
         bound=0,
         figure=None,
     ),
