@@ -65,6 +65,8 @@ def decoder_prefixes(run_dir: str, config) -> list[str]:
         model = getattr(transformers, arch)(container)
     layer = family_of(config).hf_class("DecoderLayer")
     names = [name for name, m in model.named_modules() if isinstance(m, layer)]
+    if not names:  # a text model read as another family's (Qwen3-VL's as Qwen3's): its own decoder layer class
+        names = [name for name, m in model.named_modules() if type(m).__name__.endswith("TextDecoderLayer")]
     if len(names) != config.num_hidden_layers:
         raise CheckpointError(f"{path}: {arch} has {len(names)} decoder layers, the run {config.num_hidden_layers}")
     return [f"{name}." for name in names]

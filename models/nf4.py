@@ -137,10 +137,7 @@ class _NF4Matmul(torch.autograd.Function):
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0, dtype=ctx.bias_dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            from bitsandbytes.functional import dequantize_4bit
-
-            weight = ctx.weight
-            grad_x = torch.matmul(grad, dequantize_4bit(weight.packed, weight.quant_state()).to(grad.dtype))
+            grad_x = torch.matmul(grad, ctx.weight.dequantize(grad.dtype))
         return grad_x, None, grad_bias
 
 
@@ -201,8 +198,8 @@ def nf4_linears(layer: nn.Module) -> list[tuple[str, nn.Linear]]:
     ]
 
 
-def nf4_experts(layer: nn.Module) -> nn.Module | None:
-    """The experts module of a decoder layer's sparse block (transformers' fused [E, ., .] tensors), or None."""
+def nf4_experts(layer: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """(the sparse block, its experts module: transformers' fused [E, ., .] tensors) of a decoder layer, or None."""
     from models.families import FAMILIES
 
     family = next(f for f in FAMILIES.values() if isinstance(layer, f.hf_class("DecoderLayer")))
@@ -210,19 +207,21 @@ def nf4_experts(layer: nn.Module) -> nn.Module | None:
         return None
     block = getattr(layer, family.moe.block, None) if family.moe.block else layer
     experts = getattr(block, "experts", None)
-    return experts if experts is not None and _expert_weights(experts) else None
+    return (block, experts) if experts is not None and _expert_weights(experts) else None
 
 
 def _expert_weights(experts: nn.Module) -> list[str]:
     return [n for n, p in experts.named_parameters(recurse=False) if p.dim() == 3 and p.is_floating_point()]
 
 
-def quantize_experts(experts: nn.Module, double: bool = False) -> None:
+def quantize_experts(experts: nn.Module, double: bool = False, block: nn.Module | None = None) -> None:
     """Hold an experts module's fused weights ([E, ., .]: this rank's experts, each its own blocks where a matrix
     holds a multiple of 64 weights) in NF4, in place; biases stay. transformers' experts code reads the weights as
-    attributes, in whichever implementation it runs: each call of the module dequantizes them into attributes of its
-    own (in the input's dtype) and drops them after, so a forward holds one layer's experts dense at a time, and
-    with every block recomputed, so does backward (training/validate.py refuses the rest)."""
+    attributes, in whichever implementation it runs: each call of the sparse `block` (default: the experts module;
+    expert parallelism and routed experts call transformers' experts functions on the module directly, inside the
+    block) dequantizes them into attributes of the experts (in the dtype of the block's input) and drops them after,
+    so a forward holds one layer's experts dense at a time, and with every block recomputed, so does backward
+    (training/validate.py refuses the rest)."""
     names = _expert_weights(experts)
     for name in names:
         weight = getattr(experts, name)
@@ -230,17 +229,17 @@ def quantize_experts(experts: nn.Module, double: bool = False) -> None:
         experts.add_module(f"{name}_nf4", NF4Weight(weight.data, double))
     experts.nf4_weights = names
 
-    def dense(module, args, kwargs):
-        dtype = (args[0] if args else next(iter(kwargs.values()))).dtype
-        for n in module.nf4_weights:
-            module.__dict__[n] = getattr(module, f"{n}_nf4").dequantize(dtype)
+    def dense(_block, args, kwargs):
+        dtype = next(t.dtype for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.is_floating_point())
+        for n in experts.nf4_weights:
+            experts.__dict__[n] = getattr(experts, f"{n}_nf4").dequantize(dtype)
 
-    def drop(module, *_):
-        for n in module.nf4_weights:
-            module.__dict__.pop(n, None)
+    def drop(*_):
+        for n in experts.nf4_weights:
+            experts.__dict__.pop(n, None)
 
-    experts.register_forward_pre_hook(dense, with_kwargs=True)
-    experts.register_forward_hook(drop, always_call=True)
+    (block or experts).register_forward_pre_hook(dense, with_kwargs=True)
+    (block or experts).register_forward_hook(drop, always_call=True)
 
 
 def quantize_stage(module: nn.Module, double: bool = False, experts: bool = True) -> int:
@@ -255,9 +254,9 @@ def quantize_stage(module: nn.Module, double: bool = False, experts: bool = True
             if not isinstance(linear.weight, NF4Weight):
                 quantize_linear(linear, double)
                 count += 1
-        fused = nf4_experts(layer) if experts else None
-        if fused is not None and not hasattr(fused, "nf4_weights"):
-            quantize_experts(fused, double)
+        sparse = nf4_experts(layer) if experts else None
+        if sparse is not None and not hasattr(sparse[1], "nf4_weights"):
+            quantize_experts(sparse[1], double, block=sparse[0])
             count += 1
     return count
 

@@ -14,11 +14,13 @@ from tests.test_training import overrides, parity_cfg
 
 
 @pytest.mark.slow
-def test_adapters_of_a_container_run_load_into_the_container(tokenizer_dir, sft_data, tmp_path):
+@pytest.mark.parametrize("container", ["gemma3", "qwen3_vl"])
+def test_adapters_of_a_container_run_load_into_the_container(container, tokenizer_dir, sft_data, tmp_path):
     """Gemma 3's text model converted from its multimodal checkpoint (Gemma3ForConditionalGeneration, the text
-    layers under `model.language_model.` in memory, `language_model.model.` on disk), LoRA-trained at PP=2: its PEFT
-    directory loads with `PeftModel.from_pretrained` onto the multimodal model, every adapter from the file, whose
-    text logits equal the trainer's (adapters merged on load) within 1e-5."""
+    layers under `model.language_model.` in memory, `language_model.model.` on disk), and Qwen3-VL's (its text layers
+    a class of their own, read as Qwen3's), LoRA-trained at PP=2: the PEFT directory loads with
+    `PeftModel.from_pretrained` onto the multimodal model, every adapter from the file, whose text logits equal the
+    trainer's (adapters merged on load) within 1e-5."""
     from peft import PeftModel
     from safetensors.torch import load_file
 
@@ -27,7 +29,7 @@ def test_adapters_of_a_container_run_load_into_the_container(tokenizer_dir, sft_
     from tests.multimodal import multimodal
 
     torch.manual_seed(0)
-    model, _, _, _ = multimodal("gemma3")
+    model, _, _, _ = multimodal(container)
     model.save_pretrained(tmp_path / "mm")
     assert convert_in_process(["--input", str(tmp_path / "mm"), "--output", str(tmp_path / "ckpt")]).returncode == 0
     cfg = parity_cfg(sft_data[0])

@@ -82,16 +82,19 @@ def test_nf4_refusals(monkeypatch, hf_models, tmp_path, capsys):
     cfg.lora = dataclasses.replace(LORA, quantize="int3")
     with pytest.raises(ValueError, match=r"lora.quantize=int3 must be none or nf4"):
         check_config(cfg)
+    cfg.lora = dataclasses.replace(LORA, quantize_double=True)
+    with pytest.raises(ValueError, match=r"lora.quantize_double=true needs lora.quantize=nf4"):
+        check_config(cfg)
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     monkeypatch.setitem(sys.modules, "bitsandbytes.functional", None)
     with pytest.raises(ValueError, match=r"^lora.quantize=nf4 needs bitsandbytes"):
         require_bitsandbytes()
 
 
-def round_trip(model: nn.Module) -> nn.Module:
-    """`model` quantized as the trainer quantizes a stage (`quantize_stage`, experts too), then every NF4 weight
-    dequantized back into a plain fp32 parameter: the dense base QLoRA computes with."""
-    quantize_stage(model)
+def round_trip(model: nn.Module, experts: bool = True) -> nn.Module:
+    """`model` quantized as the trainer quantizes a stage (`quantize_stage`, with `experts` the experts too), then
+    every NF4 weight dequantized back into a plain fp32 parameter: the dense base QLoRA computes with."""
+    quantize_stage(model, experts=experts)
     with torch.no_grad():
         for module in list(model.modules()):
             for name in getattr(module, "nf4_weights", []):  # fused experts
@@ -107,23 +110,36 @@ def round_trip(model: nn.Module) -> nn.Module:
     return model
 
 
-def _round_tripped(hf_dir: str, out) -> str:
+def _round_tripped(hf_dir: str, out, experts: bool = True) -> str:
     """`hf_dir` with its NF4-held weights replaced by their round trip (`round_trip`), saved."""
     from tests.baseline import hf_model
 
-    round_trip(hf_model(hf_dir, dtype=torch.float32)).save_pretrained(out)
+    round_trip(hf_model(hf_dir, dtype=torch.float32), experts).save_pretrained(out)
     return str(out)
 
 
-@pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe", "llama4", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe", "llama4", "llama4-routed", "gpt_oss", "deepseek_v3"])
 def test_nf4_experts_compute_with_their_round_trip(variant, hf_models):
-    """A model with experts quantized as the trainer does (its experts too: each call dequantizes them) gives the
-    logits and input gradients of its NF4-round-tripped dense copy, bit for bit, and holds its experts as NF4 only."""
+    """A model with experts quantized as the trainer does (its experts too: each call of the sparse block
+    dequantizes them) gives the logits and input gradients of its NF4-round-tripped dense copy, bit for bit, and holds
+    its experts as NF4 only; Llama 4's also with its experts run on their routed tokens (`moe.routed_experts`, as
+    expert parallelism runs them: transformers' experts functions called on the module, not the module)."""
+    from models.expert_parallel import ExpertParallel
     from tests.baseline import hf_model
 
-    ours = hf_model(hf_models[variant], dtype=torch.float32).train()
+    def built():
+        model = hf_model(hf_models[variant.split("-")[0]], dtype=torch.float32).train()
+        if variant.endswith("-routed"):
+            for layer in model.model.layers:
+                if hasattr(layer.feed_forward, "experts"):  # (the split builds the router anew: its weights back)
+                    router = layer.feed_forward.router.state_dict()
+                    ExpertParallel().split(layer.feed_forward, model.config, routed=True)
+                    layer.feed_forward.router.load_state_dict(router)
+        return model
+
+    ours = built()
     quantize_stage(ours)
-    dense = round_trip(hf_model(hf_models[variant], dtype=torch.float32)).train()
+    dense = round_trip(built())
     experts = [m for m in ours.modules() if hasattr(m, "nf4_weights")]
     assert experts and all(not any(p.dim() == 3 for p in m.parameters(recurse=False)) for m in experts)
     ids = torch.randint(3, 60, (2, 12))
@@ -188,6 +204,8 @@ def test_qlora_with_nf4_experts_matches_lora_on_their_round_trip(
     experts in NF4 too (each EP rank its own experts): 4 AdamW steps with clipping equal plain LoRA on the
     NF4-round-tripped dense base (experts included) in one process, by LoRA's bounds; without recompute the run is
     refused in one line."""
+    from tests.baseline import train_baseline
+
     cfg = parity_cfg(sft_data[0])
     cfg.lora = dataclasses.replace(LORA, quantize="nf4", target_modules=["q_proj", "v_proj"])
     targets = [
@@ -202,6 +220,11 @@ def test_qlora_with_nf4_experts_matches_lora_on_their_round_trip(
     plain = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, quantize="none"))
     dense = _round_tripped(hf_models["mixtral"], tmp_path / "nf4_dense")
     assert_matches_peft(run, plain, dense, tokenizer_dir, dp=2)
+    attention_only = _round_tripped(hf_models["mixtral"], tmp_path / "nf4_attention", experts=False)
+    _, theirs, _ = train_baseline(attention_only, tokenizer_dir, plain, dp=2, steps=1)
+    step1 = read_jsonl(run / "metrics.jsonl")[0]["loss"]
+    print(f"QLoRA Mixtral, NF4 experts: step 1 loss {step1:.7f}; with the experts dense {theirs[0]:.7f}")
+    assert abs(step1 - theirs[0]) > 1e-4 * theirs[0]  # (the experts' NF4 moves it: the comparison above can tell)
     refused = launch(
         4, *overrides(cfg, converted["mixtral"], str(tmp_path / "no"), 2, expert_parallel_size=2), *targets, *NF4
     )

@@ -164,8 +164,8 @@ def nf4_layer_counts(config, tp, double: bool, experts: bool = False, ep: int = 
                 cls, args = tp_layer_class_and_args(layer, config, tp)
                 built = cls(*args)
                 sizes = [linear.weight.numel() for _, linear in nf4_linears(built)]
-                fused = nf4_experts(built) if experts else None
-                local = [p.numel() // ep for p in fused.parameters(recurse=False) if p.dim() == 3] if fused else []
+                sparse = nf4_experts(built) if experts else None
+                local = [p.numel() // ep for p in sparse[1].parameters(recurse=False) if p.dim() == 3] if sparse else []
                 done[shape] = (sum(sizes + local), sum(nf4_bytes(n, double) for n in sizes + local), sum(local))
     return [done.get(layer_shape(layer, config), (0, 0, 0)) for layer in layers]
 

@@ -223,7 +223,8 @@ def score_pairs(run, todo: list[tuple[str, int, str]]) -> None:
     with agreed():
         load_stage_weights(module, source, run.model_config, tp)
     module._synchronize_tied_weights()
-    if cfg.lora.quantize == "nf4":  # the reference is the policy's NF4 base, as a 4-bit PEFT model's without adapters
+    if cfg.lora.quantize == "nf4" and cfg.dpo.reference_model in (None, cfg.model_name_or_path):
+        # the reference is the policy's NF4 base, as a 4-bit PEFT model's without adapters (another model: as it is)
         from models.nf4 import quantize_stage
 
         quantize_stage(module, cfg.lora.quantize_double, cfg.lora.quantize_experts)
