@@ -31,10 +31,6 @@ NESTED_BLOCKSIZE = 256  # the absmax's own blocks under double quantization (bit
 
 def require_bitsandbytes(key: str = "lora.quantize=nf4"):
     """bitsandbytes.functional, or ValueError in one line naming `key`."""
-    import logging
-
-    # its CPU backend warns, at import, that an optional inference kernel package is absent (unused here)
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         import bitsandbytes.functional as bnb_functional
     except ImportError as e:
@@ -49,7 +45,8 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class NF4Weight(nn.Module):
-    """One linear layer's weight in NF4: `packed` [(out*in+1)//2, 1] uint8 and its statistics, stored as bytes.
+    """One linear layer's weight in NF4: `packed` [(out*in+1)//2, 1] uint8 and its statistics, stored as bytes (the
+    NF4 code book is bitsandbytes' own constant).
     `shape` is the weight's [out, in]; `source_dtype` the dtype it was quantized from (bitsandbytes' QuantState
     dtype). `device` and `dtype` (uint8: what is stored) answer as a tensor's would, for PEFT's adapter placement."""
 
@@ -61,7 +58,6 @@ class NF4Weight(nn.Module):
         )
         self.shape, self.source_dtype, self.nested = tuple(weight.shape), weight.dtype, state.nested
         self.register_buffer("packed", packed, persistent=False)
-        self.register_buffer("code", _as_bytes(state.code), persistent=False)
         if state.nested:  # absmax as uint8 codes, with its own fp32 absmax per 256, code book and offset
             self.register_buffer("absmax", state.absmax, persistent=False)
             self.register_buffer("absmax2", _as_bytes(state.state2.absmax), persistent=False)
@@ -78,41 +74,18 @@ class NF4Weight(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.packed.dtype
 
-    def quant_state(self):
-        """bitsandbytes' QuantState of this weight (views of the buffers: nothing copied)."""
-        from bitsandbytes.functional import QuantState
-
-        f32 = torch.float32
-        if not self.nested:
-            absmax, state2, offset = self.absmax.view(f32), None, None
-        else:
-            absmax, offset = self.absmax, self.offset.view(f32)[0]
-            state2 = QuantState(
-                self.absmax2.view(f32), code=self.code2.view(f32), blocksize=NESTED_BLOCKSIZE, dtype=f32
-            )
-        return QuantState(
-            absmax=absmax,
-            shape=torch.Size(self.shape),
-            code=self.code.view(f32),
-            blocksize=BLOCKSIZE,
-            quant_type="nf4",
-            dtype=self.source_dtype,
-            offset=offset,
-            state2=state2,
-        )
-
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight [out, in] as bitsandbytes' `gemm_4bit` dequantizes it for a `dtype` input (default: the
-        dtype it was quantized from)."""
-        state = self.quant_state()
-        absmax = state.absmax
-        if state.nested:
-            ops = torch.ops.bitsandbytes
+        dtype it was quantized from); nested statistics first as its `dequantize_blockwise` does."""
+        ops, f32 = torch.ops.bitsandbytes, torch.float32
+        if self.nested:  # the absmax's 8-bit codes, their fp32 scales per 256 and code book, plus the offset
             absmax = ops.dequantize_blockwise.default(
-                state.absmax, state.state2.absmax, state.state2.code, NESTED_BLOCKSIZE, torch.float32
+                self.absmax, self.absmax2.view(f32), self.code2.view(f32), NESTED_BLOCKSIZE, f32
             )
-            absmax = absmax + state.offset
-        return torch.ops.bitsandbytes.dequantize_4bit.default(
+            absmax = absmax + self.offset.view(f32)
+        else:
+            absmax = self.absmax.view(f32)
+        return ops.dequantize_4bit.default(
             self.packed, absmax, BLOCKSIZE, "nf4", list(self.shape), dtype or self.source_dtype
         )
 
@@ -281,12 +254,12 @@ def nf4_refusal(config) -> str | None:
 
 
 def nf4_bytes(numel: int, double: bool = False) -> int:
-    """What `NF4Weight` holds for a weight of `numel` elements: the packed codes (two a byte), the 16-value code
-    book, and one fp32 absmax per block of 64, or with `double` one uint8 per block with an fp32 absmax per 256
+    """What `NF4Weight` holds for a weight of `numel` elements: the packed codes (two a byte) and one fp32 absmax
+    per block of 64, or with `double` one uint8 per block with an fp32 absmax per 256
     blocks, its 256-value code book and an offset (4.5 and about 4.13 bits a weight)."""
     blocks = -(-numel // BLOCKSIZE)
     absmax = blocks + 4 * -(-blocks // NESTED_BLOCKSIZE) + 4 * 256 + 4 if double else 4 * blocks
-    return -(-numel // 2) + 4 * 16 + absmax
+    return -(-numel // 2) + absmax
 
 
 def held_bytes(module: nn.Module) -> int:
