@@ -285,3 +285,23 @@ def test_planner_counts_the_nf4_base(variant, double, hf_models):
 def _dense_numel(experts: nn.Module) -> int:
     """Elements of an NF4 experts module's weights, dense."""
     return sum(math.prod(getattr(experts, f"{n}_nf4").shape) for n in experts.nf4_weights)
+
+
+def test_the_reference_cache_knows_the_nf4_base(tmp_path):
+    """DPO's cached reference log-probs are keyed on the NF4 base the reference pass ran on: a QLoRA run and a LoRA
+    run over the same pairs never share them; a separate `dpo.reference_model` (not quantized) keys as it is."""
+    from training.reference_logps import cache_file
+
+    cfg = parity_cfg("unused")
+    cfg.model_name_or_path, cfg.output_dir = str(tmp_path / "base"), str(tmp_path / "run")
+    cfg.lora = dataclasses.replace(LORA, quantize="none")
+    plain = cache_file(cfg, "pairs", {"ref": 1})
+    cfg.lora = dataclasses.replace(LORA, quantize="nf4")
+    nf4 = cache_file(cfg, "pairs", {"ref": 1})
+    cfg.lora = dataclasses.replace(LORA, quantize="nf4", quantize_double=True)
+    assert len({plain, nf4, cache_file(cfg, "pairs", {"ref": 1})}) == 3
+    cfg.dpo.reference_model = str(tmp_path / "other")
+    cfg.lora = dataclasses.replace(LORA, quantize="none")
+    assert cache_file(cfg, "pairs", {"ref": 1}) == cache_file(
+        dataclasses.replace(cfg, lora=dataclasses.replace(LORA, quantize="nf4")), "pairs", {"ref": 1}
+    )

@@ -139,12 +139,21 @@ def _field(config, key: str):
     return config.to_dict().get(key) if key == "per_layer_config" else global_attr(config, key)
 
 
+def quantized_reference(cfg: TrainConfig) -> list[bool] | None:
+    """How the reference pass holds its base in NF4 ([double, experts]), or None: only QLoRA's reference that is the
+    policy's own base, as a 4-bit PEFT model's without adapters (another `dpo.reference_model` runs as it is)."""
+    if cfg.lora.quantize != "nf4" or cfg.dpo.reference_model not in (None, cfg.model_name_or_path):
+        return None
+    return [cfg.lora.quantize_double, cfg.lora.quantize_experts]
+
+
 def cache_file(cfg: TrainConfig, fingerprint: str, identity: dict) -> str:
     key = {
         "pairs": fingerprint,
         "reference": identity,
         "precision": str(cfg.deepspeed.precision),  # resolved (training/precision.py)
         "attn_implementation": str(cfg.model.attn_implementation),
+        "nf4": quantized_reference(cfg),  # QLoRA's reference computes on the NF4 base: other log-probs
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     return os.path.join(cache_root(cfg.data.cache_dir, cfg.output_dir)[0], REFERENCE_DIR, f"{digest}.npy")
@@ -223,11 +232,10 @@ def score_pairs(run, todo: list[tuple[str, int, str]]) -> None:
     with agreed():
         load_stage_weights(module, source, run.model_config, tp)
     module._synchronize_tied_weights()
-    if cfg.lora.quantize == "nf4" and cfg.dpo.reference_model in (None, cfg.model_name_or_path):
-        # the reference is the policy's NF4 base, as a 4-bit PEFT model's without adapters (another model: as it is)
+    if (nf4 := quantized_reference(cfg)) is not None:
         from models.nf4 import quantize_stage
 
-        quantize_stage(module, cfg.lora.quantize_double, cfg.lora.quantize_experts)
+        quantize_stage(module, *nf4)
     engine = initialize_forward_engine(cfg, c, module)
     mbs, micro_batches = eval_micro_batch_size(cfg), cfg.gradient_accumulation_steps
     for name, n, path in todo:
