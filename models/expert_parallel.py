@@ -114,9 +114,9 @@ def dispatch_to_experts(block, config, ep: ExpertParallel) -> None:
     experts = block.experts
     local_forward = experts.forward  # transformers' (its experts_implementation), on this rank's experts
     num_experts = getattr(config, family.moe.num_experts)
-    bias = getattr(block, "e_score_correction_bias", None)  # a score bias of the block's (MiniMax-M2's): every expert's
-    if bias is not None:
-        block.register_buffer("e_score_correction_bias", bias.new_zeros(num_experts))
+    bias = family.moe.block_bias  # a score bias of the block's (MiniMax-M2's, LFM2-MoE's): every expert's
+    if bias and getattr(block, bias, None) is not None:
+        block.register_buffer(bias, getattr(block, bias).new_zeros(num_experts))
 
     def forward(self, hidden, top_k_index, top_k_weights):  # [N, H], [N, k], [N, k]
         k = top_k_index.shape[1]

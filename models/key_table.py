@@ -23,6 +23,7 @@ from models.families import (
     DEFAULT_MODEL_TYPE,
     FAMILIES,
     family_of,
+    is_linear_attention,
     is_sparse_layer,
     residual_streams,
 )
@@ -201,6 +202,8 @@ def layer_keys(layer: PipeLayer, config) -> dict[str, str]:
         keys |= PER_LAYER_INPUT_KEYS if layer.block == 0 and makes_per_layer_inputs(config) else {}
     else:
         keys = dict(KEY_TABLE[layer.kind])
+        if layer.kind == NORM:  # `model.norm`, or the family's own name for it (LFM2's `model.embedding_norm`)
+            keys = {"weight": f"model.{family_of(config).final_norm}.weight"}
         if layer.kind == NORM and residual_streams(config) > 1:  # the streams' head, which the norm's layer runs
             keys |= {f"hc_head.{k}": f"model.hc_head.{k}" for k in _stream_head_keys(config)}
     if family_of(config).hub_renames:
@@ -314,10 +317,22 @@ def hf_key_to_layer(hf_key: str, config, index: dict[str, tuple[int, str]] | Non
 
 def linear_modules(config=None) -> list[str]:
     """The linear layers of a decoder block, as named inside it ("self_attn.q_proj", ...): what LoRA can adapt.
-    With a dense model's `config`, its family's only (fused projections: `qkv_proj`, `gate_up_proj`); else every
-    family's."""
-    keys = KEY_TABLE[DECODER] if config is None else decoder_keys(config, 0)
-    return [k.removesuffix(".weight") for k in keys if k.endswith("_proj.weight")]
+    With a dense model's `config`, its family's only, in a block of each token mixer it has (attention, linear
+    attention, short convolution): the modules of exactly `nn.Linear`'s maths in transformers' layer (fused
+    projections: `qkv_proj`, `gate_up_proj`; LFM2's `feed_forward.w1`); else the names every family shares."""
+    if config is None:
+        return [k.removesuffix(".weight") for k in KEY_TABLE[DECODER] if k.endswith("_proj.weight")]
+    import torch
+    from torch import nn
+
+    blocks = {is_linear_attention(config, b): b for b in reversed(range(config.num_hidden_layers))}
+    names = []
+    for block in sorted(blocks.values()):
+        with torch.device("meta"):
+            layer = family_of(config).hf_class("DecoderLayer")(with_torch_dtype(config), block)
+        linear = [n for n, m in layer.named_modules() if type(m).forward is nn.Linear.forward]
+        names += [n for n in linear if n not in names]
+    return names
 
 
 def hf_decoder_module(block: int, module: str) -> str:

@@ -29,3 +29,9 @@ def with_torch_dtype(config):
 
         config.dtype = getattr(torch, config.dtype)
     return config
+
+
+def norm_eps(config) -> float:
+    """The RMSNorms' epsilon (`rms_norm_eps`; LFM2's config calls it `norm_eps`)."""
+    eps = getattr(config, "norm_eps", None)
+    return config.rms_norm_eps if eps is None else eps

@@ -55,7 +55,7 @@ from models.families import (
     sliding_window,
 )
 from models.head import LMHeadPipe, set_logit_rules
-from models.layer_config import with_torch_dtype
+from models.layer_config import norm_eps, with_torch_dtype
 from models.moe import (
     DEFAULT_EXPERTS_IMPLEMENTATION,
     add_stats,
@@ -337,7 +337,7 @@ class DecoderPipe:
 
 def block_index(layer: nn.Module) -> int:
     """The decoder block number of a decoder layer, ours or transformers' own (its token mixer knows it)."""
-    return (getattr(layer, "self_attn", None) or layer.linear_attn).layer_idx
+    return (getattr(layer, "self_attn", None) or getattr(layer, "linear_attn", None) or layer.conv).layer_idx
 
 
 @functools.cache
@@ -352,7 +352,7 @@ class _NormPipe:
     before the norm, as transformers' model runs it). Drops `position_ids`."""
 
     def __init__(self, config):
-        super().__init__(config.hidden_size, eps=config.rms_norm_eps)
+        super().__init__(config.hidden_size, eps=norm_eps(config))
         if residual_streams(config) > 1:
             self.hc_head = FAMILIES[self.model_type].hf_class("HyperHead")(config)
 
@@ -363,7 +363,7 @@ class _NormPipe:
         return super().forward(hidden) if not moe else (super().forward(hidden), moe[1])
 
     def keeps_fp32(self, name: str, dtype) -> bool:  # where transformers keeps `model.norm` so (gpt-oss's, in fp16)
-        return FAMILIES[self.model_type].keeps_fp32(f"model.norm.{name}", dtype)
+        return FAMILIES[self.model_type].keeps_fp32(f"model.{FAMILIES[self.model_type].final_norm}.{name}", dtype)
 
     def _apply(self, fn, recurse=True):
         return apply_keeping_fp32(self, self.keeps_fp32, fn, lambda: super(_NormPipe, self)._apply(fn, recurse))

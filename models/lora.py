@@ -66,7 +66,7 @@ def check_target_modules(targets: list[str], config=None) -> None:
     modules += [m for m in attention + recurrent if m not in modules]
     for target in targets:
         if not any(_matches(m, target) for m in modules):
-            names = ", ".join(m.rsplit(".", 1)[-1] for m in modules)
+            names = ", ".join(dict.fromkeys(m.rsplit(".", 1)[-1] for m in modules))
             raise ValueError(f"lora.target_modules: {target!r} is not a linear layer of the decoder ({names})")
         other = [m for m in modules if m.startswith("self_attn.") and m not in attention and _matches(m, target)]
         if config is not None and other and not any(_matches(m, target) for m in attention):

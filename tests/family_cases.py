@@ -93,6 +93,8 @@ FAMILY_CONFIGS = {
     "mimo_v2_flash-sinks-local": ("mimo_v2_flash", dict(attention_bias=True)),  # narrower values, sinks, window 4
     "ernie4_5_moe-interval": ("ernie4_5_moe", {}),  # sparse by interval, a frozen score bias, shared experts
     "cohere2-local-biases": ("cohere2", dict(attention_bias=True)),  # parallel block, LayerNorms, logit_scale
+    "lfm2-conv-biases": ("lfm2", dict(num_hidden_layers=4)),  # gated short convolutions (0, 2) beside attention
+    "lfm2_moe-conv-biases": ("lfm2_moe", dict(num_hidden_layers=4)),  # ... with DeepSeek-like experts after layer 0
     # DeepSeek-V4: 3 residual streams, sliding / compressed sparse / heavily compressed attention, hash and top-k
     # routers (the tokens carried to hash layers 0, 1 and 3), its hub's own key names.
     "deepseek_v4-streams-hash": ("deepseek_v4", dict(num_hidden_layers=6, num_key_value_heads=1)),

@@ -79,12 +79,18 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
         )
         full._attn_implementation = attn
         assert not torch.equal(pipeline_logits(full, state, ids), reference)
-    if "rope_interleave" not in overrides and family_of(config).keeps_fp32("e_score_correction_bias"):
+    block_biases = [k for k in state if k.endswith(".feed_forward.expert_bias")]  # (LFM2-MoE's, on the block)
+    if block_biases or "rope_interleave" not in overrides and family_of(config).keeps_fp32("e_score_correction_bias"):
         # The routers' score biases change the choice of experts at this size: dropping them would show.
-        biases = [k for k in state if memory_key(config, k).endswith("e_score_correction_bias")]  # (V4: `gate.bias`)
+        biases = [k for k in state if memory_key(config, k).endswith("e_score_correction_bias")] + block_biases
         assert biases
         unbiased = state | {k: torch.zeros_like(state[k]) for k in biases}
         assert not torch.equal(pipeline_logits(config, unbiased, ids), reference)
+    if "conv" in name:  # LFM2's convolutions read the 2 tokens before each: without those taps (no state) it shows
+        taps = [k for k in state if k.endswith("conv.conv.weight")]
+        assert taps
+        stateless = state | {k: torch.cat([torch.zeros_like(state[k][..., :-1]), state[k][..., -1:]], -1) for k in taps}
+        assert not torch.equal(pipeline_logits(config, stateless, ids), reference)
     if "clip" in name:  # OLMoE's clipped q/k/v: unclipped would show
         other = tiny_config(model_type, num_hidden_layers=3, num_key_value_heads=2, **overrides | dict(clip_qkv=None))
         other._attn_implementation = attn
@@ -233,6 +239,11 @@ def test_lora_targets_are_the_familys_own_linear_layers():
     check_target_modules(["q_proj", "v_proj", "down_proj"], llama)
     with pytest.raises(ValueError, match="'qkv_proj' is not a linear layer"):
         check_target_modules(["qkv_proj"], llama)
+    # LFM2: its MLP's w1/w2/w3 and its short convolutions' in_proj/out_proj besides attention's; no o_proj
+    lfm2 = tiny_config("lfm2", num_key_value_heads=2)
+    check_target_modules(["q_proj", "out_proj", "in_proj", "w1", "w2", "w3"], lfm2)
+    with pytest.raises(ValueError, match=r"'o_proj' is not a linear layer of the decoder \(in_proj, out_proj, w1, "):
+        check_target_modules(["o_proj"], lfm2)
 
 
 # transformers' tensor-parallel styles and the split each means for our keys (models/sharding.py): a column split
@@ -328,6 +339,7 @@ DPO_CASES = [
     "olmo3-local",
     "qwen3_5-hybrid",
     "gemma4-ple-shared-kv",  # its per-layer inputs and shared K/V
+    "lfm2-conv-biases",  # its short convolutions
 ]
 
 

@@ -17,7 +17,6 @@ family module calls `register(Family(...))` with what is particular to it, as da
   keys its model skips at load (`ignored_on_load`), linear-attention layers (`is_linear_attention`);
 - the tensors its layers share across layers (`carries`: models/carry.py), its tiny test model's fields (`tiny`),
   a multimodal checkpoint whose text model it is (`register_container`).
-
 Adding a family built like one here is one module in this package (and a row in docs/families.md);
 tests/test_structure.py fails when a family's name appears in code outside it. Model code only: no DeepSpeed.
 """
@@ -98,6 +97,7 @@ class MoeSpec:
     top_k: str = "num_experts_per_tok"  # the config field of the experts a token is routed to
     router_probabilities: bool = False  # the router returns probabilities, not logits (Gemma 4's): their log stands in
     beside_mlp: bool = False  # experts beside the layer's dense MLP, the layer itself their block (`block` "": Gemma 4)
+    block_bias: str = ""  # a score bias of the block's, not the router's (MiniMax-M2's, LFM2-MoE's `expert_bias`)
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,7 @@ class Family:
     # last reader.
     carries: tuple[str, ...] = ()
     cp_refused: str = ""  # why context parallelism is refused for the family, after "<model_type>'s" ("": it splits)
+    final_norm: str = "norm"  # the final RMSNorm's name in the model (`model.norm`; LFM2's `model.embedding_norm`)
     packing_refused: str = ""  # why packed rows are refused for the family, after "<model_type>'s" ("": they run)
     # The config field of the number of residual streams (DeepSeek-V4's hyper-connections, `hc_mult`): the hidden
     # states are [B, S, N, H] from the embedding (each token's vector repeated N times) to the family's
@@ -279,8 +280,7 @@ def register_container(model_type: str, container: Container) -> None:
 
 
 def register_alias(model_type: str, family_type: str) -> None:
-    """Read config.json files of `model_type` as `family_type`'s (Kimi K2's `kimi_k2` is DeepSeek-V3's architecture,
-    as transformers' own Kimi K2.5 config reads it); the file keeps its own model_type."""
+    """Read config.json files of `model_type` as `family_type`'s (Kimi K2's `kimi_k2`: DeepSeek-V3's architecture)."""
     ALIASES[model_type] = family_type
 
 
@@ -292,12 +292,10 @@ def _load_family_modules() -> None:
 def tp_refusal(config, tp_size: int) -> str | None:
     """Why a model of `config` cannot be split over `tp_size` > 1 tensor-parallel ranks (`Family.tp_refused`)."""
     family = family_of(config)
-    if tp_size > 1 and family.tp_refused:
-        return (
-            f"model_type={family.model_type!r} is not split over tensor-parallel ranks ({family.tp_refused}); "
-            "use pipeline, context and data parallelism"
-        )
-    return None
+    if tp_size <= 1 or not family.tp_refused:
+        return None
+    why = f"model_type={family.model_type!r} is not split over tensor-parallel ranks ({family.tp_refused})"
+    return why + "; use pipeline, context and data parallelism"
 
 
 def hf_classes(suffix: str) -> tuple[type, ...]:
@@ -314,9 +312,7 @@ def family_of(config) -> Family:
     return family
 
 
-@functools.cache
-def _dense(family: Family) -> Family:
-    return replace(family, moe=None)
+_dense = functools.cache(lambda family: replace(family, moe=None))  # a family without its experts
 
 
 def sliding_window(config, attention) -> int | None:
@@ -337,27 +333,31 @@ def attention_chunk(config, block: int) -> int | None:
     return None
 
 
+# Layer types (`config.layer_types`) whose token mixer carries a state along the row instead of attending over keys
+RECURRENT_TYPES = {"linear_attention": "linear-attention", "conv": "short-convolution"}  # Gated DeltaNet; LFM2's
+
+
 def is_linear_attention(config, block: int) -> bool:
-    """Whether decoder block `block` mixes tokens by linear attention (a recurrence: Qwen3-Next's Gated DeltaNet,
-    "linear_attention" in `config.layer_types`) instead of attention over keys."""
+    """Whether decoder block `block` mixes tokens by a recurrence (`RECURRENT_TYPES`: Qwen3-Next's Gated DeltaNet,
+    LFM2's gated short convolution) instead of attention over keys."""
     types = getattr(config, "layer_types", None)
-    return bool(types) and types[block] == "linear_attention"
+    return bool(types) and types[block] in RECURRENT_TYPES
 
 
 def linear_attention_refusal(config, what: str) -> str | None:
-    """Why `what` (packed rows, context parallelism) cannot run a model with linear-attention layers, or None."""
-    if not any(is_linear_attention(config, b) for b in range(config.num_hidden_layers)):
+    """Why `what` (packed rows, context parallelism) cannot run a model with recurrent layers, or None."""
+    kinds = [config.layer_types[b] for b in range(config.num_hidden_layers) if is_linear_attention(config, b)]
+    if not kinds:
         return None
     return (
-        f"{what}: {config.model_type}'s linear-attention layers carry a recurrent state along the whole row, which "
+        f"{what}: {config.model_type}'s {RECURRENT_TYPES[kinds[0]]} layers carry a state along the whole row, which "
         "transformers' torch path neither resets per packed document nor splits over ranks"
     )
 
 
 def residual_streams(config) -> int:
     """How many residual streams the hidden states hold (`Family.streams`: DeepSeek-V4's `hc_mult`), 1 for most."""
-    field_name = family_of(config).streams
-    return int(getattr(config, field_name)) if field_name else 1
+    return int(getattr(config, family_of(config).streams, 1))  # (no config field is named "")
 
 
 def is_sparse_layer(config, block: int) -> bool:

@@ -8,6 +8,8 @@ top-k of the router's logits, as Mixtral's, so the router statistics here do too
 `block_sparse_moe.e_score_correction_bias` is transformers' `mlp.e_score_correction_bias` (its conversion
 mapping's renaming: `hub_renames`); it sits on the block, not the router, so `moe.bias_update_rate` is refused."""
 
+from dataclasses import replace
+
 from models.families import Family, register
 from models.families.mixtral import MIXTRAL_MOE
 
@@ -17,7 +19,7 @@ register(
         "MiniMaxM2",
         qk_norm=True,
         qk_norm_whole=True,
-        moe=MIXTRAL_MOE,
+        moe=replace(MIXTRAL_MOE, block_bias="e_score_correction_bias"),
         hub_renames=True,
         # 4 experts (top-2), RoPE on half of each head (rotary_dim 8 of head_dim 16), as the hub's 64 of 128.
         tiny=dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, rotary_dim=8),

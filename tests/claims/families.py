@@ -130,4 +130,5 @@ CLAIMS = (
     )
     + families_2.CLAIMS
     + families_3.FAMILIES
+    + families_3.LFM2
 )

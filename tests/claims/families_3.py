@@ -1,5 +1,5 @@
 """DeepSeek-V4's claims: docs/families.md (its row and its part of the section on state that crosses layers) and
-docs/measured.md (its rows)."""
+docs/measured.md (its rows); LFM2's (its section on short convolutions)."""
 
 from tests.claims.held import PARITY, PARITY_2E6, PARITY_EP, PARITY_EXACT, PEFT, REFERENCE, SCHED, SCHED_BOUND
 from tests.claims.kinds import Claim
@@ -71,6 +71,11 @@ FAMILIES = (
         holds=DEQUANTIZED_EXACT,
         bound=0,
     ),
+)
+
+LFM2 = (
+    Claim(says="Tested: logits bit-identical to transformers at PP=1, 2, 4", test=PARITY, holds=PARITY_EXACT, bound=0),
+    Claim(says="LFM2-MoE's at EP=2 within 1e-6 (0 measured)", test=PARITY, holds=PARITY_EP, bound=1e-6),
 )
 
 MEASURED = (
