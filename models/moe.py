@@ -54,8 +54,8 @@ def experts_per_token(config) -> int:
 def dense_mlp(config) -> str:
     """The name of a decoder layer's dense MLP: `mlp`, or the sparse block's name in a family whose dense layers hold
     their MLP under it (Llama 4's `feed_forward`)."""
-    moe = family_of(config).moe
-    return "mlp" if moe is None or moe.beside_mlp else moe.block
+    family = family_of(config)
+    return family.mlp if family.moe is None or family.moe.beside_mlp else family.moe.block
 
 
 def in_block(block: str, name: str) -> str:

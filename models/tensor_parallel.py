@@ -70,12 +70,25 @@ def local_config(config, tp: TensorParallel):
         if "num_key_value_heads" in layer:  # a layer of its own shape (Gemma 4's global layers)
             layer["num_key_value_heads"] //= tp.size
     local.intermediate_size = config.intermediate_size // tp.size
+    if getattr(config, "block_auto_adjust_ff_dim", False):  # LFM2's MLP width derived from intermediate_size
+        width = derived_mlp_width(config)
+        if width % tp.size:
+            raise ValueError(f"the MLP's width {width} does not split into tensor_parallel_size={tp.size} equal parts")
+        local.intermediate_size, local.block_auto_adjust_ff_dim = width // tp.size, False
     widths = ("moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size_mlp")  # as MLPs are
     for name in (*widths, *LINEAR_HEADS):  # and linear attention's heads, as attention's
         if getattr(config, name, None):
             setattr(local, name, getattr(config, name) // tp.size)
     local._attn_implementation = config._attn_implementation
     return local
+
+
+def derived_mlp_width(config) -> int:
+    """The width of a dense MLP whose family derives it from `intermediate_size` (LFM2's `block_auto_adjust_ff_dim`),
+    as transformers' MLP module builds it."""
+    with torch.device("meta"):
+        mlp = family_of(config).hf_class("MLP")(config)
+    return max(m.out_features for m in mlp.modules() if isinstance(m, nn.Linear))
 
 
 class RowParallelLinear(nn.Linear):
@@ -112,7 +125,9 @@ class TPDecoderPipe:
         local = local_config(config, tp)
         super().__init__(local, layer_idx, options, ep)
         self.tp = tp
-        if self.linear:  # Gated DeltaNet with this rank's key and value heads; its gated norm sees only their values
+        if self.linear and hasattr(self, "conv"):  # LFM2's short convolution over this rank's channels
+            _split_short_convolution(self.conv, tp)
+        elif self.linear:  # Gated DeltaNet with this rank's key and value heads; its gated norm sees only their values
             _row_parallel(self.linear_attn.out_proj, tp)
             sum_grad_over_tp(self.linear_attn.norm.weight, tp)
         elif family_of(config).replicated_attention:  # whole on every rank: the same inputs, outputs and gradients
@@ -125,7 +140,7 @@ class TPDecoderPipe:
             split_sparse_block(self.moe_block(), tp, moe.router, moe.router_logits, self if moe.beside_mlp else None)
         if not self.sparse or moe.beside_mlp:  # (Gemma 4's experts sit beside a dense MLP of its own)
             mlp = getattr(self, dense_mlp(config))
-            _row_parallel(mlp.down_proj, tp)
+            _row_parallel(mlp.w2 if hasattr(mlp, "w2") else mlp.down_proj, tp)  # (LFM2's w2)
             # Parameters of the MLP's other modules (Apertus's xIELU scalars) act on this rank's columns only.
             for module in mlp.modules():
                 if not isinstance(module, nn.Linear):
@@ -159,10 +174,11 @@ class TPDecoderPipe:
 
     def _split_attention(self, config, local, tp: TensorParallel) -> None:
         width = local.num_attention_heads * layer_attr(local, self.self_attn.layer_idx, "head_dim")
-        o_proj = self.self_attn.o_proj
+        name = "o_proj" if hasattr(self.self_attn, "o_proj") else "out_proj"  # (LFM2's)
+        o_proj = getattr(self.self_attn, name)
         if o_proj.in_features == config.hidden_size != width:  # declared hidden x hidden (Helium's): this rank's heads
-            self.self_attn.o_proj = nn.Linear(width, o_proj.out_features, bias=o_proj.bias is not None)
-        _row_parallel(self.self_attn.o_proj, tp)
+            setattr(self.self_attn, name, nn.Linear(width, o_proj.out_features, bias=o_proj.bias is not None))
+        _row_parallel(getattr(self.self_attn, name), tp)
         for param in attention_replicas(self.self_attn, config):
             sum_grad_over_tp(param, tp)
         family = family_of(config)
@@ -199,6 +215,17 @@ class TPDecoderPipe:
         if args:
             return (enter_tp(args[0], self.tp), *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": enter_tp(kwargs["hidden_states"], self.tp)}
+
+
+def _split_short_convolution(conv: nn.Module, tp: TensorParallel) -> None:
+    """LFM2's gated short convolution over this rank's H / T channels: in_proj's B, C and x rows of them (its parts
+    split one by one, models/tp_rules.py), the depthwise convolution's channels, out_proj row-parallel. Each channel's
+    maths is its own (B * x convolved, gated by C), so nothing crosses ranks until out_proj's sum."""
+    hidden, width = conv.in_proj.in_features, conv.in_proj.in_features // tp.size
+    conv.in_proj = nn.Linear(hidden, 3 * width, bias=conv.in_proj.bias is not None)
+    taps = conv.conv.kernel_size[0]
+    conv.conv = nn.Conv1d(width, width, taps, groups=width, bias=conv.conv.bias is not None, padding=taps - 1)
+    conv.out_proj = _row_parallel(nn.Linear(width, hidden, bias=conv.out_proj.bias is not None), tp)
 
 
 def _whole_projection_norm(norm: nn.Module, tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:

@@ -37,14 +37,23 @@ TP_COLUMN_MODULES = (
     "linear_attn.in_proj_z",
     "linear_attn.in_proj_b",
     "linear_attn.in_proj_a",
+    # LFM2's MLP under `feed_forward` (w1 gate, w3 up, w2 down) and its short convolution's in_proj (B, C and x rows
+    # part by part: `CONV_PARTS`), whose channels the depthwise convolution keeps (`CONV_CHANNELS`): each rank runs its
+    # own channels, as linear attention runs its heads.
+    "feed_forward.w1",
+    "feed_forward.w3",
+    "conv.in_proj",
     # A sparse block's shared expert, as a dense MLP (LoRA may adapt it; its output is partial until the block's).
     *(f"{block}.{shared}.{proj}" for block in _MLP_BLOCKS for shared in _SHARED for proj in ("gate_proj", "up_proj")),
 )
 TP_ROW_MODULES = ("self_attn.o_proj", "linear_attn.out_proj", *(f"{block}.down_proj" for block in _MLP_BLOCKS))
+TP_ROW_MODULES += ("self_attn.out_proj", "feed_forward.w2", "conv.out_proj")  # LFM2's
 SHARED_EXPERT_ROW_MODULES = tuple(f"{block}.{shared}.down_proj" for block in _MLP_BLOCKS for shared in _SHARED)
 TP_ROW_MODULES += SHARED_EXPERT_ROW_MODULES
 # Linear attention's q, k and v channels in one tensor (the projection, the depthwise convolution): part by part.
 LINEAR_PARTS = ("linear_attn.in_proj_qkv", "linear_attn.conv1d")
+CONV_PARTS = "conv.in_proj"  # a short convolution's B, C and x channels in one projection: part by part
+CONV_CHANNELS = ("conv.conv.weight", "conv.conv.bias")  # its depthwise convolution: one row per channel
 # One entry per value head (the decay's A_log and dt_bias): split with the heads. Its gated norm (over each head's
 # values, one weight for all heads) is replicated.
 LINEAR_PER_HEAD = ("linear_attn.A_log", "linear_attn.dt_bias")
@@ -92,6 +101,8 @@ _LORA_SPLIT = {(COLUMN, "A"): REPLICA, (COLUMN, "B"): COLUMN, (ROW, "A"): ROW, (
 def _qkv_rows(module: str, config) -> tuple[int, int, int]:
     """The rows of q, k and v in a fused q/k/v tensor (`Family.fused_qkv`'s projection: heads x head_dim; linear
     attention's projection and depthwise convolution: its key and value channels)."""
+    if module == CONV_PARTS:
+        return config.hidden_size, config.hidden_size, config.hidden_size
     if module in LINEAR_PARTS:
         k = config.linear_num_key_heads * config.linear_key_head_dim
         return k, k, config.linear_num_value_heads * config.linear_value_head_dim
@@ -103,7 +114,7 @@ def _qkv_rows(module: str, config) -> tuple[int, int, int]:
 def _fused_rule(module: str, key: str, config) -> str | None:
     """The parts rule of a fused projection (`Family.fused_qkv`, `fused_gate_up`, linear attention's q/k/v), or None
     for any other module: q/k/v by their rows (the config's, so it is needed), gate and up by halves."""
-    if module in (FUSED_QKV, *LINEAR_PARTS):
+    if module in (FUSED_QKV, CONV_PARTS, *LINEAR_PARTS):
         if config is None:
             raise ValueError(f"{key}: the split of a fused q/k/v projection needs the model's config")
         return parts_rule(*_qkv_rows(module, config))
@@ -129,7 +140,7 @@ def tp_split(kind: str, key: str, config=None) -> str:
         return REPLICA
     if config is not None and family_of(config).replicated_attention and key.startswith("self_attn."):
         return REPLICA  # whole on every rank, as transformers' plan keeps it (DeepSeek-V4's)
-    if key in PER_HEAD or key in LINEAR_PER_HEAD:
+    if key in PER_HEAD or key in LINEAR_PER_HEAD or key in CONV_CHANNELS:
         return COLUMN
     moe = family_of(config).moe if config is not None else None
     if moe is not None and moe.interleaved_gate_up and key.startswith(f"{moe.block}.experts."):
@@ -140,7 +151,7 @@ def tp_split(kind: str, key: str, config=None) -> str:
     rule = COLUMN if module in TP_COLUMN_MODULES else ROW if module in TP_ROW_MODULES else REPLICA
     if module in QK_NORMS and config is not None and family_of(config).qk_norm_whole:  # one weight per q/k row
         return COLUMN
-    if module in (FUSED_QKV, FUSED_GATE_UP_PROJ, *LINEAR_PARTS):  # a column layer, part by part (LoRA's A: whole)
+    if module in (FUSED_QKV, FUSED_GATE_UP_PROJ, CONV_PARTS, *LINEAR_PARTS):  # a column layer, part by part (A: whole)
         return REPLICA if lora and lora.group(2) == "A" else _fused_rule(module, key, config)
     if _EXPERT_COLUMN.fullmatch(module):
         rule = COLUMN
@@ -162,7 +173,7 @@ def attention_replicas(attention, config) -> list:
     rank holds whole although only its heads use their output (MLA's low-rank `q_a_proj`, `kv_a_proj_with_mqa` and
     their norms): each rank's gradient is partial, so it is summed over TP. Per-head q/k norms and the row layer's
     bias have rules of their own (models/tensor_parallel.py); frozen ones (DeepSeek-V3.2's indexer) take none."""
-    own = ("o_proj.", *(f"{n.removeprefix('self_attn.')}." for n in QK_NORMS))
+    own = ("o_proj.", "out_proj.", *(f"{n.removeprefix('self_attn.')}." for n in QK_NORMS))
     return [
         p
         for name, p in attention.named_parameters()

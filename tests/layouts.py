@@ -149,7 +149,7 @@ LAYOUTS = {
     "ernie_moe-pp2-dp2-ep2": ("ernie_moe", "false", 2, 1, "", 0),
     # Cohere 2: its parallel block under TP with SP, logits times logit_scale through the vocab-parallel head.
     "cohere2-pp2-tp2": ("cohere2", "false", 2, 2, "", 0),
-    # LFM2: a short convolution and an attention layer on each stage (TP refused until the convolution's split).
-    "lfm2-pp2-dp2": ("lfm2", "false", 2, 1, "", 0),
+    # LFM2: a short convolution (by channels) and an attention layer (by heads) on each stage, under TP=2 with SP.
+    "lfm2-pp2-tp2": ("lfm2", "false", 2, 2, "", 0),
     "lfm2_moe-pp2-dp2-ep2": ("lfm2_moe", "false", 2, 1, "", 0),  # its experts over EP=2 on both stages
 }

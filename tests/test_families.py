@@ -314,6 +314,10 @@ def test_tp_rules_agree_with_transformers_tp_plan(model_type):
             | {f"mlp.experts.{p}" for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj")},
             # transformers leaves DeepSeek-V4's shared expert whole too ("too small to be worth sharding")
             "deepseek_v4": {f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")},
+            # transformers 5.23 has no plan for LFM2: its short convolution by channels, its attention by heads, its MLP
+            "lfm2": {f"conv.{p}.weight" for p in ("in_proj", "conv", "out_proj")}
+            | {f"self_attn.{p}_proj.weight" for p in ("q", "k", "v", "out")}
+            | {f"feed_forward.w{i}.weight" for i in (1, 2, 3)},
         }.get(model_type, set())
         # Linear attention's depthwise convolution splits with its heads (transformers' plan leaves it whole).
         beyond |= {n for n in names if n == "linear_attn.conv1d.weight"}

@@ -384,7 +384,7 @@ def test_llama4_routed_experts_equal_transformers_dense_block():
         # its block's, which the balancing does not move.
         ("lfm2", ["data.packing=true"], "data.packing/concatenate: lfm2's short-convolution layers carry a state"),
         ("lfm2_moe", ["moe.bias_update_rate=0.001"], "moe.bias_update_rate=0.001: lfm2_moe's router has no score"),
-        ("lfm2", ["tensor_parallel_size=2"], "tensor_parallel_size=2: model_type='lfm2' is not split over tensor-p"),
+        ("lfm2_moe", ["tensor_parallel_size=2"], "tensor_parallel_size=2: model_type='lfm2_moe' is not split over"),
     ],
 )
 def test_what_a_family_cannot_run_is_refused_in_one_line(model_type, extra, message, tmp_path):

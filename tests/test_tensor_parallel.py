@@ -212,6 +212,7 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
             *("qwen3_5_text", "qwen3_next"),
             *("olmoe", "exaone4", "granite", "flex_olmo"),  # OLMoE's q/k norms sized from hidden_size
             *("minimax_m2", "glm4_moe_lite", "apertus", "exaone_moe", "mimo_v2_flash", "cohere2", "ernie4_5_moe"),
+            "lfm2",  # its short convolution (block 0) by channels, with every bias
         )
     ],
 )

@@ -119,6 +119,7 @@ class Family:
     moe_when: str = ""  # the config field that switches the experts on (Gemma 4's `enable_moe_block`), "": always
     package: str = ""  # transformers' models/<package> (default: the model type)
     dense_size: str = "intermediate_size"  # the config field with a dense layer's MLP width
+    mlp: str = "mlp"  # a dense layer's MLP module (LFM2's `feed_forward`; with experts, their block's name)
     # Why flash-attn cannot run the family's attention as transformers does ("" where it can; SDPA: `resolve_attention`)
     flash_refused: str = ""
     config_name: str = ""  # transformers' config class (default `<Prefix>Config`)
@@ -146,8 +147,7 @@ class Family:
     # names the MLP's); under sequence parallelism it gathers the row and keeps its own positions of the output.
     replicated_attention: bool = False
     parallel_block: bool = False  # attention and the MLP read one norm's output (Cohere's): one TP entry per layer
-    # Attention parameters with one entry per head (gpt-oss's `self_attn.sinks`): split with the heads under TP.
-    per_head: tuple[str, ...] = ()
+    per_head: tuple[str, ...] = ()  # attention parameters with one entry per head (gpt-oss's sinks): split with them
     # The attention reads an explicit causal mask even on unpacked rows (DeepSeek-V3.2's indexer scores against it).
     always_mask: bool = False
     frozen: tuple[str, ...] = ()  # decoder modules transformers runs without gradients (DeepSeek-V3.2's indexer)

@@ -5,7 +5,9 @@ pure torch path on CPU, causal-conv1d where installed) and grouped-query attenti
 `feed_forward` (w1, w3, w2) whose width transformers derives from `intermediate_size` (`block_auto_adjust_ff_dim`);
 norms `operator_norm` and `ffn_norm`, the final one `model.embedding_norm`, eps `norm_eps`. The convolution carries a
 state along the row: packed rows and context parallelism are refused for it in one line, as for linear attention.
-Tensor parallelism is refused until its split (the convolution's channels with in_proj's B, C and x rows) is built."""
+Tensor parallelism splits the convolution by channels (in_proj's B, C and x rows part by part, the depthwise
+convolution's channels with them, out_proj row-parallel), attention by heads (`out_proj` row-parallel, the per-head
+q/k norms replicated), the MLP as any (w1 and w3 by rows, w2 by columns)."""
 
 from models.families import Family, register
 
@@ -23,7 +25,7 @@ LFM2_LAYERS = dict(
     norms=("operator_norm", "ffn_norm"),
     tp_entry_norms=("operator_norm", "ffn_norm"),
     final_norm="embedding_norm",
-    tp_refused="its short convolutions and their in_proj's B, C and x rows are not in the split rules yet",
+    mlp="feed_forward",
 )
 
 register(Family("lfm2", "Lfm2", **LFM2_LAYERS, tiny=LFM2_TINY))
