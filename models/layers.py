@@ -303,6 +303,8 @@ class DecoderPipe:
             cos_sin = {kind: self.rotary_emb(hidden, local_positions, kind) for kind in self.rotary_kinds}
         else:
             cos_sin = self.rotary_emb(hidden, local_positions, *self.rotary_args)  # 2 x [B, S/C, head_dim]
+        if getattr(self.model_config, "position_embedding_type", "rope") != "rope":  # Granite 4's NoPE model
+            cos_sin = None
         packed, seq = self.options.packed, position_ids.shape[-1]
         window = self.window if self.window is not None and self.window < seq else None
         chunk = self.chunk if self.chunk is not None and self.chunk < seq else None
@@ -337,7 +339,8 @@ class DecoderPipe:
 
 def block_index(layer: nn.Module) -> int:
     """The decoder block number of a decoder layer, ours or transformers' own (its token mixer knows it)."""
-    return (getattr(layer, "self_attn", None) or getattr(layer, "linear_attn", None) or layer.conv).layer_idx
+    mixers = ("self_attn", "linear_attn", "conv", "mamba")  # (Granite 4's Mamba layers keep `self_attn = None`)
+    return next(m for m in (getattr(layer, n, None) for n in mixers) if m is not None).layer_idx
 
 
 @functools.cache

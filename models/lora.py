@@ -75,12 +75,18 @@ def check_target_modules(targets: list[str], config=None) -> None:
 
 
 def recurrent_modules(config) -> list[str]:
-    """The linear layers of a family's linear attention (Gated DeltaNet's `linear_attn.in_proj_qkv`, ...), as named in
-    its decoder layer; none for a family without linear-attention layers."""
+    """The linear layers of a block of a family's recurrent kind (Gated DeltaNet's `linear_attn.in_proj_qkv`, Mamba's
+    `mamba.in_proj`, ...) outside its attention and its sparse block (Granite 4's `shared_mlp` too), as named in its
+    decoder layer: modules of exactly `nn.Linear`'s maths; none for a family without such layers."""
     block = next((b for b in range(config.num_hidden_layers) if is_linear_attention(config, b)), None)
-    keys = decoder_keys(config, block) if block is not None else []  # one linear layer names them all
-    modules = [k.removesuffix(".weight") for k in keys if k.startswith("linear_attn.") and k.endswith(".weight")]
-    return [m for m in modules if "proj" in m.rsplit(".", 1)[-1]]  # in_proj_qkv, out_proj (not conv1d, norm)
+    if block is None:
+        return []
+    moe = family_of(config).moe
+    outside = ("self_attn.", f"{moe.block}." if moe is not None and moe.block else "self_attn.")
+    with torch.device("meta"):
+        layer = family_of(config).hf_class("DecoderLayer")(with_torch_dtype(config), block)
+    modules = [n for n, m in layer.named_modules() if n and type(m).forward is nn.Linear.forward]
+    return [m for m in modules if not m.startswith(outside)]
 
 
 def lora_tp_refusal(config) -> str | None:

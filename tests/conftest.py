@@ -151,13 +151,16 @@ MODEL_VARIANTS = {
     "lfm2": dict(model_type="lfm2", num_key_value_heads=2, num_hidden_layers=4),
     # LFM2-MoE: the same layers, a dense first layer, then sparse blocks chosen by score plus the block's expert_bias.
     "lfm2_moe": dict(model_type="lfm2_moe", num_key_value_heads=2, num_hidden_layers=4),
+    # Granite 4: Mamba-2 beside NoPE attention, the shared MLP and experts in every layer, muP, its load-balancing loss.
+    "granite4": dict(model_type="granitemoehybrid", num_key_value_heads=2, num_hidden_layers=4, logits_scaling=2.0)
+    | MOE_AUX,
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
 NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss", "qwen3_next", "qwen3_5", "gemma4"]
 NEW_FAMILY_VARIANTS += ["exaone4", "gemma2", "hunyuan", "internlm3", "granite", "olmoe", "dots1", "flex_olmo"]
 NEW_FAMILY_VARIANTS += ["minimax_m2", "glm4_moe_lite", "apertus", "exaone_moe", "hunyuan_moe", "mimo_v2_flash"]
 NEW_FAMILY_VARIANTS += ["ernie_moe"]
-NEW_FAMILY_VARIANTS += ["cohere2", "lfm2", "lfm2_moe"]
+NEW_FAMILY_VARIANTS += ["cohere2", "lfm2", "lfm2_moe", "granite4"]
 CARRYING_VARIANTS = {
     "deepseek_v3": "layers",
     "glm4_moe": "layers",
@@ -169,7 +172,7 @@ CARRYING_VARIANTS = {
 MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama4", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss")
 MOE_VARIANTS += ("qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "gemma4_moe", "deepseek_v4")
 MOE_VARIANTS += ("olmoe", "dots1", "flex_olmo", "minimax_m2", "glm4_moe_lite", "exaone_moe", "hunyuan_moe")
-MOE_VARIANTS += ("mimo_v2_flash", "ernie_moe", "lfm2_moe")
+MOE_VARIANTS += ("mimo_v2_flash", "ernie_moe", "lfm2_moe", "granite4")
 FAMILY_VARIANTS = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "llama4"]
 FAMILY_VARIANTS += NEW_FAMILY_VARIANTS
 

@@ -95,6 +95,13 @@ FAMILY_CONFIGS = {
     "cohere2-local-biases": ("cohere2", dict(attention_bias=True)),  # parallel block, LayerNorms, logit_scale
     "lfm2-conv-biases": ("lfm2", dict(num_hidden_layers=4)),  # gated short convolutions (0, 2) beside attention
     "lfm2_moe-conv-biases": ("lfm2_moe", dict(num_hidden_layers=4)),  # ... with DeepSeek-like experts after layer 0
+    # Granite 4: Mamba-2 (layers 0, 2) beside NoPE attention (1, 3), a shared MLP and experts, muP multipliers; dense
+    # with RoPE
+    "granitemoehybrid-mamba-mup": ("granitemoehybrid", dict(num_hidden_layers=4, attention_bias=True)),
+    "granitemoehybrid-with-rope-dense": (
+        "granitemoehybrid",
+        dict(num_hidden_layers=4, position_embedding_type="rope", num_local_experts=0),
+    ),
     # DeepSeek-V4: 3 residual streams, sliding / compressed sparse / heavily compressed attention, hash and top-k
     # routers (the tokens carried to hash layers 0, 1 and 3), its hub's own key names.
     "deepseek_v4-streams-hash": ("deepseek_v4", dict(num_hidden_layers=6, num_key_value_heads=1)),

@@ -152,4 +152,6 @@ LAYOUTS = {
     # LFM2: a short convolution (by channels) and an attention layer (by heads) on each stage, under TP=2 with SP.
     "lfm2-pp2-tp2": ("lfm2", "false", 2, 2, "", 0),
     "lfm2_moe-pp2-dp2-ep2": ("lfm2_moe", "false", 2, 1, "", 0),  # its experts over EP=2 on both stages
+    # Granite 4: a Mamba-2 and an attention layer on each stage, its experts over EP=2, its load-balancing loss on.
+    "granite4-pp2-dp2-ep2": ("granite4", "false", 2, 1, "", 0),
 }

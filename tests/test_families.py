@@ -40,13 +40,16 @@ def pipeline_logits(config, state: dict, ids: torch.Tensor, device="cpu", dtype=
         return split_stats(x)[0]
 
 
+BASE = {"num_hidden_layers": 3, "num_key_value_heads": 2}  # (a case's own overrides win)
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
 def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model_type, overrides = FAMILY_CONFIGS[name]
-    config = tiny_config(model_type, **{"num_hidden_layers": 3, "num_key_value_heads": 2} | overrides)
+    config = tiny_config(model_type, **BASE | overrides)
     if resolve_attention(config, None) != "sdpa" and attn == "sdpa":  # gpt-oss's sinks: transformers runs eager
         with pytest.raises(ValueError, match=f"^model.attn_implementation=sdpa: transformers runs {model_type} "):
             resolve_attention(config, attn)
@@ -67,7 +70,7 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
     # The soft-cap and the local layers' window matter at this size and length: ignoring either would show.
     for word, ignored in {"softcap": dict(final_logit_softcapping=None), "local": dict(sliding_window=64)}.items():
         if word in name:
-            other = tiny_config(model_type, num_hidden_layers=3, num_key_value_heads=2, **overrides | ignored)
+            other = tiny_config(model_type, **BASE | overrides | ignored)
             other._attn_implementation = attn
             assert not torch.equal(pipeline_logits(other, state, ids), reference), ignored
     if "window" in name or "sliding" in name:  # the window matters at this length: ignoring it would show
@@ -86,23 +89,31 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
         assert biases
         unbiased = state | {k: torch.zeros_like(state[k]) for k in biases}
         assert not torch.equal(pipeline_logits(config, unbiased, ids), reference)
+    if "mamba" in name:  # Mamba-2's D skip (each head's input added to its scan's output): dropping it shows
+        skips = [k for k in state if k.endswith("mamba.D")]
+        assert skips
+        assert not torch.equal(pipeline_logits(config, state | {k: 0 * state[k] for k in skips}, ids), reference)
+    if "with-rope" in name:  # Granite 4's attention with RoPE: run without it (as its NoPE models), it shows
+        other = tiny_config(model_type, **BASE | overrides | dict(position_embedding_type="nope"))
+        other._attn_implementation = attn
+        assert not torch.equal(pipeline_logits(other, state, ids), reference)
     if "conv" in name:  # LFM2's convolutions read the 2 tokens before each: without those taps (no state) it shows
         taps = [k for k in state if k.endswith("conv.conv.weight")]
         assert taps
         stateless = state | {k: torch.cat([torch.zeros_like(state[k][..., :-1]), state[k][..., -1:]], -1) for k in taps}
         assert not torch.equal(pipeline_logits(config, stateless, ids), reference)
     if "clip" in name:  # OLMoE's clipped q/k/v: unclipped would show
-        other = tiny_config(model_type, num_hidden_layers=3, num_key_value_heads=2, **overrides | dict(clip_qkv=None))
+        other = tiny_config(model_type, **BASE | overrides | dict(clip_qkv=None))
         other._attn_implementation = attn
         assert not torch.equal(pipeline_logits(other, state, ids), reference)
     if "mup" in name:  # Granite's embedding and logit multipliers matter: either left out would show
         for ignored in (dict(embedding_multiplier=1.0), dict(logits_scaling=1.0)):
-            other = tiny_config(model_type, num_hidden_layers=3, num_key_value_heads=2, **overrides | ignored)
+            other = tiny_config(model_type, **BASE | overrides | ignored)
             other._attn_implementation = attn
             assert not torch.equal(pipeline_logits(other, state, ids), reference), ignored
     if "chunked" in name:  # the chunk and the temperature matter at this length: ignoring either would show
         for ignored in (dict(attention_chunk_size=64), dict(attn_temperature_tuning=False)):
-            other = tiny_config(model_type, num_hidden_layers=3, num_key_value_heads=2, **overrides | ignored)
+            other = tiny_config(model_type, **BASE | overrides | ignored)
             other._attn_implementation = attn
             assert not torch.equal(pipeline_logits(other, state, ids), reference)
 
@@ -244,6 +255,11 @@ def test_lora_targets_are_the_familys_own_linear_layers():
     check_target_modules(["q_proj", "out_proj", "in_proj", "w1", "w2", "w3"], lfm2)
     with pytest.raises(ValueError, match=r"'o_proj' is not a linear layer of the decoder \(in_proj, out_proj, w1, "):
         check_target_modules(["o_proj"], lfm2)
+    # Granite 4 (experts in every layer): Mamba's in_proj and out_proj, the shared MLP's, attention's; not the experts'
+    granite4 = tiny_config("granitemoehybrid", num_key_value_heads=2)
+    check_target_modules(["in_proj", "out_proj", "input_linear", "output_linear", "q_proj", "o_proj"], granite4)
+    with pytest.raises(ValueError, match="'router' is not a linear layer"):
+        check_target_modules(["router"], granite4)
 
 
 # transformers' tensor-parallel styles and the split each means for our keys (models/sharding.py): a column split
@@ -344,6 +360,7 @@ DPO_CASES = [
     "qwen3_5-hybrid",
     "gemma4-ple-shared-kv",  # its per-layer inputs and shared K/V
     "lfm2-conv-biases",  # its short convolutions
+    "granitemoehybrid-with-rope-dense",  # Mamba-2
 ]
 
 

@@ -80,6 +80,7 @@ CASES = [
     ("cohere2", "sdpa"),
     ("lfm2", "sdpa"),  # short convolutions beside attention (packed rows and CP refused: the convolution's state)
     ("lfm2_moe", "sdpa"),  # ... with sparse blocks (over EP=2 too)
+    ("granite4", "sdpa"),  # Mamba-2 beside NoPE attention, experts beside the shared MLP (over EP=2 too)
 ]
 MOE = {f"{m}-{attn}" for m, attn in CASES if m in MOE_VARIANTS}
 NO_TP = {f"{m}-{attn}" for m, attn in CASES if MODEL_VARIANTS[m].get("model_type") in TP_NOT_BUILT}
