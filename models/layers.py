@@ -171,6 +171,9 @@ class DecoderPipe:
         with_torch_dtype(config)  # (Apertus's xIELU makes its parameters in it)
         super().__init__(ep.local_config(config) if sparse and ep else config, layer_idx)
         self.sparse, self.model_config = sparse, config
+        for path, function in family_of(config).layer_buffers.items():  # what transformers' model attaches to layers
+            (owner, name), made = path.rsplit(".", 1), getattr(family_of(config).module(), function)(config)
+            self.get_submodule(owner).register_buffer(name, made, persistent=False)
         # Linear attention (Qwen3-Next's Gated DeltaNet) mixes tokens by a recurrence: no mask, no keys to attend.
         self.linear = is_linear_attention(config, layer_idx)
         self.always_mask = family_of(config).always_mask  # DeepSeek-V3.2's indexer scores against the mask
@@ -196,8 +199,7 @@ class DecoderPipe:
         takes_type = "layer_type" in inspect.signature(type(self.rotary_emb).forward).parameters
         self.rotary_args = (config.layer_types[layer_idx],) if takes_type else ()
         tables = getattr(self.rotary_emb, "layer_types", None) or ()
-        # Tables by a kind of RoPE other than the layer types (DeepSeek-V4's "main" and "compress"): the layer takes
-        # them all by name, as transformers' model hands them over.
+        # Tables by a kind of RoPE other than the layer types (DeepSeek-V4's "main", "compress"): all taken by name.
         self.rotary_kinds = tuple(tables) if takes_type and self.rotary_args[0] not in tables else ()
         self.options = options
         self.recompute = self.options.recompute(layer_idx)

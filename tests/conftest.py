@@ -154,13 +154,17 @@ MODEL_VARIANTS = {
     # Granite 4: Mamba-2 beside NoPE attention, the shared MLP and experts in every layer, muP, its load-balancing loss.
     "granite4": dict(model_type="granitemoehybrid", num_key_value_heads=2, num_hidden_layers=4, logits_scaling=2.0)
     | MOE_AUX,
+    # Falcon-H1: Mamba-2 beside attention in every layer, muP multipliers (the head's at 0.5), every bias.
+    "falcon_h1": dict(
+        model_type="falcon_h1", num_key_value_heads=2, lm_head_multiplier=0.5, attention_bias=True, mlp_bias=True
+    ),
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
 NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss", "qwen3_next", "qwen3_5", "gemma4"]
 NEW_FAMILY_VARIANTS += ["exaone4", "gemma2", "hunyuan", "internlm3", "granite", "olmoe", "dots1", "flex_olmo"]
 NEW_FAMILY_VARIANTS += ["minimax_m2", "glm4_moe_lite", "apertus", "exaone_moe", "hunyuan_moe", "mimo_v2_flash"]
 NEW_FAMILY_VARIANTS += ["ernie_moe"]
-NEW_FAMILY_VARIANTS += ["cohere2", "lfm2", "lfm2_moe", "granite4"]
+NEW_FAMILY_VARIANTS += ["cohere2", "lfm2", "lfm2_moe", "granite4", "falcon_h1"]
 CARRYING_VARIANTS = {
     "deepseek_v3": "layers",
     "glm4_moe": "layers",

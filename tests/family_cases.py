@@ -102,6 +102,8 @@ FAMILY_CONFIGS = {
         "granitemoehybrid",
         dict(num_hidden_layers=4, position_embedding_type="rope", num_local_experts=0),
     ),
+    # Falcon-H1: Mamba-2 beside attention in every layer, muP multipliers inside and out, every bias
+    "falcon_h1-mamba-multipliers": ("falcon_h1", dict(attention_bias=True, mlp_bias=True, mamba_proj_bias=True)),
     # DeepSeek-V4: 3 residual streams, sliding / compressed sparse / heavily compressed attention, hash and top-k
     # routers (the tokens carried to hash layers 0, 1 and 3), its hub's own key names.
     "deepseek_v4-streams-hash": ("deepseek_v4", dict(num_hidden_layers=6, num_key_value_heads=1)),

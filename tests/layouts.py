@@ -154,4 +154,6 @@ LAYOUTS = {
     "lfm2_moe-pp2-dp2-ep2": ("lfm2_moe", "false", 2, 1, "", 0),  # its experts over EP=2 on both stages
     # Granite 4: a Mamba-2 and an attention layer on each stage, its experts over EP=2, its load-balancing loss on.
     "granite4-pp2-dp2-ep2": ("granite4", "false", 2, 1, "", 0),
+    # Falcon-H1: Mamba-2 and attention side by side in every layer, its multipliers, every block recomputed.
+    "falcon_h1-pp2-dp2-recompute": ("falcon_h1", "true", 2, 1, "", 0),
 }

@@ -93,6 +93,11 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
         skips = [k for k in state if k.endswith("mamba.D")]
         assert skips
         assert not torch.equal(pipeline_logits(config, state | {k: 0 * state[k] for k in skips}, ids), reference)
+    if "multipliers" in name:  # Falcon-H1's embedding, head and mup_vector multipliers: each left out would show
+        for ignored in (dict(embedding_multiplier=1.0), dict(lm_head_multiplier=1.0), dict(ssm_multipliers=[1.0] * 5)):
+            other = tiny_config(model_type, **BASE | overrides | ignored)
+            other._attn_implementation = attn
+            assert not torch.equal(pipeline_logits(other, state, ids), reference), ignored
     if "with-rope" in name:  # Granite 4's attention with RoPE: run without it (as its NoPE models), it shows
         other = tiny_config(model_type, **BASE | overrides | dict(position_embedding_type="nope"))
         other._attn_implementation = attn
@@ -184,7 +189,7 @@ def test_other_model_types_are_refused(tmp_path):
     from models.config import SUPPORTED_MODEL_TYPES
 
     assert {"llama", "minimax_m2", "gemma3", "kimi_k2"} <= set(SUPPORTED_MODEL_TYPES)  # a family, container, alias
-    for model_type in ("kimi_linear", "falcon_h1"):  # what we do not build (its linear attention, Mamba layers)
+    for model_type in ("kimi_linear", "nemotron_h"):  # what we do not build (Kimi Delta Attention, Nemotron-H's blocks)
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         # The registry's model types (one module each in models/families/), families, containers and aliases.
         supported = re.escape("supported: " + ", ".join(SUPPORTED_MODEL_TYPES))

@@ -81,10 +81,12 @@ CASES = [
     ("lfm2", "sdpa"),  # short convolutions beside attention (packed rows and CP refused: the convolution's state)
     ("lfm2_moe", "sdpa"),  # ... with sparse blocks (over EP=2 too)
     ("granite4", "sdpa"),  # Mamba-2 beside NoPE attention, experts beside the shared MLP (over EP=2 too)
+    ("falcon_h1", "sdpa"),  # Mamba-2 beside attention in every layer (packed rows and CP refused)
 ]
 MOE = {f"{m}-{attn}" for m, attn in CASES if m in MOE_VARIANTS}
 NO_TP = {f"{m}-{attn}" for m, attn in CASES if MODEL_VARIANTS[m].get("model_type") in TP_NOT_BUILT}
 NO_CP = {f"{m}-{attn}" for m, attn in CASES if m in ("qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa")}
+NO_CP |= {"falcon_h1-sdpa", "lfm2-sdpa", "lfm2_moe-sdpa", "granite4-sdpa"}
 NO_CP |= {"mimo_v2_flash-eager-packed"}
 NO_CP |= {"deepseek_v4-eager"}
 

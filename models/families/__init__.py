@@ -139,9 +139,7 @@ class Family:
     logits_multiplier: str = ""  # logits times this config field (Cohere's `logit_scale`)
     fused_qkv: bool = False  # one `self_attn.qkv_proj` holds q, k and v (Phi-3's)
     fused_gate_up: bool = False  # one `mlp.gate_up_proj` holds gate and up (Phi-3's, GLM-4's)
-    # Why tensor parallelism is refused for the family until its split is built (a fused projection, a q/k norm
-    # over the whole projection); "" where it splits.
-    tp_refused: str = ""
+    tp_refused: str = ""  # why tensor parallelism is refused for the family until its split is built ("": it splits)
     # transformers' tensor-parallel plan keeps the attention whole on every rank (DeepSeek-V4's, one K=V head): only
     # the MLP (its experts, its shared expert) splits; the attention's one entry norm is no TP entry (`tp_entry_norms`
     # names the MLP's); under sequence parallelism it gathers the row and keeps its own positions of the output.
@@ -152,11 +150,13 @@ class Family:
     always_mask: bool = False
     frozen: tuple[str, ...] = ()  # decoder modules transformers runs without gradients (DeepSeek-V3.2's indexer)
     # Tensors its layers share across layers, by mechanism (models/carry.py: "per_layer_inputs", "shared_kv",
-    # "shared_index", "routing_tokens"): carried across stage boundaries by name, from the layer that makes one to its
-    # last reader.
+    # "shared_index", "routing_tokens"): carried across stage boundaries by name, from their maker to their last reader.
     carries: tuple[str, ...] = ()
     cp_refused: str = ""  # why context parallelism is refused for the family, after "<model_type>'s" ("": it splits)
     final_norm: str = "norm"  # the final RMSNorm's name in the model (`model.norm`; LFM2's `model.embedding_norm`)
+    # Buffers transformers' model attaches to each layer's module (path) from a function of the config (Falcon-H1's
+    # `mamba.mup_vector`, `compute_mup_vector`): {path: the modeling module's function}.
+    layer_buffers: dict[str, str] = field(default_factory=dict, compare=False)
     packing_refused: str = ""  # why packed rows are refused for the family, after "<model_type>'s" ("": they run)
     # The config field of the number of residual streams (DeepSeek-V4's hyper-connections, `hc_mult`): the hidden
     # states are [B, S, N, H] from the embedding (each token's vector repeated N times) to the family's
