@@ -145,6 +145,11 @@ def tp_split(kind: str, key: str, config=None) -> str:
     moe = family_of(config).moe if config is not None else None
     if moe is not None and moe.interleaved_gate_up and key.startswith(f"{moe.block}.experts."):
         return INTERLEAVED.get(key.removeprefix(f"{moe.block}.experts."), REPLICA)
+    fused = {f"{moe.block}.experts.gate_up_proj": GATE_UP, f"{moe.block}.experts.down_proj": EXPERT_ROW} if moe else {}
+    if moe is not None and not moe.hub_fused and moe.block not in ("mlp", "") and key in fused:
+        # transformers' fused [E, 2I, H] and [E, H, I] under a block of another name, one key per expert on the
+        # hub (LFM2-MoE's `feed_forward`, whose names Llama 4's x @ W experts share: told apart by the config)
+        return fused[key]
     lora = _LORA_KEY.fullmatch(key)
     name = key.replace(".base_layer", "")
     module, param = (lora.group(1), "weight") if lora else (name.rsplit(".", 1) if "." in name else (name, ""))

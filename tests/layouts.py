@@ -151,7 +151,7 @@ LAYOUTS = {
     "cohere2-pp2-tp2": ("cohere2", "false", 2, 2, "", 0),
     # LFM2: a short convolution (by channels) and an attention layer (by heads) on each stage, under TP=2 with SP.
     "lfm2-pp2-tp2": ("lfm2", "false", 2, 2, "", 0),
-    "lfm2_moe-pp2-dp2-ep2": ("lfm2_moe", "false", 2, 1, "", 0),  # its experts over EP=2 on both stages
+    "lfm2_moe-tp2-dp2-ep2": ("lfm2_moe", "false", 1, 2, "", 0),  # its experts over TP=2 and EP=2 at once
     # Granite 4: a Mamba-2 and an attention layer on each stage, its experts over EP=2, its load-balancing loss on.
     "granite4-pp2-dp2-ep2": ("granite4", "false", 2, 1, "", 0),
     # Falcon-H1: Mamba-2 and attention side by side in every layer, its multipliers, every block recomputed.

@@ -339,6 +339,10 @@ def test_tp_rules_agree_with_transformers_tp_plan(model_type):
             "lfm2": {f"conv.{p}.weight" for p in ("in_proj", "conv", "out_proj")}
             | {f"self_attn.{p}_proj.weight" for p in ("q", "k", "v", "out")}
             | {f"feed_forward.w{i}.weight" for i in (1, 2, 3)},
+            # ... and LFM2-MoE's plan its experts only
+            "lfm2_moe": {f"conv.{p}.weight" for p in ("in_proj", "conv", "out_proj")}
+            | {f"self_attn.{p}_proj.weight" for p in ("q", "k", "v", "out")}
+            | {f"feed_forward.w{i}.weight" for i in (1, 2, 3)},
         }.get(model_type, set())
         # Linear attention's depthwise convolution splits with its heads (transformers' plan leaves it whole).
         beyond |= {n for n in names if n == "linear_attn.conv1d.weight"}

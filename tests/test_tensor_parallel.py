@@ -122,6 +122,7 @@ BLOCK_EXTRA = {
     "gpt_oss": dict(swiglu_limit=0.5),
     # OLMoE declares its q/k norms from hidden_size (heads x head_dim must be hidden); q/k/v clipped
     "olmoe": dict(head_dim=16),
+    "lfm2_moe": dict(num_dense_layers=0),  # block 0 sparse
 }
 MLP_BIAS = {"llama", "helium", "smollm3", "seed_oss", "ernie4_5"}
 QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "glm4_moe", "olmoe", "exaone4", "flex_olmo"}
@@ -213,6 +214,7 @@ def _tp_block_worker(rank: int, store: str, model_type: str, out: str) -> None:
             *("olmoe", "exaone4", "granite", "flex_olmo"),  # OLMoE's q/k norms sized from hidden_size
             *("minimax_m2", "glm4_moe_lite", "apertus", "exaone_moe", "mimo_v2_flash", "cohere2", "ernie4_5_moe"),
             "lfm2",  # its short convolution (block 0) by channels, with every bias
+            "lfm2_moe",  # ... with its sparse block (the block's score bias, no load-balancing loss)
         )
     ],
 )
@@ -240,7 +242,7 @@ def test_tp_block_equals_the_whole_block_with_biases_and_qk_norms(model_type, tm
     loss.backward()
     keys = dict(whole.named_parameters())
     assert (model_type in QK_NORM) == ("self_attn.q_norm.weight" in keys)
-    assert is_moe(config) == ("mlp.experts.gate_up_proj" in keys)
+    assert is_moe(config) == any(k.endswith("experts.gate_up_proj") for k in keys)  # (LFM2-MoE's: feed_forward.)
     assert (model_type in ("qwen2_moe", "qwen3_next")) == ("mlp.shared_expert_gate.weight" in keys)
     assert (model_type in ("qwen3_5_text", "qwen3_next")) == ("linear_attn.out_proj.weight" in keys)
     assert (model_type in MLP_BIAS) == ("mlp.down_proj.bias" in keys)

@@ -4,8 +4,8 @@ sparse blocks after, all under `feed_forward`: a sigmoid router that chooses its
 `expert_bias` (a buffer, on the block rather than the router, so `moe.bias_update_rate` is refused), renormalises
 where `norm_topk_prob` and scales by `routed_scaling_factor`; Mixtral-named experts on the hub
 (`feed_forward.experts.N.w1/w3/w2`, fused in transformers' memory). transformers trains it with no load-balancing
-loss; the router statistics count the experts the router chose. Tensor parallelism is refused in one line (LFM2's is
-built: its experts' split is what is missing)."""
+loss; the router statistics count the experts the router chose. Tensor parallelism splits LFM2's layers as LFM2's,
+the experts as a dense MLP is (each expert's gate and up rows, down columns), the router replicated."""
 
 from models.families import Family, MoeSpec, register
 from models.families.lfm2 import LFM2_LAYERS, LFM2_TINY
@@ -15,8 +15,6 @@ register(
         "lfm2_moe",
         "Lfm2Moe",
         **LFM2_LAYERS,
-        # (its fused in-memory experts' key is Llama 4's, whose split differs: a config-aware rule is not built)
-        tp_refused="its experts' fused in-memory tensors share Llama 4's names but not their layout",
         moe=MoeSpec(
             "feed_forward",
             ("w1", "w3", "w2"),
