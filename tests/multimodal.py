@@ -67,6 +67,13 @@ def multimodal(family: str):
         model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
         towers = "model.vision_model." if container in ("idefics3", "smolvlm") else "vision_tower."
         return model, towers, text_type, f"{FAMILIES[text_type].prefix}ForCausalLM"
+    if family == "lfm2_vl":  # LFM2-VL: LFM2's text model beside a SigLIP2 tower
+        text = tiny_config("lfm2", num_key_value_heads=2).to_dict()
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=8)
+        config = transformers.Lfm2VlConfig(
+            text_config=text, vision_config=vision | dict(num_patches=16), projector_hidden_size=32
+        )
+        return transformers.Lfm2VlForConditionalGeneration(config), "model.vision_tower.", "lfm2", "Lfm2ForCausalLM"
     if family == "qwen3_vl":  # its text model's MRoPE in three interleaved sections, DeepStack into layer 0
         text = tiny_config("qwen3", num_key_value_heads=2, head_dim=16).to_dict() | {"model_type": "qwen3_vl_text"}
         text["rope_parameters"] |= {"mrope_section": [4, 2, 2], "mrope_interleaved": True}

@@ -411,9 +411,7 @@ def test_tp_split_and_merge_between_any_degrees_round_trip_bit_identical(model_t
         "qwen3_5",
         "qwen3_5_moe",
         "kimi_k25",
-        "mistral3-mistral4",
-        "mistral3-ministral3",
-        "mistral3-mistral",
+        *("mistral3-mistral4", "mistral3-ministral3", "mistral3-mistral"),
         "gemma4",
         "llava-mistral",
         "llava_next-llama",
@@ -422,16 +420,18 @@ def test_tp_split_and_merge_between_any_degrees_round_trip_bit_identical(model_t
         "idefics3-llama",
         "smolvlm-llama",
         "qwen3_vl",
+        "lfm2_vl",
     ],
 )
 def test_multimodal_checkpoint_converts_its_text_model(family, tmp_path):
     """A Llama4ForConditionalGeneration checkpoint (the hub's Llama 4 Scout and Maverick), a
     Gemma3ForConditionalGeneration one (Gemma 3 4B-27B), a Qwen3_5ForConditionalGeneration one (every Qwen3.5, with
-    its `mtp.*` weights) or a Mistral3ForConditionalGeneration one (Mistral Small 4, untied; Ministral 3 and
-    Mistral Small 3.x, their heads tied by the container's config), and the vision-language ones (LLaVA's, InternVL,
-    Idefics3, SmolVLM, Qwen3-VL): conversion takes the text model (`text_config`, its keys under the container's
-    prefix), keeps the rest aside; `--verify --against` the multimodal directory finds transformers' text logits (max
-    difference 0), and the export is the multimodal checkpoint again, every tensor bit for bit, loaded by its class."""
+    its `mtp.*` weights) or a Mistral3ForConditionalGeneration one (Mistral Small 4, untied; Ministral 3 and Mistral
+    Small 3.x, their heads tied by the container's config), and the vision-language ones (LLaVA's, InternVL,
+    Idefics3, SmolVLM, Qwen3-VL, LFM2-VL): conversion takes the text model (`text_config`, its keys under the
+    container's prefix), keeps the rest aside; `--verify --against` the multimodal directory finds transformers'
+    text logits (max difference 0), and the export is the multimodal checkpoint again, every tensor bit for bit,
+    loaded by its class."""
     from tests.conftest import convert_in_process
     from tests.hub_extras import add_mtp_layer, add_unread_kv
     from tools.tiny_models import as_on_the_hub

@@ -8,6 +8,8 @@ Image inputs are not trained.
   `language_model.lm_head.`), as transformers 5 still saves them.
 - Idefics3 (`idefics3`) and SmolVLM (`smolvlm`): the text model under `model.text_model.`, its head at `lm_head.`.
 - Qwen3-VL (`qwen3_vl`, dense): its text model read as Qwen3 (below).
+- LFM2-VL (`lfm2_vl`): its text model LFM2's (models/families/lfm2.py), under `model.language_model.`, its head at
+  `lm_head.`.
 """
 
 from models.families import Container, register_alias, register_container
@@ -28,5 +30,11 @@ register_container(
     "qwen3_vl",
     Container(
         "text_config", "", "Qwen3ForCausalLM", renames=(("model.language_model.", "model."), ("lm_head.", "lm_head."))
+    ),
+)
+register_container(
+    "lfm2_vl",
+    Container(
+        "text_config", "", "Lfm2ForCausalLM", renames=(("model.language_model.", "model."), ("lm_head.", "lm_head."))
     ),
 )
