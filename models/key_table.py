@@ -322,17 +322,23 @@ def linear_modules(config=None) -> list[str]:
     projections: `qkv_proj`, `gate_up_proj`; LFM2's `feed_forward.w1`); else the names every family shares."""
     if config is None:
         return [k.removesuffix(".weight") for k in KEY_TABLE[DECODER] if k.endswith("_proj.weight")]
-    import torch
-    from torch import nn
-
     blocks = {is_linear_attention(config, b): b for b in reversed(range(config.num_hidden_layers))}
     names = []
     for block in sorted(blocks.values()):
-        with torch.device("meta"):
-            layer = family_of(config).hf_class("DecoderLayer")(with_torch_dtype(config), block)
-        linear = [n for n, m in layer.named_modules() if type(m).forward is nn.Linear.forward]
-        names += [n for n in linear if n not in names]
+        names += [n for n in linear_layers(config, block) if n not in names]
     return names
+
+
+def linear_layers(config, block: int) -> list[str]:
+    """The modules of exactly `nn.Linear`'s maths in the family's transformers layer for decoder block `block`, as
+    named in it (built on the meta device): not other maths that subclasses nn.Linear (DeepSeek-V4's grouped
+    `o_a_proj`, which PEFT's adapter would treat as one matrix)."""
+    import torch
+    from torch import nn
+
+    with torch.device("meta"):
+        layer = family_of(config).hf_class("DecoderLayer")(with_torch_dtype(config), block)
+    return [n for n, m in layer.named_modules() if n and type(m).forward is nn.Linear.forward]
 
 
 def hf_decoder_module(block: int, module: str) -> str:

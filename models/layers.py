@@ -301,12 +301,12 @@ class DecoderPipe:
         # (context parallel), which attention sees: RoPE turns this rank's S/C positions into angles.
         local_positions = context_parallel.shard(position_ids, self.cp.rank, self.cp.size)
         self._batch = hidden.shape[0]  # rows of flattened [B * S, H] tensors (models/tensor_parallel.py `enter`)
-        if self.rotary_kinds:  # {kind: (cos, sin)}
+        if getattr(self.model_config, "position_embedding_type", "rope") != "rope":  # Granite 4's NoPE model: none
+            cos_sin = None
+        elif self.rotary_kinds:  # {kind: (cos, sin)}
             cos_sin = {kind: self.rotary_emb(hidden, local_positions, kind) for kind in self.rotary_kinds}
         else:
             cos_sin = self.rotary_emb(hidden, local_positions, *self.rotary_args)  # 2 x [B, S/C, head_dim]
-        if getattr(self.model_config, "position_embedding_type", "rope") != "rope":  # Granite 4's NoPE model
-            cos_sin = None
         packed, seq = self.options.packed, position_ids.shape[-1]
         window = self.window if self.window is not None and self.window < seq else None
         chunk = self.chunk if self.chunk is not None and self.chunk < seq else None

@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from models.families import FAMILIES, family_of, hf_classes, is_linear_attention
-from models.key_table import decoder_keys, linear_modules
-from models.layer_config import with_torch_dtype
+from models.key_table import linear_layers, linear_modules
 from models.layers import block_index
 from models.partition import layer_shape
 from models.pipe_layout import DECODER
@@ -38,17 +37,11 @@ def attention_modules(config) -> list[str]:
     one of other maths that subclasses nn.Linear (DeepSeek-V4's grouped `o_a_proj`: PEFT's adapter would treat it as
     one matrix)."""
     block = next(b for b in range(config.num_hidden_layers) if not is_linear_attention(config, b))
-    modules = [k.removesuffix(".weight") for k in decoder_keys(config, block) if k.endswith(".weight")]
     frozen = tuple(f"{name}." for name in family_of(config).frozen)  # no gradients: nothing for an adapter to learn
-    with torch.device("meta"):
-        layer = family_of(config).hf_class("DecoderLayer")(with_torch_dtype(config), block)
     return [
         m
-        for m in modules
-        if m.startswith("self_attn.")
-        and "_proj" in m.rsplit(".", 1)[-1]
-        and not m.startswith(frozen)
-        and type(layer.get_submodule(m)).forward is nn.Linear.forward
+        for m in linear_layers(config, block)
+        if m.startswith("self_attn.") and "_proj" in m.rsplit(".", 1)[-1] and not m.startswith(frozen)
     ]
 
 
@@ -83,10 +76,7 @@ def recurrent_modules(config) -> list[str]:
         return []
     moe = family_of(config).moe
     outside = ("self_attn.", f"{moe.block}." if moe is not None and moe.block else "self_attn.")
-    with torch.device("meta"):
-        layer = family_of(config).hf_class("DecoderLayer")(with_torch_dtype(config), block)
-    modules = [n for n, m in layer.named_modules() if n and type(m).forward is nn.Linear.forward]
-    return [m for m in modules if not m.startswith(outside)]
+    return [m for m in linear_layers(config, block) if not m.startswith(outside)]
 
 
 def lora_tp_refusal(config) -> str | None:

@@ -52,7 +52,7 @@ from models.moe import dense_mlp
 from models.pipe_layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer
 from models.sharding import LINEAR_HEADS, padded_vocab, tp_indivisible
 from models.tp_collectives import SumOverTP, TensorParallel, copy_to_tp, enter_tp, leave_tp, sum_grad_over_tp
-from models.tp_rules import attention_replicas
+from models.tp_rules import attention_replicas, row_layer
 from models.vocab_parallel_loss import vocab_parallel_token_cross_entropy
 
 
@@ -125,7 +125,7 @@ class TPDecoderPipe:
         local = local_config(config, tp)
         super().__init__(local, layer_idx, options, ep)
         self.tp = tp
-        if self.linear and hasattr(self, "conv"):  # LFM2's short convolution over this rank's channels
+        if self.linear and config.layer_types[layer_idx] == "conv":  # LFM2's short convolution over its channels
             _split_short_convolution(self.conv, tp)
         elif self.linear:  # Gated DeltaNet with this rank's key and value heads; its gated norm sees only their values
             _row_parallel(self.linear_attn.out_proj, tp)
@@ -140,7 +140,7 @@ class TPDecoderPipe:
             split_sparse_block(self.moe_block(), tp, moe.router, moe.router_logits, self if moe.beside_mlp else None)
         if not self.sparse or moe.beside_mlp:  # (Gemma 4's experts sit beside a dense MLP of its own)
             mlp = getattr(self, dense_mlp(config))
-            _row_parallel(mlp.w2 if hasattr(mlp, "w2") else mlp.down_proj, tp)  # (LFM2's w2)
+            _row_parallel(row_layer(mlp, dense_mlp(config), config), tp)  # down_proj (LFM2's w2)
             # Parameters of the MLP's other modules (Apertus's xIELU scalars) act on this rank's columns only.
             for module in mlp.modules():
                 if not isinstance(module, nn.Linear):
@@ -174,8 +174,8 @@ class TPDecoderPipe:
 
     def _split_attention(self, config, local, tp: TensorParallel) -> None:
         width = local.num_attention_heads * layer_attr(local, self.self_attn.layer_idx, "head_dim")
-        name = "o_proj" if hasattr(self.self_attn, "o_proj") else "out_proj"  # (LFM2's)
-        o_proj = getattr(self.self_attn, name)
+        o_proj = row_layer(self.self_attn, "self_attn", config)  # o_proj (LFM2's out_proj)
+        name = next(n for n, m in self.self_attn.named_children() if m is o_proj)
         if o_proj.in_features == config.hidden_size != width:  # declared hidden x hidden (Helium's): this rank's heads
             setattr(self.self_attn, name, nn.Linear(width, o_proj.out_features, bias=o_proj.bias is not None))
         _row_parallel(getattr(self.self_attn, name), tp)

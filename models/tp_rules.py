@@ -173,6 +173,14 @@ def tp_split(kind: str, key: str, config=None) -> str:
     return REPLICA if rule == ROW and param == "bias" else rule
 
 
+def row_layer(module, prefix: str, config):
+    """The one row-parallel linear layer of `module` (named `prefix` in the decoder layer: an attention's o_proj, an
+    MLP's down_proj; LFM2's out_proj and w2), as the split rules name it."""
+    rows = [m for n, m in module.named_children() if tp_split(DECODER, f"{prefix}.{n}.weight", config) == ROW]
+    assert len(rows) == 1, (prefix, rows)
+    return rows[0]
+
+
 def attention_replicas(attention, config) -> list:
     """The parameters of a decoder layer's attention (`attention`, transformers' module) that every tensor-parallel
     rank holds whole although only its heads use their output (MLA's low-rank `q_a_proj`, `kv_a_proj_with_mqa` and
