@@ -45,10 +45,9 @@ import torch
 from checkpoint.errors import CheckpointError
 from checkpoint.expert_layouts import Assembly, has_expert_parts, is_expert_part, per_expert_sources
 from checkpoint.hf_reader import iter_tensors, validate
+from models.hub_quantized import dequantize, mxfp4_to_plain
 
 SCALE_SUFFIX = "_scale_inv"  # `<module>.weight_scale_inv` beside `<module>.weight`
-# The e2m1 values of an FP4 nibble (sign bit high), as transformers' `Fp8Dequantize` reads them.
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 MXFP4_PARTS = ("_blocks", "_scales")  # `X_blocks`, `X_scales` in place of `X`
@@ -142,13 +141,6 @@ def hub_sources(hf_key: str, config, present) -> list[str]:
     return per_expert_sources(hf_key, config, present) or [hf_key]
 
 
-def mxfp4_to_plain(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An MXFP4 expert tensor as transformers dequantizes it (x @ W layout)."""
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    return convert_moe_packed_tensors(blocks, scales, dtype=dtype)
-
-
 def int4_to_plain(
     packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, group: int, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -184,45 +176,6 @@ def is_scale(hf_key: str, config) -> bool:
     if int4_group(config) is not None:
         return hf_key.endswith(INT4_PARTS)
     return is_fp8(config) and hf_key.endswith((SCALE_SUFFIX, "activation_scale"))  # activation scales: dropped
-
-
-def dequantize(
-    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype
-) -> torch.Tensor:
-    """An FP8 weight [..., rows, cols] times its block scales [..., ceil(rows / b0), ceil(cols / b1)], in fp32, as
-    `dtype`. `block` None (per-tensor FP8): the blocks the scale's grid cuts each matrix into (one scale: one
-    block). Fused experts [E, rows, cols] a matrix at a time, so that they never stand whole in fp32."""
-    if weight.dim() > 2:
-        matrices = weight.view(-1, *weight.shape[-2:])
-        grid = scale.shape[-2:] if scale.numel() > len(matrices) else (1, 1)
-        out = torch.empty(weight.shape, dtype=dtype)
-        for piece, w, s in zip(out.view_as(matrices), matrices, scale.reshape(len(matrices), *grid), strict=True):
-            piece.copy_(dequantize(w, s, block, dtype))
-        return out
-    if weight.dtype == torch.int8:  # FP4, two e2m1 values a byte (DeepSeek-V4's experts): blocks by the scale's grid
-        weight, block = unpack_fp4(weight), None
-    if scale.dtype == torch.uint8:  # power-of-two exponents (+ 127), as transformers reads one-byte scales
-        scale = torch.exp2(scale.to(torch.float32) - 127.0)
-    rows, cols = weight.shape
-    scale = scale.reshape(1, 1) if scale.numel() == 1 else scale
-    if block is None:
-        if scale.dim() != 2 or rows % scale.shape[0] or cols % scale.shape[1]:
-            raise ValueError(f"scale shape {tuple(scale.shape)} does not divide a {tuple(weight.shape)} weight")
-        block = (rows // scale.shape[0], cols // scale.shape[1])
-    want = (-(-rows // block[0]), -(-cols // block[1]))
-    if tuple(scale.shape) != want:
-        raise ValueError(
-            f"scale shape {tuple(scale.shape)} does not tile a {tuple(weight.shape)} weight in {block} blocks"
-        )
-    grid = scale.to(torch.float32).repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
-    return (weight.to(torch.float32) * grid[:rows, :cols]).to(dtype)
-
-
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """An FP4 weight [rows, cols / 2] (int8: two e2m1 values a byte, the low nibble first) as fp32 [rows, cols]."""
-    table = torch.tensor(E2M1, dtype=torch.float32)
-    bytes_ = packed.contiguous().view(torch.uint8).long()
-    return torch.stack((table[bytes_ & 0xF], table[bytes_ >> 4]), dim=-1).reshape(*packed.shape[:-1], -1)
 
 
 def _fp8_scales(hf_dir: str, weights: set[str], present) -> dict[str, torch.Tensor]:

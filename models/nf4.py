@@ -11,10 +11,8 @@ routed experts' fused tensors (`quantize_experts`). Embeddings, the head and nor
 tensor-parallel rank quantizes the shard it holds (a block of 64 never straddles two ranks); when a row layer's
 shard holds a multiple of 64 columns, as every real model's does, the blocks are those of the whole weight.
 
-A quantized layer keeps its class's forward contract (`nn.Linear`: PEFT wraps it as any linear layer) with its
-`weight` a small module of buffers: the packed codes and the statistics' bytes (uint8: DeepSpeed's casts of the
-module to bf16 leave them alone; device moves carry them). They are not persistent: checkpoints hold the adapters,
-and the base is quantized again from its source at every start, deterministically.
+A quantized layer holds its weight as models/frozen_weights.py says (dequantized at each matmul, stored as bytes,
+not persistent): the base is quantized again from its source at every start, deterministically.
 
 Model code only: no distributed code. bitsandbytes is optional; `require_bitsandbytes` says so in one line.
 """
@@ -22,8 +20,9 @@ Model code only: no distributed code. bitsandbytes is optional; `require_bitsand
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from models.frozen_weights import HeldWeight, as_bytes, expert_weights, held_class, hold_experts, hold_linear
 
 BLOCKSIZE = 64  # bitsandbytes' and transformers' default for 4-bit (bnb_4bit_blocksize)
 NESTED_BLOCKSIZE = 256  # the absmax's own blocks under double quantization (bitsandbytes' only choice)
@@ -40,11 +39,7 @@ def require_bitsandbytes(key: str = "lora.quantize=nf4"):
     return bnb_functional
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
-class NF4Weight(nn.Module):
+class NF4Weight(HeldWeight):
     """One linear layer's weight in NF4: `packed` [(out*in+1)//2, 1] uint8 and its statistics, stored as bytes (the
     NF4 code book is bitsandbytes' own constant).
     `shape` is the weight's [out, in]; `source_dtype` the dtype it was quantized from (bitsandbytes' QuantState
@@ -60,19 +55,11 @@ class NF4Weight(nn.Module):
         self.register_buffer("packed", packed, persistent=False)
         if state.nested:  # absmax as uint8 codes, with its own fp32 absmax per 256, code book and offset
             self.register_buffer("absmax", state.absmax, persistent=False)
-            self.register_buffer("absmax2", _as_bytes(state.state2.absmax), persistent=False)
-            self.register_buffer("code2", _as_bytes(state.state2.code), persistent=False)
-            self.register_buffer("offset", _as_bytes(state.offset.reshape(1)), persistent=False)
+            self.register_buffer("absmax2", as_bytes(state.state2.absmax), persistent=False)
+            self.register_buffer("code2", as_bytes(state.state2.code), persistent=False)
+            self.register_buffer("offset", as_bytes(state.offset.reshape(1)), persistent=False)
         else:
-            self.register_buffer("absmax", _as_bytes(state.absmax), persistent=False)
-
-    @property
-    def device(self) -> torch.device:
-        return self.packed.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.packed.dtype
+            self.register_buffer("absmax", as_bytes(state.absmax), persistent=False)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight [out, in] as bitsandbytes' `gemm_4bit` dequantizes it for a `dtype` input (default: the
@@ -93,62 +80,11 @@ class NF4Weight(nn.Module):
         return f"shape={list(self.shape)}, nf4, blocksize={BLOCKSIZE}, double={self.nested}"
 
 
-class _NF4Matmul(torch.autograd.Function):
-    """`F.linear(x, W, bias)` with W dequantized from NF4 for the product (bitsandbytes' `MatMul4Bit`): backward
-    dequantizes it again for the input's gradient, so nothing of the weight's size is kept between the two. The
-    weight is frozen; a trained bias gets its gradient."""
-
-    @staticmethod
-    def forward(ctx, x, weight: NF4Weight, bias):
-        ctx.weight, ctx.bias_dtype = weight, None if bias is None else bias.dtype
-        return F.linear(x, weight.dequantize(x.dtype), bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_bias = None
-        if ctx.needs_input_grad[2]:
-            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0, dtype=ctx.bias_dtype)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.matmul(grad, ctx.weight.dequantize(grad.dtype))
-        return grad_x, None, grad_bias
-
-
-def nf4_linear(x: torch.Tensor, weight: NF4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ bias) with W in NF4."""
-    return _NF4Matmul.apply(x, weight, bias)
-
-
-class NF4Linear(nn.Linear):
-    """An `nn.Linear` whose weight is an `NF4Weight`."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nf4_linear(x, self.weight, self.bias)
-
-
-_CLASSES: dict[type, type] = {nn.Linear: NF4Linear}
-
-
-def nf4_class(cls: type) -> type | None:
-    """The NF4 class of a linear layer class (`nn.Linear`, or a subclass that routes its product through a
-    `matmul(x, weight)` attribute: the tensor-parallel row layer), or None."""
-    if cls in _CLASSES:
-        return _CLASSES[cls]
-    if cls.__mro__[1] is nn.Linear and "matmul" in cls.__dict__:
-        _CLASSES[cls] = type(f"NF4{cls.__name__}", (cls,), {"matmul": staticmethod(nf4_linear)})
-        return _CLASSES[cls]
-    return None
-
-
 def quantize_linear(layer: nn.Linear, double: bool = False) -> None:
-    """Hold `layer`'s weight in NF4, in place (its class becomes the NF4 one; its bias stays)."""
-    cls = nf4_class(type(layer))
-    if cls is None:
+    """Hold `layer`'s weight in NF4, in place (its class becomes the held one; its bias stays)."""
+    if held_class(type(layer)) is None:
         raise ValueError(f"{type(layer).__name__} cannot be held in NF4")
-    weight = layer.weight
-    del layer.weight
-    layer.weight = NF4Weight(weight.data, double)
-    layer.__class__ = cls
+    hold_linear(layer, NF4Weight(layer.weight.data, double))
 
 
 def nf4_linears(layer: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -166,7 +102,7 @@ def nf4_linears(layer: nn.Module) -> list[tuple[str, nn.Linear]]:
         (name, linear)
         for name, linear in layer.named_modules()
         if isinstance(linear, nn.Linear)
-        and nf4_class(type(linear)) is not None
+        and held_class(type(linear)) is not None
         and should_convert_module(f"model.layers.{block}.{name}", kept)
     ]
 
@@ -180,39 +116,15 @@ def nf4_experts(layer: nn.Module) -> tuple[nn.Module, nn.Module] | None:
         return None
     block = getattr(layer, family.moe.block, None) if family.moe.block else layer
     experts = getattr(block, "experts", None)
-    return (block, experts) if experts is not None and _expert_weights(experts) else None
-
-
-def _expert_weights(experts: nn.Module) -> list[str]:
-    return [n for n, p in experts.named_parameters(recurse=False) if p.dim() == 3 and p.is_floating_point()]
+    return (block, experts) if experts is not None and expert_weights(experts) else None
 
 
 def quantize_experts(experts: nn.Module, double: bool = False, block: nn.Module | None = None) -> None:
     """Hold an experts module's fused weights ([E, ., .]: this rank's experts, each its own blocks where a matrix
-    holds a multiple of 64 weights) in NF4, in place; biases stay. transformers' experts code reads the weights as
-    attributes, in whichever implementation it runs: each call of the sparse `block` (default: the experts module;
-    expert parallelism and routed experts call transformers' experts functions on the module directly, inside the
-    block) dequantizes them into attributes of the experts (in the dtype of the block's input) and drops them after,
-    so a forward holds one layer's experts dense at a time, and with every block recomputed, so does backward
-    (training/validate.py refuses the rest)."""
-    names = _expert_weights(experts)
-    for name in names:
-        weight = getattr(experts, name)
-        delattr(experts, name)
-        experts.add_module(f"{name}_nf4", NF4Weight(weight.data, double))
-    experts.nf4_weights = names
-
-    def dense(_block, args, kwargs):
-        dtype = next(t.dtype for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.is_floating_point())
-        for n in experts.nf4_weights:
-            experts.__dict__[n] = getattr(experts, f"{n}_nf4").dequantize(dtype)
-
-    def drop(*_):
-        for n in experts.nf4_weights:
-            experts.__dict__.pop(n, None)
-
-    (block or experts).register_forward_pre_hook(dense, with_kwargs=True)
-    (block or experts).register_forward_hook(drop, always_call=True)
+    holds a multiple of 64 weights) in NF4, in place; biases stay; dequantized at each call of the sparse `block`
+    (models/frozen_weights.py `hold_experts`)."""
+    held = {name: NF4Weight(getattr(experts, name).data, double) for name in expert_weights(experts)}
+    hold_experts(experts, held, block)
 
 
 def quantize_stage(module: nn.Module, double: bool = False, experts: bool = True) -> int:
@@ -228,7 +140,7 @@ def quantize_stage(module: nn.Module, double: bool = False, experts: bool = True
                 quantize_linear(linear, double)
                 count += 1
         sparse = nf4_experts(layer) if experts else None
-        if sparse is not None and not hasattr(sparse[1], "nf4_weights"):
+        if sparse is not None and not hasattr(sparse[1], "held_weights"):
             quantize_experts(sparse[1], double, block=sparse[0])
             count += 1
     return count
@@ -260,8 +172,3 @@ def nf4_bytes(numel: int, double: bool = False) -> int:
     blocks = -(-numel // BLOCKSIZE)
     absmax = blocks + 4 * -(-blocks // NESTED_BLOCKSIZE) + 4 * 256 + 4 if double else 4 * blocks
     return -(-numel // 2) + absmax
-
-
-def held_bytes(module: nn.Module) -> int:
-    """Bytes of `module`'s parameters and buffers (what a stage holds of its weights)."""
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])

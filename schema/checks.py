@@ -150,6 +150,11 @@ def check_config(cfg: TrainConfig) -> None:
         not cfg.lora.quantize_double or cfg.lora.quantize == "nf4",
         "lora.quantize_double=true needs lora.quantize=nf4",
     )
+    need(not cfg.lora.keep_quantized or cfg.lora.enabled, "lora.keep_quantized=true needs lora.enabled=true")
+    need(
+        not cfg.lora.keep_quantized or cfg.lora.quantize == "none",
+        f"lora.keep_quantized=true with lora.quantize={cfg.lora.quantize}: the base is either the hub's or NF4",
+    )
     need(
         cfg.model_name_or_path is not None or cfg.model.hidden_size is not None,
         "model_name_or_path is not set (a checkpoint written by convert2ckpt.py) and model= names no preset to build",

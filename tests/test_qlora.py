@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from models.nf4 import NF4Weight, held_bytes, nf4_bytes, quantize_linear, quantize_stage, require_bitsandbytes
+from models.frozen_weights import held_bytes
+from models.nf4 import NF4Weight, nf4_bytes, quantize_linear, quantize_stage, require_bitsandbytes
 from tests.conftest import check, launch, read_jsonl
 from tests.resumes import assert_resumed_exactly, interrupted_copy
 from tests.test_lora import LORA, assert_matches_peft, lora_overrides
@@ -97,11 +98,11 @@ def round_trip(model: nn.Module, experts: bool = True) -> nn.Module:
     quantize_stage(model, experts=experts)
     with torch.no_grad():
         for module in list(model.modules()):
-            for name in getattr(module, "nf4_weights", []):  # fused experts
-                setattr(module, name, nn.Parameter(getattr(module, f"{name}_nf4").dequantize(torch.float32), False))
-                delattr(module, f"{name}_nf4")
-            if hasattr(module, "nf4_weights"):
-                module.nf4_weights = []  # (its hooks then do nothing)
+            for name in getattr(module, "held_weights", []):  # fused experts
+                setattr(module, name, nn.Parameter(getattr(module, f"{name}_held").dequantize(torch.float32), False))
+                delattr(module, f"{name}_held")
+            if hasattr(module, "held_weights"):
+                module.held_weights = []  # (its hooks then do nothing)
             if isinstance(module.__dict__.get("_modules", {}).get("weight"), NF4Weight):
                 weight = module.weight.dequantize(torch.float32)
                 del module.weight
@@ -140,7 +141,7 @@ def test_nf4_experts_compute_with_their_round_trip(variant, hf_models):
     ours = built()
     quantize_stage(ours)
     dense = round_trip(built())
-    experts = [m for m in ours.modules() if hasattr(m, "nf4_weights")]
+    experts = [m for m in ours.modules() if hasattr(m, "held_weights")]
     assert experts and all(not any(p.dim() == 3 for p in m.parameters(recurse=False)) for m in experts)
     ids = torch.randint(3, 60, (2, 12))
     outs = []
@@ -150,7 +151,7 @@ def test_nf4_experts_compute_with_their_round_trip(variant, hf_models):
         (grad,) = torch.autograd.grad(logits.square().sum(), [embeds])
         outs.append((logits, grad))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    assert all(n not in m.__dict__ for m in experts for n in m.nf4_weights)  # the dense copies dropped after use
+    assert all(n not in m.__dict__ for m in experts for n in m.held_weights)  # the dense copies dropped after use
 
 
 @pytest.mark.slow
@@ -273,7 +274,7 @@ def test_planner_counts_the_nf4_base(variant, double, hf_models):
     add_lora(model, LORA.r, LORA.alpha, 0.0, LORA.target_modules, seed=0)
     nf4 = sum(held_bytes(m) for m in model.modules() if isinstance(m, NF4Weight))
     held = sum(p.numel() * p.element_size() for p in model.parameters()) + nf4
-    dense_experts = [_dense_numel(m) for m in model.modules() if hasattr(m, "nf4_weights")]
+    dense_experts = [_dense_numel(m) for m in model.modules() if hasattr(m, "held_weights")]
     transient = max(dense_experts, default=0) * 4
     (planned,) = estimate(cfg, AutoConfig.from_pretrained(hf_models[variant]), 1)
     dense = sum(p.numel() * 4 for p in hf_model(hf_models[variant], dtype=torch.float32).parameters())
@@ -284,7 +285,7 @@ def test_planner_counts_the_nf4_base(variant, double, hf_models):
 
 def _dense_numel(experts: nn.Module) -> int:
     """Elements of an NF4 experts module's weights, dense."""
-    return sum(math.prod(getattr(experts, f"{n}_nf4").shape) for n in experts.nf4_weights)
+    return sum(math.prod(getattr(experts, f"{n}_held").shape) for n in experts.held_weights)
 
 
 def test_the_reference_cache_knows_the_nf4_base(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def quantize_fp8(hf_dir: str, out: str) -> dict[str, tuple[torch.Tensor, torch.T
     quantized = {}
     for shard in sorted(n for n in os.listdir(out) if n.endswith(".safetensors")):
         state = load_file(os.path.join(out, shard))
-        for key in [k for k, v in state.items() if k.endswith("_proj.weight") and v.dim() == 2]:
+        for key in [k for k, v in state.items() if k.endswith(("_proj.weight", "_mqa.weight")) and v.dim() == 2]:
             if int(key.split(".")[2]) >= layers:  # the multi-token-prediction layer is carried as it is
                 continue
             w = state[key].float()
@@ -119,14 +120,10 @@ def _to_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, (exponent + 127).to(torch.uint8)
 
 
-def test_mxfp4_experts_are_dequantized_as_transformers_loads_them(hf_models, tmp_path):
-    """gpt-oss's official checkpoints keep the experts in MXFP4 (`*_blocks`, `*_scales`). A copy of the gpt-oss test
-    model quantized so converts to the weights transformers itself loads from it (`from_pretrained`, which
-    dequantizes MXFP4 without its GPU kernels), bit for bit in bf16; every other tensor is the original's in bf16."""
-    from transformers import AutoModelForCausalLM
-
-    src = tmp_path / "mxfp4"
-    shutil.copytree(hf_models["gpt_oss"], src)
+def quantize_mxfp4(hf_dir: str, out) -> list[str]:
+    """A copy of `hf_dir` (gpt-oss) with its experts in MXFP4 as gpt-oss ships them; returns the quantized keys."""
+    src = Path(out)
+    shutil.copytree(hf_dir, src)
     quantized = []
     for shard in sorted(n for n in os.listdir(src) if n.endswith(".safetensors")):
         state = load_file(src / shard)
@@ -144,7 +141,18 @@ def test_mxfp4_experts_are_dequantized_as_transformers_loads_them(hf_models, tmp
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (src / "config.json").write_text(json.dumps(config))
+    return quantized
 
+
+def test_mxfp4_experts_are_dequantized_as_transformers_loads_them(hf_models, tmp_path):
+    """gpt-oss's official checkpoints keep the experts in MXFP4 (`*_blocks`, `*_scales`). A copy of the gpt-oss test
+    model quantized so converts to the weights transformers itself loads from it (`from_pretrained`, which
+    dequantizes MXFP4 without its GPU kernels), bit for bit in bf16; every other tensor is the original's in bf16."""
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "mxfp4"
+    quantized = quantize_mxfp4(hf_models["gpt_oss"], src)
+    config = json.loads((src / "config.json").read_text())
     out = str(tmp_path / "ckpt")
     convert_hf_to_pipeline(str(src), out, log=lambda *_: None)
     ours = load_hf_state_dict(out)

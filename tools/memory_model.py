@@ -76,6 +76,8 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     # QLoRA: the decoder linears' weights held in NF4 (models/nf4.py), per layer (weights, their bytes)
     lo = cfg.lora
     nf4 = nf4_layer_counts(config, shard, lo.quantize_double, lo.quantize_experts, ep) if lo.quantize == "nf4" else None
+    if lo.keep_quantized:  # the hub's FP8 blocks / MXFP4 experts held as they are (checkpoint/kept_quantized.py)
+        nf4 = kept_layer_counts(config, ep, hub_quantization(cfg.model_name_or_path, config))
     expert_counts = layer_param_counts(config, shard, ep=ep, experts_only=True) if ep > 1 else [0] * len(counts)
     expert_share = optim_share * ep if zero >= 1 else optim_share
     stages = model_stages(schedule, pp)
@@ -137,7 +139,7 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
         else:  # only the adapters take gradients and optimizer state
             trained = sum(adapters[i] for i in held_layers)
             weights, optimizer = (params + trained) * weight_bytes, trained * optim_bytes * optim_share
-            if nf4 is not None:  # (and one layer's experts dequantized for its forward: `quantize_experts`)
+            if nf4 is not None:  # (and one layer's experts dequantized for its forward: `hold_experts`)
                 weights += sum(nf4[i][1] - nf4[i][0] * weight_bytes for i in held_layers)
                 weights += max((nf4[i][2] for i in held_layers), default=0) * act_bytes
         out.append(Estimate(stage, params, weights, trained * grad_bytes, optimizer, activations, logits))
@@ -167,6 +169,53 @@ def nf4_layer_counts(config, tp, double: bool, experts: bool = False, ep: int = 
                 sparse = nf4_experts(built) if experts else None
                 local = [p.numel() // ep for p in sparse[1].parameters(recurse=False) if p.dim() == 3] if sparse else []
                 done[shape] = (sum(sizes + local), sum(nf4_bytes(n, double) for n in sizes + local), sum(local))
+    return [done.get(layer_shape(layer, config), (0, 0, 0)) for layer in layers]
+
+
+def hub_quantization(source: str | None, config):
+    """The config that says how the hub quantized a model: model_name_or_path's own where it is a Hugging Face
+    directory (a run's model config leaves it out: it computes with the dequantized weights), else `config`."""
+    from checkpoint.hf_reader import is_hf_dir, read_model_config
+
+    return read_model_config(source) if source and is_hf_dir(source) else config
+
+
+def kept_layer_counts(config, ep: int = 1, quant=None) -> list[tuple[int, int, int]]:
+    """`lora.keep_quantized`'s base per pipeline layer (TP=1), as `nf4_layer_counts` counts QLoRA's, from the
+    `quantization_config` of `quant` (default `config`; `hub_quantization`): FP8 (`models.hub_quantized.fp8_bytes`)
+    holds every decoder linear layer and this EP rank's experts, a matrix at a time; MXFP4 (`mxfp4_bytes`) the
+    experts only. On the meta device."""
+    import math
+
+    import torch
+
+    from checkpoint.dequantize import fp8_blocks, is_fp8, is_mxfp4
+    from models.frozen_weights import expert_weights, held_class
+    from models.hub_quantized import fp8_bytes, mxfp4_bytes
+    from models.layers import build_layer
+    from models.nf4 import nf4_experts
+    from models.partition import layer_shape
+    from models.pipe_layout import DECODER, pipe_layers
+
+    quant = quant or config
+    fp8, block = is_fp8(quant), fp8_blocks(quant)
+    layers, done = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings), {}
+    with torch.device("meta"):
+        for layer in layers:
+            shape = layer_shape(layer, config)
+            if layer.kind != DECODER or shape in done or not (fp8 or is_mxfp4(quant)):
+                continue
+            built = build_layer(layer, config)
+            linears = [m.weight.shape for m in built.modules() if held_class(type(m)) and fp8]
+            numel, held = sum(r * c for r, c in linears), sum(fp8_bytes(r, c, block) for r, c in linears)
+            local = 0
+            if (sparse := nf4_experts(built)) is not None:
+                for name in expert_weights(sparse[1]):
+                    experts, *matrix = getattr(sparse[1], name).shape
+                    local += experts // ep * math.prod(matrix)
+                    one = fp8_bytes(*matrix, block) if fp8 else mxfp4_bytes(math.prod(matrix))
+                    held += experts // ep * one
+            done[shape] = (numel + local, held, local)
     return [done.get(layer_shape(layer, config), (0, 0, 0)) for layer in layers]
 
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from checkpoint.dequantize import is_quantized
 from checkpoint.hf_reader import is_hf_dir
+from checkpoint.kept_quantized import hold_hub_weights
 from checkpoint.names import CARRIED_FILE, CONTAINER_CONFIG, LORA_FILE
 from checkpoint.saves import clean_stale, read_tag, written_saves
 from common.hub import is_hub_id, resolve_once
@@ -24,10 +25,11 @@ from data.pair_dataset import PairCollator
 from data.sources import hub_dataset, is_hub_dataset, paths_of
 from models.config import check_preset, config_from_preset, load_hf_config
 from models.families import resolve_attention
+from models.frozen_weights import held_bytes
 from models.lora import add_lora, parallelize_lora
 from models.loss import CausalLMLoss
-from models.moe import WithAuxLoss, default_aux_loss_coef, is_moe
-from models.nf4 import held_bytes, quantize_stage
+from models.moe import WithAuxLoss, default_aux_loss_coef, is_moe, num_experts
+from models.nf4 import quantize_stage
 from models.partition import stage_bounds
 from models.preference import PreferenceLoss, PreferenceSettings
 from models.tensor_parallel import TensorParallel, token_cross_entropy_for, vocab_parallel
@@ -288,6 +290,19 @@ def assemble(cfg: TrainConfig) -> Run:
             held,
             rank,
             held_bytes(module) / 2**30,
+        )
+    if cfg.lora.keep_quantized:  # the hub's FP8 / MXFP4 tensors of the stage's decoder layers, held as they are
+        experts = module._ep.local_experts(num_experts(model_config)) if is_moe(model_config) else None
+        try:
+            held = hold_hub_weights(module, cfg.model_name_or_path, model_config, experts)
+        except ValueError as e:
+            raise RunError(f"lora.keep_quantized=true: {e}") from None
+        log.info(
+            "lora.keep_quantized: %d weights held as %s's on rank %d (%.2f MiB of weights and buffers)",
+            held,
+            cfg.model_name_or_path,
+            rank,
+            held_bytes(module) / 2**20,
         )
     if cfg.lora.enabled:
         lo = cfg.lora

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+from checkpoint.kept_quantized import keep_quantized_refusal
 from models.families import FAMILIES, family_of, linear_attention_refusal, tp_refusal
 from models.key_table import all_layer_keys, memory_key
 from models.layer_config import layer_attr
@@ -96,6 +97,14 @@ def validate_layout(cfg: TrainConfig, world_size: int, model_config) -> None:
             "lora.quantize=nf4 on a model with experts needs model.activation_checkpointing=true (each layer's "
             "experts are dequantized for its forward; without recompute backward would keep every layer's), or "
             "lora.quantize_experts=false",
+        )
+    if cfg.lora.keep_quantized:
+        refused = keep_quantized_refusal(cfg.model_name_or_path, tp)
+        need(refused is None, f"lora.keep_quantized=true: {refused}")
+        need(
+            not is_moe(model_config) or checkpoint_every(cfg.model) == 1,
+            "lora.keep_quantized=true on a model with experts needs model.activation_checkpointing=true (each "
+            "layer's experts are dequantized for its forward; without recompute backward would keep every layer's)",
         )
     validate_context_parallel(cfg, model_config)
     validate_expert_parallel(cfg, world_size, model_config)

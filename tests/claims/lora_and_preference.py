@@ -1,9 +1,63 @@
 from tests.claims.held import DPO_REFERENCE, PEFT
-from tests.claims.kinds import Claim, NotAClaim
+from tests.claims.kinds import Benchmark, Claim, NotAClaim
 
 QLORA = "tests/test_qlora.py::test_qlora_pipeline_training_matches_peft_with_bitsandbytes"
 
 CLAIMS = (
+    Claim(
+        says="so the run computes with the dequantized base's weights, bit for bit",
+        test="tests/test_kept_quantized.py::test_a_kept_quantized_base_computes_as_the_dequantized_one",
+        holds="assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])",
+        bound=0,
+        figure=None,
+    ),
+    Claim(
+        says="give the dequantized base's logits and input gradients bit for bit",
+        test="tests/test_kept_quantized.py::test_a_kept_quantized_base_computes_as_the_dequantized_one",
+        holds="assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])",
+        bound=0,
+        figure=None,
+    ),
+    Claim(
+        says="in 0.51x (DeepSeek-V3)",
+        test="tests/test_kept_quantized.py::test_a_kept_quantized_base_computes_as_the_dequantized_one",
+        holds="assert ratio <= 0.6, ratio",
+        bound=0.6,
+        figure=0.51,
+    ),
+    Claim(
+        says="0.43x (gpt-oss) of the decoder layers' bf16 bytes",
+        test="tests/test_kept_quantized.py::test_a_kept_quantized_base_computes_as_the_dequantized_one",
+        holds="assert ratio <= 0.6, ratio",
+        bound=0.6,
+        figure=0.43,
+    ),
+    Claim(
+        says="the planner's figure equals what the held model holds, to the byte",
+        test="tests/test_kept_quantized.py::test_planner_counts_the_kept_base",
+        holds="assert planned.weights == held + transient",
+        bound=0,
+        figure=None,
+    ),
+    Benchmark(
+        says="6.2 GiB held (0.51x)",
+        by="benchmarks/kept_base_memory.py",
+    ),
+    Benchmark(
+        says="at 8.8 GiB of weights kept against 12.2 GiB dequantized",
+        by="benchmarks/kept_base_memory.py",
+    ),
+    Benchmark(
+        says="2.6 GiB of one layer's 32 local experts dequantized for its forward",
+        by="benchmarks/kept_base_memory.py",
+    ),
+    Claim(
+        says="or 4.25 bits (MXFP4)",
+        test="tests/test_kept_quantized.py::test_planner_counts_the_kept_base",
+        holds="assert mxfp4_bytes(4096 * 4096) * 8 / (4096 * 4096) == 4.25",
+        bound=0,
+        figure=4.25,
+    ),
     Claim(
         says="a quantized layer's output and input gradient equal bitsandbytes' `Linear4bit` bit for bit",
         test="tests/test_qlora.py::test_nf4_linear_is_bitsandbytes_linear4bit",

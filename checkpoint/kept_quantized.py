@@ -1,0 +1,131 @@
+"""`lora.keep_quantized=true`: a LoRA run's frozen base held in the hub's own quantized format on each stage.
+
+Conversion dequantizes FP8 and MXFP4 weights (checkpoint/dequantize.py), so a stage of DeepSeek-V3 would hold 2
+bytes a weight of a base it never trains. With `keep_quantized`, the stage still loads its layers from the
+conversion (norms, embeddings, routers, everything the hub keeps plain), then reads from the Hugging Face directory
+the quantized tensors of its own decoder layers only (this EP rank's experts only), and each linear layer and
+fused experts tensor they belong to computes from them (models/frozen_weights.py: dequantized at each matmul,
+models/hub_quantized.py: exactly as conversion dequantizes, bf16). Losses and gradients are therefore those of the
+dequantized base, bit for bit, while the stage holds about one byte a weight (FP8, with one fp32 scale a block) or
+4.25 bits (MXFP4).
+
+What it holds: every linear layer of a decoder layer whose weight has FP8 scales beside it on the hub; fused
+experts stored fused in FP8 (one scale per expert or in blocks) or in MXFP4 (gpt-oss); experts stored one key per
+expert in FP8 (DeepSeek-V3, Kimi K2), stacked into transformers' fused [E, 2I, H] and [E, H, I] with their scale
+grids (gate rows then up rows: the intermediate size must be a whole number of blocks). Everything else stays as
+loaded. Not built: INT4 (compressed-tensors) experts and tensor parallelism, each refused in one line.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from checkpoint.dequantize import MXFP4_PARTS, fp8_blocks, int4_group, is_fp8, is_mxfp4, is_quantized, scale_key
+from checkpoint.hf_reader import is_hf_dir, iter_tensors, read_model_config, validate
+from models.families import family_of, hf_classes
+from models.frozen_weights import expert_weights, held_class, hold_experts, hold_linear
+from models.hub_quantized import FP8Weight, MXFP4Weight
+from models.key_table import DECODER_PREFIX, hub_key, moe_key
+from models.layers import block_index
+from models.moe import in_block
+from models.nf4 import nf4_experts
+
+PLAIN = torch.bfloat16  # what conversion dequantizes to, at load (training/hf_source.py) and by default
+
+
+def keep_quantized_refusal(source: str | None, tp: int) -> str | None:
+    """Why `lora.keep_quantized=true` cannot run from `source` (model_name_or_path) at tensor parallel size `tp`, or
+    None."""
+    if not source or not is_hf_dir(source):
+        return (
+            f"needs model_name_or_path to be the quantized Hugging Face directory or hub id (not {source}): the "
+            "quantized tensors are read from it"
+        )
+    config = read_model_config(source)
+    if int4_group(config) is not None:
+        return "INT4 (compressed-tensors) bases are not kept quantized yet: set lora.keep_quantized=false"
+    if not is_quantized(config):
+        return f"{source} is not quantized (its config.json has no FP8 or MXFP4 quantization_config)"
+    if tp > 1:
+        return f"tensor_parallel_size={tp}: the hub's blocks are not split across TP ranks yet"
+    return None
+
+
+def _expert_keys(config, prefix: str, name: str, experts: range) -> list[list[str]]:
+    """The hub's per-expert FP8 weight keys of fused expert tensor `name`, [expert][part] (gate_up_proj: gate, up)."""
+    parts = ("gate", "up") if name == "gate_up_proj" else ("down",)
+    return [[hub_key(config, prefix + moe_key(config, part, e)) for part in parts] for e in experts]
+
+
+def _plan(module: nn.Module, config, quant, present, experts: range | None) -> list[tuple]:
+    """(target module, parameter name or None for a linear layer, kind, hub keys) of every weight to hold (`quant`:
+    the hub's config, which says how it is quantized)."""
+    fp8, mxfp4 = is_fp8(quant), is_mxfp4(quant)
+    plan = []
+    for layer in [m for m in module.modules() if isinstance(m, hf_classes("DecoderLayer"))]:
+        prefix = DECODER_PREFIX.format(block_index(layer))
+        for name, linear in layer.named_modules():
+            if isinstance(linear, nn.Linear) and held_class(type(linear)) and isinstance(linear.weight, torch.Tensor):
+                key = hub_key(config, f"{prefix}{name}.weight")
+                if fp8 and scale_key(key) in present:
+                    plan.append((linear, None, "fp8", [key, scale_key(key)]))
+        sparse = nf4_experts(layer)
+        if sparse is None:
+            continue
+        block, fused = sparse
+        mine = experts if experts is not None else range(len(getattr(fused, expert_weights(fused)[0])))
+        for name in expert_weights(fused):
+            key = hub_key(config, prefix + in_block(family_of(config).moe.block, f"experts.{name}"))
+            per = _expert_keys(config, prefix, name, mine) if not family_of(config).moe.hub_fused else [[""]]
+            if mxfp4 and key + MXFP4_PARTS[0] in present:
+                plan.append(((fused, block), name, ("mxfp4", mine), [key + part for part in MXFP4_PARTS]))
+            elif fp8 and scale_key(key) in present:
+                plan.append(((fused, block), name, ("fused fp8", mine), [key, scale_key(key)]))
+            elif fp8 and scale_key(per[0][0]) in present:
+                keys = [k for pieces in per for w in pieces for k in (w, scale_key(w))]
+                plan.append(((fused, block), name, ("expert fp8", len(per[0])), keys))
+    return plan
+
+
+def _held(kind, tensors: list[torch.Tensor], quant) -> nn.Module:
+    blocks = fp8_blocks(quant)
+    if kind == "fp8":
+        return FP8Weight(*tensors, blocks, PLAIN)
+    kind, arg = kind
+    if kind == "mxfp4":  # (this rank's experts copied out: a view would keep every expert's bytes)
+        return MXFP4Weight(*(t[arg.start : arg.stop].clone() for t in tensors), PLAIN)
+    if kind == "fused fp8":
+        weight, scale = tensors
+        scale = scale[arg.start : arg.stop].clone() if scale.dim() == 3 else scale
+        return FP8Weight(weight[arg.start : arg.stop].clone(), scale, blocks, PLAIN)
+    weights, scales = tensors[0::2], tensors[1::2]  # per expert, `arg` parts each (gate, up: rows stacked)
+    if arg > 1 and (blocks is None or weights[0].shape[0] % blocks[0]):
+        raise ValueError(f"experts of {weights[0].shape[0]} rows are not a whole number of {blocks} FP8 blocks")
+    stack = [torch.cat(weights[i : i + arg]) for i in range(0, len(weights), arg)]
+    grids = [torch.cat(scales[i : i + arg]) for i in range(0, len(scales), arg)]
+    return FP8Weight(torch.stack(stack), torch.stack(grids), blocks, PLAIN)
+
+
+def hold_hub_weights(module: nn.Module, hf_dir: str, config, experts: range | None = None) -> int:
+    """Hold the decoder layers of `module` (a pipeline stage, or a whole transformers model of `config`, which
+    need not say it is quantized) in the quantized format of `hf_dir`, reading only their tensors (`experts`: the
+    experts this rank holds; default all). Returns how many weights it holds. ValueError, one line, for tensors that
+    do not fit the model."""
+    present, quant = validate(hf_dir), read_model_config(hf_dir)
+    plan = _plan(module, config, quant, present, experts)
+    read = {name: tensor for name, tensor, _ in iter_tensors(hf_dir, {k for *_, keys in plan for k in keys})}
+    experts_held = {}  # {experts module: (its sparse block, {parameter: held weight})}
+    for target, name, kind, keys in plan:
+        try:
+            held = _held(kind, [read.pop(k) for k in keys], quant)
+        except ValueError as e:
+            raise ValueError(f"{hf_dir}: {keys[0]}: {e}") from None
+        if name is None:
+            hold_linear(target, held.to(target.weight.device))
+        else:
+            fused, block = target
+            experts_held.setdefault(fused, (block, {}))[1][name] = held.to(getattr(fused, name).device)
+    for fused, (block, held) in experts_held.items():
+        hold_experts(fused, held, block)
+    return len(plan)
