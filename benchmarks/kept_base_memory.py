@@ -3,8 +3,9 @@
 
     python -m benchmarks.kept_base_memory
 
-DeepSeek-V3 (its preset; FP8 in 128 x 128 blocks, as deepseek-ai/DeepSeek-V3's config.json says) at PP=16 x EP=8 on
-128 GPUs and gpt-oss-120b (MXFP4 experts, its attention and router plain, as openai/gpt-oss-120b's says) at PP=4 x
+DeepSeek-V3 (its preset; FP8 in 128 x 128 blocks, as deepseek-ai/DeepSeek-V3's config.json says) and Kimi K2
+Thinking (the kimi_k2 preset; its routed experts INT4, as moonshotai/Kimi-K2-Thinking's says) at PP=16 x EP=8 on
+128 GPUs, and gpt-oss-120b (MXFP4 experts, its attention and router plain, as openai/gpt-oss-120b's says) at PP=4 x
 EP=2 on 8: 4,096-token rows, LoRA, every block recomputed. Per model, the busiest stage and a middle one: its weights
 dequantized and kept, and the one layer's local experts a forward dequantizes (counted in the kept figure). The
 planner's count is held to what a held model holds, to the byte (tests/test_kept_quantized.py).
@@ -33,7 +34,18 @@ HUB = {  # each release's quantization_config, which the run reads from its hub 
         ],
     },
 }
-LAYOUTS = {"deepseek_v3": (16, 8, 128), "gpt_oss_120b": (4, 2, 8)}  # PP, EP, GPUs
+HUB["kimi_k2"] = {  # Kimi K2 Thinking's: its routed experts INT4 in groups of 32 (bf16 scales), the rest plain
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32},
+        }
+    },
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|down)_proj.*"],
+}
+LAYOUTS = {"deepseek_v3": (16, 8, 128), "kimi_k2": (16, 8, 128), "gpt_oss_120b": (4, 2, 8)}  # PP, EP, GPUs
 
 
 def main() -> None:

@@ -37,7 +37,6 @@ plain. The weight is the values times their group's scale, computed in the scale
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 
 import torch
@@ -45,7 +44,7 @@ import torch
 from checkpoint.errors import CheckpointError
 from checkpoint.expert_layouts import Assembly, has_expert_parts, is_expert_part, per_expert_sources
 from checkpoint.hf_reader import iter_tensors, validate
-from models.hub_quantized import dequantize, mxfp4_to_plain
+from models.hub_quantized import dequantize, int4_to_plain, mxfp4_to_plain
 
 SCALE_SUFFIX = "_scale_inv"  # `<module>.weight_scale_inv` beside `<module>.weight`
 
@@ -139,26 +138,6 @@ def hub_sources(hf_key: str, config, present) -> list[str]:
     if hf_key not in present and stem + INT4_PARTS[0] in present and int4_group(config) is not None:
         return [stem + part for part in INT4_PARTS]
     return per_expert_sources(hf_key, config, present) or [hf_key]
-
-
-def int4_to_plain(
-    packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, group: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """A pack-quantized INT4 weight (`weight_packed`, `weight_scale`, `weight_shape`) as compressed-tensors
-    dequantizes it: each value times its group's scale in the scale's dtype, then as `dtype`. `group` 0: per
-    channel. ValueError, one line, for parts that do not fit together."""
-    rows, cols = (int(n) for n in shape.tolist())
-    group = group or cols
-    if packed.dtype != torch.int32 or tuple(packed.shape) != (rows, -(-cols // 8)):
-        raise ValueError(f"packed {packed.dtype} {tuple(packed.shape)} does not hold a {rows} x {cols} INT4 weight")
-    if cols % group or tuple(scale.shape) != (rows, cols // group):
-        raise ValueError(f"scale shape {tuple(scale.shape)} does not fit a {rows} x {cols} weight in groups of {group}")
-    nibbles = packed.contiguous().view(torch.uint8)  # each word's bytes in memory order: little-endian
-    if sys.byteorder == "big":
-        nibbles = nibbles.view(rows, -1, 4).flip(-1)
-    values = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).view(torch.int8).view(rows, -1)[:, :cols] - 8
-    grouped = values.to(scale.dtype).view(rows, cols // group, group) * scale.unsqueeze(-1)
-    return grouped.view(rows, cols).to(dtype)
 
 
 def scale_key(weight_key: str) -> str:

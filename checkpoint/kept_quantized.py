@@ -1,19 +1,20 @@
 """`lora.keep_quantized=true`: a LoRA run's frozen base held in the hub's own quantized format on each stage.
 
-Conversion dequantizes FP8 and MXFP4 weights (checkpoint/dequantize.py), so a stage of DeepSeek-V3 would hold 2
+Conversion dequantizes FP8, MXFP4 and INT4 weights (checkpoint/dequantize.py), so a stage of DeepSeek-V3 would hold 2
 bytes a weight of a base it never trains. With `keep_quantized`, the stage still loads its layers from the
 conversion (norms, embeddings, routers, everything the hub keeps plain), then reads from the Hugging Face directory
 the quantized tensors of its own decoder layers only (this EP rank's experts only), and each linear layer and
 fused experts tensor they belong to computes from them (models/frozen_weights.py: dequantized at each matmul,
 models/hub_quantized.py: exactly as conversion dequantizes, bf16). Losses and gradients are therefore those of the
-dequantized base, bit for bit, while the stage holds about one byte a weight (FP8, with one fp32 scale a block) or
-4.25 bits (MXFP4).
+dequantized base, bit for bit, while the stage holds about one byte a weight (FP8, with one fp32 scale a block),
+4.25 bits (MXFP4) or 4.5 (INT4 in groups of 32 with bf16 scales).
 
 What it holds: every linear layer of a decoder layer whose weight has FP8 scales beside it on the hub; fused
 experts stored fused in FP8 (one scale per expert or in blocks) or in MXFP4 (gpt-oss); experts stored one key per
-expert in FP8 (DeepSeek-V3, Kimi K2), stacked into transformers' fused [E, 2I, H] and [E, H, I] with their scale
-grids (gate rows then up rows: the intermediate size must be a whole number of blocks). Everything else stays as
-loaded. Not built: INT4 (compressed-tensors) experts and tensor parallelism, each refused in one line.
+expert in FP8 (DeepSeek-V3, Kimi K2) or INT4 (Kimi K2 Thinking, K2.5: compressed-tensors' pack-quantized), stacked
+into transformers' fused [E, 2I, H] and [E, H, I] with their scales (gate rows then up rows: for FP8 the
+intermediate size must be a whole number of blocks); linear layers stored in INT4. Everything else stays as loaded.
+Not built: tensor parallelism (the split of the hub's blocks and groups), refused in one line.
 """
 
 from __future__ import annotations
@@ -21,11 +22,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from checkpoint.dequantize import MXFP4_PARTS, fp8_blocks, int4_group, is_fp8, is_mxfp4, is_quantized, scale_key
+from checkpoint.dequantize import (
+    INT4_PARTS,
+    MXFP4_PARTS,
+    fp8_blocks,
+    int4_group,
+    is_fp8,
+    is_mxfp4,
+    is_quantized,
+    scale_key,
+)
 from checkpoint.hf_reader import is_hf_dir, iter_tensors, read_model_config, validate
 from models.families import family_of, hf_classes
 from models.frozen_weights import expert_weights, held_class, hold_experts, hold_linear
-from models.hub_quantized import FP8Weight, MXFP4Weight
+from models.hub_quantized import FP8Weight, INT4Weight, MXFP4Weight
 from models.key_table import DECODER_PREFIX, hub_key, moe_key
 from models.layers import block_index
 from models.moe import in_block
@@ -42,11 +52,8 @@ def keep_quantized_refusal(source: str | None, tp: int) -> str | None:
             f"needs model_name_or_path to be the quantized Hugging Face directory or hub id (not {source}): the "
             "quantized tensors are read from it"
         )
-    config = read_model_config(source)
-    if int4_group(config) is not None:
-        return "INT4 (compressed-tensors) bases are not kept quantized yet: set lora.keep_quantized=false"
-    if not is_quantized(config):
-        return f"{source} is not quantized (its config.json has no FP8 or MXFP4 quantization_config)"
+    if not is_quantized(read_model_config(source)):
+        return f"{source} is not quantized (its config.json has no FP8, MXFP4 or INT4 quantization_config)"
     if tp > 1:
         return f"tensor_parallel_size={tp}: the hub's blocks are not split across TP ranks yet"
     return None
@@ -61,7 +68,7 @@ def _expert_keys(config, prefix: str, name: str, experts: range) -> list[list[st
 def _plan(module: nn.Module, config, quant, present, experts: range | None) -> list[tuple]:
     """(target module, parameter name or None for a linear layer, kind, hub keys) of every weight to hold (`quant`:
     the hub's config, which says how it is quantized)."""
-    fp8, mxfp4 = is_fp8(quant), is_mxfp4(quant)
+    fp8, mxfp4, int4 = is_fp8(quant), is_mxfp4(quant), int4_group(quant) is not None
     plan = []
     for layer in [m for m in module.modules() if isinstance(m, hf_classes("DecoderLayer"))]:
         prefix = DECODER_PREFIX.format(block_index(layer))
@@ -70,6 +77,8 @@ def _plan(module: nn.Module, config, quant, present, experts: range | None) -> l
                 key = hub_key(config, f"{prefix}{name}.weight")
                 if fp8 and scale_key(key) in present:
                     plan.append((linear, None, "fp8", [key, scale_key(key)]))
+                elif int4 and _int4_parts(key)[0] in present:
+                    plan.append((linear, None, "int4", _int4_parts(key)))
         sparse = nf4_experts(layer)
         if sparse is None:
             continue
@@ -85,13 +94,24 @@ def _plan(module: nn.Module, config, quant, present, experts: range | None) -> l
             elif fp8 and scale_key(per[0][0]) in present:
                 keys = [k for pieces in per for w in pieces for k in (w, scale_key(w))]
                 plan.append(((fused, block), name, ("expert fp8", len(per[0])), keys))
+            elif int4 and _int4_parts(per[0][0])[0] in present:
+                keys = [k for pieces in per for w in pieces for k in _int4_parts(w)]
+                plan.append(((fused, block), name, ("expert int4", len(per[0])), keys))
     return plan
 
 
-def _held(kind, tensors: list[torch.Tensor], quant) -> nn.Module:
+def _int4_parts(weight_key: str) -> list[str]:
+    """The packed values and the scales of an INT4 weight (`weight_shape` beside them: the model's shape says it)."""
+    return [weight_key.removesuffix("weight") + part for part in INT4_PARTS[:2]]
+
+
+def _held(kind, tensors: list[torch.Tensor], quant, shape: tuple[int, ...]) -> nn.Module:
+    """The held weight of one plan entry from its hub tensors; `shape`: the dense weight's."""
     blocks = fp8_blocks(quant)
     if kind == "fp8":
         return FP8Weight(*tensors, blocks, PLAIN)
+    if kind == "int4":
+        return INT4Weight(*tensors, shape[-1], int4_group(quant), PLAIN)
     kind, arg = kind
     if kind == "mxfp4":  # (this rank's experts copied out: a view would keep every expert's bytes)
         return MXFP4Weight(*(t[arg.start : arg.stop].clone() for t in tensors), PLAIN)
@@ -100,6 +120,10 @@ def _held(kind, tensors: list[torch.Tensor], quant) -> nn.Module:
         scale = scale[arg.start : arg.stop].clone() if scale.dim() == 3 else scale
         return FP8Weight(weight[arg.start : arg.stop].clone(), scale, blocks, PLAIN)
     weights, scales = tensors[0::2], tensors[1::2]  # per expert, `arg` parts each (gate, up: rows stacked)
+    if kind == "expert int4":  # (rows are independent: no block to straddle)
+        stack = [torch.cat(weights[i : i + arg]) for i in range(0, len(weights), arg)]
+        grids = [torch.cat(scales[i : i + arg]) for i in range(0, len(scales), arg)]
+        return INT4Weight(torch.stack(stack), torch.stack(grids), shape[-1], int4_group(quant), PLAIN)
     if arg > 1 and (blocks is None or weights[0].shape[0] % blocks[0]):
         raise ValueError(f"experts of {weights[0].shape[0]} rows are not a whole number of {blocks} FP8 blocks")
     stack = [torch.cat(weights[i : i + arg]) for i in range(0, len(weights), arg)]
@@ -118,7 +142,8 @@ def hold_hub_weights(module: nn.Module, hf_dir: str, config, experts: range | No
     experts_held = {}  # {experts module: (its sparse block, {parameter: held weight})}
     for target, name, kind, keys in plan:
         try:
-            held = _held(kind, [read.pop(k) for k in keys], quant)
+            shape = target.weight.shape if name is None else getattr(target[0], name).shape
+            held = _held(kind, [read.pop(k) for k in keys], quant, tuple(shape))
         except ValueError as e:
             raise ValueError(f"{hf_dir}: {keys[0]}: {e}") from None
         if name is None:

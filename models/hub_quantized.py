@@ -12,6 +12,8 @@ Model code only: no distributed code, no file reading.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from models.frozen_weights import HeldWeight, as_bytes
@@ -70,6 +72,26 @@ def mxfp4_to_plain(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     return convert_moe_packed_tensors(blocks, scales, dtype=dtype)
 
 
+def int4_to_plain(
+    packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, group: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """A pack-quantized INT4 weight (`weight_packed`, `weight_scale`, `weight_shape`) as compressed-tensors
+    dequantizes it: each value times its group's scale in the scale's dtype, then as `dtype`. `group` 0: per
+    channel. ValueError, one line, for parts that do not fit together."""
+    rows, cols = (int(n) for n in shape.tolist())
+    group = group or cols
+    if packed.dtype != torch.int32 or tuple(packed.shape) != (rows, -(-cols // 8)):
+        raise ValueError(f"packed {packed.dtype} {tuple(packed.shape)} does not hold a {rows} x {cols} INT4 weight")
+    if cols % group or tuple(scale.shape) != (rows, cols // group):
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not fit a {rows} x {cols} weight in groups of {group}")
+    nibbles = packed.contiguous().view(torch.uint8)  # each word's bytes in memory order: little-endian
+    if sys.byteorder == "big":
+        nibbles = nibbles.view(rows, -1, 4).flip(-1)
+    values = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).view(torch.int8).view(rows, -1)[:, :cols] - 8
+    grouped = values.to(scale.dtype).view(rows, cols // group, group) * scale.unsqueeze(-1)
+    return grouped.view(rows, cols).to(dtype)
+
+
 class FP8Weight(HeldWeight):
     """An FP8 weight [..., rows, cols] (e4m3; or DeepSeek-V4's FP4 as int8 [..., rows, cols / 2]) and its scales
     (fp32, or one-byte power-of-two exponents) over `block`s (None: the scale's grid cuts the weight), as stored on
@@ -109,6 +131,37 @@ class MXFP4Weight(HeldWeight):
 
     def extra_repr(self) -> str:
         return f"shape={list(self.shape)}, mxfp4"
+
+
+class INT4Weight(HeldWeight):
+    """A pack-quantized INT4 weight [..., rows, cols] (compressed-tensors' `weight_packed` int32 [..., rows, cols / 8]
+    and `weight_scale` [..., rows, cols / group]; `group` 0: one scale a row), as Kimi K2 Thinking and K2.5 store
+    their routed experts; experts stacked along a leading dimension, dequantized one at a time."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, cols: int, group: int, plain_dtype):
+        super().__init__()
+        self.group, self.plain_dtype = group, plain_dtype
+        self.shape = (*packed.shape[:-1], cols)
+        self.stored = (tuple(packed.shape), scale.dtype, tuple(scale.shape))
+        self.register_buffer("packed", as_bytes(packed), persistent=False)
+        self.register_buffer("scale", as_bytes(scale), persistent=False)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        p_shape, s_dtype, s_shape = self.stored
+        packed, scale = self.packed.view(torch.int32).view(p_shape), self.scale.view(s_dtype).view(s_shape)
+        rows, cols = self.shape[-2:]
+        size = torch.tensor([rows, cols])
+        matrices = zip(packed.reshape(-1, *p_shape[-2:]), scale.reshape(-1, *s_shape[-2:]), strict=True)
+        out = torch.stack([int4_to_plain(p, s, size, self.group, self.plain_dtype) for p, s in matrices])
+        return out.view(self.shape).to(dtype or self.plain_dtype)
+
+    def extra_repr(self) -> str:
+        return f"shape={list(self.shape)}, int4, group={self.group or 'per row'}"
+
+
+def int4_bytes(rows: int, cols: int, group: int, scale_bytes: int = 2) -> int:
+    """What `INT4Weight` holds for a [rows, cols] weight: half a byte a weight, one scale (bf16) a group."""
+    return rows * -(-cols // 8) * 4 + rows * (cols // (group or cols)) * scale_bytes
 
 
 def fp8_bytes(rows: int, cols: int, block: tuple[int, int] | None) -> int:

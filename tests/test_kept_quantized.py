@@ -12,11 +12,12 @@ from checkpoint.convert import convert_hf_to_pipeline
 from checkpoint.export import export_pipeline_to_hf
 from checkpoint.kept_quantized import hold_hub_weights, keep_quantized_refusal
 from models.frozen_weights import held_bytes
-from models.hub_quantized import FP8Weight, MXFP4Weight, fp8_bytes, mxfp4_bytes
+from models.hub_quantized import FP8Weight, INT4Weight, MXFP4Weight, fp8_bytes, int4_bytes, mxfp4_bytes
 from tests.baseline import hf_model
-from tests.test_quantized_sources import quantize_fp8, quantize_mxfp4
+from tests.quantized_hubs import quantize_fp8, quantize_int4, quantize_mxfp4
 
-QUANTIZE = {"deepseek_v3": quantize_fp8, "gpt_oss": quantize_mxfp4}
+QUANTIZE = {"deepseek_v3": quantize_fp8, "gpt_oss": quantize_mxfp4, "kimi_k2_int4": quantize_int4}
+BASE = {"kimi_k2_int4": "deepseek_v3"}  # (Kimi K2 Thinking's layout is DeepSeek-V3's, its experts INT4)
 
 
 def dequantized_copy(src: str, out) -> str:
@@ -31,19 +32,20 @@ def _decoder_bytes(model) -> int:
     return sum(held_bytes(layer) for layer in model.model.layers)
 
 
-@pytest.mark.parametrize("variant", ["deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("variant", list(QUANTIZE))
 def test_a_kept_quantized_base_computes_as_the_dequantized_one(variant, hf_models, tmp_path):
     """A model holding the hub's quantized tensors (every FP8 linear weight, DeepSeek's per-expert FP8 keys stacked
-    into the fused experts, gpt-oss's MXFP4 experts) gives the dequantized base's logits and input gradients bit for
-    bit in fp32, and holds its decoder layers in at most 0.6x of their bf16 bytes."""
+    into the fused experts, gpt-oss's MXFP4 experts, Kimi K2 Thinking's per-expert INT4 keys stacked) gives the
+    dequantized base's logits and input gradients bit for bit in fp32, and holds its decoder layers in at most 0.6x of
+    their bf16 bytes."""
     src = str(tmp_path / "hub")
-    quantized = QUANTIZE[variant](hf_models[variant], src)
+    quantized = QUANTIZE[variant](hf_models[BASE.get(variant, variant)], src)
     plain_dir = dequantized_copy(src, tmp_path)
     plain, kept = (hf_model(plain_dir, dtype=torch.float32).train() for _ in range(2))
     count = hold_hub_weights(kept, src, kept.config)
-    held = [m for m in kept.modules() if isinstance(m, (FP8Weight, MXFP4Weight))]
+    held = [m for m in kept.modules() if isinstance(m, (FP8Weight, MXFP4Weight, INT4Weight))]
     assert count == len(held) > 0
-    if variant == "deepseek_v3":  # each sparse layer: E experts x 3 keys held as two fused tensors
+    if variant != "gpt_oss":  # each sparse layer: E experts x 3 keys held as two fused tensors
         sparse = sum(hasattr(m, "held_weights") for m in kept.modules())
         assert len(held) == len(quantized) - (3 * kept.config.n_routed_experts - 2) * sparse > 0
     else:
@@ -63,7 +65,7 @@ def test_a_kept_quantized_base_computes_as_the_dequantized_one(variant, hf_model
     assert ratio <= 0.6, ratio
 
 
-@pytest.mark.parametrize("variant", ["deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("variant", list(QUANTIZE))
 def test_planner_counts_the_kept_base(variant, hf_models, tmp_path):
     """The planner's weight bytes of a kept-quantized LoRA model (fp32, one stage, its hub directory read for how it
     is quantized) equal what
@@ -75,14 +77,14 @@ def test_planner_counts_the_kept_base(variant, hf_models, tmp_path):
     from tools.memory_model import estimate
 
     src = str(tmp_path / "hub")
-    QUANTIZE[variant](hf_models[variant], src)
+    QUANTIZE[variant](hf_models[BASE.get(variant, variant)], src)
     model = hf_model(dequantized_copy(src, tmp_path), dtype=torch.float32)
     cfg = parity_cfg("unused")
     cfg.num_stages, cfg.deepspeed.precision, cfg.model_name_or_path = 1, "fp32", src
     cfg.lora = LoraSettings(enabled=True, r=4, alpha=8.0, target_modules=["o_proj"], keep_quantized=True)
     hold_hub_weights(model, src, model.config)
     add_lora(model, 4, 8.0, 0.0, ["o_proj"], seed=0)
-    kept = sum(held_bytes(m) for m in model.modules() if isinstance(m, (FP8Weight, MXFP4Weight)))
+    kept = sum(held_bytes(m) for m in model.modules() if isinstance(m, (FP8Weight, MXFP4Weight, INT4Weight)))
     held = sum(p.numel() * p.element_size() for p in model.parameters()) + kept
     experts = [m for m in model.modules() if hasattr(m, "held_weights")]
     transient = max(sum(getattr(m, f"{n}_held").dequantize().numel() for n in m.held_weights) for m in experts) * 4
@@ -90,6 +92,7 @@ def test_planner_counts_the_kept_base(variant, hf_models, tmp_path):
     print(f"kept base ({variant}): planner {planned.weights:,.0f} bytes, held {held:,} + {transient:,}")
     assert planned.weights == held + transient
     assert mxfp4_bytes(4096 * 4096) * 8 / (4096 * 4096) == 4.25
+    assert int4_bytes(4096, 4096, 32) * 8 / (4096 * 4096) == 4.5  # (bf16 scales, groups of 32)
     assert fp8_bytes(4096, 4096, (128, 128)) == 4096 * 4096 + 4 * 32 * 32  # a byte a weight, an fp32 scale a block
 
 

@@ -183,27 +183,27 @@ def hub_quantization(source: str | None, config):
 def kept_layer_counts(config, ep: int = 1, quant=None) -> list[tuple[int, int, int]]:
     """`lora.keep_quantized`'s base per pipeline layer (TP=1), as `nf4_layer_counts` counts QLoRA's, from the
     `quantization_config` of `quant` (default `config`; `hub_quantization`): FP8 (`models.hub_quantized.fp8_bytes`)
-    holds every decoder linear layer and this EP rank's experts, a matrix at a time; MXFP4 (`mxfp4_bytes`) the
-    experts only. On the meta device."""
+    holds every decoder linear layer and this EP rank's experts, a matrix at a time; MXFP4 (`mxfp4_bytes`) and INT4
+    (`int4_bytes`) the experts only. On the meta device."""
     import math
 
     import torch
 
-    from checkpoint.dequantize import fp8_blocks, is_fp8, is_mxfp4
+    from checkpoint.dequantize import fp8_blocks, int4_group, is_fp8, is_mxfp4
     from models.frozen_weights import expert_weights, held_class
-    from models.hub_quantized import fp8_bytes, mxfp4_bytes
+    from models.hub_quantized import fp8_bytes, int4_bytes, mxfp4_bytes
     from models.layers import build_layer
     from models.nf4 import nf4_experts
     from models.partition import layer_shape
     from models.pipe_layout import DECODER, pipe_layers
 
     quant = quant or config
-    fp8, block = is_fp8(quant), fp8_blocks(quant)
+    fp8, block, group = is_fp8(quant), fp8_blocks(quant), int4_group(quant)
     layers, done = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings), {}
     with torch.device("meta"):
         for layer in layers:
             shape = layer_shape(layer, config)
-            if layer.kind != DECODER or shape in done or not (fp8 or is_mxfp4(quant)):
+            if layer.kind != DECODER or shape in done or not (fp8 or is_mxfp4(quant) or group is not None):
                 continue
             built = build_layer(layer, config)
             linears = [m.weight.shape for m in built.modules() if held_class(type(m)) and fp8]
@@ -214,6 +214,7 @@ def kept_layer_counts(config, ep: int = 1, quant=None) -> list[tuple[int, int, i
                     experts, *matrix = getattr(sparse[1], name).shape
                     local += experts // ep * math.prod(matrix)
                     one = fp8_bytes(*matrix, block) if fp8 else mxfp4_bytes(math.prod(matrix))
+                    one = int4_bytes(*matrix, group) if group is not None else one
                     held += experts // ep * one
             done[shape] = (numel + local, held, local)
     return [done.get(layer_shape(layer, config), (0, 0, 0)) for layer in layers]
