@@ -19,6 +19,8 @@ Not built: tensor parallelism (the split of the hub's blocks and groups), refuse
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -32,13 +34,14 @@ from checkpoint.dequantize import (
     is_quantized,
     scale_key,
 )
+from checkpoint.expert_layouts import per_expert_sources
 from checkpoint.hf_reader import is_hf_dir, iter_tensors, read_model_config, validate
 from models.families import family_of, hf_classes
 from models.frozen_weights import expert_weights, held_class, hold_experts, hold_linear
-from models.hub_quantized import FP8Weight, INT4Weight, MXFP4Weight
+from models.hub_quantized import FP8Weight, INT4Weight, MXFP4Weight, fp8_bytes, int4_bytes, mxfp4_bytes
 from models.key_table import DECODER_PREFIX, hub_key, moe_key
 from models.layers import block_index
-from models.moe import in_block
+from models.moe import in_block, num_experts
 from models.nf4 import nf4_experts
 
 PLAIN = torch.bfloat16  # what conversion dequantizes to, at load (training/hf_source.py) and by default
@@ -59,8 +62,15 @@ def keep_quantized_refusal(source: str | None, tp: int) -> str | None:
     return None
 
 
-def _expert_keys(config, prefix: str, name: str, experts: range) -> list[list[str]]:
-    """The hub's per-expert FP8 weight keys of fused expert tensor `name`, [expert][part] (gate_up_proj: gate, up)."""
+def _expert_keys(config, prefix: str, key: str, name: str, experts: range, present) -> list[list[str]]:
+    """The hub's per-expert weight keys of fused expert tensor `name` (hub key `key`), [expert][part] (gate_up_proj:
+    gate, up), of the experts `experts`; [[""]] where the hub keeps it fused."""
+    if family_of(config).moe.hub_fused:  # fused on the hub, yet a checkpoint may store it one key per expert
+        sources = per_expert_sources(key, config, present)
+        if not sources:
+            return [[""]]
+        per = len(sources) // num_experts(config)
+        return [sources[e * per : (e + 1) * per] for e in experts]
     parts = ("gate", "up") if name == "gate_up_proj" else ("down",)
     return [[hub_key(config, prefix + moe_key(config, part, e)) for part in parts] for e in experts]
 
@@ -86,7 +96,7 @@ def _plan(module: nn.Module, config, quant, present, experts: range | None) -> l
         mine = experts if experts is not None else range(len(getattr(fused, expert_weights(fused)[0])))
         for name in expert_weights(fused):
             key = hub_key(config, prefix + in_block(family_of(config).moe.block, f"experts.{name}"))
-            per = _expert_keys(config, prefix, name, mine) if not family_of(config).moe.hub_fused else [[""]]
+            per = _expert_keys(config, prefix, key, name, mine, present)
             if mxfp4 and key + MXFP4_PARTS[0] in present:
                 plan.append(((fused, block), name, ("mxfp4", mine), [key + part for part in MXFP4_PARTS]))
             elif fp8 and scale_key(key) in present:
@@ -129,6 +139,26 @@ def _held(kind, tensors: list[torch.Tensor], quant, shape: tuple[int, ...]) -> n
     stack = [torch.cat(weights[i : i + arg]) for i in range(0, len(weights), arg)]
     grids = [torch.cat(scales[i : i + arg]) for i in range(0, len(scales), arg)]
     return FP8Weight(torch.stack(stack), torch.stack(grids), blocks, PLAIN)
+
+
+def planned_bytes(layer: nn.Module, config, quant, present, experts: range | None = None) -> tuple[int, int, int]:
+    """What `hold_hub_weights` would hold of one decoder layer (built on the meta device) from a hub of `quant`'s
+    quantization whose keys are `present`, `experts` the rank's experts (default all): (the dense weights it holds,
+    the bytes they take held, the dense expert weights a forward dequantizes)."""
+    numel = held = local = 0
+    for target, name, kind, _ in _plan(layer, config, quant, present, experts):
+        shape = tuple(target.weight.shape if name is None else getattr(target[0], name).shape)
+        if name is not None and experts is not None:
+            shape = (len(experts), *shape[1:])
+        kind, n, rows, cols = kind if isinstance(kind, str) else kind[0], math.prod(shape), *shape[-2:]
+        if "fp8" in kind:
+            held += n // (rows * cols) * fp8_bytes(rows, cols, fp8_blocks(quant))
+        elif "int4" in kind:
+            held += n // (rows * cols) * int4_bytes(rows, cols, int4_group(quant))
+        else:
+            held += mxfp4_bytes(n)
+        numel, local = numel + n, local + (n if name is not None else 0)
+    return numel, held, local
 
 
 def hold_hub_weights(module: nn.Module, hf_dir: str, config, experts: range | None = None) -> int:

@@ -143,3 +143,17 @@ def quantize_int4(hf_dir: str, out, strategy: str = "group") -> list[str]:
     (src / "config.json").write_text(json.dumps(config | {"quantization_config": int4_config(**ARGS[strategy])}))
 
     return quantized
+
+
+def qwen3_5_moe_fp8(out: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A tiny Qwen3.5-MoE saved by transformers' `save_pretrained` (its experts one key per expert), then FP8 blocks
+    as `quantize_fp8` writes them, as Qwen's FP8 releases store them."""
+    from transformers import AutoModelForCausalLM
+
+    from tools.tiny_models import tiny_config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("qwen3_5_moe_text", num_key_value_heads=2)).save_pretrained(
+        out + ".src", max_shard_size="200KB"
+    )
+    return quantize_fp8(out + ".src", out)

@@ -16,7 +16,7 @@ from checkpoint.dequantize import dequantize
 from checkpoint.names import layer_file_name
 from checkpoint.pipeline_reader import load_hf_state_dict
 from tests.conftest import hf_state
-from tests.quantized_hubs import BLOCK, int4_config, quantize_fp8, quantize_int4, quantize_mxfp4
+from tests.quantized_hubs import BLOCK, int4_config, quantize_fp8, quantize_int4, quantize_mxfp4, qwen3_5_moe_fp8
 
 
 def test_fp8_blocks_are_dequantized_as_transformers_does(hf_models, tmp_path):
@@ -323,15 +323,11 @@ def test_fp8_experts_stored_one_key_per_expert_are_dequantized_then_fused(tmp_pa
     """Qwen3.5-MoE's FP8 checkpoints keep one key per expert, each with its block scales; our layer files keep the
     hub's fused experts: each piece is dequantized as transformers' `Fp8Dequantize` computes it, then put in its
     place in the fused tensor (bit for bit), and every other FP8 weight likewise."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-    from tools.tiny_models import tiny_config
-
-    config = tiny_config("qwen3_5_moe_text", num_key_value_heads=2)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf", max_shard_size="200KB")
-    quantized = quantize_fp8(str(tmp_path / "hf"), str(tmp_path / "fp8"))
+    quantized = qwen3_5_moe_fp8(str(tmp_path / "fp8"))
+    config = AutoConfig.from_pretrained(tmp_path / "fp8")
     assert any(".experts.3.up_proj." in k for k in quantized)
     convert_hf_to_pipeline(str(tmp_path / "fp8"), str(tmp_path / "ckpt"), log=lambda *_: None)
     ours = load_hf_state_dict(str(tmp_path / "ckpt"))

@@ -77,7 +77,7 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     lo = cfg.lora
     nf4 = nf4_layer_counts(config, shard, lo.quantize_double, lo.quantize_experts, ep) if lo.quantize == "nf4" else None
     if lo.keep_quantized:  # the hub's FP8 blocks / MXFP4 experts held as they are (checkpoint/kept_quantized.py)
-        nf4 = kept_layer_counts(config, ep, hub_quantization(cfg.model_name_or_path, config))
+        nf4 = kept_layer_counts(config, ep, *hub_quantization(cfg.model_name_or_path, config))
     expert_counts = layer_param_counts(config, shard, ep=ep, experts_only=True) if ep > 1 else [0] * len(counts)
     expert_share = optim_share * ep if zero >= 1 else optim_share
     stages = model_stages(schedule, pp)
@@ -172,33 +172,38 @@ def nf4_layer_counts(config, tp, double: bool, experts: bool = False, ep: int = 
     return [done.get(layer_shape(layer, config), (0, 0, 0)) for layer in layers]
 
 
-def hub_quantization(source: str | None, config):
-    """The config that says how the hub quantized a model: model_name_or_path's own where it is a Hugging Face
-    directory (a run's model config leaves it out: it computes with the dequantized weights), else `config`."""
-    from checkpoint.hf_reader import is_hf_dir, read_model_config
+def hub_quantization(source: str | None, config) -> tuple:
+    """(the config that says how the hub quantized a model, the hub's keys or None): model_name_or_path's own where
+    it is a Hugging Face directory (a run's model config leaves its quantization out: it computes with the
+    dequantized weights), else `config` and None (a preset: as its release quantizes it)."""
+    from checkpoint.hf_reader import is_hf_dir, read_model_config, validate
 
-    return read_model_config(source) if source and is_hf_dir(source) else config
+    return (read_model_config(source), validate(source)) if source and is_hf_dir(source) else (config, None)
 
 
-def kept_layer_counts(config, ep: int = 1, quant=None) -> list[tuple[int, int, int]]:
+def kept_layer_counts(config, ep: int = 1, quant=None, present=None) -> list[tuple[int, int, int]]:
     """`lora.keep_quantized`'s base per pipeline layer (TP=1), as `nf4_layer_counts` counts QLoRA's, from the
-    `quantization_config` of `quant` (default `config`; `hub_quantization`): FP8 (`models.hub_quantized.fp8_bytes`)
-    holds every decoder linear layer and this EP rank's experts, a matrix at a time; MXFP4 (`mxfp4_bytes`) and INT4
-    (`int4_bytes`) the experts only. On the meta device."""
+    `quantization_config` of `quant` (default `config`; `hub_quantization`): with the hub's keys `present`, what
+    `checkpoint.kept_quantized.hold_hub_weights` holds of them (`planned_bytes`); without, as the releases quantize:
+    FP8 every decoder linear layer and this EP rank's experts, MXFP4 and INT4 the experts only. On the meta
+    device."""
     import math
 
     import torch
 
     from checkpoint.dequantize import fp8_blocks, int4_group, is_fp8, is_mxfp4
+    from checkpoint.kept_quantized import planned_bytes
     from models.frozen_weights import expert_weights, held_class
     from models.hub_quantized import fp8_bytes, int4_bytes, mxfp4_bytes
     from models.layers import build_layer
+    from models.moe import is_moe, num_experts
     from models.nf4 import nf4_experts
     from models.partition import layer_shape
     from models.pipe_layout import DECODER, pipe_layers
 
     quant = quant or config
     fp8, block, group = is_fp8(quant), fp8_blocks(quant), int4_group(quant)
+    mine = range(num_experts(config) // ep) if is_moe(config) else None
     layers, done = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings), {}
     with torch.device("meta"):
         for layer in layers:
@@ -206,6 +211,9 @@ def kept_layer_counts(config, ep: int = 1, quant=None) -> list[tuple[int, int, i
             if layer.kind != DECODER or shape in done or not (fp8 or is_mxfp4(quant) or group is not None):
                 continue
             built = build_layer(layer, config)
+            if present is not None:
+                done[shape] = planned_bytes(built, config, quant, present, mine)
+                continue
             linears = [m.weight.shape for m in built.modules() if held_class(type(m)) and fp8]
             numel, held = sum(r * c for r, c in linears), sum(fp8_bytes(r, c, block) for r, c in linears)
             local = 0
