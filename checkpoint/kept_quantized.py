@@ -14,7 +14,9 @@ experts stored fused in FP8 (one scale per expert or in blocks) or in MXFP4 (gpt
 expert in FP8 (DeepSeek-V3, Kimi K2) or INT4 (Kimi K2 Thinking, K2.5: compressed-tensors' pack-quantized), stacked
 into transformers' fused [E, 2I, H] and [E, H, I] with their scales (gate rows then up rows: for FP8 the
 intermediate size must be a whole number of blocks); linear layers stored in INT4. Everything else stays as loaded.
-Not built: tensor parallelism (the split of the hub's blocks and groups), refused in one line.
+Under tensor parallelism each rank holds its shard of an FP8 weight by the weight's split rule and the scales of the
+blocks in it (a shard must hold whole blocks, as 128-row blocks of real models' heads and widths do; a cut block is
+refused in one line). Not built: MXFP4 and INT4 under tensor parallelism, refused in one line.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from models.key_table import DECODER_PREFIX, hub_key, moe_key
 from models.layers import block_index
 from models.moe import in_block, num_experts
 from models.nf4 import nf4_experts
+from models.pipe_layout import DECODER
+from models.sharding import REPLICA, shard
+from models.tp_rules import tp_split
 
 PLAIN = torch.bfloat16  # what conversion dequantizes to, at load (training/hf_source.py) and by default
 
@@ -55,11 +60,16 @@ def keep_quantized_refusal(source: str | None, tp: int) -> str | None:
             f"needs model_name_or_path to be the quantized Hugging Face directory or hub id (not {source}): the "
             "quantized tensors are read from it"
         )
-    if not is_quantized(read_model_config(source)):
+    if not is_quantized(read_model_config(source)):  # (rank 0 read it already: one small file)
         return f"{source} is not quantized (its config.json has no FP8, MXFP4 or INT4 quantization_config)"
-    if tp > 1:
-        return f"tensor_parallel_size={tp}: the hub's blocks are not split across TP ranks yet"
+    quant = read_model_config(source)
+    if tp > 1 and not is_fp8(quant):
+        return f"tensor_parallel_size={tp}: only FP8 weights are split across TP ranks, not {quant_method(quant)}"
     return None
+
+
+def quant_method(quant) -> str:
+    return "MXFP4" if is_mxfp4(quant) else "INT4" if int4_group(quant) is not None else "FP8"
 
 
 def _expert_keys(config, prefix: str, key: str, name: str, experts: range, present) -> list[list[str]]:
@@ -76,8 +86,8 @@ def _expert_keys(config, prefix: str, key: str, name: str, experts: range, prese
 
 
 def _plan(module: nn.Module, config, quant, present, experts: range | None) -> list[tuple]:
-    """(target module, parameter name or None for a linear layer, kind, hub keys) of every weight to hold (`quant`:
-    the hub's config, which says how it is quantized)."""
+    """(target module, parameter name or None for a linear layer, kind, hub keys, our key: its tensor-parallel rule's)
+    of every weight to hold (`quant`: the hub's config, which says how it is quantized)."""
     fp8, mxfp4, int4 = is_fp8(quant), is_mxfp4(quant), int4_group(quant) is not None
     plan = []
     for layer in [m for m in module.modules() if isinstance(m, hf_classes("DecoderLayer"))]:
@@ -86,27 +96,28 @@ def _plan(module: nn.Module, config, quant, present, experts: range | None) -> l
             if isinstance(linear, nn.Linear) and held_class(type(linear)) and isinstance(linear.weight, torch.Tensor):
                 key = hub_key(config, f"{prefix}{name}.weight")
                 if fp8 and scale_key(key) in present:
-                    plan.append((linear, None, "fp8", [key, scale_key(key)]))
+                    plan.append((linear, None, "fp8", [key, scale_key(key)], f"{name}.weight"))
                 elif int4 and _int4_parts(key)[0] in present:
-                    plan.append((linear, None, "int4", _int4_parts(key)))
+                    plan.append((linear, None, "int4", _int4_parts(key), f"{name}.weight"))
         sparse = nf4_experts(layer)
         if sparse is None:
             continue
         block, fused = sparse
         mine = experts if experts is not None else range(len(getattr(fused, expert_weights(fused)[0])))
         for name in expert_weights(fused):
-            key = hub_key(config, prefix + in_block(family_of(config).moe.block, f"experts.{name}"))
+            ours = in_block(family_of(config).moe.block, f"experts.{name}")
+            key = hub_key(config, prefix + ours)
             per = _expert_keys(config, prefix, key, name, mine, present)
             if mxfp4 and key + MXFP4_PARTS[0] in present:
-                plan.append(((fused, block), name, ("mxfp4", mine), [key + part for part in MXFP4_PARTS]))
+                plan.append(((fused, block), name, ("mxfp4", mine), [key + part for part in MXFP4_PARTS], ours))
             elif fp8 and scale_key(key) in present:
-                plan.append(((fused, block), name, ("fused fp8", mine), [key, scale_key(key)]))
+                plan.append(((fused, block), name, ("fused fp8", mine), [key, scale_key(key)], ours))
             elif fp8 and scale_key(per[0][0]) in present:
                 keys = [k for pieces in per for w in pieces for k in (w, scale_key(w))]
-                plan.append(((fused, block), name, ("expert fp8", len(per[0])), keys))
+                plan.append(((fused, block), name, ("expert fp8", len(per[0])), keys, ours))
             elif int4 and _int4_parts(per[0][0])[0] in present:
                 keys = [k for pieces in per for w in pieces for k in _int4_parts(w)]
-                plan.append(((fused, block), name, ("expert int4", len(per[0])), keys))
+                plan.append(((fused, block), name, ("expert int4", len(per[0])), keys, ours))
     return plan
 
 
@@ -115,11 +126,18 @@ def _int4_parts(weight_key: str) -> list[str]:
     return [weight_key.removesuffix("weight") + part for part in INT4_PARTS[:2]]
 
 
-def _held(kind, tensors: list[torch.Tensor], quant, shape: tuple[int, ...]) -> nn.Module:
-    """The held weight of one plan entry from its hub tensors; `shape`: the dense weight's."""
+def _held(kind, tensors: list[torch.Tensor], quant, shape: tuple[int, ...], split: tuple) -> nn.Module:
+    """The held weight of one plan entry from its hub tensors; `shape`: the dense weight's (this TP rank's);
+    `split`: (TP rule, rank, size), FP8 only."""
     blocks = fp8_blocks(quant)
+
+    def fp8(weight: torch.Tensor, scale: torch.Tensor) -> FP8Weight:
+        return FP8Weight(*_shard_fp8(weight, scale, blocks, *split), blocks, PLAIN)
+
+    if split[2] > 1 and "fp8" not in (kind if isinstance(kind, str) else kind[0]):
+        raise ValueError("only FP8 weights are split across tensor-parallel ranks")
     if kind == "fp8":
-        return FP8Weight(*tensors, blocks, PLAIN)
+        return fp8(*tensors)
     if kind == "int4":
         return INT4Weight(*tensors, shape[-1], int4_group(quant), PLAIN)
     kind, arg = kind
@@ -128,7 +146,7 @@ def _held(kind, tensors: list[torch.Tensor], quant, shape: tuple[int, ...]) -> n
     if kind == "fused fp8":
         weight, scale = tensors
         scale = scale[arg.start : arg.stop].clone() if scale.dim() == 3 else scale
-        return FP8Weight(weight[arg.start : arg.stop].clone(), scale, blocks, PLAIN)
+        return fp8(weight[arg.start : arg.stop].clone(), scale)
     weights, scales = tensors[0::2], tensors[1::2]  # per expert, `arg` parts each (gate, up: rows stacked)
     if kind == "expert int4":  # (rows are independent: no block to straddle)
         stack = [torch.cat(weights[i : i + arg]) for i in range(0, len(weights), arg)]
@@ -138,7 +156,31 @@ def _held(kind, tensors: list[torch.Tensor], quant, shape: tuple[int, ...]) -> n
         raise ValueError(f"experts of {weights[0].shape[0]} rows are not a whole number of {blocks} FP8 blocks")
     stack = [torch.cat(weights[i : i + arg]) for i in range(0, len(weights), arg)]
     grids = [torch.cat(scales[i : i + arg]) for i in range(0, len(scales), arg)]
-    return FP8Weight(torch.stack(stack), torch.stack(grids), blocks, PLAIN)
+    return fp8(torch.stack(stack), torch.stack(grids))
+
+
+def _shard_fp8(weight, scale, block, rule: str, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This tensor-parallel rank's shard of an FP8 weight [..., rows, cols] by `rule` (models/sharding.py) and the
+    scales of the blocks it holds; ValueError where a shard boundary cuts a block (the grid's blocks, `block` None:
+    per tensor, any cut keeps its one scale)."""
+    if size == 1 or rule == REPLICA:
+        return weight, scale
+    out = shard(weight.view(torch.uint8), rule, rank, size).view(weight.dtype)
+    for d in range(weight.dim() - 2, weight.dim()):
+        n, grid = weight.shape[d], scale.shape[d] if scale.dim() == weight.dim() else 1
+        if out.shape[d] == n or grid == 1:
+            continue
+        b = block[d - weight.dim() + 2] if block else n // grid
+        index = [1] * weight.dim()
+        index[d] = n
+        blocks = torch.arange(n) // b
+        got = shard(blocks.view(index), rule, rank, size).flatten()  # the block of each row (column) it holds
+        held = got.unique()  # (sorted)
+        whole = torch.bincount(got, minlength=grid)[held] == torch.bincount(blocks)[held]
+        if not (whole.all() and torch.equal(got, got.sort().values)):
+            raise ValueError(f"tensor parallel size {size} cuts its {b}-wide FP8 blocks (dimension {d} of {n})")
+        scale = scale.index_select(d, held)
+    return out, scale.contiguous()
 
 
 def planned_bytes(layer: nn.Module, config, quant, present, experts: range | None = None) -> tuple[int, int, int]:
@@ -146,7 +188,7 @@ def planned_bytes(layer: nn.Module, config, quant, present, experts: range | Non
     quantization whose keys are `present`, `experts` the rank's experts (default all): (the dense weights it holds,
     the bytes they take held, the dense expert weights a forward dequantizes)."""
     numel = held = local = 0
-    for target, name, kind, _ in _plan(layer, config, quant, present, experts):
+    for target, name, kind, *_ in _plan(layer, config, quant, present, experts):
         shape = tuple(target.weight.shape if name is None else getattr(target[0], name).shape)
         if name is not None and experts is not None:
             shape = (len(experts), *shape[1:])
@@ -161,19 +203,23 @@ def planned_bytes(layer: nn.Module, config, quant, present, experts: range | Non
     return numel, held, local
 
 
-def hold_hub_weights(module: nn.Module, hf_dir: str, config, experts: range | None = None) -> int:
+def hold_hub_weights(
+    module: nn.Module, hf_dir: str, config, experts: range | None = None, tp: tuple[int, int] = (0, 1)
+) -> int:
     """Hold the decoder layers of `module` (a pipeline stage, or a whole transformers model of `config`, which
     need not say it is quantized) in the quantized format of `hf_dir`, reading only their tensors (`experts`: the
-    experts this rank holds; default all). Returns how many weights it holds. ValueError, one line, for tensors that
-    do not fit the model."""
+    experts this rank holds; default all; `tp`: this rank's (rank, size) of tensor parallelism, whose shards of FP8
+    weights and scales it takes by the split rules). Returns how many weights it holds. ValueError, one line, for
+    tensors that do not fit the model or a shard that cuts a block."""
     present, quant = validate(hf_dir), read_model_config(hf_dir)
     plan = _plan(module, config, quant, present, experts)
-    read = {name: tensor for name, tensor, _ in iter_tensors(hf_dir, {k for *_, keys in plan for k in keys})}
+    read = {name: tensor for name, tensor, _ in iter_tensors(hf_dir, {k for *_, keys, _ in plan for k in keys})}
     experts_held = {}  # {experts module: (its sparse block, {parameter: held weight})}
-    for target, name, kind, keys in plan:
+    for target, name, kind, keys, ours in plan:
         try:
             shape = target.weight.shape if name is None else getattr(target[0], name).shape
-            held = _held(kind, [read.pop(k) for k in keys], quant, tuple(shape))
+            split = (tp_split(DECODER, ours, config), *tp)
+            held = _held(kind, [read.pop(k) for k in keys], quant, tuple(shape), split)
         except ValueError as e:
             raise ValueError(f"{hf_dir}: {keys[0]}: {e}") from None
         if name is None:

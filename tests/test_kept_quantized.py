@@ -13,6 +13,7 @@ from checkpoint.export import export_pipeline_to_hf
 from checkpoint.kept_quantized import hold_hub_weights, keep_quantized_refusal
 from models.frozen_weights import held_bytes
 from models.hub_quantized import FP8Weight, INT4Weight, MXFP4Weight, fp8_bytes, int4_bytes, mxfp4_bytes
+from models.sharding import COLUMN, EXPERT_ROW, GATE_UP, ROW, parts_rule
 from tests.baseline import hf_model
 from tests.quantized_hubs import quantize_fp8, quantize_int4, quantize_mxfp4, qwen3_5_moe_fp8
 
@@ -23,6 +24,10 @@ QUANTIZE = {
     "kimi_k2_int4": lambda hf_models, out: quantize_int4(hf_models["deepseek_v3"], out),
     "qwen3_5_moe": lambda _, out: qwen3_5_moe_fp8(out),  # (its experts one FP8 key each, under fused hub names)
 }
+
+
+EP2 = dict(expert_parallel_size=2, **{"model.activation_checkpointing": "true"})
+TP2 = dict(tensor_parallel_size=2)
 
 
 def dequantized_copy(src: str, out) -> str:
@@ -108,8 +113,28 @@ def test_planner_counts_the_kept_base(variant, hf_models, tmp_path):
     assert fp8_bytes(4096, 4096, (128, 128)) == 4096 * 4096 + 4 * 32 * 32  # a byte a weight, an fp32 scale a block
 
 
+@pytest.mark.parametrize("rule", [COLUMN, ROW, GATE_UP, EXPERT_ROW, parts_rule(2, 1, 1)])
+def test_an_fp8_shard_holds_its_blocks_scales(rule):
+    """Each tensor-parallel rank's shard of an FP8 weight and its scales dequantizes to its shard of the dequantized
+    weight, bit for bit, by every split rule; a split that cuts a block is refused in one line."""
+    from checkpoint.kept_quantized import _shard_fp8
+    from models.hub_quantized import dequantize
+    from models.sharding import shard
+
+    torch.manual_seed(0)
+    shape = (3, 128, 64) if rule in (GATE_UP, EXPERT_ROW) else (128, 64)
+    weight = torch.randn(shape).to(torch.float8_e4m3fn)
+    scale = torch.rand(*shape[:-2], 128 // 16, 64 // 16)
+    whole = dequantize(weight, scale, (16, 16), torch.float32)
+    for rank in range(2):
+        w, s = _shard_fp8(weight, scale, (16, 16), rule, rank, 2)
+        assert torch.equal(dequantize(w, s, (16, 16), torch.float32), shard(whole, rule, rank, 2))
+    with pytest.raises(ValueError, match=r"^tensor parallel size 16 cuts its 16-wide FP8 blocks"):
+        _shard_fp8(weight, scale, (16, 16), rule, 0, 16)
+
+
 def test_keep_quantized_refusals(hf_models, tmp_path):
-    """Without LoRA, with NF4, from a plain or converted source, under TP, with INT4 experts: one line each."""
+    """Without LoRA, with NF4, from a plain or converted source, MXFP4 under TP: one line each."""
     from schema.checks import check_config
     from tests.test_lora import LORA
     from tests.test_training import parity_cfg
@@ -124,8 +149,9 @@ def test_keep_quantized_refusals(hf_models, tmp_path):
         check_config(cfg)
     src = str(tmp_path / "hub")
     quantize_fp8(hf_models["deepseek_v3"], src)
-    assert keep_quantized_refusal(src, 1) is None
-    assert "not split across TP ranks" in keep_quantized_refusal(src, 2)
+    assert keep_quantized_refusal(src, 1) is None and keep_quantized_refusal(src, 2) is None
+    quantize_mxfp4(hf_models["gpt_oss"], str(tmp_path / "mxfp4"))
+    assert "only FP8 weights are split across TP ranks, not MXFP4" in keep_quantized_refusal(str(tmp_path / "mxfp4"), 2)
     assert "is not quantized" in keep_quantized_refusal(hf_models["deepseek_v3"], 1)
     assert "needs model_name_or_path to be the quantized Hugging Face directory" in keep_quantized_refusal(
         str(tmp_path), 1
@@ -134,18 +160,20 @@ def test_keep_quantized_refusals(hf_models, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "variant,targets",
+    "variant,targets,layout",
     [
-        ("deepseek_v3", ["q_a_proj", "q_b_proj", "kv_b_proj", "o_proj", "gate_proj", "down_proj"]),
-        ("gpt_oss", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+        ("deepseek_v3", ["q_a_proj", "q_b_proj", "kv_b_proj", "o_proj", "gate_proj", "down_proj"], EP2),
+        ("gpt_oss", ["q_proj", "k_proj", "v_proj", "o_proj"], EP2),
+        ("llama3", ["q_proj", "k_proj", "v_proj", "o_proj"], TP2),
     ],
 )
 def test_lora_on_a_kept_quantized_base_matches_the_dequantized_base(
-    variant, targets, hf_models, tokenizer_dir, sft_data, tmp_path
+    variant, targets, layout, hf_models, tokenizer_dir, sft_data, tmp_path
 ):
-    """From the quantized hub directory itself (converted at load), PP=2 x DP=2 x EP=2, every block recomputed, 4
-    AdamW steps with clipping, the base kept in FP8 blocks (DeepSeek-V3: attention, shared and routed experts, the
-    dense MLP) or MXFP4 experts (gpt-oss): losses, grad norms and adapters equal PEFT trained in one process on the
+    """From the quantized hub directory itself (converted at load), 4 AdamW steps with clipping, the base kept in FP8
+    blocks (DeepSeek-V3 at PP=2 x DP=2 x EP=2, every block recomputed: attention, shared and routed experts, the
+    dense MLP; Llama 3.1 at PP=2 x TP=2: each rank its shard of every projection and its blocks' scales) or MXFP4
+    experts (gpt-oss at PP=2 x DP=2 x EP=2): losses, grad norms and adapters equal PEFT trained in one process on the
     dequantized base, by LoRA's bounds; each stage says what it holds."""
     from schema.model import LoraSettings
     from tests.conftest import check, launch, read_jsonl
@@ -155,13 +183,13 @@ def test_lora_on_a_kept_quantized_base_matches_the_dequantized_base(
     cfg = parity_cfg(sft_data[0])
     cfg.lora = LoraSettings(enabled=True, r=4, alpha=8.0, target_modules=targets)
     src = str(tmp_path / "hub")
-    QUANTIZE[variant](hf_models, src)
+    (quantize_mxfp4 if variant == "gpt_oss" else quantize_fp8)(hf_models[variant], src)
     lora = ["lora.enabled=true", "lora.r=4", "lora.alpha=8.0", f"lora.target_modules=[{','.join(targets)}]"]
     run = tmp_path / "run"
-    more = dict(expert_parallel_size=2, **{"model.activation_checkpointing": "true"})
-    out = check(launch(4, *overrides(cfg, src, str(run), 2, **more), *lora, "lora.keep_quantized=true"))
+    out = check(launch(4, *overrides(cfg, src, str(run), 2, **layout), *lora, "lora.keep_quantized=true"))
     held = [line for line in (out.stdout + out.stderr).splitlines() if "lora.keep_quantized:" in line]
     print(variant, *held, sep="\n")
     assert len(held) == 2 and all(" 0 weights held" not in line for line in held)  # (a line per stage)
-    assert_matches_peft(run, cfg, dequantized_copy(src, tmp_path), tokenizer_dir, dp=2)
+    dp = 4 // (2 * layout.get("tensor_parallel_size", 1))
+    assert_matches_peft(run, cfg, dequantized_copy(src, tmp_path), tokenizer_dir, dp=dp)
     assert len(read_jsonl(run / "metrics.jsonl")) == cfg.max_steps

@@ -294,7 +294,7 @@ def assemble(cfg: TrainConfig) -> Run:
     if cfg.lora.keep_quantized:  # the hub's FP8 / MXFP4 tensors of the stage's decoder layers, held as they are
         experts = module._ep.local_experts(num_experts(model_config)) if is_moe(model_config) else None
         try:
-            held = hold_hub_weights(module, cfg.model_name_or_path, model_config, experts)
+            held = hold_hub_weights(module, cfg.model_name_or_path, model_config, experts, (tp.rank, tp.size))
         except ValueError as e:
             raise RunError(f"lora.keep_quantized=true: {e}") from None
         log.info(

@@ -46,6 +46,13 @@ CLAIMS = (
         bound=0,
         figure=None,
     ),
+    Claim(
+        says="each TP rank's FP8 shard dequantizes to its shard of the dequantized weight, bit for bit, by every split rule",
+        test="tests/test_kept_quantized.py::test_an_fp8_shard_holds_its_blocks_scales",
+        holds="assert torch.equal(dequantize(w, s, (16, 16), torch.float32), shard(whole, rule, rank, 2))",
+        bound=0,
+        figure=None,
+    ),
     Benchmark(
         says="6.2 GiB held (0.51x)",
         by="benchmarks/kept_base_memory.py",
