@@ -50,7 +50,8 @@ def _gpu_facts(run) -> tuple[int, float]:
 def family_block(args, family: str) -> None:
     """One family's first sparse block: transformers' decoder layer against ours (a subclass of it) on the same
     tokens, forward and backward; transformers' layer gets the keyword arguments ours passes it."""
-    from models.families import family_of, is_sparse_layer, resolve_attention
+    from models.families import family_of, resolve_attention
+    from models.layer_kinds import is_sparse_layer
     from models.layers import decoder_layer_class
     from models.moe import DEFAULT_EXPERTS_IMPLEMENTATION, empty_stats
     from tools.tiny_models import tiny_config

@@ -22,7 +22,8 @@ from models.moe import experts_per_token
 
 def experts_of(config) -> dict:
     """A model with experts: how many, routed per token, and in how many decoder layers (else nothing)."""
-    from models.families import family_of, is_sparse_layer
+    from models.families import family_of
+    from models.layer_kinds import is_sparse_layer
 
     moe = family_of(config).moe
     if moe is None:

@@ -19,15 +19,9 @@ import json
 import re
 
 from models.carry import unread_hub_keys
-from models.families import (
-    DEFAULT_MODEL_TYPE,
-    FAMILIES,
-    family_of,
-    is_linear_attention,
-    is_sparse_layer,
-    residual_streams,
-)
+from models.families import DEFAULT_MODEL_TYPE, FAMILIES, family_of
 from models.layer_config import with_torch_dtype
+from models.layer_kinds import is_linear_attention, is_sparse_layer, residual_streams
 from models.pipe_layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer, pipe_layers
 
 DECODER_PREFIX = "model.layers.{}."  # HF name of decoder block {} (the module; its keys follow)

@@ -44,18 +44,10 @@ from models.carry import INPUT_IDS, LayerCarry, PerLayerInputs, layout
 from models.cast import apply_keeping_fp32
 from models.decoder_options import DecoderOptions
 from models.expert_parallel import ExpertParallel
-from models.families import (
-    FAMILIES,
-    attention_chunk,
-    family_of,
-    is_linear_attention,
-    is_sparse_layer,
-    residual_streams,
-    resolve_attention,
-    sliding_window,
-)
+from models.families import FAMILIES, family_of, resolve_attention
 from models.head import LMHeadPipe, set_logit_rules
 from models.layer_config import norm_eps, with_torch_dtype
+from models.layer_kinds import attention_chunk, is_linear_attention, is_sparse_layer, residual_streams, sliding_window
 from models.moe import (
     DEFAULT_EXPERTS_IMPLEMENTATION,
     add_stats,

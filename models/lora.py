@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.families import FAMILIES, family_of, hf_classes, is_linear_attention
+from models.families import FAMILIES, family_of, hf_classes
 from models.key_table import linear_layers, linear_modules
+from models.layer_kinds import is_linear_attention
 from models.layers import block_index
 from models.partition import layer_shape
 from models.pipe_layout import DECODER

@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.families import family_of, is_sparse_layer
+from models.families import family_of
 from models.key_table import moe_key
+from models.layer_kinds import is_sparse_layer
 
 # How the experts of a block run (transformers' `experts_implementation`): its models' default. One grouped
 # matmul over all local experts (torch's `grouped_mm`, with transformers' own loop where the kernel cannot run).

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from models.families import is_linear_attention, is_sparse_layer
 from models.key_table import makes_per_layer_inputs
+from models.layer_kinds import is_linear_attention, is_sparse_layer
 from models.layers import build_layer
 from models.moe import experts_per_token, num_experts
 from models.pipe_layout import DECODER, LM_HEAD, num_pipe_layers, pipe_layers, stage_bounds_from_blocks

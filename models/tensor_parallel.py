@@ -35,9 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.carry import per_layer_params, stream_mixer_params
-from models.families import family_of, residual_streams
+from models.families import family_of
 from models.head import LMHeadPipe, head_output, set_logit_rules, tied_lm_head_forward
 from models.layer_config import global_attr, layer_attr
+from models.layer_kinds import residual_streams
 from models.layers import (
     DecoderOptions,
     EmbeddingPipe,

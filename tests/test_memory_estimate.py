@@ -8,7 +8,8 @@ import re
 import pytest
 import torch
 
-from models.families import FAMILIES, residual_streams
+from models.families import FAMILIES
+from models.layer_kinds import residual_streams
 from models.layers import DecoderOptions, build_layer
 from models.loss import HeadOutput
 from models.moe import empty_stats, is_moe
@@ -20,8 +21,7 @@ from tools.tiny_models import tiny_config
 
 
 def measured_stage(config, layers: range, b: int, s: int, options: DecoderOptions, dtype, tp=None) -> tuple[int, int]:
-    """(bytes of the distinct tensors saved for backward in one micro-batch's forward, parameters) of a stage;
-    with `tp` (a TensorParallel with its group), this rank's shard of it."""
+    """(bytes of distinct tensors saved for backward in a micro-batch's forward, parameters): a stage, its TP shard."""
     from models.carry import carried_tensors
     from models.head import tied_lm_head_forward
     from models.tensor_parallel import tp_layer_class_and_args, tp_tied_head_forward

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from models.families import is_sparse_layer
 from models.key_table import all_layer_keys
+from models.layer_kinds import is_sparse_layer
 from models.layers import DecoderOptions, build_layer, decoder_layer_class
 from models.moe import add_stats, aux_loss, empty_stats, layer_stats, token_mask
 from models.partition import layer_param_counts, stage_bounds

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from models.carry import carried_bytes, per_layer_input_bytes, stand_ins
-from models.families import attention_chunk, family_of, is_linear_attention, is_sparse_layer, residual_streams
+from models.families import family_of
 from models.layer_config import layer_attr
+from models.layer_kinds import attention_chunk, is_linear_attention, is_sparse_layer, residual_streams
 from models.moe import experts_per_token
 from tools import module_bytes
 from tools.module_bytes import KeepsInput, stream_head_bytes

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from models.families import residual_streams
+from models.layer_kinds import residual_streams
 
 TOKENS = 64  # positions each module is measured on (what it keeps grows linearly with them)
 

@@ -14,7 +14,8 @@ family module calls `register(Family(...))` with what is particular to it, as da
   models/key_table.py takes them from transformers' own layer built on the meta device;
 - a mixture-of-experts family's `MoeSpec` (hub key layout, router, shared expert, which layers are sparse; `moe_when`);
 - read from transformers, not declared: SDPA support (`resolve_attention`), tensors kept fp32 (`keeps_fp32`), hub
-  keys its model skips at load (`ignored_on_load`), linear-attention layers (`is_linear_attention`);
+  keys its model skips at load (`ignored_on_load`); what kind each layer is (its window, recurrence, sparse MLP) is
+  models/layer_kinds.py's, from the config and these fields;
 - the tensors its layers share across layers (`carries`: models/carry.py), its tiny test model's fields (`tiny`),
   a multimodal checkpoint whose text model it is (`register_container`).
 Adding a family built like one here is one module in this package (and a row in docs/families.md);
@@ -313,74 +314,6 @@ def family_of(config) -> Family:
 
 
 _dense = functools.cache(lambda family: replace(family, moe=None))  # a family without its experts
-
-
-def sliding_window(config, attention) -> int | None:
-    """The window of one layer's attention module (None: full causal attention), as HF applies it."""
-    if family_of(config).window_everywhere:
-        return getattr(config, "sliding_window", None)
-    if getattr(attention, "is_sliding", True) is False:  # EXAONE 4's global layers keep the config's window unused
-        return None
-    return getattr(attention, "sliding_window", None)
-
-
-def attention_chunk(config, block: int) -> int | None:
-    """The chunk of decoder block `block`'s attention ("chunked_attention" layers: a query attends the keys of its
-    own `attention_chunk_size` positions only), or None."""
-    types = getattr(config, "layer_types", None)
-    if types and types[block] == "chunked_attention":
-        return config.attention_chunk_size
-    return None
-
-
-# Layer types (`config.layer_types`) whose token mixer carries a state along the row instead of attending over keys
-RECURRENT_TYPES = {"linear_attention": "linear-attention", "conv": "short-convolution"}  # Gated DeltaNet; LFM2's
-
-
-def is_linear_attention(config, block: int) -> bool:
-    """Whether decoder block `block` mixes tokens by a recurrence (`RECURRENT_TYPES`: Qwen3-Next's Gated DeltaNet,
-    LFM2's gated short convolution) instead of attention over keys."""
-    types = getattr(config, "layer_types", None)
-    return bool(types) and types[block] in RECURRENT_TYPES
-
-
-def linear_attention_refusal(config, what: str) -> str | None:
-    """Why `what` (packed rows, context parallelism) cannot run a model with recurrent layers, or None."""
-    kinds = [config.layer_types[b] for b in range(config.num_hidden_layers) if is_linear_attention(config, b)]
-    if not kinds:
-        return None
-    return (
-        f"{what}: {config.model_type}'s {RECURRENT_TYPES[kinds[0]]} layers carry a state along the whole row, which "
-        "transformers' torch path neither resets per packed document nor splits over ranks"
-    )
-
-
-def residual_streams(config) -> int:
-    """How many residual streams the hidden states hold (`Family.streams`: DeepSeek-V4's `hc_mult`), 1 for most."""
-    return int(getattr(config, family_of(config).streams, 1))  # (no config field is named "")
-
-
-def is_sparse_layer(config, block: int) -> bool:
-    """Whether decoder block `block` has a mixture-of-experts MLP (as the family's decoder layer decides)."""
-    moe = family_of(config).moe
-    if moe is None:
-        return False
-    if moe.every_layer:
-        return True
-    if moe.layer_types:
-        return getattr(config, moe.layer_types)[block] != "dense"
-    if moe.first_dense:
-        return block >= getattr(config, moe.first_dense)
-    if moe.moe_layers:
-        return block in config.moe_layers
-    if moe.interval:
-        start, end = config.moe_layer_start_index, config.moe_layer_end_index
-        return (block + 1) % config.moe_layer_interval == 0 and start <= block <= end
-    return (
-        block not in (config.mlp_only_layers or [])
-        and config.num_experts > 0
-        and (block + 1) % config.decoder_sparse_step == 0
-    )
 
 
 def _register_causal_lm_classes() -> None:

@@ -26,8 +26,9 @@ import torch.distributed as dist
 
 from models.carry import carried_bytes
 from models.context_parallel import shard
-from models.families import FAMILIES, linear_attention_refusal, residual_streams
+from models.families import FAMILIES
 from models.head import split_stats
+from models.layer_kinds import linear_attention_refusal, residual_streams
 from models.loss import IGNORE_INDEX
 from models.moe import WithAuxLoss, aux_loss, empty_stats, is_moe
 from models.partition import stage_bounds
