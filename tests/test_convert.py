@@ -75,6 +75,8 @@ PRESETS = {
     "llama3_1_70b": ("model.layers.79.self_attn.k_proj.weight", (1024, 8192), 70.55, None),  # Llama-2 70B's + vocab
     "qwen3_32b": ("model.layers.63.self_attn.q_norm.weight", (128,), 32.76, None),
     "glm4_5_air": ("model.layers.45.self_attn.q_proj.bias", (96 * 128,), 106.85, 13.42),
+    "glm4_7_flash": ("model.layers.46.self_attn.kv_b_proj.weight", (20 * (192 + 256), 512), 29.94, 3.9),  # MLA
+    "minimax_m2": ("model.layers.61.block_sparse_moe.experts.255.w2.weight", (3072, 1536), 228.69, 11.03),
     "gemma3_27b": ("model.layers.61.self_attn.k_proj.weight", (16 * 128, 5376), 27.01, None),
     "gemma4_31b": ("model.layers.59.self_attn.k_proj.weight", (4 * 512, 5376), 30.7, None),  # a global layer's: 4 x 512
     "gemma4_e4b": ("model.embed_tokens_per_layer.weight", (262144, 42 * 256), 7.46, None),  # its PLE table: 2.82B
@@ -92,23 +94,21 @@ PRESETS = {
 }
 
 
-# The real-size mixtures of 2026 and the dense families' presets of 2026 in the slow tier (~2 s each, meta device).
-SLOW_PRESETS = tuple(p for p in PRESETS if p not in ("llama2_70b", "qwen2_5_7b", "qwen3_8b", "phi4", "llama4_scout"))
-SLOW_PRESETS = tuple(p for p in SLOW_PRESETS if p not in ("qwen3_30b_a3b", "mixtral_8x7b"))
+FAST = ("llama2_70b", "qwen2_5_7b", "qwen3_8b", "phi4", "llama4_scout", "qwen3_30b_a3b", "mixtral_8x7b")  # fast tier
+SLOW_PRESETS = tuple(p for p in PRESETS if p not in FAST)  # 2026's: the slow tier (~2 s each, meta device)
 
 
 @pytest.mark.parametrize(
     "preset_name", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_PRESETS else p for p in PRESETS]
 )
 def test_layer_modules_match_hf_at_preset_shapes(preset_name):
-    """Shape-only conversion of the shipped presets (LLaMA-2-70B, Qwen2.5-7B, Qwen3-8B, Qwen3-30B-A3B, Mixtral 8x7B,
-    Llama 4 Scout's text model, Phi-4, the text models of Gemma 3 27B and Qwen3.5 27B, OLMo 3 32B, DeepSeek-V3, Kimi
-    K2, gpt-oss-120b, GLM-4.5-Air, Qwen3-Next-80B-A3B) on the meta device: our layer modules' keys and shapes are
-    exactly what the table maps from the hub's layout (transformers' own per-expert names for the experts it fuses in
-    memory), and the planner counts the parameters transformers' model has, in all and per token (the model cards:
-    Qwen2.5-7B 7.61B, Qwen3-8B 8.19B, Qwen3-30B-A3B 30.5B, Mixtral 46.7B, Llama 4 Scout 109B with its vision tower,
-    Phi-4 14B, OLMo 3 32B, Qwen3.5 27B with its vision tower, DeepSeek-V3 671B / 37B, Kimi K2 1T / 32B, gpt-oss-120b
-    117B, GLM-4.5-Air 106B / 12B, Qwen3-Next 80B / 3B)."""
+    """Shape-only conversion of every shipped preset on the meta device: our layer modules' keys and shapes are exactly
+    what the table maps from the hub's layout (transformers' own per-expert names for the experts it fuses in memory),
+    and the planner counts the parameters transformers' model has, in all and per token (the model cards: Qwen2.5-7B
+    7.61B, Qwen3-8B 8.19B, Qwen3-30B-A3B 30.5B, Mixtral 46.7B, Llama 4 Scout 109B with its vision tower, Phi-4 14B,
+    OLMo 3 32B, Qwen3.5 27B with its vision tower, DeepSeek-V3 671B / 37B, Kimi K2 1T / 32B, gpt-oss-120b 117B,
+    GLM-4.5-Air 106B / 12B, Qwen3-Next 80B / 3B, GLM-4.7-Flash 30B / 3B, MiniMax-M2 230B / 10B; per token here
+    with the embedding and head)."""
     from transformers import AutoModelForCausalLM
 
     from models.config import check_preset, config_from_preset
