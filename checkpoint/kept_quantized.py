@@ -40,7 +40,7 @@ from checkpoint.expert_layouts import per_expert_sources
 from checkpoint.hf_reader import is_hf_dir, iter_tensors, read_model_config, validate
 from models.families import family_of, hf_classes
 from models.frozen_weights import expert_weights, held_class, hold_experts, hold_linear
-from models.hub_quantized import FP8Weight, INT4Weight, MXFP4Weight, fp8_bytes, int4_bytes, mxfp4_bytes
+from models.hub_quantized import FP8Weight, INT4Weight, MXFP4Weight, fp4_bytes, fp8_bytes, int4_bytes, mxfp4_bytes
 from models.key_table import DECODER_PREFIX, hub_key, moe_key
 from models.layers import block_index
 from models.moe import in_block, num_experts
@@ -145,14 +145,16 @@ def _held(kind, tensors: list[torch.Tensor], quant, shape: tuple[int, ...], spli
         return MXFP4Weight(*(t[arg.start : arg.stop].clone() for t in tensors), PLAIN)
     if kind == "fused fp8":
         weight, scale = tensors
-        scale = scale[arg.start : arg.stop].clone() if scale.dim() == 3 else scale
+        per_expert = scale.dim() >= 1 and scale.shape[0] == weight.shape[0]  # ([E, ...]: else one for all)
+        scale = scale[arg.start : arg.stop].clone() if per_expert else scale
         return fp8(weight[arg.start : arg.stop].clone(), scale)
     weights, scales = tensors[0::2], tensors[1::2]  # per expert, `arg` parts each (gate, up: rows stacked)
     if kind == "expert int4":  # (rows are independent: no block to straddle)
         stack = [torch.cat(weights[i : i + arg]) for i in range(0, len(weights), arg)]
         grids = [torch.cat(scales[i : i + arg]) for i in range(0, len(scales), arg)]
         return INT4Weight(torch.stack(stack), torch.stack(grids), shape[-1], int4_group(quant), PLAIN)
-    if arg > 1 and (blocks is None or weights[0].shape[0] % blocks[0]):
+    fp4 = weights[0].dtype == torch.int8  # (DeepSeek-V4's FP4: a scale a row, rows stack freely)
+    if arg > 1 and not fp4 and (blocks is None or weights[0].shape[0] % blocks[0]):
         raise ValueError(f"experts of {weights[0].shape[0]} rows are not a whole number of {blocks} FP8 blocks")
     stack = [torch.cat(weights[i : i + arg]) for i in range(0, len(weights), arg)]
     grids = [torch.cat(scales[i : i + arg]) for i in range(0, len(scales), arg)]
@@ -170,7 +172,8 @@ def _shard_fp8(weight, scale, block, rule: str, rank: int, size: int) -> tuple[t
         n, grid = weight.shape[d], scale.shape[d] if scale.dim() == weight.dim() else 1
         if out.shape[d] == n or grid == 1:
             continue
-        b = block[d - weight.dim() + 2] if block else n // grid
+        fp4 = weight.dtype == torch.int8  # DeepSeek-V4's FP4: blocks by the scale's grid, over packed bytes
+        b = n // grid if fp4 or not block else block[d - weight.dim() + 2]
         index = [1] * weight.dim()
         index[d] = n
         blocks = torch.arange(n) // b
@@ -183,6 +186,12 @@ def _shard_fp8(weight, scale, block, rule: str, rank: int, size: int) -> tuple[t
     return out, scale.contiguous()
 
 
+def _fp4_experts(quant) -> bool:
+    """Whether the hub keeps its routed experts in FP4 (DeepSeek-V4's `expert_dtype: fp4`)."""
+    config = getattr(quant, "quantization_config", None) or {}
+    return (config if isinstance(config, dict) else config.to_dict()).get("expert_dtype") == "fp4"
+
+
 def planned_bytes(layer: nn.Module, config, quant, present, experts: range | None = None) -> tuple[int, int, int]:
     """What `hold_hub_weights` would hold of one decoder layer (built on the meta device) from a hub of `quant`'s
     quantization whose keys are `present`, `experts` the rank's experts (default all): (the dense weights it holds,
@@ -193,7 +202,9 @@ def planned_bytes(layer: nn.Module, config, quant, present, experts: range | Non
         if name is not None and experts is not None:
             shape = (len(experts), *shape[1:])
         kind, n, rows, cols = kind if isinstance(kind, str) else kind[0], math.prod(shape), *shape[-2:]
-        if "fp8" in kind:
+        if "fp8" in kind and name is not None and _fp4_experts(quant):
+            held += n // (rows * cols) * fp4_bytes(rows, cols)
+        elif "fp8" in kind:
             held += n // (rows * cols) * fp8_bytes(rows, cols, fp8_blocks(quant))
         elif "int4" in kind:
             held += n // (rows * cols) * int4_bytes(rows, cols, int4_group(quant))
@@ -213,6 +224,9 @@ def hold_hub_weights(
     tensors that do not fit the model or a shard that cuts a block."""
     present, quant = validate(hf_dir), read_model_config(hf_dir)
     plan = _plan(module, config, quant, present, experts)
+    missing = [k for *_, keys, _ in plan for k in keys if k not in present]
+    if missing:
+        raise ValueError(f"{hf_dir}: {missing[0]} is missing (its checkpoint holds the others of its layer)")
     read = {name: tensor for name, tensor, _ in iter_tensors(hf_dir, {k for *_, keys, _ in plan for k in keys})}
     experts_held = {}  # {experts module: (its sparse block, {parameter: held weight})}
     for target, name, kind, keys, ours in plan:

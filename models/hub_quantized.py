@@ -31,8 +31,10 @@ def dequantize(
     if weight.dim() > 2:
         matrices = weight.view(-1, *weight.shape[-2:])
         grid = scale.shape[-2:] if scale.numel() > len(matrices) else (1, 1)
-        out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
-        for piece, w, s in zip(out.view_as(matrices), matrices, scale.reshape(len(matrices), *grid), strict=True):
+        cols = weight.shape[-1] * (2 if weight.dtype == torch.int8 else 1)  # FP4: two values a byte
+        out = torch.empty(*weight.shape[:-1], cols, dtype=dtype, device=weight.device)
+        pieces = out.view(len(matrices), matrices.shape[-2], cols)
+        for piece, w, s in zip(pieces, matrices, scale.reshape(len(matrices), *grid), strict=True):
             piece.copy_(dequantize(w, s, block, dtype))
         return out
     if weight.dtype == torch.int8:  # FP4, two e2m1 values a byte (DeepSeek-V4's experts): blocks by the scale's grid
@@ -151,9 +153,11 @@ class INT4Weight(HeldWeight):
         packed, scale = self.packed.view(torch.int32).view(p_shape), self.scale.view(s_dtype).view(s_shape)
         rows, cols = self.shape[-2:]
         size = torch.tensor([rows, cols])
+        out = torch.empty(self.shape, dtype=self.plain_dtype, device=packed.device)
         matrices = zip(packed.reshape(-1, *p_shape[-2:]), scale.reshape(-1, *s_shape[-2:]), strict=True)
-        out = torch.stack([int4_to_plain(p, s, size, self.group, self.plain_dtype) for p, s in matrices])
-        return out.view(self.shape).to(dtype or self.plain_dtype)
+        for piece, (p, s) in zip(out.view(-1, rows, cols), matrices, strict=True):  # one expert's matrix at a time
+            piece.copy_(int4_to_plain(p, s, size, self.group, self.plain_dtype))
+        return out.to(dtype or self.plain_dtype)
 
     def extra_repr(self) -> str:
         return f"shape={list(self.shape)}, int4, group={self.group or 'per row'}"
@@ -168,6 +172,12 @@ def fp8_bytes(rows: int, cols: int, block: tuple[int, int] | None) -> int:
     """What `FP8Weight` holds for a [rows, cols] weight: a byte a weight and one fp32 scale a block (per tensor:
     one)."""
     return rows * cols + 4 * (-(-rows // block[0]) * -(-cols // block[1]) if block else 1)
+
+
+def fp4_bytes(rows: int, cols: int) -> int:
+    """What `FP8Weight` holds for DeepSeek-V4's FP4 [rows, cols] weight: half a byte a weight, a one-byte scale a row
+    and 32 columns."""
+    return rows * cols // 2 + rows * (cols // 32)
 
 
 def mxfp4_bytes(numel: int) -> int:

@@ -94,8 +94,8 @@ class LoraSettings:
     quantize_double: bool = False  # NF4's absmax 8-bit quantized too (bnb_4bit_use_double_quant)
     # with nf4, the routed experts too (transformers' bitsandbytes model keeps them in the run's precision: false)
     quantize_experts: bool = True
-    # the hub's FP8 / MXFP4 weights of a quantized model_name_or_path held as they are on each stage (dequantized at
-    # each matmul, to the weights conversion would write) instead of dequantized to bf16 (checkpoint/kept_quantized.py)
+    # the hub's FP8 / MXFP4 / INT4 weights of a quantized model_name_or_path held as they are on each stage
+    # (dequantized at each matmul, to the weights conversion writes) instead of in bf16 (checkpoint/kept_quantized.py)
     keep_quantized: bool = False
 
 

@@ -23,6 +23,7 @@ QUANTIZE = {
     # Kimi K2 Thinking's layout is DeepSeek-V3's, its experts INT4
     "kimi_k2_int4": lambda hf_models, out: quantize_int4(hf_models["deepseek_v3"], out),
     "qwen3_5_moe": lambda _, out: qwen3_5_moe_fp8(out),  # (its experts one FP8 key each, under fused hub names)
+    "llama3": lambda hf_models, out: quantize_fp8(hf_models["llama3"], out),  # (dense, FP8 blocks: split under TP)
 }
 
 
@@ -55,7 +56,7 @@ def test_a_kept_quantized_base_computes_as_the_dequantized_one(variant, hf_model
     count = hold_hub_weights(kept, src, kept.config)
     held = [m for m in kept.modules() if isinstance(m, (FP8Weight, MXFP4Weight, INT4Weight))]
     assert count == len(held) > 0
-    if variant != "gpt_oss":  # each sparse layer: E experts x 3 keys held as two fused tensors
+    if variant in ("deepseek_v3", "kimi_k2_int4", "qwen3_5_moe"):  # each sparse layer: E x 3 keys held as 2 tensors
         sparse = sum(hasattr(m, "held_weights") for m in kept.modules())
         experts = getattr(kept.config, "n_routed_experts", None) or kept.config.num_experts
         assert len(held) == len(quantized) - (3 * experts - 2) * sparse > 0
@@ -86,6 +87,7 @@ def test_planner_counts_the_kept_base(variant, hf_models, tmp_path):
     the model holds once held and adapted: its parameters, the held weights' bytes and the one layer's experts a
     forward dequantizes."""
     from models.lora import add_lora
+    from models.tensor_parallel import TensorParallel
     from schema.model import LoraSettings
     from tests.test_training import parity_cfg
     from tools.memory_model import estimate, hub_quantization, kept_layer_counts
@@ -101,13 +103,18 @@ def test_planner_counts_the_kept_base(variant, hf_models, tmp_path):
     kept = sum(held_bytes(m) for m in model.modules() if isinstance(m, (FP8Weight, MXFP4Weight, INT4Weight)))
     held = sum(p.numel() * p.element_size() for p in model.parameters()) + kept
     experts = [m for m in model.modules() if hasattr(m, "held_weights")]
-    transient = max(sum(getattr(m, f"{n}_held").dequantize().numel() for n in m.held_weights) for m in experts) * 4
+    dense = [sum(getattr(m, f"{n}_held").dequantize().numel() for n in m.held_weights) for m in experts]
+    transient = max(dense, default=0) * 4
     (planned,) = estimate(cfg, model.config, 1)  # (the run's config: the hub's says how it is quantized)
     print(f"kept base ({variant}): planner {planned.weights:,.0f} bytes, held {held:,} + {transient:,}")
     assert planned.weights == held + transient
+    quant, present = hub_quantization(src, model.config)
+    whole = kept_layer_counts(model.config, 1, quant, present)
     if variant != "qwen3_5_moe":  # these fixtures quantize what the releases do: a preset's count (no hub) agrees
-        quant, present = hub_quantization(src, model.config)
-        assert kept_layer_counts(model.config, 1, quant) == kept_layer_counts(model.config, 1, quant, present)
+        assert kept_layer_counts(model.config, 1, quant) == whole
+    if variant == "llama3":  # a TP=2 rank holds half of every projection, whole blocks and their scales
+        halves = kept_layer_counts(model.config, 1, quant, present, TensorParallel(2, 0))
+        assert [tuple(2 * n for n in c) for c in halves] == whole and sum(c[1] for c in whole) > 0
     assert mxfp4_bytes(4096 * 4096) * 8 / (4096 * 4096) == 4.25
     assert int4_bytes(4096, 4096, 32) * 8 / (4096 * 4096) == 4.5  # (bf16 scales, groups of 32)
     assert fp8_bytes(4096, 4096, (128, 128)) == 4096 * 4096 + 4 * 32 * 32  # a byte a weight, an fp32 scale a block
@@ -131,6 +138,25 @@ def test_an_fp8_shard_holds_its_blocks_scales(rule):
         assert torch.equal(dequantize(w, s, (16, 16), torch.float32), shard(whole, rule, rank, 2))
     with pytest.raises(ValueError, match=r"^tensor parallel size 16 cuts its 16-wide FP8 blocks"):
         _shard_fp8(weight, scale, (16, 16), rule, 0, 16)
+
+
+def test_fp4_experts_held_and_split_by_their_scale_grid():
+    """DeepSeek-V4's FP4 experts (int8, two values a byte, a one-byte scale a row and 32 columns), stacked [E, R, C/2]:
+    held, they dequantize to each expert's own dequantized matrix; each TP rank's shard by the experts' column rule
+    to its shard of those, bit for bit."""
+    from checkpoint.kept_quantized import _shard_fp8
+    from models.hub_quantized import dequantize
+    from models.sharding import shard
+
+    torch.manual_seed(0)
+    weight = torch.randint(-128, 127, (3, 8, 64), dtype=torch.int8)  # [E, rows, 128 values / 2]
+    scale = torch.randint(120, 130, (3, 8, 128 // 32), dtype=torch.uint8)
+    held = FP8Weight(weight, scale, (128, 128), torch.float32)
+    whole = torch.stack([dequantize(w, s, None, torch.float32) for w, s in zip(weight, scale, strict=True)])
+    assert held.shape == (3, 8, 128) and torch.equal(held.dequantize(), whole)
+    for rank in range(2):
+        w, s = _shard_fp8(weight, scale, (128, 128), EXPERT_ROW, rank, 2)
+        assert torch.equal(FP8Weight(w, s, (128, 128), torch.float32).dequantize(), shard(whole, EXPERT_ROW, rank, 2))
 
 
 def test_keep_quantized_refusals(hf_models, tmp_path):

@@ -77,7 +77,7 @@ def estimate(cfg, config, world_size: int) -> list[Estimate]:
     lo = cfg.lora
     nf4 = nf4_layer_counts(config, shard, lo.quantize_double, lo.quantize_experts, ep) if lo.quantize == "nf4" else None
     if lo.keep_quantized:  # the hub's FP8 blocks / MXFP4 experts held as they are (checkpoint/kept_quantized.py)
-        nf4 = kept_layer_counts(config, ep, *hub_quantization(cfg.model_name_or_path, config))
+        nf4 = kept_layer_counts(config, ep, *hub_quantization(cfg.model_name_or_path, config), tp=shard)
     expert_counts = layer_param_counts(config, shard, ep=ep, experts_only=True) if ep > 1 else [0] * len(counts)
     expert_share = optim_share * ep if zero >= 1 else optim_share
     stages = model_stages(schedule, pp)
@@ -181,9 +181,10 @@ def hub_quantization(source: str | None, config) -> tuple:
     return (read_model_config(source), validate(source)) if source and is_hf_dir(source) else (config, None)
 
 
-def kept_layer_counts(config, ep: int = 1, quant=None, present=None) -> list[tuple[int, int, int]]:
-    """`lora.keep_quantized`'s base per pipeline layer (TP=1), as `nf4_layer_counts` counts QLoRA's, from the
-    `quantization_config` of `quant` (default `config`; `hub_quantization`): with the hub's keys `present`, what
+def kept_layer_counts(config, ep: int = 1, quant=None, present=None, tp=None) -> list[tuple[int, int, int]]:
+    """`lora.keep_quantized`'s base per pipeline layer, one tensor-parallel rank's share (`tp`, whose shards hold
+    whole blocks; default whole), as `nf4_layer_counts` counts QLoRA's, from the `quantization_config` of `quant`
+    (default `config`; `hub_quantization`): with the hub's keys `present`, what
     `checkpoint.kept_quantized.hold_hub_weights` holds of them (`planned_bytes`); without, as the releases quantize:
     FP8 every decoder linear layer and this EP rank's experts, MXFP4 and INT4 the experts only. On the meta
     device."""
@@ -210,7 +211,7 @@ def kept_layer_counts(config, ep: int = 1, quant=None, present=None) -> list[tup
             shape = layer_shape(layer, config)
             if layer.kind != DECODER or shape in done or not (fp8 or is_mxfp4(quant) or group is not None):
                 continue
-            built = build_layer(layer, config)
+            built = build_layer(layer, config) if tp is None else cls_args_built(layer, config, tp)
             if present is not None:
                 done[shape] = planned_bytes(built, config, quant, present, mine)
                 continue
@@ -226,6 +227,14 @@ def kept_layer_counts(config, ep: int = 1, quant=None, present=None) -> list[tup
                     held += experts // ep * one
             done[shape] = (numel + local, held, local)
     return [done.get(layer_shape(layer, config), (0, 0, 0)) for layer in layers]
+
+
+def cls_args_built(layer, config, tp):
+    """One tensor-parallel rank's module of pipeline layer `layer` (on the current device)."""
+    from models.tensor_parallel import tp_layer_class_and_args
+
+    cls, args = tp_layer_class_and_args(layer, config, tp)
+    return cls(*args)
 
 
 def muon_bytes(config, held_layers, tp: int, ep: int, ns_bytes: int) -> tuple[float, float]:

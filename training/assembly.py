@@ -293,10 +293,11 @@ def assemble(cfg: TrainConfig) -> Run:
         )
     if cfg.lora.keep_quantized:  # the hub's FP8 / MXFP4 tensors of the stage's decoder layers, held as they are
         experts = module._ep.local_experts(num_experts(model_config)) if is_moe(model_config) else None
-        try:
-            held = hold_hub_weights(module, cfg.model_name_or_path, model_config, experts, (tp.rank, tp.size))
-        except ValueError as e:
-            raise RunError(f"lora.keep_quantized=true: {e}") from None
+        with agreed():  # (a block a TP shard cuts, a missing key: on some ranks only; every rank stops)
+            try:
+                held = hold_hub_weights(module, cfg.model_name_or_path, model_config, experts, (tp.rank, tp.size))
+            except ValueError as e:
+                raise RunError(f"lora.keep_quantized=true: {e}") from None
         log.info(
             "lora.keep_quantized: %d weights held as %s's on rank %d (%.2f MiB of weights and buffers)",
             held,
