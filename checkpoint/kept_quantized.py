@@ -3,7 +3,8 @@
 Conversion dequantizes FP8, MXFP4 and INT4 weights (checkpoint/dequantize.py), so a stage of DeepSeek-V3 would hold 2
 bytes a weight of a base it never trains. With `keep_quantized`, the stage still loads its layers from the
 conversion (norms, embeddings, routers, everything the hub keeps plain), then reads from the Hugging Face directory
-the quantized tensors of its own decoder layers only (this EP rank's experts only), and each linear layer and
+the quantized tensors of its own decoder layers only (this EP rank's experts only; in file order, each weight held as
+soon as its tensors have arrived, so host memory holds the weights under way, not the stage), and each linear layer and
 fused experts tensor they belong to computes from them (models/frozen_weights.py: dequantized at each matmul,
 models/hub_quantized.py: exactly as conversion dequantizes, bf16). Losses and gradients are therefore those of the
 dequantized base, bit for bit, while the stage holds about one byte a weight (FP8, with one fp32 scale a block),
@@ -227,13 +228,20 @@ def hold_hub_weights(
     missing = [k for *_, keys, _ in plan for k in keys if k not in present]
     if missing:
         raise ValueError(f"{hf_dir}: {missing[0]} is missing (its checkpoint holds the others of its layer)")
-    read = {name: tensor for name, tensor, _ in iter_tensors(hf_dir, {k for *_, keys, _ in plan for k in keys})}
+    entry_of = {k: i for i, (*_, keys, _) in enumerate(plan) for k in keys}
+    arrived: dict[int, dict[str, torch.Tensor]] = {}  # an entry's tensors, until they have all arrived
     experts_held = {}  # {experts module: (its sparse block, {parameter: held weight})}
-    for target, name, kind, keys, ours in plan:
+    for key, tensor, _ in iter_tensors(hf_dir, set(entry_of)):  # each weight held as it is complete: host memory
+        i = entry_of[key]  # holds the entries under way, not the stage
+        arrived.setdefault(i, {})[key] = tensor
+        target, name, kind, keys, ours = plan[i]
+        if len(arrived[i]) < len(keys):
+            continue
+        tensors = arrived.pop(i)
         try:
             shape = target.weight.shape if name is None else getattr(target[0], name).shape
             split = (tp_split(DECODER, ours, config), *tp)
-            held = _held(kind, [read.pop(k) for k in keys], quant, tuple(shape), split)
+            held = _held(kind, [tensors.pop(k) for k in keys], quant, tuple(shape), split)
         except ValueError as e:
             raise ValueError(f"{hf_dir}: {keys[0]}: {e}") from None
         if name is None:

@@ -15,7 +15,8 @@ from models.frozen_weights import held_bytes
 from models.hub_quantized import FP8Weight, INT4Weight, MXFP4Weight, fp8_bytes, int4_bytes, mxfp4_bytes
 from models.sharding import COLUMN, EXPERT_ROW, GATE_UP, ROW, parts_rule
 from tests.baseline import hf_model
-from tests.quantized_hubs import quantize_fp8, quantize_int4, quantize_mxfp4, qwen3_5_moe_fp8
+from tests.test_quantized_sources import qwen3_5_moe_fp8
+from tools.quantized_hubs import quantize_fp8, quantize_int4, quantize_mxfp4
 
 QUANTIZE = {
     "deepseek_v3": lambda hf_models, out: quantize_fp8(hf_models["deepseek_v3"], out),

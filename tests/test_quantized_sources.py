@@ -16,7 +16,7 @@ from checkpoint.dequantize import dequantize
 from checkpoint.names import layer_file_name
 from checkpoint.pipeline_reader import load_hf_state_dict
 from tests.conftest import hf_state
-from tests.quantized_hubs import BLOCK, int4_config, quantize_fp8, quantize_int4, quantize_mxfp4, qwen3_5_moe_fp8
+from tools.quantized_hubs import BLOCK, int4_config, quantize_fp8, quantize_int4, quantize_mxfp4
 
 
 def test_fp8_blocks_are_dequantized_as_transformers_does(hf_models, tmp_path):
@@ -317,6 +317,20 @@ def test_fp8_per_tensor_mistral_small_4_is_dequantized_as_transformers_does(tmp_
     halves = torch.cat([scale, scale * 0.5], dim=1)
     want = Fp8Dequantize(None)._dequantize_one(weight, halves, output_dtype=torch.bfloat16)
     assert torch.equal(dequantize(weight, halves, None, torch.bfloat16), want)
+
+
+def qwen3_5_moe_fp8(out: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A tiny Qwen3.5-MoE saved by transformers' `save_pretrained` (its experts one key per expert), then FP8 blocks
+    as `quantize_fp8` writes them, as Qwen's FP8 releases store them."""
+    from transformers import AutoModelForCausalLM
+
+    from tools.tiny_models import tiny_config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("qwen3_5_moe_text", num_key_value_heads=2)).save_pretrained(
+        out + ".src", max_shard_size="200KB"
+    )
+    return quantize_fp8(out + ".src", out)
 
 
 def test_fp8_experts_stored_one_key_per_expert_are_dequantized_then_fused(tmp_path):

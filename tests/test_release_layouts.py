@@ -19,7 +19,7 @@ from checkpoint.reshard import reshard_checkpoint
 from models.families import FAMILIES
 from models.key_table import memory_key, release_key
 from tests.conftest import hf_state, run_cmd
-from tests.quantized_hubs import FP4
+from tools.quantized_hubs import FP4
 
 FP8_BLOCK = [128, 128]  # DeepSeek-V4's: one block covers each of the tiny model's attention weights
 

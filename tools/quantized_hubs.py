@@ -1,6 +1,7 @@
-"""Quantized copies of the tiny hub models, as the releases store them: DeepSeek-V3's FP8 blocks, gpt-oss's MXFP4
-experts, Kimi K2 Thinking's and K2.5's INT4 experts (compressed-tensors' own compressor). What the conversion tests
-(tests/test_quantized_sources.py) and the kept-quantized tests (tests/test_kept_quantized.py) start from."""
+"""Quantized copies of Hugging Face model directories, as the releases store them: DeepSeek-V3's FP8 blocks, gpt-oss's
+MXFP4 experts, Kimi K2 Thinking's and K2.5's INT4 experts (compressed-tensors' own compressor). What the conversion
+tests (tests/test_quantized_sources.py), the kept-quantized tests (tests/test_kept_quantized.py) and
+benchmarks/kept_base_memory.py start from, beside the tiny models of tools/tiny_models.py."""
 
 from __future__ import annotations
 
@@ -143,17 +144,3 @@ def quantize_int4(hf_dir: str, out, strategy: str = "group") -> list[str]:
     (src / "config.json").write_text(json.dumps(config | {"quantization_config": int4_config(**ARGS[strategy])}))
 
     return quantized
-
-
-def qwen3_5_moe_fp8(out: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """A tiny Qwen3.5-MoE saved by transformers' `save_pretrained` (its experts one key per expert), then FP8 blocks
-    as `quantize_fp8` writes them, as Qwen's FP8 releases store them."""
-    from transformers import AutoModelForCausalLM
-
-    from tools.tiny_models import tiny_config
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config("qwen3_5_moe_text", num_key_value_heads=2)).save_pretrained(
-        out + ".src", max_shard_size="200KB"
-    )
-    return quantize_fp8(out + ".src", out)
