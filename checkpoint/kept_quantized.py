@@ -61,9 +61,9 @@ def keep_quantized_refusal(source: str | None, tp: int) -> str | None:
             f"needs model_name_or_path to be the quantized Hugging Face directory or hub id (not {source}): the "
             "quantized tensors are read from it"
         )
-    if not is_quantized(read_model_config(source)):  # (rank 0 read it already: one small file)
-        return f"{source} is not quantized (its config.json has no FP8, MXFP4 or INT4 quantization_config)"
     quant = read_model_config(source)
+    if not is_quantized(quant):
+        return f"{source} is not quantized (its config.json has no FP8, MXFP4 or INT4 quantization_config)"
     if tp > 1 and not is_fp8(quant):
         return f"tensor_parallel_size={tp}: only FP8 weights are split across TP ranks, not {quant_method(quant)}"
     return None
@@ -150,16 +150,16 @@ def _held(kind, tensors: list[torch.Tensor], quant, shape: tuple[int, ...], spli
         scale = scale[arg.start : arg.stop].clone() if per_expert else scale
         return fp8(weight[arg.start : arg.stop].clone(), scale)
     weights, scales = tensors[0::2], tensors[1::2]  # per expert, `arg` parts each (gate, up: rows stacked)
+
+    def stacked(parts: list[torch.Tensor]) -> torch.Tensor:  # [E, rows of its parts, ...]
+        return torch.stack([torch.cat(parts[i : i + arg]) for i in range(0, len(parts), arg)])
+
     if kind == "expert int4":  # (rows are independent: no block to straddle)
-        stack = [torch.cat(weights[i : i + arg]) for i in range(0, len(weights), arg)]
-        grids = [torch.cat(scales[i : i + arg]) for i in range(0, len(scales), arg)]
-        return INT4Weight(torch.stack(stack), torch.stack(grids), shape[-1], int4_group(quant), PLAIN)
+        return INT4Weight(stacked(weights), stacked(scales), shape[-1], int4_group(quant), PLAIN)
     fp4 = weights[0].dtype == torch.int8  # (DeepSeek-V4's FP4: a scale a row, rows stack freely)
     if arg > 1 and not fp4 and (blocks is None or weights[0].shape[0] % blocks[0]):
         raise ValueError(f"experts of {weights[0].shape[0]} rows are not a whole number of {blocks} FP8 blocks")
-    stack = [torch.cat(weights[i : i + arg]) for i in range(0, len(weights), arg)]
-    grids = [torch.cat(scales[i : i + arg]) for i in range(0, len(scales), arg)]
-    return fp8(torch.stack(stack), torch.stack(grids))
+    return fp8(stacked(weights), stacked(scales))
 
 
 def _shard_fp8(weight, scale, block, rule: str, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -156,15 +156,13 @@ def nf4_layer_counts(config, tp, double: bool, experts: bool = False, ep: int = 
     from models.nf4 import nf4_bytes, nf4_experts, nf4_linears
     from models.partition import layer_shape
     from models.pipe_layout import DECODER, pipe_layers
-    from models.tensor_parallel import tp_layer_class_and_args
 
     layers, done = pipe_layers(config.num_hidden_layers, config.tie_word_embeddings), {}
     with torch.device("meta"):
         for layer in layers:
             shape = layer_shape(layer, config)
             if layer.kind == DECODER and shape not in done:
-                cls, args = tp_layer_class_and_args(layer, config, tp)
-                built = cls(*args)
+                built = tp_layer(layer, config, tp)
                 sizes = [linear.weight.numel() for _, linear in nf4_linears(built)]
                 sparse = nf4_experts(built) if experts else None
                 local = [p.numel() // ep for p in sparse[1].parameters(recurse=False) if p.dim() == 3] if sparse else []
@@ -211,7 +209,7 @@ def kept_layer_counts(config, ep: int = 1, quant=None, present=None, tp=None) ->
             shape = layer_shape(layer, config)
             if layer.kind != DECODER or shape in done or not (fp8 or is_mxfp4(quant) or group is not None):
                 continue
-            built = build_layer(layer, config) if tp is None else cls_args_built(layer, config, tp)
+            built = build_layer(layer, config) if tp is None else tp_layer(layer, config, tp)
             if present is not None:
                 done[shape] = planned_bytes(built, config, quant, present, mine)
                 continue
@@ -229,7 +227,7 @@ def kept_layer_counts(config, ep: int = 1, quant=None, present=None, tp=None) ->
     return [done.get(layer_shape(layer, config), (0, 0, 0)) for layer in layers]
 
 
-def cls_args_built(layer, config, tp):
+def tp_layer(layer, config, tp):
     """One tensor-parallel rank's module of pipeline layer `layer` (on the current device)."""
     from models.tensor_parallel import tp_layer_class_and_args
 
