@@ -88,7 +88,10 @@ class ReleaseNames:
 
 @functools.lru_cache(maxsize=16)
 def _release_names(hf_dir: str, _stamp: int) -> ReleaseNames | None:
-    """`ReleaseNames` where no tensor of the checkpoint is under `model.` (the release layout), else None."""
+    """`ReleaseNames` where no tensor of the checkpoint is under `model.` nor where transformers saves the model
+    (Nemotron-H's `backbone.`): the release layout; else None."""
+    from models.key_table import hub_key
+
     shards, weight_map = list_shards(hf_dir)
     if weight_map is not None:
         keys = list(weight_map)
@@ -96,9 +99,11 @@ def _release_names(hf_dir: str, _stamp: int) -> ReleaseNames | None:
         keys = check_safetensors(os.path.join(hf_dir, shards[0]))
     else:
         keys = list(_load_bin(os.path.join(hf_dir, shards[0])))
-    if any(k.startswith("model.") for k in keys):
+    config = read_model_config(hf_dir)
+    saved = hub_key(config, "model.layers.0").removesuffix("layers.0")  # `model.`, or the family's saved name for it
+    if any(k.startswith(("model.", saved)) for k in keys):
         return None
-    return ReleaseNames(read_model_config(hf_dir))
+    return ReleaseNames(config)
 
 
 def _text_keys(mapping: dict[str, str], container) -> dict[str, str]:

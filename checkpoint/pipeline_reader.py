@@ -29,8 +29,8 @@ from checkpoint.names import engine_files, layer_file_name
 from checkpoint.read_ahead import ReadAhead, whole_files
 from checkpoint.safe_load import check_pickles
 from checkpoint.saves import read_tag
-from models.key_table import KEY_TABLE, all_layer_keys
-from models.pipe_layout import EMBED, LM_HEAD, PipeLayer, pipe_layers
+from models.key_table import KEY_TABLE, all_layer_keys, hub_key
+from models.pipe_layout import LM_HEAD, PipeLayer, pipe_layers
 from models.sharding import merged_shape
 from models.tp_rules import tp_split
 
@@ -161,7 +161,8 @@ class PipelineCheckpoint:
         """The whole model in HF key names (for small models and tests)."""
         state = dict(self.iter_hf_tensors())
         if self.config.tie_word_embeddings:
-            state.setdefault(KEY_TABLE[LM_HEAD]["weight"], state[KEY_TABLE[EMBED]["weight"]])
+            embedding = all_layer_keys(self.config)[0]["weight"]  # (`model.embed_tokens.weight`, or the family's)
+            state.setdefault(hub_key(self.config, KEY_TABLE[LM_HEAD]["weight"]), state[embedding])
         return state
 
 

@@ -105,6 +105,14 @@ def moe_key(config, part: str, expert: int | None = None) -> str:
     return MOE_KEYS[part].format(hub_block=moe.hub_block, e=expert, gate=gate, up=up, down=down)
 
 
+def expert_parts(config) -> dict[str, tuple[str, ...]]:
+    """{fused in-memory parameter of a sparse block's experts (under `experts.`): the hub parts of each expert it
+    holds}: gate rows then up rows in `gate_up_proj`; gateless experts (`MoeSpec.expert_names` without a gate:
+    Nemotron-H's) hold `up_proj` alone."""
+    gated = bool(family_of(config).moe.expert_names[0])
+    return {"gate_up_proj" if gated else "up_proj": ("gate", "up") if gated else ("up",), "down_proj": ("down",)}
+
+
 def _hub_names(config, keys: list[str], sparse: bool) -> list[str]:
     """Our layer-file keys of a decoder block from the names of transformers' layer: a sparse block's fused experts
     become the hub's per-expert keys (`MoeSpec.hub_fused`: kept fused) and its router weight the hub's name for it
@@ -113,7 +121,9 @@ def _hub_names(config, keys: list[str], sparse: bool) -> list[str]:
     if not sparse or moe.hub_fused:
         return keys
     experts = getattr(config, moe.num_experts)
-    fused = {f"{moe.block}.experts.gate_up_proj": ("gate", "up", "down"), f"{moe.block}.experts.down_proj": ()}
+    parts = expert_parts(config)  # each expert's keys in the hub's order, where the first fused parameter sits
+    ordered = tuple(part for held in parts.values() for part in held)
+    fused = {f"{moe.block}.experts.{name}": ordered if i == 0 else () for i, name in enumerate(parts)}
     out = []
     for key in keys:
         if key in fused:
@@ -198,6 +208,8 @@ def layer_keys(layer: PipeLayer, config) -> dict[str, str]:
         keys = dict(KEY_TABLE[layer.kind])
         if layer.kind == NORM:  # `model.norm`, or the family's own name for it (LFM2's `model.embedding_norm`)
             keys = {"weight": f"model.{family_of(config).final_norm}.weight"}
+        if layer.kind == EMBED:  # `model.embed_tokens`, or the family's own name for it (`model.embeddings`)
+            keys = {"weight": f"model.{family_of(config).embedding}.weight"}
         if layer.kind == NORM and residual_streams(config) > 1:  # the streams' head, which the norm's layer runs
             keys |= {f"hc_head.{k}": f"model.hc_head.{k}" for k in _stream_head_keys(config)}
     if family_of(config).hub_renames:
@@ -246,7 +258,7 @@ def memory_key(config, key: str) -> str:
     from transformers.core_model_loading import apply_renamings
 
     key = apply_renamings(key.removeprefix("model."), _renamings(family_of(config).model_type)[0])  # as the release
-    return key if key.startswith("lm_head.") else "model." + key
+    return key if key.startswith(("lm_head.", "model.")) else "model." + key
 
 
 def release_key(config, key: str) -> str:
@@ -297,7 +309,7 @@ def hf_key_to_layer(hf_key: str, config, index: dict[str, tuple[int, str]] | Non
     """
     if any(p.match(hf_key) for p in _DROP_PATTERNS):
         return None
-    if hf_key == KEY_TABLE[LM_HEAD]["weight"] and config.tie_word_embeddings:
+    if hf_key == hub_key(config, KEY_TABLE[LM_HEAD]["weight"]) and config.tie_word_embeddings:
         return None
     found = (index if index is not None else hub_index(config)).get(hf_key)
     if found is not None:

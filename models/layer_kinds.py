@@ -36,6 +36,17 @@ def is_linear_attention(config, block: int) -> bool:
     return bool(types) and types[block] in RECURRENT_TYPES
 
 
+# Layer types of blocks that hold an MLP and no token mixer (Nemotron-H's one-mixer blocks: a dense MLP, a sparse one)
+MLP_ONLY_TYPES = ("mlp", "moe")
+
+
+def attends(config, block: int) -> bool:
+    """Whether decoder block `block` mixes tokens by attention over keys: not by a recurrence (`is_linear_attention`)
+    and not an MLP-only block (`MLP_ONLY_TYPES`)."""
+    types = getattr(config, "layer_types", None)
+    return not is_linear_attention(config, block) and not (types and types[block] in MLP_ONLY_TYPES)
+
+
 def linear_attention_refusal(config, what: str) -> str | None:
     """Why `what` (packed rows, context parallelism) cannot run a model with recurrent layers, or None."""
     kinds = [config.layer_types[b] for b in range(config.num_hidden_layers) if is_linear_attention(config, b)]
@@ -59,8 +70,8 @@ def is_sparse_layer(config, block: int) -> bool:
         return False
     if moe.every_layer:
         return True
-    if moe.layer_types:
-        return getattr(config, moe.layer_types)[block] != "dense"
+    if moe.layer_types:  # "dense" / "sparse" (`mlp_layer_types`); of Nemotron-H's block types, "moe" alone
+        return getattr(config, moe.layer_types)[block] not in ("dense", "mlp", "full_attention", "linear_attention")
     if moe.first_dense:
         return block >= getattr(config, moe.first_dense)
     if moe.moe_layers:

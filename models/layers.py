@@ -45,9 +45,10 @@ from models.cast import apply_keeping_fp32
 from models.decoder_options import DecoderOptions
 from models.expert_parallel import ExpertParallel
 from models.families import FAMILIES, family_of, resolve_attention
+from models.family_classes import has_rope, on_family_class, rotary_class
 from models.head import LMHeadPipe, set_logit_rules
 from models.layer_config import norm_eps, with_torch_dtype
-from models.layer_kinds import attention_chunk, is_linear_attention, is_sparse_layer, residual_streams, sliding_window
+from models.layer_kinds import attends, attention_chunk, is_sparse_layer, residual_streams, sliding_window
 from models.moe import (
     DEFAULT_EXPERTS_IMPLEMENTATION,
     add_stats,
@@ -63,30 +64,6 @@ from models.moe import (
     with_load,
 )
 from models.pipe_layout import DECODER, EMBED, LM_HEAD, NORM, PipeLayer, decoder_index
-
-
-class _Fp32Rotary:
-    """Mixin for HF's rotary embedding: its tables (`inv_freq`, `original_inv_freq`, one per layer type where the
-    family keeps them so) stay fp32 when the module is cast: a bf16 `inv_freq` shifts RoPE angles by whole radians at
-    long positions."""
-
-    def _apply(self, fn, recurse=True):
-        return apply_keeping_fp32(
-            self, lambda name, _: name.endswith("inv_freq"), fn, lambda: super(_Fp32Rotary, self)._apply(fn, recurse)
-        )
-
-
-def on_family_class(mixin: type, model_type: str, hf_suffix: str, name: str) -> type[nn.Module]:
-    """A class `<Prefix><name>` that puts `mixin` in front of the family's transformers `<Prefix><hf_suffix>`."""
-    family = FAMILIES[model_type]
-    attrs = {"__module__": mixin.__module__, "model_type": model_type}
-    return type(family.prefix + name, (mixin, family.hf_class(hf_suffix)), attrs)
-
-
-@functools.cache
-def rotary_class(model_type: str) -> type[nn.Module]:
-    """The family's own rotary embedding (`LlamaRotaryEmbedding`, ...) with an fp32 `inv_freq`."""
-    return on_family_class(_Fp32Rotary, model_type, "RotaryEmbedding", "Fp32RotaryEmbedding")
 
 
 def embedding_scale(config) -> float | None:
@@ -166,8 +143,9 @@ class DecoderPipe:
         for path, function in family_of(config).layer_buffers.items():  # what transformers' model attaches to layers
             (owner, name), made = path.rsplit(".", 1), getattr(family_of(config).module(), function)(config)
             self.get_submodule(owner).register_buffer(name, made, persistent=False)
-        # Linear attention (Qwen3-Next's Gated DeltaNet) mixes tokens by a recurrence: no mask, no keys to attend.
-        self.linear = is_linear_attention(config, layer_idx)
+        # Linear attention (Qwen3-Next's Gated DeltaNet) mixes tokens by a recurrence, an MLP-only block not at all:
+        # no mask, no keys to attend.
+        self.linear = not attends(config, layer_idx)
         self.always_mask = family_of(config).always_mask  # DeepSeek-V3.2's indexer scores against the mask
         for name in family_of(config).frozen:  # run without gradients by transformers (DeepSeek-V3.2's indexer)
             for part in (frozen := self, *name.split("."))[1:]:
@@ -186,9 +164,11 @@ class DecoderPipe:
             self.balanced = self.router_choice and hasattr(router, "e_score_correction_bias")
             expert_keys(self, config, ep)
         self.attn_implementation = config._attn_implementation or resolve_attention(config, None)
-        self.rotary_emb = rotary_class(family_of(config).model_type)(config)  # non-persistent buffers: no keys
+        # non-persistent buffers: no keys. None where the family has no RoPE (Nemotron-H's attention).
+        self.rotary_emb = rotary_class(family_of(config).model_type)(config) if has_rope(config) else None
         # A rotary embedding with tables per layer type (Gemma's) is called with this layer's type.
-        takes_type = "layer_type" in inspect.signature(type(self.rotary_emb).forward).parameters
+        forward = type(self.rotary_emb).forward if self.rotary_emb is not None else lambda: None
+        takes_type = "layer_type" in inspect.signature(forward).parameters
         self.rotary_args = (config.layer_types[layer_idx],) if takes_type else ()
         tables = getattr(self.rotary_emb, "layer_types", None) or ()
         # Tables by a kind of RoPE other than the layer types (DeepSeek-V4's "main", "compress"): all taken by name.
@@ -198,7 +178,7 @@ class DecoderPipe:
         self.index, self.carry = decoder_index(layer_idx), LayerCarry(config, layer_idx)
         if self.carry.makes_per_layer_inputs:  # Gemma 4's PLE of every block, made here (models/carry.py)
             self.ple = PerLayerInputs(config)
-        self.window = None if self.linear else sliding_window(config, self.self_attn)
+        self.window = None if self.linear else sliding_window(config, self.attention())
         self.chunk = attention_chunk(config, layer_idx)
         self.cp = options.context
         # Packed rows on SDPA: each document attended alone with the causal kernel (models/attention_masks.py), no
@@ -207,10 +187,10 @@ class DecoderPipe:
         self.by_document = self.by_document and not self.linear and not self.always_mask
         if self.by_document:
             register_document_attention()
-            self.self_attn.config = copy.copy(self.self_attn.config)
-            self.self_attn.config._attn_implementation = DOCUMENT_SDPA
+            self.attention().config = copy.copy(self.attention().config)
+            self.attention().config._attn_implementation = DOCUMENT_SDPA
         if self.cp.size > 1:  # (refused for linear attention: training/validate.py)
-            context_parallel.attach(self.self_attn, self.self_attn.config, self.cp, self.attn_implementation)
+            context_parallel.attach(self.attention(), self.attention().config, self.cp, self.attn_implementation)
         if options.mlp_tiles > 1 and not sparse:
             context_parallel.tile_mlp(getattr(self, dense_mlp(config)), options.mlp_tiles)
 
@@ -237,6 +217,10 @@ class DecoderPipe:
 
     def _apply(self, fn, recurse=True):
         return apply_keeping_fp32(self, self.keeps_fp32, fn, lambda: super(DecoderPipe, self)._apply(fn, recurse))
+
+    def attention(self) -> nn.Module | None:
+        """The attention module of an attention block (`self_attn`; Nemotron-H's `mixer`: `Family.attention`)."""
+        return None if self.linear else getattr(self, family_of(self.model_config).attention)
 
     def moe_block(self) -> nn.Module:
         """The sparse block (`mlp`; Llama 4's `feed_forward`) of a sparse layer; the layer itself where its experts sit
@@ -293,8 +277,8 @@ class DecoderPipe:
         # (context parallel), which attention sees: RoPE turns this rank's S/C positions into angles.
         local_positions = context_parallel.shard(position_ids, self.cp.rank, self.cp.size)
         self._batch = hidden.shape[0]  # rows of flattened [B * S, H] tensors (models/tensor_parallel.py `enter`)
-        if getattr(self.model_config, "position_embedding_type", "rope") != "rope":  # Granite 4's NoPE model: none
-            cos_sin = None
+        if self.rotary_emb is None or getattr(self.model_config, "position_embedding_type", "rope") != "rope":
+            cos_sin = None  # (Granite 4's NoPE model: none)
         elif self.rotary_kinds:  # {kind: (cos, sin)}
             cos_sin = {kind: self.rotary_emb(hidden, local_positions, kind) for kind in self.rotary_kinds}
         else:
@@ -304,8 +288,8 @@ class DecoderPipe:
         chunk = self.chunk if self.chunk is not None and self.chunk < seq else None
         mask, extra = None, {}
         if self.cp.size > 1:
-            self.self_attn.shard_positions = local_positions  # Ulysses reads them (models/context_parallel.py)
-            attn = self.self_attn
+            self.attention().shard_positions = local_positions  # Ulysses reads them (models/context_parallel.py)
+            attn = self.attention()
             if getattr(attn, "attn_temperature_tuning", False) and not attn.use_rope:  # Llama 4's NoPE layers
                 extra["past_key_values"] = context_parallel.ShardOffset(self.cp.rank * (seq // self.cp.size))
         if self.linear:  # rows are right-padded: a causal recurrence never reads the padding into a real position
@@ -333,6 +317,8 @@ class DecoderPipe:
 
 def block_index(layer: nn.Module) -> int:
     """The decoder block number of a decoder layer, ours or transformers' own (its token mixer knows it)."""
+    if isinstance(getattr(layer, "layer_idx", None), int):  # the layer's own (Nemotron-H's blocks: MLP mixers lack it)
+        return layer.layer_idx
     mixers = ("self_attn", "linear_attn", "conv", "mamba")  # (Granite 4's Mamba layers keep `self_attn = None`)
     return next(m for m in (getattr(layer, n, None) for n in mixers) if m is not None).layer_idx
 

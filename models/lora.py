@@ -17,7 +17,7 @@ from torch import nn
 
 from models.families import FAMILIES, family_of, hf_classes
 from models.key_table import linear_layers, linear_modules
-from models.layer_kinds import is_linear_attention
+from models.layer_kinds import attends, is_linear_attention, is_sparse_layer
 from models.layers import block_index
 from models.partition import layer_shape
 from models.pipe_layout import DECODER
@@ -37,12 +37,13 @@ def attention_modules(config) -> list[str]:
     """The linear layers of a family's attention, as named in its decoder layer (MLA: q_a_proj, kv_b_proj, ...): not
     one of other maths that subclasses nn.Linear (DeepSeek-V4's grouped `o_a_proj`: PEFT's adapter would treat it as
     one matrix)."""
-    block = next(b for b in range(config.num_hidden_layers) if not is_linear_attention(config, b))
+    block = next(b for b in range(config.num_hidden_layers) if attends(config, b))
     frozen = tuple(f"{name}." for name in family_of(config).frozen)  # no gradients: nothing for an adapter to learn
+    attention = f"{family_of(config).attention}."  # `self_attn.` (Nemotron-H's `mixer.`)
     return [
         m
         for m in linear_layers(config, block)
-        if m.startswith("self_attn.") and "_proj" in m.rsplit(".", 1)[-1] and not m.startswith(frozen)
+        if m.startswith(attention) and "_proj" in m.rsplit(".", 1)[-1] and not m.startswith(frozen)
     ]
 
 
@@ -76,7 +77,8 @@ def recurrent_modules(config) -> list[str]:
     if block is None:
         return []
     moe = family_of(config).moe
-    outside = ("self_attn.", f"{moe.block}." if moe is not None and moe.block else "self_attn.")
+    sparse = moe is not None and moe.block and is_sparse_layer(config, block)  # (Granite 4's experts beside Mamba)
+    outside = ("self_attn.", f"{moe.block}." if sparse else "self_attn.")
     return [m for m in linear_layers(config, block) if not m.startswith(outside)]
 
 

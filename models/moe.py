@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.families import family_of
-from models.key_table import moe_key
+from models.key_table import expert_parts, moe_key
 from models.layer_kinds import is_sparse_layer
 
 # How the experts of a block run (transformers' `experts_implementation`): its models' default. One grouped
@@ -150,8 +150,9 @@ def router_param(config) -> str:
 
 
 def _fused_names(config, prefix: str) -> tuple[str, str]:
+    """The in-memory names of the experts' (gate and) up and down parameters of the layer at `prefix`."""
     block = family_of(config).moe.block
-    return prefix + in_block(block, "experts.gate_up_proj"), prefix + in_block(block, "experts.down_proj")
+    return tuple(prefix + in_block(block, f"experts.{name}") for name in expert_parts(config))
 
 
 def _hub_names(config, prefix: str) -> tuple[str, str, str, str]:
@@ -168,6 +169,7 @@ def expert_keys(layer: nn.Module, config, ep=None) -> None:
     if family_of(config).moe.hub_fused:
         return _fused_expert_keys(layer, config, mine)
     router_mem = router_param(config)
+    gated = "gate_up_proj" in expert_parts(config)
 
     def to_hub(module, state_dict, prefix, local_metadata):
         gate_up_name, down_name = _fused_names(config, prefix)
@@ -177,11 +179,12 @@ def expert_keys(layer: nn.Module, config, ep=None) -> None:
         if gate_up_name in state_dict:
             gate_up, down_proj = state_dict.pop(gate_up_name), state_dict.pop(down_name)
             gathered = getattr(module, "gathered_experts", None)  # {parameter of the experts: all E}
-            gate_up, down_proj = (gathered["gate_up_proj"], gathered["down_proj"]) if gathered else (gate_up, down_proj)
+            gate_up, down_proj = (gathered[name] for name in expert_parts(config)) if gathered else (gate_up, down_proj)
             first = 0 if gathered else mine.start  # not gathered: this rank's experts under their own numbers
-            half = gate_up.shape[1] // 2
+            half = gate_up.shape[1] // 2 if gated else 0  # gateless experts: up rows only
             for e in range(gate_up.shape[0]):
-                state_dict[gate.format(e=first + e)] = gate_up[e, :half].clone()
+                if gated:
+                    state_dict[gate.format(e=first + e)] = gate_up[e, :half].clone()
                 state_dict[up.format(e=first + e)] = gate_up[e, half:].clone()
                 state_dict[down.format(e=first + e)] = down_proj[e].clone()
 
@@ -190,13 +193,13 @@ def expert_keys(layer: nn.Module, config, ep=None) -> None:
         router, gate, up, down = _hub_names(config, prefix)
         if router in state_dict and router != prefix + router_mem:
             state_dict[prefix + router_mem] = state_dict.pop(router)
-        if gate.format(e=0) in state_dict:
+        if up.format(e=0) in state_dict:
             experts = num_experts(config)
-            gates = [state_dict.pop(gate.format(e=e)) for e in range(experts)]
+            gates = [state_dict.pop(gate.format(e=e)) for e in range(experts)] if gated else []
             ups = [state_dict.pop(up.format(e=e)) for e in range(experts)]
             downs = [state_dict.pop(down.format(e=e)) for e in range(experts)]
             local = slice(mine.start, mine.stop)
-            state_dict[gate_up_name] = torch.cat([torch.stack(gates[local]), torch.stack(ups[local])], dim=1)
+            state_dict[gate_up_name] = torch.cat([torch.stack(part[local]) for part in (gates, ups) if part], dim=1)
             state_dict[down_name] = torch.stack(downs[local])
 
     layer.register_state_dict_post_hook(to_hub)
@@ -244,7 +247,8 @@ def file_keys_of(config, block: int, name: str, experts: range | None = None) ->
         return [name]
     if name == router_param(config):
         return [moe_key(config, "router")]
-    parts = {"mlp.experts.gate_up_proj": ("gate", "up"), "mlp.experts.down_proj": ("down",)}.get(name)
+    block = family_of(config).moe.block
+    parts = {in_block(block, f"experts.{n}"): held for n, held in expert_parts(config).items()}.get(name)
     if parts is None:
         return [name]
     return [moe_key(config, part, e) for e in experts or range(num_experts(config)) for part in parts]

@@ -104,6 +104,9 @@ FAMILY_CONFIGS = {
     ),
     # Falcon-H1: Mamba-2 beside attention in every layer, muP multipliers inside and out, every bias
     "falcon_h1-mamba-multipliers": ("falcon_h1", dict(attention_bias=True, mlp_bias=True, mamba_proj_bias=True)),
+    # Nemotron-H: Mamba-2, sparse (gateless experts, DeepSeek's router), NoPE attention and MLP blocks, twice over
+    "nemotron_h-mamba-experts-nope": ("nemotron_h", {}),
+    "nemotron_h-mamba-dense": ("nemotron_h", dict(layers_block_type=["linear_attention", "full_attention", "mlp"] * 2)),
     # DeepSeek-V4: 3 residual streams, sliding / compressed sparse / heavily compressed attention, hash and top-k
     # routers (the tokens carried to hash layers 0, 1 and 3), its hub's own key names.
     "deepseek_v4-streams-hash": ("deepseek_v4", dict(num_hidden_layers=6, num_key_value_heads=1)),

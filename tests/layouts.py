@@ -156,4 +156,6 @@ LAYOUTS = {
     "granite4-pp2-dp2-ep2": ("granite4", "false", 2, 1, "", 0),
     # Falcon-H1: Mamba-2 and attention side by side in every layer, its multipliers, every block recomputed.
     "falcon_h1-pp2-dp2-recompute": ("falcon_h1", "true", 2, 1, "", 0),
+    # Nemotron-H: every kind of block on each stage, its gateless experts over EP=2 routed by their score biases.
+    "nemotron_h-pp2-dp2-ep2": ("nemotron_h", "false", 2, 1, "", 0),
 }

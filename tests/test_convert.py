@@ -85,12 +85,9 @@ PRESETS = {
     "deepseek_v4_flash": ("model.layers.42.attn.wo_a.weight", (8 * 1024, 8 * 512), 284.33, 13.80),
     "olmo3_32b": ("model.layers.63.self_attn.k_norm.weight", (8 * 128,), 32.23, None),  # q/k norms: whole projections
     "qwen3_5_27b": ("model.layers.62.linear_attn.in_proj_qkv.weight", (2 * 16 * 128 + 48 * 128, 5120), 26.9, None),
-    "qwen3_next_80b_a3b": (
-        "model.layers.46.linear_attn.in_proj_qkvz.weight",
-        (2 * 16 * 128 + 2 * 32 * 128, 2048),
-        79.67,
-        3.87,
-    ),
+    # Qwen3-Next's fused q, k (16 heads of 128 each), v and z (32 of 128 each)
+    "qwen3_next_80b_a3b": ("model.layers.46.linear_attn.in_proj_qkvz.weight", (12288, 2048), 79.67, 3.87),
+    "nemotron3_nano": ("backbone.layers.51.mixer.experts.127.down_proj.weight", (2688, 1856), 31.58, 3.58),
 }
 
 
@@ -107,7 +104,8 @@ def test_layer_modules_match_hf_at_preset_shapes(preset_name):
     and the planner counts the parameters transformers' model has, in all and per token (the model cards: Qwen2.5-7B
     7.61B, Qwen3-8B 8.19B, Qwen3-30B-A3B 30.5B, Mixtral 46.7B, Llama 4 Scout 109B with its vision tower, Phi-4 14B,
     OLMo 3 32B, Qwen3.5 27B with its vision tower, DeepSeek-V3 671B / 37B, Kimi K2 1T / 32B, gpt-oss-120b 117B,
-    GLM-4.5-Air 106B / 12B, Qwen3-Next 80B / 3B, GLM-4.7-Flash 30B / 3B, MiniMax-M2 230B / 10B; per token here
+    GLM-4.5-Air 106B / 12B, Qwen3-Next 80B / 3B, GLM-4.7-Flash 30B / 3B, MiniMax-M2 230B / 10B, Nemotron 3
+    Nano 31.6B / 3.2B; per token here
     with the embedding and head)."""
     from transformers import AutoModelForCausalLM
 

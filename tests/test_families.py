@@ -84,14 +84,15 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
         full._attn_implementation = attn
         assert not torch.equal(pipeline_logits(full, state, ids), reference)
     block_biases = [k for k in state if k.endswith(".feed_forward.expert_bias")]  # (LFM2-MoE's, on the block)
-    if block_biases or "rope_interleave" not in overrides and family_of(config).keeps_fp32("e_score_correction_bias"):
+    biased = family_of(config).keeps_fp32("e_score_correction_bias") and "rope_interleave" not in overrides
+    if block_biases or biased and any(is_sparse_layer(config, b) for b in range(config.num_hidden_layers)):
         # The routers' score biases change the choice of experts at this size: dropping them would show.
         biases = [k for k in state if memory_key(config, k).endswith("e_score_correction_bias")] + block_biases
         assert biases
         unbiased = state | {k: torch.zeros_like(state[k]) for k in biases}
         assert not torch.equal(pipeline_logits(config, unbiased, ids), reference)
     if "mamba" in name:  # Mamba-2's D skip (each head's input added to its scan's output): dropping it shows
-        skips = [k for k in state if k.endswith("mamba.D")]
+        skips = [k for k in state if k.endswith(("mamba.D", "mixer.D"))]  # (Nemotron-H's Mamba is a `mixer`)
         assert skips
         assert not torch.equal(pipeline_logits(config, state | {k: 0 * state[k] for k in skips}, ids), reference)
     if "multipliers" in name:  # Falcon-H1's embedding, head and mup_vector multipliers: each left out would show
@@ -190,7 +191,7 @@ def test_other_model_types_are_refused(tmp_path):
     from models.config import SUPPORTED_MODEL_TYPES
 
     assert {"llama", "minimax_m2", "gemma3", "kimi_k2"} <= set(SUPPORTED_MODEL_TYPES)  # a family, container, alias
-    for model_type in ("kimi_linear", "nemotron_h"):  # what we do not build (Kimi Delta Attention, Nemotron-H's blocks)
+    for model_type in ("kimi_linear", "jamba"):  # what we do not build (Kimi Delta Attention, Jamba)
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         # The registry's model types (one module each in models/families/), families, containers and aliases.
         supported = re.escape("supported: " + ", ".join(SUPPORTED_MODEL_TYPES))
@@ -266,6 +267,11 @@ def test_lora_targets_are_the_familys_own_linear_layers():
     check_target_modules(["in_proj", "out_proj", "input_linear", "output_linear", "q_proj", "o_proj"], granite4)
     with pytest.raises(ValueError, match="'router' is not a linear layer"):
         check_target_modules(["router"], granite4)
+    # Nemotron-H (one mixer a block, all named `mixer`): attention's, Mamba's, the MLP's and shared expert's up/down
+    nemotron = tiny_config("nemotron_h")
+    check_target_modules(["q_proj", "o_proj", "in_proj", "out_proj", "up_proj", "down_proj"], nemotron)
+    with pytest.raises(ValueError, match="'in_proj_qkv' is not a linear layer"):
+        check_target_modules(["in_proj_qkv"], nemotron)
 
 
 # transformers' tensor-parallel styles and the split each means for our keys (models/sharding.py): a column split
@@ -296,6 +302,7 @@ def test_tp_rules_agree_with_transformers_tp_plan(model_type):
     plan = config.base_model_tp_plan or {}  # gpt-oss has none
     # (module-level styles: the experts' dispatch, MiMo-V2-Flash's attention holding its rank's own head counts)
     plan = {k.removeprefix("layers.*."): v for k, v in plan.items() if v not in ("moe_tp_experts", "local_params")}
+    plan = {k: v for k, v in plan.items() if v != "embedding_rowwise"}  # (the model's, Nemotron-H's: not a layer's)
     dense_mlp = any(not is_sparse_layer(config, b) for b in range(config.num_hidden_layers))
     if getattr(config, "enable_moe_block", None) is False:  # Gemma 4's experts beside the MLP: refused, not built
         plan = {k: v for k, v in plan.items() if not k.startswith("experts.")}
@@ -371,6 +378,7 @@ DPO_CASES = [
     "gemma4-ple-shared-kv",  # its per-layer inputs and shared K/V
     "lfm2-conv-biases",  # its short convolutions
     "granitemoehybrid-with-rope-dense",  # Mamba-2
+    "nemotron_h-mamba-dense",  # one mixer a block
 ]
 
 
@@ -437,7 +445,7 @@ def test_dpo_through_each_familys_layers_equals_transformers(name, tmp_path):
     worst = 0.0
     for index, module in modules.items():
         for ours, param in module.named_parameters():
-            theirs = hf_params[keys[index][ours]].grad
+            theirs = hf_params[memory_key(config, keys[index][ours])].grad  # (renamed on the hub: Nemotron-H's)
             scale = float(theirs.abs().max())
             worst = max(worst, float((param.grad - theirs).abs().max()) / scale)
             torch.testing.assert_close(param.grad, theirs, rtol=0, atol=1e-5 * scale, msg=keys[index][ours])

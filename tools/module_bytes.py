@@ -55,16 +55,17 @@ def mlp_bytes(mlp: torch.nn.Module, h: int, dtype) -> float:
 
 def gate_bytes(experts: torch.nn.Module, dtype) -> float | None:
     """Bytes an experts module's gate (transformers' `_apply_gate`: SwiGLU, gpt-oss's and DeepSeek-V4's clamped
-    SwiGLU) keeps per routed token, its input (gate and up) and its output (down's input) included; None where the
-    module has no gate of transformers' experts interface."""
-    gate_up = getattr(experts, "gate_up_proj", None)
-    if gate_up is None or not hasattr(experts, "_apply_gate"):
+    SwiGLU; gateless experts' activation) keeps per routed token, its input (gate and up) and its output (down's
+    input) included; None where the module has neither of transformers' experts interface."""
+    gated = getattr(experts, "has_gate", True)  # (gateless experts, Nemotron-H's: up, the activation, down)
+    gate_up = getattr(experts, "gate_up_proj" if gated else "up_proj", None)
+    if gate_up is None or not hasattr(experts, "_apply_gate" if gated else "act_fn"):
         return None
     width = gate_up.shape[-1] if getattr(experts, "is_transposed", False) else gate_up.shape[-2]  # 2 x this rank's
     x = torch.empty(TOKENS, width, dtype=dtype, device="meta", requires_grad=True)
 
     def run():
-        out = experts._apply_gate(x)
+        out = experts._apply_gate(x) if gated else experts.act_fn(x)
         SavesInput.apply(out.unsqueeze(0), TOKENS)  # down's input
 
     # gate and up: the up projection's output, which it keeps

@@ -274,7 +274,7 @@ def _gathered_while_saving(module, layers: list, ep: ExpertParallel):
     if not layers:
         yield
         return
-    device = layers[0].moe_block().experts.gate_up_proj.device
+    device = next(layers[0].moe_block().experts.parameters()).device
     first = dist.get_global_rank(ep.group, 0)  # DP rank 0: the EP group holding it is DP ranks 0 .. E-1
 
     def announce(index: int | None) -> int:

@@ -47,7 +47,7 @@ _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 WHOLE, INTERLEAVED = "whole", "interleaved"  # how a parameter's matrices are cut, beside its TP rule
-_FUSED_EXPERTS = re.compile(r"(.+\.)?experts\.(gate_up_proj|down_proj)")
+_FUSED_EXPERTS = re.compile(r"(.+\.)?experts\.(gate_up_proj|up_proj|down_proj)")
 
 
 def muon_plan(name: str, param: torch.Tensor, config) -> tuple[str, str] | None:

@@ -67,7 +67,8 @@ class MoeSpec:
         every token (0-scaled outside its top-k); expert parallelism and `moe.routed_experts` send each expert its
         routed tokens only (models/expert_parallel.py). Else transformers' router and fused experts weight outputs.
     moe_layers: the config lists the sparse layers (`config.moe_layers`).
-    layer_types: the config field listing each layer's MLP kind, sparse where not "dense" (`mlp_layer_types`).
+    layer_types: the config field listing each layer's MLP kind, sparse where not "dense" (`mlp_layer_types`); or
+        each block's kind, sparse where "moe" (Nemotron-H's `layers_block_type`).
     interval: sparse every `moe_layer_interval`-th layer from `moe_layer_start_index` to `moe_layer_end_index`.
     aux_loss: transformers adds a load-balancing loss for the family.
     """
@@ -155,6 +156,8 @@ class Family:
     carries: tuple[str, ...] = ()
     cp_refused: str = ""  # why context parallelism is refused for the family, after "<model_type>'s" ("": it splits)
     final_norm: str = "norm"  # the final RMSNorm's name in the model (`model.norm`; LFM2's `model.embedding_norm`)
+    attention: str = "self_attn"  # the attention module's name in an attention block (Nemotron-H's `mixer`)
+    embedding: str = "embed_tokens"  # the token embedding's name in the model (`model.embed_tokens`; Nemotron-H's)
     # Buffers transformers' model attaches to each layer's module (path) from a function of the config (Falcon-H1's
     # `mamba.mup_vector`, `compute_mup_vector`): {path: the modeling module's function}.
     layer_buffers: dict[str, str] = field(default_factory=dict, compare=False)

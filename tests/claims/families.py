@@ -131,4 +131,5 @@ CLAIMS = (
     + families_2.CLAIMS
     + families_3.FAMILIES
     + families_3.LFM2
+    + families_3.NEMOTRON_H
 )

@@ -1,5 +1,6 @@
 """DeepSeek-V4's claims: docs/families.md (its row and its part of the section on state that crosses layers) and
-docs/measured.md (its rows); LFM2's (its section on short convolutions)."""
+docs/measured.md (its rows); LFM2's (its section on short convolutions); Nemotron-H's (its part of the section on
+Mamba-2)."""
 
 from tests.claims.held import PARITY, PARITY_2E6, PARITY_EP, PARITY_EXACT, PEFT, REFERENCE, SCHED, SCHED_BOUND
 from tests.claims.kinds import Claim
@@ -119,5 +120,27 @@ MEASURED = (
         test=DEQUANTIZED,
         holds=DEQUANTIZED_EXACT,
         bound=0,
+    ),
+)
+
+NEMOTRON_H = (
+    Claim(
+        says="Tested: logits bit-identical to transformers at PP=1, 2, 4 and at EP=2 (0 measured)",
+        test=PARITY,
+        holds=PARITY_EXACT,
+        bound=0,
+    ),
+    Claim(says="and at EP=2 (0 measured)", test=PARITY, holds=PARITY_EP, bound=1e-6, figure=0),
+    Claim(
+        says="training parity at PP=2 x DP=2 x EP=2 (4 AdamW steps with clipping)",
+        test=REFERENCE,
+        holds=ONE_PCT_OF_LR,
+        bound=3e-5,
+    ),
+    Claim(
+        says="the planner's count within 3% of what autograd saves",
+        test=STAGES,
+        holds=STAGES_HOLD,
+        bound=0.03,
     ),
 )
