@@ -16,6 +16,7 @@ from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import is_hf_dir, iter_tensors, read_model_config
 from checkpoint.names import LORA_FILE
 from models.families import family_of
+from models.hub_parts import part_keys
 from models.key_table import DECODER_PREFIX, hub_index, memory_key
 from models.layer_kinds import is_sparse_layer
 from models.moe import expert_keys
@@ -78,8 +79,7 @@ def _hub_names_load(model, config) -> None:
     """The hub's key names load into transformers' model as its `from_pretrained` reads them: renamed keys by
     `memory_key`, per-expert keys (Mixtral's `block_sparse_moe.experts.0.w1.weight`) fused into its experts by the
     hooks our own layers load them with (models/moe.py `expert_keys`)."""
-    if family_of(config).moe is None:
-        return
     for block, layer in enumerate(model.model.layers):
-        if is_sparse_layer(config, block):
+        part_keys(layer, config)  # (Kimi Linear's short convolutions, three tensors on the hub)
+        if family_of(config).moe is not None and is_sparse_layer(config, block):
             expert_keys(layer, config)

@@ -113,10 +113,36 @@ def expert_parts(config) -> dict[str, tuple[str, ...]]:
     return {"gate_up_proj" if gated else "up_proj": ("gate", "up") if gated else ("up",), "down_proj": ("down",)}
 
 
+@functools.cache
+def _hub_parts(model_type: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Concatenate, WeightConverter
+
+    found = []
+    for t in get_checkpoint_conversion_mapping(model_type) or []:
+        if not isinstance(t, WeightConverter) or len(t.target_patterns) != 1 or len(t.operations) != 1:
+            continue
+        plain = all(re.fullmatch(r"[\w.]+", p) for p in (*t.source_patterns, *t.target_patterns))  # no pattern
+        if plain and isinstance(t.operations[0], Concatenate) and t.operations[0].dim == 0:
+            found.append((t.target_patterns[0], tuple(t.source_patterns)))
+    return tuple(found)
+
+
+def hub_parts(config) -> dict[str, tuple[str, ...]]:
+    """{a decoder layer's in-memory key: the hub keys (in the layer) it is concatenated from along dim 0, in order}:
+    transformers' conversion mapping's plain concatenations (Kimi Linear's `self_attn.q_conv1d.weight`, `k_conv1d`,
+    `v_conv1d` -> `self_attn.conv1d.weight`), which our layer files keep apart as the hub does (models/hub_parts.py
+    splits and joins the tensors); empty for most families."""
+    return dict(_hub_parts(family_of(config).model_type))
+
+
 def _hub_names(config, keys: list[str], sparse: bool) -> list[str]:
-    """Our layer-file keys of a decoder block from the names of transformers' layer: a sparse block's fused experts
-    become the hub's per-expert keys (`MoeSpec.hub_fused`: kept fused) and its router weight the hub's name for it
-    (what models/moe.py `expert_keys` does to the tensors)."""
+    """Our layer-file keys of a decoder block from the names of transformers' layer: a tensor the hub keeps in parts
+    becomes its parts' keys (`hub_parts`), a sparse block's fused experts the hub's per-expert keys
+    (`MoeSpec.hub_fused`: kept fused) and its router weight the hub's name for it (what models/moe.py `expert_keys`
+    does to the tensors)."""
+    parts = hub_parts(config)
+    keys = [part for key in keys for part in parts.get(key, (key,))]
     moe = family_of(config).moe
     if not sparse or moe.hub_fused:
         return keys
@@ -243,11 +269,27 @@ def hub_key(config, key: str) -> str:
     """The hub's name of transformers' in-memory key `key` (`model.layers.0.self_attn.q_a_proj.weight` ->
     `model.layers.0.attn.wq_a.weight`), as its `save_pretrained` writes it (`Family.hub_renames`); other families'
     keys are the same in both."""
-    if not family_of(config).hub_renames:
+    family = family_of(config)
+    if not family.hub_renames:
         return key
     from transformers.core_model_loading import apply_renamings
 
-    return apply_renamings(key, _renamings(family_of(config).model_type)[1])
+    renamings, moe = _renamings(family.model_type)[1], family.moe
+    block = re.match(r"model\.layers\.(\d+)\.", key)
+    if block and moe is not None and int(block.group(1)) < config.num_hidden_layers:
+        if not is_sparse_layer(config, int(block.group(1))):  # the sparse block's own rename, not a dense MLP's
+            renamings = [r for r in renamings if not _renames_the_block(r, moe)]
+    return apply_renamings(key, renamings)
+
+
+def _renames_the_block(renaming, moe) -> bool:
+    """Whether a reversed renaming gives the sparse block its hub name (Kimi Linear's `.mlp.` -> `.block_sparse_moe.`):
+    transformers' save applies it to a dense layer's MLP too, whose hub name is `mlp`."""
+    if moe.hub_block == moe.block:
+        return False
+    return any(moe.hub_block in p for p in renaming.target_patterns) and any(
+        moe.block in p for p in renaming.source_patterns
+    )
 
 
 def memory_key(config, key: str) -> str:

@@ -47,6 +47,7 @@ from models.expert_parallel import ExpertParallel
 from models.families import FAMILIES, family_of, resolve_attention
 from models.family_classes import has_rope, on_family_class, rotary_class
 from models.head import LMHeadPipe, set_logit_rules
+from models.hub_parts import part_keys
 from models.layer_config import norm_eps, with_torch_dtype
 from models.layer_kinds import attends, attention_chunk, is_sparse_layer, residual_streams, sliding_window
 from models.moe import (
@@ -140,6 +141,7 @@ class DecoderPipe:
         with_torch_dtype(config)  # (Apertus's xIELU makes its parameters in it)
         super().__init__(ep.local_config(config) if sparse and ep else config, layer_idx)
         self.sparse, self.model_config = sparse, config
+        part_keys(self, config)  # a tensor the hub keeps in parts (Kimi Linear's short convolutions): its parts' keys
         for path, function in family_of(config).layer_buffers.items():  # what transformers' model attaches to layers
             (owner, name), made = path.rsplit(".", 1), getattr(family_of(config).module(), function)(config)
             self.get_submodule(owner).register_buffer(name, made, persistent=False)

@@ -63,7 +63,8 @@ def check_target_modules(targets: list[str], config=None) -> None:
         if not any(_matches(m, target) for m in modules):
             names = ", ".join(dict.fromkeys(m.rsplit(".", 1)[-1] for m in modules))
             raise ValueError(f"lora.target_modules: {target!r} is not a linear layer of the decoder ({names})")
-        other = [m for m in modules if m.startswith("self_attn.") and m not in attention and _matches(m, target)]
+        own = (*attention, *recurrent)  # (Kimi Linear's delta attention is a `self_attn` too)
+        other = [m for m in modules if m.startswith("self_attn.") and m not in own and _matches(m, target)]
         if config is not None and other and not any(_matches(m, target) for m in attention):
             names = ", ".join(m.rsplit(".", 1)[-1] for m in attention)
             raise ValueError(f"lora.target_modules: {target!r} is not in {config.model_type}'s attention ({names})")
@@ -78,8 +79,12 @@ def recurrent_modules(config) -> list[str]:
         return []
     moe = family_of(config).moe
     sparse = moe is not None and moe.block and is_sparse_layer(config, block)  # (Granite 4's experts beside Mamba)
-    outside = ("self_attn.", f"{moe.block}." if sparse else "self_attn.")
-    return [m for m in linear_layers(config, block) if not m.startswith(outside)]
+    attention = attention_modules(config) if any(attends(config, b) for b in range(config.num_hidden_layers)) else []
+    return [
+        m
+        for m in linear_layers(config, block)
+        if m not in attention and not (sparse and m.startswith(f"{moe.block}."))  # (Kimi Linear's is a `self_attn`)
+    ]
 
 
 def lora_tp_refusal(config) -> str | None:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.families import family_of
-from models.key_table import expert_parts, moe_key
+from models.key_table import expert_parts, hub_parts, moe_key
 from models.layer_kinds import is_sparse_layer
 
 # How the experts of a block run (transformers' `experts_implementation`): its models' default. One grouped
@@ -230,7 +230,11 @@ def _fused_expert_keys(layer: nn.Module, config, mine: range) -> None:
 
 def param_name_of(config, key: str) -> str | None:
     """The in-memory parameter a layer-file key of a decoder layer belongs to when it is one parameter: the key
-    itself, the router's transformers name, or None for one expert's slice of the fused experts."""
+    itself, the router's transformers name, the whole of a tensor the hub keeps in parts (`hub_parts`), or None for
+    one expert's slice of the fused experts."""
+    whole = next((whole for whole, pieces in hub_parts(config).items() if key in pieces), None)
+    if whole is not None:
+        return whole
     moe = family_of(config).moe
     if moe is None or moe.hub_fused:
         return key
@@ -242,7 +246,9 @@ def param_name_of(config, key: str) -> str | None:
 def file_keys_of(config, block: int, name: str, experts: range | None = None) -> list[str]:
     """The layer-file keys of in-memory parameter `name` of decoder block `block` (LoRA's frozen-key filter);
     `experts`: the experts the layer's state dict holds (under expert parallelism, frozen experts are not gathered:
-    this rank's own, `expert_keys`), default all."""
+    this rank's own, `expert_keys`), default all; a tensor the hub keeps in parts, its parts' keys."""
+    if name in hub_parts(config):
+        return list(hub_parts(config)[name])
     if not is_sparse_layer(config, block) or family_of(config).moe.hub_fused:
         return [name]
     if name == router_param(config):

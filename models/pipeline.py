@@ -16,7 +16,7 @@ from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
 from models.context_parallel import ContextParallel
 from models.expert_parallel import ExpertParallel
-from models.layers import DecoderOptions, block_index
+from models.layers import DecoderOptions, DecoderPipe, block_index
 from models.moe import file_keys_of, num_experts
 from models.pipe_layout import TIED_KEY, pipe_layers
 from models.tensor_parallel import TensorParallel, tp_layer_class_and_args, tp_tied_head_forward
@@ -67,11 +67,12 @@ class PipelineStageModule(PipelineModule):
 
     def _get_frozen_parameter_names(self, layer):
         """The layer-file keys of `layer`'s frozen parameters (LoRA saves without them): a sparse block's fused
-        experts and router are stored under the hub's keys (models/moe.py)."""
+        experts and router, and a tensor the hub keeps in parts, are stored under the hub's keys (models/moe.py)."""
         names = super()._get_frozen_parameter_names(layer)
-        if not getattr(layer, "sparse", False):
+        if not isinstance(layer, DecoderPipe):
             return names
-        block, held = block_index(layer), self._ep.local_experts(num_experts(self.model_config))
+        held = self._ep.local_experts(num_experts(self.model_config)) if layer.sparse else None
+        block = block_index(layer)
         return [key for name in names for key in file_keys_of(self.model_config, block, name, held)]
 
     def forward(self, forward_input):

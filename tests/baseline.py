@@ -237,10 +237,12 @@ def hub_state_dict(model) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     from checkpoint.expert_layouts import fuse_per_expert
+    from tools.tiny_models import hub_named
 
     state = {}
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
+        hub_named(tmp, model.config)  # (a key transformers' save names otherwise: Kimi Linear's dense MLP)
         for name in sorted(os.listdir(tmp)):
             if name.endswith(".safetensors"):
                 state.update(load_file(os.path.join(tmp, name)))

@@ -161,13 +161,15 @@ MODEL_VARIANTS = {
     ),
     # Nemotron-H: one mixer a block (Mamba-2, sparse with gateless experts, NoPE attention, a dense MLP), twice over.
     "nemotron_h": dict(model_type="nemotron_h"),
+    # Kimi Linear: Kimi Delta Attention beside NoPE latent attention, a dense first layer, DeepSeek's router after it.
+    "kimi_linear": dict(model_type="kimi_linear"),
 }
 NEW_FAMILY_VARIANTS = ["helium", "smollm3", "ministral3", "seed_oss", "ernie4_5", "gemma3", "phi3", "glm4", "olmo2"]
 NEW_FAMILY_VARIANTS += ["olmo3", "glm4_moe", "deepseek_v3", "mistral4", "gpt_oss", "qwen3_next", "qwen3_5", "gemma4"]
 NEW_FAMILY_VARIANTS += ["exaone4", "gemma2", "hunyuan", "internlm3", "granite", "olmoe", "dots1", "flex_olmo"]
 NEW_FAMILY_VARIANTS += ["minimax_m2", "glm4_moe_lite", "apertus", "exaone_moe", "hunyuan_moe", "mimo_v2_flash"]
 NEW_FAMILY_VARIANTS += ["ernie_moe"]
-NEW_FAMILY_VARIANTS += ["cohere2", "lfm2", "lfm2_moe", "granite4", "falcon_h1", "nemotron_h"]
+NEW_FAMILY_VARIANTS += ["cohere2", "lfm2", "lfm2_moe", "granite4", "falcon_h1", "nemotron_h", "kimi_linear"]
 CARRYING_VARIANTS = {
     "deepseek_v3": "layers",
     "glm4_moe": "layers",

@@ -107,6 +107,9 @@ FAMILY_CONFIGS = {
     # Nemotron-H: Mamba-2, sparse (gateless experts, DeepSeek's router), NoPE attention and MLP blocks, twice over
     "nemotron_h-mamba-experts-nope": ("nemotron_h", {}),
     "nemotron_h-mamba-dense": ("nemotron_h", dict(layers_block_type=["linear_attention", "full_attention", "mlp"] * 2)),
+    # Kimi Linear: Kimi Delta Attention (its q/k/v short convolutions three tensors on the hub) beside NoPE latent
+    # attention, a dense first layer, then DeepSeek's router over Mixtral-named experts with a shared expert
+    "kimi_linear-kda-conv-mla": ("kimi_linear", dict(num_hidden_layers=4, num_key_value_heads=4)),
     # DeepSeek-V4: 3 residual streams, sliding / compressed sparse / heavily compressed attention, hash and top-k
     # routers (the tokens carried to hash layers 0, 1 and 3), its hub's own key names.
     "deepseek_v4-streams-hash": ("deepseek_v4", dict(num_hidden_layers=6, num_key_value_heads=1)),

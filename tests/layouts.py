@@ -158,4 +158,6 @@ LAYOUTS = {
     "falcon_h1-pp2-dp2-recompute": ("falcon_h1", "true", 2, 1, "", 0),
     # Nemotron-H: every kind of block on each stage, its gateless experts over EP=2 routed by their score biases.
     "nemotron_h-pp2-dp2-ep2": ("nemotron_h", "false", 2, 1, "", 0),
+    # Kimi Linear: a Kimi Delta Attention and a latent attention layer on each stage, its experts over EP=2.
+    "kimi_linear-pp2-dp2-ep2": ("kimi_linear", "false", 2, 1, "", 0),
 }

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from checkpoint.convert import convert_hf_to_pipeline
 from checkpoint.names import CARRIED_FILE, layer_file_name
 from checkpoint.pipeline_reader import load_hf_state_dict
-from models.key_table import is_carried, layer_keys
+from models.key_table import hub_key, is_carried, layer_keys, memory_key
 from models.pipe_layout import pipe_layers
 from tests.conftest import CARRYING_VARIANTS, FAMILY_VARIANTS, hf_state, one_error_line, run_cmd
 from tests.multimodal import kimi_k25_as_on_the_hub, multimodal
@@ -88,6 +88,7 @@ PRESETS = {
     # Qwen3-Next's fused q, k (16 heads of 128 each), v and z (32 of 128 each)
     "qwen3_next_80b_a3b": ("model.layers.46.linear_attn.in_proj_qkvz.weight", (12288, 2048), 79.67, 3.87),
     "nemotron3_nano": ("backbone.layers.51.mixer.experts.127.down_proj.weight", (2688, 1856), 31.58, 3.58),
+    "kimi_linear_48b_a3b": ("model.layers.26.self_attn.kv_b_proj.weight", (32 * (128 + 128), 512), 49.12, 3.48),
 }
 
 
@@ -105,7 +106,7 @@ def test_layer_modules_match_hf_at_preset_shapes(preset_name):
     7.61B, Qwen3-8B 8.19B, Qwen3-30B-A3B 30.5B, Mixtral 46.7B, Llama 4 Scout 109B with its vision tower, Phi-4 14B,
     OLMo 3 32B, Qwen3.5 27B with its vision tower, DeepSeek-V3 671B / 37B, Kimi K2 1T / 32B, gpt-oss-120b 117B,
     GLM-4.5-Air 106B / 12B, Qwen3-Next 80B / 3B, GLM-4.7-Flash 30B / 3B, MiniMax-M2 230B / 10B, Nemotron 3
-    Nano 31.6B / 3.2B; per token here
+    Nano 31.6B / 3.2B, Kimi Linear 48B / 3B; per token here
     with the embedding and head)."""
     from transformers import AutoModelForCausalLM
 
@@ -151,7 +152,8 @@ def hub_shapes(model) -> dict[str, tuple[int, ...]]:
     (transformers' own conversion, reversed as save_pretrained does: `revert_weight_conversion`)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    return {k: tuple(v.shape) for k, v in revert_weight_conversion(model, model.state_dict()).items()}
+    saved = revert_weight_conversion(model, model.state_dict())  # (Kimi Linear's dense MLP: the hub's name, below)
+    return {hub_key(model.config, memory_key(model.config, k)): tuple(v.shape) for k, v in saved.items()}
 
 
 def test_bin_checkpoint_and_dtype_cast(tmp_path, hf_models, tokenizer_dir):

@@ -21,7 +21,7 @@ from models.pipe_layout import pipe_layers
 from tests.conftest import hf_state
 from tests.family_cases import FAMILY_CONFIGS
 from tests.hub_extras import perturb
-from tools.tiny_models import tiny_config
+from tools.tiny_models import hub_named, tiny_config
 
 
 def pipeline_logits(config, state: dict, ids: torch.Tensor, device="cpu", dtype=None) -> torch.Tensor:
@@ -60,6 +60,7 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
     hf = AutoModelForCausalLM.from_config(config).eval()
     perturb(hf)
     hf.save_pretrained(tmp_path)  # the hub's keys: one per expert where transformers fuses them in memory
+    hub_named(str(tmp_path), config)  # (where transformers' save names a key otherwise: Kimi Linear's dense MLP)
     state = fuse_per_expert(hf_state(str(tmp_path)), config)  # (or fused, as Qwen3.5-MoE's hub checkpoints)
     # The table's keys are exactly the checkpoint's (the tied head's weight lives in the embedding's file).
     table = {hf_key for keys in all_layer_keys(config).values() for hf_key in keys.values()}
@@ -105,7 +106,7 @@ def test_family_layers_equal_transformers_bit_for_bit(name, attn, tmp_path):
         other._attn_implementation = attn
         assert not torch.equal(pipeline_logits(other, state, ids), reference)
     if "conv" in name:  # LFM2's convolutions read the 2 tokens before each: without those taps (no state) it shows
-        taps = [k for k in state if k.endswith("conv.conv.weight")]
+        taps = [k for k in state if k.endswith(("conv.conv.weight", "_conv1d.weight"))]  # (and Kimi Linear's q/k/v)
         assert taps
         stateless = state | {k: torch.cat([torch.zeros_like(state[k][..., :-1]), state[k][..., -1:]], -1) for k in taps}
         assert not torch.equal(pipeline_logits(config, stateless, ids), reference)
@@ -191,7 +192,7 @@ def test_other_model_types_are_refused(tmp_path):
     from models.config import SUPPORTED_MODEL_TYPES
 
     assert {"llama", "minimax_m2", "gemma3", "kimi_k2"} <= set(SUPPORTED_MODEL_TYPES)  # a family, container, alias
-    for model_type in ("kimi_linear", "jamba"):  # what we do not build (Kimi Delta Attention, Jamba)
+    for model_type in ("jamba", "zamba2"):  # what we do not build (Jamba's, Zamba 2's Mamba hybrids)
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         # The registry's model types (one module each in models/families/), families, containers and aliases.
         supported = re.escape("supported: " + ", ".join(SUPPORTED_MODEL_TYPES))
@@ -272,6 +273,9 @@ def test_lora_targets_are_the_familys_own_linear_layers():
     check_target_modules(["q_proj", "o_proj", "in_proj", "out_proj", "up_proj", "down_proj"], nemotron)
     with pytest.raises(ValueError, match="'in_proj_qkv' is not a linear layer"):
         check_target_modules(["in_proj_qkv"], nemotron)
+    # Kimi Linear: its delta attention's (a `self_attn` too: k_proj, b_proj, the forget gate's) and latent attention's
+    kimi = tiny_config("kimi_linear")
+    check_target_modules(["q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_b_proj", "kv_b_proj", "o_proj"], kimi)
 
 
 # transformers' tensor-parallel styles and the split each means for our keys (models/sharding.py): a column split
@@ -379,6 +383,7 @@ DPO_CASES = [
     "lfm2-conv-biases",  # its short convolutions
     "granitemoehybrid-with-rope-dense",  # Mamba-2
     "nemotron_h-mamba-dense",  # one mixer a block
+    "kimi_linear-kda-conv-mla",  # Kimi Delta Attention, latent attention, experts
 ]
 
 
@@ -403,6 +408,7 @@ def test_dpo_through_each_familys_layers_equals_transformers(name, tmp_path):
         perturb(models[-1])
     policy, reference = models
     policy.save_pretrained(tmp_path)
+    hub_named(str(tmp_path), config)
     state = hf_state(str(tmp_path))
     # Pairs 0 and 1: rows 0, 1 chosen, rows 2, 3 rejected; prompts of 5 and 4 tokens, rows right-padded with 0.
     generator = torch.Generator().manual_seed(2)
@@ -445,10 +451,14 @@ def test_dpo_through_each_familys_layers_equals_transformers(name, tmp_path):
     worst = 0.0
     for index, module in modules.items():
         for ours, param in module.named_parameters():
-            theirs = hf_params[memory_key(config, keys[index][ours])].grad  # (renamed on the hub: Nemotron-H's)
+            # (renamed on the hub: Nemotron-H's; kept in parts or per expert there: transformers' whole, in memory)
+            hf_name = (
+                memory_key(config, keys[index][ours]) if ours in keys[index] else f"model.layers.{index - 1}.{ours}"
+            )
+            theirs = hf_params[hf_name].grad
             scale = float(theirs.abs().max())
             worst = max(worst, float((param.grad - theirs).abs().max()) / scale)
-            torch.testing.assert_close(param.grad, theirs, rtol=0, atol=1e-5 * scale, msg=keys[index][ours])
+            torch.testing.assert_close(param.grad, theirs, rtol=0, atol=1e-5 * scale, msg=hf_name)
     print(f"{name}: DPO loss {loss:.6f} (transformers {expected:.6f}), gradients within {worst:.2g}")
 
 

@@ -389,6 +389,7 @@ def test_llama4_routed_experts_equal_transformers_dense_block():
         ("granitemoehybrid", ["tensor_parallel_size=2"], "tensor_parallel_size=2: model_type='granitemoehybrid' is n"),
         ("falcon_h1", ["data.packing=true"], "data.packing/concatenate: falcon_h1's Mamba-2 mixer in every layer carr"),
         ("nemotron_h", ["data.packing=true"], "data.packing/concatenate: nemotron_h's linear-attention layers carry"),
+        ("kimi_linear", ["context_parallel_size=2"], "context_parallel_size=2: kimi_linear's linear-attention layers"),
     ],
 )
 def test_what_a_family_cannot_run_is_refused_in_one_line(model_type, extra, message, tmp_path):

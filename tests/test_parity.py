@@ -84,6 +84,7 @@ CASES = [
     ("granite4", "sdpa"),  # Mamba-2 beside NoPE attention, experts beside the shared MLP (over EP=2 too)
     ("falcon_h1", "sdpa"),  # Mamba-2 beside attention in every layer (packed rows and CP refused)
     ("nemotron_h", "sdpa"),  # one mixer a block: Mamba-2, experts (over EP=2 too), NoPE attention, an MLP
+    ("kimi_linear", "sdpa"),  # Kimi Delta Attention beside NoPE latent attention, experts (over EP=2 too)
 ]
 MOE = {f"{m}-{attn}" for m, attn in CASES if m in MOE_VARIANTS}
 NO_TP = {f"{m}-{attn}" for m, attn in CASES if MODEL_VARIANTS[m].get("model_type") in TP_NOT_BUILT}

@@ -163,7 +163,7 @@ def measured_block_bytes(
             module = cls(*args).to(dtype)
         else:
             module = build_layer(layer, config, DecoderOptions()).to(dtype)
-    attention = getattr(module, "self_attn", None)
+    attention = module.attention()  # (None in a block without attention: linear attention, Mamba, an MLP alone)
     if attention is not None:  # its kernel: the family's eager attention, or what fused kernels keep
         register_fused_kernel()
         attention.config = copy.copy(attention.config)

@@ -152,6 +152,32 @@ def tiny_config(model_type: str = DEFAULT_MODEL_TYPE, **overrides):
     return AutoConfig.for_model(model_type, **kwargs)
 
 
+def hub_named(hf_dir: str, config) -> None:
+    """Rename the keys a `save_pretrained` writes otherwise than the family's hub checkpoints (Kimi Linear's dense
+    MLP, saved under the sparse block's hub name `block_sparse_moe`): each as models/key_table.py names it."""
+    from safetensors.torch import load_file, save_file
+
+    from models.families import family_of
+    from models.key_table import hub_key, memory_key
+
+    if not family_of(config).hub_renames:
+        return
+    renamed = {}
+    for name in [n for n in os.listdir(hf_dir) if n.endswith(".safetensors")]:
+        shard = load_file(os.path.join(hf_dir, name))
+        names = {key: hub_key(config, memory_key(config, key)) for key in shard}
+        if any(key != new for key, new in names.items()):
+            save_file({names[k]: v for k, v in shard.items()}, os.path.join(hf_dir, name), metadata={"format": "pt"})
+            renamed |= names
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if renamed and os.path.exists(index):
+        with open(index) as f:
+            data = json.load(f)
+        data["weight_map"] = {renamed.get(k, k): v for k, v in data["weight_map"].items()}
+        with open(index, "w") as f:
+            json.dump(data, f, indent=2)
+
+
 def as_on_the_hub(hf_dir: str, config) -> None:
     """Rewrite a saved model whose family keeps its experts fused on the hub while transformers saves them one key
     per expert (Qwen3.5-MoE) in the hub's layout, each fused tensor in the shard of its first expert's piece
@@ -208,6 +234,7 @@ def make_hf_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(dtype)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size, safe_serialization=True)
+    hub_named(out_dir, config)
     as_on_the_hub(out_dir, config)
     if tokenizer_dir:
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)

@@ -62,7 +62,7 @@ CLAIMS = (
     ),
     # 6
     Claim(
-        says="see [families.md](families.md#linear-attention-qwen3-next-qwen35): logits bit-identical at PP=1/2/4",
+        says="see [families.md](families.md#linear-attention-qwen3-next-qwen35-kimi-linear): logits bit-identical at PP=1/2/4",
         test=PARITY,
         holds='assert torch.equal(logits, ref_logits), f"max |logit diff| {(logits - ref_logits).abs().max()}"',
         bound=0,

@@ -1,8 +1,19 @@
 """DeepSeek-V4's claims: docs/families.md (its row and its part of the section on state that crosses layers) and
 docs/measured.md (its rows); LFM2's (its section on short convolutions); Nemotron-H's (its part of the section on
-Mamba-2)."""
+Mamba-2); Kimi Linear's (its part of the section on linear attention)."""
 
-from tests.claims.held import PARITY, PARITY_2E6, PARITY_EP, PARITY_EXACT, PEFT, REFERENCE, SCHED, SCHED_BOUND
+from tests.claims.held import (
+    PARITY,
+    PARITY_2E6,
+    PARITY_EP,
+    PARITY_EXACT,
+    PEFT,
+    REFERENCE,
+    ROUND_TRIP,
+    ROUND_TRIP_EXACT,
+    SCHED,
+    SCHED_BOUND,
+)
 from tests.claims.kinds import Claim
 
 CUTS = "tests/test_shared_state.py::test_every_cut_gives_transformers_logits_and_gradients"
@@ -142,5 +153,26 @@ NEMOTRON_H = (
         test=STAGES,
         holds=STAGES_HOLD,
         bound=0.03,
+    ),
+)
+
+KIMI_LINEAR = (
+    Claim(
+        says="Tested: logits bit-identical to transformers at PP=1, 2, 4 and at EP=2 (0 measured)",
+        test=PARITY,
+        holds=PARITY_EXACT,
+        bound=0,
+    ),
+    Claim(says="and at EP=2 (0 measured)", test=PARITY, holds=PARITY_EP, bound=1e-6, figure=0),
+    Claim(says="export bit for bit in the hub's layout", test=ROUND_TRIP, holds=ROUND_TRIP_EXACT, bound=0),
+    Claim(
+        says="DPO in one process (with its experts: every gradient within 1e-5 of its scale, 0 measured)",
+        test="tests/test_families.py::test_dpo_through_each_familys_layers_equals_transformers",
+        holds="torch.testing.assert_close(param.grad, theirs, rtol=0, atol=1e-5 * scale, msg=hf_name)",
+        bound=1e-5,
+        figure=0,
+    ),
+    Claim(
+        says="the planner within 0.4% of what autograd saves", test=STAGES, holds=STAGES_HOLD, bound=0.03, figure=0.004
     ),
 )
