@@ -85,6 +85,14 @@ def multimodal(family: str):
             "qwen3_vl_text",
             "Qwen3ForCausalLM",
         )
+    if family == "glm4v_moe":  # GLM-4.5V / 4.6V: GLM-4.5's text model, MRoPE over its rotary half
+        text = tiny_config("glm4_moe", num_key_value_heads=2, attention_bias=True).to_dict()  # (no q/k norms)
+        text |= {"model_type": "glm4v_moe_text"}
+        text["rope_parameters"] |= {"mrope_section": [2, 1, 1]}
+        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
+        config = transformers.AutoConfig.for_model(family, text_config=text, vision_config=vision)
+        model = transformers.AutoModelForImageTextToText.from_config(config)
+        return model, "model.visual.", "glm4v_moe_text", "Glm4MoeForCausalLM"
     if family in ("qwen3_5", "qwen3_5_moe"):
         prefix = "Qwen3_5" if family == "qwen3_5" else "Qwen3_5Moe"
         text = tiny_config(f"{family}_text", num_key_value_heads=2).to_dict()
@@ -133,3 +141,24 @@ def kimi_k25_as_on_the_hub(mm_dir) -> None:
     conf = json.loads((Path(mm_dir) / "config.json").read_text())
     conf["text_config"]["model_type"] = "kimi_k2"
     (Path(mm_dir) / "config.json").write_text(json.dumps(conf))
+
+
+def text_rows_compute_as(model, family_type: str, architecture: str) -> bool:
+    """Whether the multimodal `model`'s logits on text rows equal those of `family_type`'s model (`architecture`)
+    holding its text weights, bit for bit: the container's text model is read as that family's."""
+    import torch
+    import transformers
+
+    model.eval()
+    ids = torch.randint(3, model.config.text_config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    text = transformers.AutoConfig.for_model(**(model.config.text_config.to_dict() | {"model_type": family_type}))
+    ours = getattr(transformers, architecture)(text).eval()
+    renames = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.", ""))
+    state = {}
+    for key, value in model.state_dict().items():
+        hub = next(((p, t) for p, t in renames if key.startswith(p)), None)
+        if hub is not None or key.startswith("lm_head."):
+            state[hub[1] + key[len(hub[0]) :] if hub else key] = value
+    ours.load_state_dict(state)
+    with torch.no_grad():
+        return torch.equal(ours(input_ids=ids).logits, model(input_ids=ids).logits)

@@ -16,10 +16,11 @@ from safetensors.torch import load_file
 from checkpoint.convert import convert_hf_to_pipeline
 from checkpoint.names import CARRIED_FILE, layer_file_name
 from checkpoint.pipeline_reader import load_hf_state_dict
+from models.families import ALIASES
 from models.key_table import hub_key, is_carried, layer_keys, memory_key
 from models.pipe_layout import pipe_layers
 from tests.conftest import CARRYING_VARIANTS, FAMILY_VARIANTS, hf_state, one_error_line, run_cmd
-from tests.multimodal import kimi_k25_as_on_the_hub, multimodal
+from tests.multimodal import kimi_k25_as_on_the_hub, multimodal, text_rows_compute_as
 from tools.tiny_models import make_hf_model, tiny_config
 
 
@@ -105,9 +106,8 @@ def test_layer_modules_match_hf_at_preset_shapes(preset_name):
     and the planner counts the parameters transformers' model has, in all and per token (the model cards: Qwen2.5-7B
     7.61B, Qwen3-8B 8.19B, Qwen3-30B-A3B 30.5B, Mixtral 46.7B, Llama 4 Scout 109B with its vision tower, Phi-4 14B,
     OLMo 3 32B, Qwen3.5 27B with its vision tower, DeepSeek-V3 671B / 37B, Kimi K2 1T / 32B, gpt-oss-120b 117B,
-    GLM-4.5-Air 106B / 12B, Qwen3-Next 80B / 3B, GLM-4.7-Flash 30B / 3B, MiniMax-M2 230B / 10B, Nemotron 3
-    Nano 31.6B / 3.2B, Kimi Linear 48B / 3B; per token here
-    with the embedding and head)."""
+    GLM-4.5-Air 106B / 12B, Qwen3-Next 80B / 3B, GLM-4.7-Flash 30B / 3B, MiniMax-M2 230B / 10B, Nemotron 3 Nano
+    31.6B / 3.2B, Kimi Linear 48B / 3B; per token here with the embedding and head)."""
     from transformers import AutoModelForCausalLM
 
     from models.config import check_preset, config_from_preset
@@ -419,19 +419,17 @@ def test_tp_split_and_merge_between_any_degrees_round_trip_bit_identical(model_t
         "internvl-qwen2",
         "idefics3-llama",
         "smolvlm-llama",
-        "qwen3_vl",
-        "lfm2_vl",
+        *("qwen3_vl", "lfm2_vl", "glm4v_moe"),
     ],
 )
 def test_multimodal_checkpoint_converts_its_text_model(family, tmp_path):
-    """A Llama4ForConditionalGeneration checkpoint (the hub's Llama 4 Scout and Maverick), a
-    Gemma3ForConditionalGeneration one (Gemma 3 4B-27B), a Qwen3_5ForConditionalGeneration one (every Qwen3.5, with
-    its `mtp.*` weights) or a Mistral3ForConditionalGeneration one (Mistral Small 4, untied; Ministral 3 and Mistral
-    Small 3.x, their heads tied by the container's config), and the vision-language ones (LLaVA's, InternVL,
-    Idefics3, SmolVLM, Qwen3-VL, LFM2-VL): conversion takes the text model (`text_config`, its keys under the
-    container's prefix), keeps the rest aside; `--verify --against` the multimodal directory finds transformers'
-    text logits (max difference 0), and the export is the multimodal checkpoint again, every tensor bit for bit,
-    loaded by its class."""
+    """A Llama4ForConditionalGeneration checkpoint (Llama 4 Scout, Maverick), a Gemma3ForConditionalGeneration one,
+    a Qwen3_5ForConditionalGeneration one (every Qwen3.5, its `mtp.*` weights) or a Mistral3ForConditionalGeneration
+    one (Mistral Small 4, untied; Ministral 3 and Mistral Small 3.x, tied by the container's config), and the
+    vision-language ones (LLaVA's, InternVL, Idefics3, SmolVLM, Qwen3-VL, LFM2-VL, GLM-4.5V): conversion takes the text
+    model (`text_config`, its keys under the container's prefix), keeps the rest aside; `--verify --against` the
+    multimodal directory finds transformers' text logits (max difference 0), and the export is the multimodal
+    checkpoint again, every tensor bit for bit, loaded by its class."""
     from tests.conftest import convert_in_process
     from tests.hub_extras import add_mtp_layer, add_unread_kv
     from tools.tiny_models import as_on_the_hub
@@ -464,6 +462,8 @@ def test_multimodal_checkpoint_converts_its_text_model(family, tmp_path):
     original = json.loads((tmp_path / "mm" / "config.json").read_text())
     assert json.loads((export / "config.json").read_text())["model_type"] == original["model_type"]
     type(model).from_pretrained(str(export))  # transformers loads it as the multimodal model it came from
+    # read as another family's text model (Qwen3-VL's as Qwen3's): its logits on text rows are that one's
+    assert text_type not in ALIASES or text_rows_compute_as(model, ALIASES[text_type], architecture)
 
 
 def test_fused_hub_experts_convert_from_either_layout(tmp_path):

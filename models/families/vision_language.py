@@ -8,6 +8,7 @@ Image inputs are not trained.
   `language_model.lm_head.`), as transformers 5 still saves them.
 - Idefics3 (`idefics3`) and SmolVLM (`smolvlm`): the text model under `model.text_model.`, its head at `lm_head.`.
 - Qwen3-VL (`qwen3_vl`, dense): its text model read as Qwen3 (below).
+- GLM-4.5V and GLM-4.6V (`glm4v_moe`): the text model (`glm4v_moe_text`) read as GLM-4.5's (below).
 - LFM2-VL (`lfm2_vl`): its text model LFM2's (models/families/lfm2.py), under `model.language_model.`, its head at
   `lm_head.`.
 """
@@ -37,4 +38,14 @@ register_container(
     Container(
         "text_config", "", "Lfm2ForCausalLM", renames=(("model.language_model.", "model."), ("lm_head.", "lm_head."))
     ),
+)
+# GLM-4.5V / GLM-4.6V (`glm4v_moe`): its text model (`glm4v_moe_text`) is GLM-4.5's layer with MRoPE over three
+# sections of its rotary half, whose position rows are one and the same on text rows: read as GLM-4.5 (`glm4_moe`;
+# its config's `mrope_section` unread), the logits of text rows equal bit for bit; its keys under
+# `model.language_model.`, its head at `lm_head.`. (GLM-4.1V's and GLM-4.6V-Flash's dense text model, `glm4v_text`,
+# rotates otherwise than GLM-4's: not read.)
+register_alias("glm4v_moe_text", "glm4_moe")
+register_container(
+    "glm4v_moe",
+    Container("text_config", "", "", renames=(("model.language_model.", "model."), ("lm_head.", "lm_head."))),
 )

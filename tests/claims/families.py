@@ -133,4 +133,5 @@ CLAIMS = (
     + families_3.LFM2
     + families_3.NEMOTRON_H
     + families_3.KIMI_LINEAR
+    + families_3.CONTAINERS
 )

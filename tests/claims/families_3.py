@@ -175,3 +175,12 @@ KIMI_LINEAR = (
         says="the planner within 0.4% of what autograd saves", test=STAGES, holds=STAGES_HOLD, bound=0.03, figure=0.004
     ),
 )
+
+CONTAINERS = (
+    Claim(
+        says="the container's own logits on text rows equal that family's model holding its text weights, bit for bit",
+        test="tests/multimodal.py::text_rows_compute_as",
+        holds="return torch.equal(ours(input_ids=ids).logits, model(input_ids=ids).logits)",
+        bound=0,
+    ),
+)
