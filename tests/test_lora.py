@@ -293,6 +293,8 @@ def test_lora_on_latent_attention_matches_peft(hf_models, converted, tokenizer_d
         # its low-rank query, its grouped output's second projection and its shared experts, its streams and the
         # tokens to its hash layers across the cut
         ("deepseek_v4", ["q_a_proj", "q_b_proj", "o_b_proj", "up_proj", "down_proj"]),
+        # both its attentions' q/o (its delta attention's short convolutions frozen, three tensors in its layer files)
+        ("kimi_linear", ["q_proj", "o_proj", "down_proj"]),
     ],
 )
 def test_lora_with_experts_matches_peft(variant, targets, hf_models, converted, tokenizer_dir, sft_data, tmp_path):
