@@ -37,7 +37,8 @@ from checkpoint.writer import TAG, ConvertStats, check_tp, finish_converted, fin
 from common.progress import Progress
 from models.config import read_config_fields
 from models.families import family_of
-from models.key_table import all_layer_keys, hf_key_to_layer, hub_index, memory_key
+from models.hub_names import memory_key
+from models.key_table import all_layer_keys, hf_key_to_layer, hub_index
 from models.pipe_layout import pipe_layers
 
 

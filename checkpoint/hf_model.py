@@ -16,8 +16,9 @@ from checkpoint.errors import CheckpointError
 from checkpoint.hf_reader import is_hf_dir, iter_tensors, read_model_config
 from checkpoint.names import LORA_FILE
 from models.families import family_of
+from models.hub_names import memory_key
 from models.hub_parts import part_keys
-from models.key_table import DECODER_PREFIX, hub_index, memory_key
+from models.key_table import DECODER_PREFIX, hub_index
 from models.layer_kinds import is_sparse_layer
 from models.moe import expert_keys
 from models.pipe_layout import pipe_layers

@@ -61,7 +61,7 @@ def container_of(hf_dir: str):
 class ReleaseNames:
     """A checkpoint whose tensors carry its family's own release names (DeepSeek-V4's `layers.0.attn.wq_a.weight`,
     `embed.weight`, `hc_head_fn`: no `model.` prefix; an FP8 weight's scales `<module>.scale`), read under the names
-    transformers saves (models/key_table.py `hub_key`; the scales as `weight_scale_inv`), as a container's text model
+    transformers saves (models/hub_names.py `hub_key`; the scales as `weight_scale_inv`), as a container's text model
     is read under its own."""
 
     def __init__(self, config):
@@ -70,15 +70,15 @@ class ReleaseNames:
         self.config, self.scales = config, FP8_SCALE_ALIAS if quant.get("quant_method") == "fp8" else None
 
     def text_key(self, hub_key: str) -> str:
-        from models.key_table import hub_key as saved_name
-        from models.key_table import memory_key
+        from models.hub_names import hub_key as saved_name
+        from models.hub_names import memory_key
 
         if self.scales and hub_key.endswith(self.scales[0]):
             hub_key = hub_key.removesuffix(self.scales[0]) + self.scales[1]
         return saved_name(self.config, memory_key(self.config, hub_key))
 
     def hub_key(self, text_key: str) -> str:
-        from models.key_table import release_key
+        from models.hub_names import release_key
 
         key = release_key(self.config, text_key)
         if self.scales and key.endswith(self.scales[1]):
@@ -86,11 +86,31 @@ class ReleaseNames:
         return key
 
 
+class SavedNames:
+    """A checkpoint as transformers' `save_pretrained` writes it where that names a tensor otherwise than the family's
+    hub checkpoints (Kimi Linear's dense MLP under the sparse block's `block_sparse_moe`), read under the hub's names
+    (models/hub_names.py `hub_key`)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def text_key(self, file_key: str) -> str:
+        from models.hub_names import hub_key, memory_key
+
+        return hub_key(self.config, memory_key(self.config, file_key))
+
+    def hub_key(self, text_key: str) -> str:
+        from models.hub_names import memory_key, saved_key
+
+        return saved_key(self.config, memory_key(self.config, text_key))
+
+
 @functools.lru_cache(maxsize=16)
-def _release_names(hf_dir: str, _stamp: int) -> ReleaseNames | None:
+def _release_names(hf_dir: str, _stamp: int) -> ReleaseNames | SavedNames | None:
     """`ReleaseNames` where no tensor of the checkpoint is under `model.` nor where transformers saves the model
-    (Nemotron-H's `backbone.`): the release layout; else None."""
-    from models.key_table import hub_key
+    (Nemotron-H's `backbone.`): the release layout; `SavedNames` where a tensor is named as transformers' save names
+    it and the hub does not; else None."""
+    from models.hub_names import hub_key, memory_key
 
     shards, weight_map = list_shards(hf_dir)
     if weight_map is not None:
@@ -102,7 +122,7 @@ def _release_names(hf_dir: str, _stamp: int) -> ReleaseNames | None:
     config = read_model_config(hf_dir)
     saved = hub_key(config, "model.layers.0").removesuffix("layers.0")  # `model.`, or the family's saved name for it
     if any(k.startswith(("model.", saved)) for k in keys):
-        return None
+        return SavedNames(config) if any(hub_key(config, memory_key(config, k)) != k for k in keys) else None
     return ReleaseNames(config)
 
 

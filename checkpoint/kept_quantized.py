@@ -41,8 +41,9 @@ from checkpoint.expert_layouts import per_expert_sources
 from checkpoint.hf_reader import is_hf_dir, iter_tensors, read_model_config, validate
 from models.families import family_of, hf_classes
 from models.frozen_weights import expert_weights, held_class, hold_experts, hold_linear
+from models.hub_names import hub_key
 from models.hub_quantized import FP8Weight, INT4Weight, MXFP4Weight, fp4_bytes, fp8_bytes, int4_bytes, mxfp4_bytes
-from models.key_table import DECODER_PREFIX, hub_key, moe_key
+from models.key_table import DECODER_PREFIX, moe_key
 from models.layers import block_index
 from models.moe import in_block, num_experts
 from models.nf4 import nf4_experts

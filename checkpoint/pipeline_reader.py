@@ -29,7 +29,8 @@ from checkpoint.names import engine_files, layer_file_name
 from checkpoint.read_ahead import ReadAhead, whole_files
 from checkpoint.safe_load import check_pickles
 from checkpoint.saves import read_tag
-from models.key_table import KEY_TABLE, all_layer_keys, hub_key
+from models.hub_names import hub_key
+from models.key_table import KEY_TABLE, all_layer_keys
 from models.pipe_layout import LM_HEAD, PipeLayer, pipe_layers
 from models.sharding import merged_shape
 from models.tp_rules import tp_split

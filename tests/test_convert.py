@@ -17,7 +17,8 @@ from checkpoint.convert import convert_hf_to_pipeline
 from checkpoint.names import CARRIED_FILE, layer_file_name
 from checkpoint.pipeline_reader import load_hf_state_dict
 from models.families import ALIASES
-from models.key_table import hub_key, is_carried, layer_keys, memory_key
+from models.hub_names import hub_key, memory_key
+from models.key_table import is_carried, layer_keys
 from models.pipe_layout import pipe_layers
 from tests.conftest import CARRYING_VARIANTS, FAMILY_VARIANTS, hf_state, one_error_line, run_cmd
 from tests.multimodal import kimi_k25_as_on_the_hub, multimodal, text_rows_compute_as

@@ -14,7 +14,8 @@ from checkpoint.expert_layouts import fuse_per_expert
 from models.config import ConfigFields, differing_field, load_hf_config, read_config_fields
 from models.families import FAMILIES, family_of, resolve_attention
 from models.head import split_stats, tied_lm_head_forward
-from models.key_table import all_layer_keys, memory_key
+from models.hub_names import memory_key
+from models.key_table import all_layer_keys
 from models.layer_kinds import is_sparse_layer
 from models.layers import DecoderOptions, build_layer, decoder_layer_class
 from models.pipe_layout import pipe_layers

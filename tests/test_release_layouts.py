@@ -1,6 +1,7 @@
 """DeepSeek-V4 as DeepSeek publishes it: its own key names (`layers.0.attn.wq_a.weight`, `embed.weight`,
 `hc_head_fn`, `mtp.*`), FP8 blocks with power-of-two scales under `<module>.scale` and FP4 experts. Conversion reads
-it as transformers' `from_pretrained` does (its renames, its FP8 loader's `.scale`, its `Fp8Dequantize`)."""
+it as transformers' `from_pretrained` does (its renames, its FP8 loader's `.scale`, its `Fp8Dequantize`). And a
+checkpoint as transformers' save writes it where that differs from the hub's (Kimi Linear's dense MLP)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from checkpoint.convert import convert_hf_to_pipeline
 from checkpoint.pipeline_reader import load_hf_state_dict
 from checkpoint.reshard import reshard_checkpoint
 from models.families import FAMILIES
-from models.key_table import memory_key, release_key
+from models.hub_names import memory_key, release_key
 from tests.conftest import hf_state, run_cmd
 from tools.quantized_hubs import FP4
 
@@ -126,3 +127,24 @@ def test_fp8_attention_and_fp4_experts_are_dequantized_as_transformers_does(hf_m
         "model.layers.0.ffn.experts.0.w1.weight is FP4 without its scale "
         "(model.layers.0.ffn.experts.0.w1.weight_scale_inv)"
     ), proc.stderr
+
+
+def test_a_checkpoint_saved_by_transformers_converts_under_the_hubs_names(hf_models, converted, tmp_path):
+    """Kimi Linear as transformers' `save_pretrained` writes it (its dense first layer's MLP under the sparse block's
+    hub name, `block_sparse_moe`; the release keeps `mlp`): conversion reads it under the hub's names, into the same
+    layer files as the hub's layout, bit for bit; `--verify --against` it gives transformers' logits exactly; the
+    export is the hub's layout."""
+    from transformers import AutoModelForCausalLM
+
+    src, out, hf = tmp_path / "saved", str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    AutoModelForCausalLM.from_pretrained(hf_models["kimi_linear"]).save_pretrained(src)
+    assert any(".layers.0.block_sparse_moe." in k for k in hf_state(str(src)))  # (transformers' name for it)
+    convert_hf_to_pipeline(str(src), out, log=lambda *_: None)
+    ours, hub = load_hf_state_dict(out), load_hf_state_dict(converted["kimi_linear"])
+    assert set(ours) == set(hub) and all(torch.equal(ours[k], hub[k]) for k in hub)
+    proc = run_cmd([sys.executable, "convert2ckpt.py", "--verify", out, "--against", str(src)])
+    assert proc.returncode == 0 and proc.stdout.endswith(": 0\n"), proc.stdout
+    proc = run_cmd([sys.executable, "convert2ckpt.py", "--to-hf", "--input", out, "--output", hf])
+    assert proc.returncode == 0, proc.stderr
+    exported, original = hf_state(hf), hf_state(hf_models["kimi_linear"])
+    assert set(exported) == set(original) and all(torch.equal(exported[k], v) for k, v in original.items())

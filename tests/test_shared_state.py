@@ -14,7 +14,8 @@ from checkpoint.expert_layouts import fuse_per_expert
 from models.carry import carried_bytes, carried_tensors, layout
 from models.families import FAMILIES, resolve_attention
 from models.head import split_stats, tied_lm_head_forward
-from models.key_table import all_layer_keys, is_carried, memory_key
+from models.hub_names import memory_key
+from models.key_table import all_layer_keys, is_carried
 from models.layers import DecoderOptions, build_layer
 from models.pipe_layout import pipe_layers
 from tests.conftest import hf_state

@@ -14,7 +14,8 @@ import torch
 from checkpoint.pipeline_reader import load_hf_state_dict
 from checkpoint.safe_load import load_pt
 from checkpoint.universal import convert_to_universal
-from models.key_table import hub_key, is_carried, memory_key
+from models.hub_names import hub_key, memory_key
+from models.key_table import is_carried
 from schema.train import OptimConfig, TrainConfig
 from tests.baseline import baseline_eval, hub_state_dict, train_baseline
 from tests.conftest import built_once, check, deepspeed_launch, hf_state, launch, read_jsonl, run_cmd, shared_path

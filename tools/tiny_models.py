@@ -158,7 +158,7 @@ def hub_named(hf_dir: str, config) -> None:
     from safetensors.torch import load_file, save_file
 
     from models.families import family_of
-    from models.key_table import hub_key, memory_key
+    from models.hub_names import hub_key, memory_key
 
     if not family_of(config).hub_renames:
         return

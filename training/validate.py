@@ -9,7 +9,8 @@ import re
 
 from checkpoint.kept_quantized import keep_quantized_refusal
 from models.families import FAMILIES, family_of, tp_refusal
-from models.key_table import all_layer_keys, memory_key
+from models.hub_names import memory_key
+from models.key_table import all_layer_keys
 from models.layer_config import layer_attr
 from models.layer_kinds import linear_attention_refusal
 from models.lora import check_target_modules, lora_tp_refusal

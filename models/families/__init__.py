@@ -167,7 +167,7 @@ class Family:
     # `HyperHead`, which the final norm's layer holds and runs before the norm. "": one stream, [B, S, H].
     streams: str = ""
     # transformers renames the family's hub keys at load and back at save (its conversion mapping: DeepSeek-V4's
-    # `attn.wq_a`): the key table holds the names as transformers saves them (models/key_table.py `hub_key`).
+    # `attn.wq_a`): the key table holds the names as transformers saves them (models/hub_names.py `hub_key`).
     hub_renames: bool = False
     # A config.json value the family's attention would silently ignore: refused at load with the reason.
     refused_fields: dict[str, str] = field(default_factory=dict, compare=False)
