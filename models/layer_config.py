@@ -32,10 +32,12 @@ def with_torch_dtype(config):
 
 
 def norm_eps(config) -> float:
-    """The norms' epsilon, under the name the family's config gives it: `layer_norm_epsilon` (Nemotron-H's, whose
-    hub config.json also holds an unread `norm_eps`), `layer_norm_eps` (Cohere's), `norm_eps` (LFM2's), else
-    `rms_norm_eps`."""
-    for name in ("layer_norm_epsilon", "layer_norm_eps", "norm_eps"):
-        if getattr(config, name, None) is not None:
+    """The norms' epsilon, under the name the family's config class declares (each declares one): `rms_norm_eps`,
+    `layer_norm_epsilon` (Nemotron-H's, whose hub config.json also holds an unread `norm_eps`), `layer_norm_eps`
+    (Cohere's), `norm_eps` (LFM2's); a field a config.json carries beside it is not read."""
+    declared = getattr(type(config), "__dataclass_fields__", {})
+    for name in ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps"):
+        if name in declared and getattr(config, name, None) is not None:
             return getattr(config, name)
-    return config.rms_norm_eps
+    eps = getattr(config, "norm_eps", None)
+    return config.rms_norm_eps if eps is None else eps
