@@ -149,11 +149,10 @@ def test_layer_modules_match_hf_at_preset_shapes(preset_name):
 
 
 def hub_shapes(model) -> dict[str, tuple[int, ...]]:
-    """{hub key: shape} of a transformers model (on any device): its fused experts under the hub's per-expert keys
-    (transformers' own conversion, reversed as save_pretrained does: `revert_weight_conversion`)."""
+    """{hub key: shape} of a transformers model (any device): its fused experts under the hub's per-expert keys."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    saved = revert_weight_conversion(model, model.state_dict())  # (Kimi Linear's dense MLP: the hub's name, below)
+    saved = revert_weight_conversion(model, model.state_dict())  # as save_pretrained; Kimi Linear's dense MLP: below
     return {hub_key(model.config, memory_key(model.config, k)): tuple(v.shape) for k, v in saved.items()}
 
 

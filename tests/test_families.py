@@ -453,9 +453,7 @@ def test_dpo_through_each_familys_layers_equals_transformers(name, tmp_path):
     for index, module in modules.items():
         for ours, param in module.named_parameters():
             # (renamed on the hub: Nemotron-H's; kept in parts or per expert there: transformers' whole, in memory)
-            hf_name = (
-                memory_key(config, keys[index][ours]) if ours in keys[index] else f"model.layers.{index - 1}.{ours}"
-            )
+            hf_name = memory_key(config, keys[index].get(ours, f"model.layers.{index - 1}.{ours}"))
             theirs = hf_params[hf_name].grad
             scale = float(theirs.abs().max())
             worst = max(worst, float((param.grad - theirs).abs().max()) / scale)

@@ -164,8 +164,7 @@ def test_training_matches_single_process_reference(layout, hf_models, converted,
     out = layout_run(layout, converted, sft_data, tmp_path_factory)
     dp = 4 // (stages * tp * (2 if "-cp2" in layout else 1))
     ours, worst = assert_matches_reference(out, cfg, hf_models[variant], sft_data, dp=dp, layout=layout)
-    # The trained checkpoint exported to Hugging Face is the same model.
-    export = tmp_path / "hf_export"
+    export = tmp_path / "hf_export"  # the trained checkpoint exported to Hugging Face is the same model
     check(run_cmd([sys.executable, "convert2ckpt.py", "--to-hf", "--input", out, "--output", str(export)]))
     AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32)  # transformers loads it
     config = AutoConfig.from_pretrained(out)
