@@ -70,8 +70,8 @@ def is_sparse_layer(config, block: int) -> bool:
         return False
     if moe.every_layer:
         return True
-    if moe.layer_types:  # "dense" / "sparse" (`mlp_layer_types`); of Nemotron-H's block types, "moe" alone
-        return getattr(config, moe.layer_types)[block] not in ("dense", "mlp", "full_attention", "linear_attention")
+    if moe.layer_types:  # "dense" / "sparse" (`mlp_layer_types`); Nemotron-H's block types: "moe"
+        return getattr(config, moe.layer_types)[block] in ("sparse", "moe")
     if moe.first_dense:
         return block >= getattr(config, moe.first_dense)
     if moe.moe_layers:

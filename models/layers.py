@@ -169,8 +169,8 @@ class DecoderPipe:
         # non-persistent buffers: no keys. None where the family has no RoPE (Nemotron-H's attention).
         self.rotary_emb = rotary_class(family_of(config).model_type)(config) if has_rope(config) else None
         # A rotary embedding with tables per layer type (Gemma's) is called with this layer's type.
-        forward = type(self.rotary_emb).forward if self.rotary_emb is not None else lambda: None
-        takes_type = "layer_type" in inspect.signature(forward).parameters
+        rotary = self.rotary_emb is not None
+        takes_type = rotary and "layer_type" in inspect.signature(type(self.rotary_emb).forward).parameters
         self.rotary_args = (config.layer_types[layer_idx],) if takes_type else ()
         tables = getattr(self.rotary_emb, "layer_types", None) or ()
         # Tables by a kind of RoPE other than the layer types (DeepSeek-V4's "main", "compress"): all taken by name.
@@ -187,12 +187,13 @@ class DecoderPipe:
         # [S, S] mask; a layer with a window or chunks shorter than the row still takes the mask.
         self.by_document = options.packed and self.attn_implementation == "sdpa" and self.cp.size == 1
         self.by_document = self.by_document and not self.linear and not self.always_mask
+        attention = self.attention()
         if self.by_document:
             register_document_attention()
-            self.attention().config = copy.copy(self.attention().config)
-            self.attention().config._attn_implementation = DOCUMENT_SDPA
+            attention.config = copy.copy(attention.config)
+            attention.config._attn_implementation = DOCUMENT_SDPA
         if self.cp.size > 1:  # (refused for linear attention: training/validate.py)
-            context_parallel.attach(self.attention(), self.attention().config, self.cp, self.attn_implementation)
+            context_parallel.attach(attention, attention.config, self.cp, self.attn_implementation)
         if options.mlp_tiles > 1 and not sparse:
             context_parallel.tile_mlp(getattr(self, dense_mlp(config)), options.mlp_tiles)
 
@@ -290,8 +291,8 @@ class DecoderPipe:
         chunk = self.chunk if self.chunk is not None and self.chunk < seq else None
         mask, extra = None, {}
         if self.cp.size > 1:
-            self.attention().shard_positions = local_positions  # Ulysses reads them (models/context_parallel.py)
             attn = self.attention()
+            attn.shard_positions = local_positions  # Ulysses reads them (models/context_parallel.py)
             if getattr(attn, "attn_temperature_tuning", False) and not attn.use_rope:  # Llama 4's NoPE layers
                 extra["past_key_values"] = context_parallel.ShardOffset(self.cp.rank * (seq // self.cp.size))
         if self.linear:  # rows are right-padded: a causal recurrence never reads the padding into a real position

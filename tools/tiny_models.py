@@ -154,7 +154,7 @@ def tiny_config(model_type: str = DEFAULT_MODEL_TYPE, **overrides):
 
 def hub_named(hf_dir: str, config) -> None:
     """Rename the keys a `save_pretrained` writes otherwise than the family's hub checkpoints (Kimi Linear's dense
-    MLP, saved under the sparse block's hub name `block_sparse_moe`): each as models/key_table.py names it."""
+    MLP, saved under the sparse block's hub name `block_sparse_moe`): each as models/hub_names.py `hub_key` names it."""
     from safetensors.torch import load_file, save_file
 
     from models.families import family_of

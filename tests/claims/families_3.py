@@ -154,10 +154,11 @@ NEMOTRON_H = (
         bound=3e-5,
     ),
     Claim(
-        says="the planner's count within 3% of what autograd saves",
+        says="the planner's count within 3% of what autograd saves (+2.4% and +2.1% measured)",
         test=STAGES,
         holds=STAGES_HOLD,
         bound=0.03,
+        figure=0.024,
     ),
 )
 
@@ -178,7 +179,11 @@ KIMI_LINEAR = (
         figure=0,
     ),
     Claim(
-        says="the planner within 0.4% of what autograd saves", test=STAGES, holds=STAGES_HOLD, bound=0.03, figure=0.004
+        says="the planner within 0.4% of what autograd saves (held at 3%)",
+        test=STAGES,
+        holds=STAGES_HOLD,
+        bound=0.03,
+        figure=0.004,
     ),
 )
 
